@@ -1,0 +1,90 @@
+"""Server and observability configuration, validated at construction.
+
+Every invalid value raises ValueError naming the field (as its CLI flag) and the
+allowed values, so the CLI can print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOG_FORMATS = ("json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+OTLP_PROTOCOLS = ("grpc", "http")
+
+
+def _check_port(flag: str, value: int) -> None:
+    if not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"{flag} must be an integer in 0..65535, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """What the event pipeline publishes and where its output goes (SPEC section 8)."""
+
+    enabled: bool = True
+    metrics_enabled: bool = True
+    logging_enabled: bool = True
+    tracing_enabled: bool = False
+    otlp_endpoint: str | None = None
+    otlp_protocol: str = "grpc"
+    prometheus_host: str = "127.0.0.1"
+    prometheus_port: int = 9464
+    event_bus_capacity: int = 10000
+    l0_sample_rate: float = 0.01
+    sample_seed: int = 0
+    log_level: str = "info"
+    log_format: str = "json"
+    tracing_ttl_s: float = 300.0
+    export_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.tracing_enabled and not self.otlp_endpoint:
+            raise ValueError("--enable-tracing requires --otlp-endpoint (an OTLP collector URL)")
+        if not isinstance(self.l0_sample_rate, (int, float)) or not (
+            0.0 <= self.l0_sample_rate <= 1.0
+        ):
+            raise ValueError(
+                f"--l0-sample-rate must be a number in [0, 1], got {self.l0_sample_rate!r}"
+            )
+        if not isinstance(self.event_bus_capacity, int) or self.event_bus_capacity < 1:
+            raise ValueError(
+                f"--event-bus-capacity must be an integer >= 1, got {self.event_bus_capacity!r}"
+            )
+        _check_port("--prometheus-port", self.prometheus_port)
+        if not isinstance(self.sample_seed, int):
+            raise ValueError(f"--sample-seed must be an integer, got {self.sample_seed!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(
+                f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
+        if self.otlp_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(
+                f"--otlp-protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {self.otlp_protocol!r}"
+            )
+        if not self.tracing_ttl_s > 0:
+            raise ValueError(f"--tracing-ttl-s must be > 0, got {self.tracing_ttl_s!r}")
+        if not self.export_interval_s > 0:
+            raise ValueError(f"--export-interval-s must be > 0, got {self.export_interval_s!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The whole server's settings; `observability` configures the event pipeline."""
+
+    host: str = "127.0.0.1"
+    port: int = 5555
+    chunk_size: int = 256
+    l1_size_gb: float = 4.0
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    def __post_init__(self) -> None:
+        _check_port("--port", self.port)
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"--chunk-size must be a positive integer, got {self.chunk_size!r}")
+        if not isinstance(self.l1_size_gb, (int, float)) or not self.l1_size_gb > 0:
+            raise ValueError(f"--l1-size-gb must be a number > 0, got {self.l1_size_gb!r}")

@@ -1,0 +1,1 @@
+"""Block-id KV transfer kernels (PyCUDA) with a torch CPU reference."""

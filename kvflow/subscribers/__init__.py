@@ -1,0 +1,1 @@
+"""Consumers of the event stream: metrics, logging, tracing, L0 lifecycle."""
