@@ -1,0 +1,37 @@
+"""The `kvflow` command: dispatches to each subcommand's own module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "server": ("kvflow.core.server_cli", "run a kvflow server"),
+    "status": ("kvflow.core.server_cli", "print a running server's status"),
+    "demo": ("kvflow.core.demo", "run an in-process engine on a synthetic workload"),
+    "bench": ("kvflow.core.bench_cli", "run a benchmark from benchmarks/"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvflow <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvflow` console script."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"kvflow: unknown command {name!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(name, rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

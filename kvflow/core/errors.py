@@ -1,0 +1,70 @@
+"""kvflow's error hierarchy; each error carries the `code` the server replies with.
+
+Engine and server raise these so a remote client gets the same error class and
+message a local caller would.
+"""
+
+from __future__ import annotations
+
+
+class KVFlowError(Exception):
+    """Base of every kvflow error."""
+
+    code = "internal"
+
+
+class InvalidRequestError(KVFlowError, ValueError):
+    """The request's arguments are wrong (shapes, ids, alignment, types)."""
+
+    code = "invalid_argument"
+
+
+class UnknownInstanceError(KVFlowError, LookupError):
+    """The instance id was never registered, or was unregistered."""
+
+    code = "not_found"
+
+
+class AlreadyRegisteredError(KVFlowError, ValueError):
+    """The instance id is already registered."""
+
+    code = "already_exists"
+
+
+class ProtocolError(KVFlowError):
+    """A malformed message, an unknown request type or a wrong protocol version."""
+
+    code = "protocol"
+
+
+class TransferError(KVFlowError):
+    """A copy between the engine's cache and L1 failed; nothing was made visible."""
+
+    code = "transfer_failed"
+
+
+class CapacityError(KVFlowError):
+    """L1 has no room that eviction could free (every object is pinned)."""
+
+    code = "resource_exhausted"
+
+
+class RequestTimeoutError(KVFlowError, TimeoutError):
+    """The server did not answer in time."""
+
+    code = "timeout"
+
+
+ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
+    cls.code: cls
+    for cls in (
+        KVFlowError,
+        InvalidRequestError,
+        UnknownInstanceError,
+        AlreadyRegisteredError,
+        ProtocolError,
+        TransferError,
+        CapacityError,
+        RequestTimeoutError,
+    )
+}
