@@ -232,16 +232,36 @@ class EventBus:
     def publish_on_stream(self, stream: Any, event: Event) -> bool:
         """Publish `event` stamped when `stream` reaches this point.
 
-        With no GPU stamper attached (no CUDA, or a CPU stream: `stream` None),
-        the event is stamped now and published like `publish`.
+        The first call with a stream attaches the native stamper (`enable_stream_stamps`).
+        Without CUDA, or for CPU work (`stream` None), the event is stamped now and
+        published like `publish`.
         """
         stamper = self._stamper
+        if stamper is None and stream is not None and self._accepting:
+            stamper = self.enable_stream_stamps()
         if stream is None or stamper is None:
             event.ts_ns = 0
             return self.publish(event)
         return stamper.enqueue(stream, event)
 
     # -- hooks for the GPU stamp path -------------------------------------------
+
+    def enable_stream_stamps(self) -> StreamStamper | None:
+        """Attach the native CUDA stream stamper unless a stamper is attached; return it.
+
+        `publish_on_stream` calls this on first use; call it at start-up to pay the
+        one-off C build there. None means no CUDA (or no C compiler): stamps at publish.
+        """
+        if self._stamper is None:
+            from kvflow.events.stream import attach_native_stamper  # ctypes/libcuda on demand
+
+            attach_native_stamper(self)
+        return self._stamper
+
+    @property
+    def stamper(self) -> StreamStamper | None:
+        """The attached stream stamper, if any."""
+        return self._stamper
 
     def attach_stamper(self, stamper: StreamStamper) -> None:
         """Attach the native stream stamper whose completed events the dispatcher drains."""
