@@ -79,6 +79,8 @@ class ServerConfig:
     port: int = 5555
     chunk_size: int = 256
     l1_size_gb: float = 4.0
+    heartbeat_timeout_s: float = 30.0
+    max_message_mb: float = 64.0
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
@@ -87,3 +89,13 @@ class ServerConfig:
             raise ValueError(f"--chunk-size must be a positive integer, got {self.chunk_size!r}")
         if not isinstance(self.l1_size_gb, (int, float)) or not self.l1_size_gb > 0:
             raise ValueError(f"--l1-size-gb must be a number > 0, got {self.l1_size_gb!r}")
+        if not isinstance(self.heartbeat_timeout_s, (int, float)) or not (
+            self.heartbeat_timeout_s > 0
+        ):
+            raise ValueError(
+                f"--heartbeat-timeout-s must be a number > 0, got {self.heartbeat_timeout_s!r}"
+            )
+        if not isinstance(self.max_message_mb, (int, float)) or not 0 < self.max_message_mb <= 2048:
+            raise ValueError(
+                f"--max-message-mb must be a number in (0, 2048], got {self.max_message_mb!r}"
+            )
