@@ -1,1 +1,25 @@
-"""Block-id KV transfer kernels (PyCUDA) with a torch CPU reference."""
+"""Block-id KV transfer kernels (PyCUDA) with a torch CPU reference.
+
+Knows nothing of servers or events. Importing it never needs pycuda or a GPU: the CUDA
+backend loads lazily on first use.
+"""
+
+from kvflow.kernels.formats import KVFormat, detect_format
+from kvflow.kernels.layout import SUPPORTED_DTYPES, KVLayout, LayerGroup, StrideDesc
+from kvflow.kernels.loader import cuda_available
+from kvflow.kernels.streams import TransferStream, default_transfer_stream, new_transfer_stream
+from kvflow.kernels.transfer import transfer_blocks
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "KVFormat",
+    "KVLayout",
+    "LayerGroup",
+    "StrideDesc",
+    "TransferStream",
+    "cuda_available",
+    "default_transfer_stream",
+    "detect_format",
+    "new_transfer_stream",
+    "transfer_blocks",
+]

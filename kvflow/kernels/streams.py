@@ -1,0 +1,68 @@
+"""kvflow-owned CUDA streams usable by PyCUDA kernels and by torch (as an ExternalStream)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import device as TorchDevice
+
+from kvflow.kernels.loader import active_context, cuda_available
+
+_CU_STREAM_NON_BLOCKING = 1  # no implicit synchronisation with the legacy default stream
+
+_default_lock = threading.Lock()
+_default_streams: dict[int, TransferStream] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class TransferStream:
+    """One CUstream seen both as a PyCUDA Stream and as a torch ExternalStream."""
+
+    handle: int
+    pycuda: Any
+    torch: torch.cuda.ExternalStream
+    device: TorchDevice
+
+    def synchronize(self) -> None:
+        """Wait for all work on the stream (releases the GIL while waiting)."""
+        assert self.device.index is not None
+        with active_context(self.device.index):
+            self.pycuda.synchronize()
+
+
+def _device_index(device: torch.device | str | int) -> int:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"a transfer stream needs a CUDA device; got {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def new_transfer_stream(device: torch.device | str | int) -> TransferStream:
+    """A new non-blocking stream on ``device``; RuntimeError without CUDA or pycuda."""
+    if not cuda_available():
+        raise RuntimeError(
+            "CUDA transfer streams need a CUDA device visible to torch and pycuda "
+            "(pip install 'kvflow[cuda]')"
+        )
+    index = _device_index(device)
+    import pycuda.driver as drv
+
+    with active_context(index):
+        stream = drv.Stream(_CU_STREAM_NON_BLOCKING)
+    handle = int(stream.handle)
+    dev = torch.device("cuda", index)
+    return TransferStream(handle, stream, torch.cuda.ExternalStream(handle, device=dev), dev)
+
+
+def default_transfer_stream(device: torch.device | str | int) -> TransferStream:
+    """The per-device stream ``transfer_blocks`` uses when given none (created once)."""
+    index = _device_index(device)
+    with _default_lock:
+        stream = _default_streams.get(index)
+        if stream is None:
+            stream = new_transfer_stream(index)
+            _default_streams[index] = stream
+        return stream

@@ -1,0 +1,113 @@
+"""``transfer_blocks``: argument validation, then the CUDA kernel or the torch reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from kvflow.kernels.layout import KVLayout
+from kvflow.kernels.reference import transfer_reference
+
+if TYPE_CHECKING:
+    from kvflow.kernels.streams import TransferStream
+
+Direction = Literal["gather", "scatter"]
+Backend = Literal["auto", "cuda", "cpu"]
+
+
+def check_transfer_args(
+    layout: KVLayout,
+    staging: torch.Tensor,
+    block_ids: torch.Tensor,
+    skip_blocks: torch.Tensor | Sequence[int] | None,
+    direction: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate everything before any work; return (block ids, skip counts) as CPU int64.
+
+    Raises ValueError naming the bad argument: shapes, dtypes, ids out of range, skip
+    counts out of range, or ids repeated among the blocks a scatter would write.
+    """
+    if direction not in ("gather", "scatter"):
+        raise ValueError(f"direction must be 'gather' or 'scatter'; got {direction!r}")
+    layout.validate_block_ids(block_ids)
+    if block_ids.dim() != 2 or block_ids.shape[1] < 1:
+        raise ValueError(
+            f"block_ids must be [num_chunks, blocks_per_chunk>=1]; got {tuple(block_ids.shape)}"
+        )
+    ids = block_ids.detach().to("cpu", torch.int64)
+    num_chunks, per_chunk = ids.shape
+    chunk_bytes = layout.chunk_nbytes(per_chunk * layout.block_size)
+    if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8:
+        got = staging.dtype if isinstance(staging, torch.Tensor) else type(staging).__name__
+        raise ValueError(f"staging must be a uint8 tensor; got {got}")
+    if tuple(staging.shape) != (num_chunks, chunk_bytes):
+        raise ValueError(
+            f"staging must be [num_chunks={num_chunks}, chunk_nbytes={chunk_bytes}] for "
+            f"{per_chunk} blocks of {layout.block_size} tokens; got {tuple(staging.shape)}"
+        )
+    if not staging.is_contiguous():
+        raise ValueError(f"staging must be contiguous; strides are {tuple(staging.stride())}")
+    skip = _skip_counts(skip_blocks, num_chunks, per_chunk)
+    if direction == "scatter":
+        keep = torch.arange(per_chunk).unsqueeze(0) >= skip.unsqueeze(1)
+        written = ids[keep]
+        if torch.unique(written).numel() != written.numel():
+            raise ValueError("block_ids repeat a block that scatter would write twice")
+    return ids, skip
+
+
+def _skip_counts(
+    skip_blocks: torch.Tensor | Sequence[int] | None, num_chunks: int, per_chunk: int
+) -> torch.Tensor:
+    if skip_blocks is None:
+        return torch.zeros(num_chunks, dtype=torch.int64)
+    if isinstance(skip_blocks, torch.Tensor):
+        if skip_blocks.dtype.is_floating_point or skip_blocks.dtype == torch.bool:
+            raise ValueError(f"skip_blocks must hold integers; got {skip_blocks.dtype}")
+        skip = skip_blocks.detach().to("cpu", torch.int64).reshape(-1)
+    else:
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in skip_blocks):
+            raise ValueError("skip_blocks must hold integers")
+        skip = torch.tensor(list(skip_blocks), dtype=torch.int64)
+    if skip.numel() != num_chunks:
+        raise ValueError(
+            f"skip_blocks needs one count per chunk ({num_chunks}); got {skip.numel()}"
+        )
+    if skip.numel() and (int(skip.min()) < 0 or int(skip.max()) > per_chunk):
+        raise ValueError(f"skip_blocks counts must lie in [0, {per_chunk}]; got {skip.tolist()}")
+    return skip
+
+
+def transfer_blocks(
+    layout: KVLayout,
+    staging: torch.Tensor,
+    block_ids: torch.Tensor,
+    *,
+    direction: Direction,
+    skip_blocks: torch.Tensor | Sequence[int] | None = None,
+    backend: Backend = "auto",
+    stream: TransferStream | None = None,
+) -> None:
+    """Move whole blocks: "gather" cache -> staging (store), "scatter" staging -> cache.
+
+    Row c of ``staging`` is chunk c in the SPEC L1 chunk layout; block_ids[c] lists its
+    blocks. The first skip_blocks[c] blocks of chunk c are neither read nor written.
+    The cuda backend is asynchronous on ``stream``; with stream=None it is ordered after,
+    and before, work on torch's current stream.
+    """
+    if backend not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu'; got {backend!r}")
+    ids, skip = check_transfer_args(layout, staging, block_ids, skip_blocks, direction)
+    use_cuda = backend == "cuda" or (backend == "auto" and layout.device.type == "cuda")
+    if use_cuda:
+        from kvflow.kernels.cuda_backend import launch_transfer
+
+        launch_transfer(layout, staging, ids, skip, gather=direction == "gather", stream=stream)
+        return
+    if stream is not None and layout.device.type == "cuda":
+        with torch.cuda.stream(stream.torch):
+            transfer_reference(layout, staging, ids, skip, gather=direction == "gather")
+        return
+    transfer_reference(layout, staging, ids, skip, gather=direction == "gather")

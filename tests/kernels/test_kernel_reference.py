@@ -1,0 +1,187 @@
+"""The torch reference transfer, checked against a naive per-block model of the SPEC layouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow.kernels import SUPPORTED_DTYPES, KVFormat, KVLayout, transfer_blocks
+from kvflow.kernels.testing import (
+    apply_scatter,
+    clone_structure,
+    expected_gather,
+    make_kv_caches,
+    same_bytes,
+)
+
+POISON = 0xA5
+PER_LAYER_FORMATS = [f for f in KVFormat if f is not KVFormat.VLLM_CROSS_LAYER]
+
+
+def _ids_and_skip(
+    num_blocks: int, chunks: int, per_chunk: int, seed: int
+) -> tuple[torch.Tensor, list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(num_blocks, generator=g)[: chunks * per_chunk].view(chunks, per_chunk)
+    skip = [c % (per_chunk + 1) for c in range(chunks)]
+    return ids, skip
+
+
+def _round_trip(fmt: KVFormat, seed: int, **cache_kwargs: object) -> None:
+    """Gather into poisoned staging, compare with the model; scatter into a second cache."""
+    gen = torch.Generator().manual_seed(seed)
+    caches, kw = make_kv_caches(fmt, generator=gen, **cache_kwargs)  # type: ignore[arg-type]
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    chunks, per_chunk = 3, 2
+    ids, skip = _ids_and_skip(layout.num_blocks, chunks, per_chunk, seed)
+    nbytes = layout.chunk_nbytes(per_chunk * layout.block_size)
+    staging = torch.full((chunks, nbytes), POISON, dtype=torch.uint8)
+    want = expected_gather(layout, caches, staging, ids, skip)
+    transfer_blocks(layout, staging, ids, direction="gather", skip_blocks=skip, backend="cpu")
+    assert torch.equal(staging, want)
+
+    target, _ = make_kv_caches(fmt, generator=gen, **cache_kwargs)  # type: ignore[arg-type]
+    target_layout = KVLayout.from_kv_caches(target, **kw)
+    expected = clone_structure(target)
+    apply_scatter(target_layout, expected, staging, ids, skip)
+    transfer_blocks(
+        target_layout, staging, ids, direction="scatter", skip_blocks=torch.tensor(skip)
+    )
+    assert same_bytes(target, expected)
+
+
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "permuted"])
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+def test_round_trip_every_format_and_dtype(
+    fmt: KVFormat, dtype: torch.dtype, noncontiguous: bool
+) -> None:
+    """Gather then scatter is bit-exact for every format x dtype, with skips and 3 chunks."""
+    _round_trip(fmt, seed=7, dtype=dtype, noncontiguous=noncontiguous)
+
+
+@pytest.mark.parametrize("fmt", PER_LAYER_FORMATS, ids=lambda f: f.value)
+def test_two_layer_groups_of_different_head_size_and_dtype(fmt: KVFormat) -> None:
+    """Layers with different (heads, head size, dtype) form two groups, concatenated in a chunk."""
+    specs = [(2, 8, torch.bfloat16), (1, 12, torch.float8_e4m3fn), (2, 8, torch.bfloat16)]
+    _round_trip(fmt, seed=11, layer_specs=specs, noncontiguous=True)
+    caches, kw = make_kv_caches(fmt, layer_specs=specs)
+    groups = KVLayout.from_kv_caches(caches, **kw).groups
+    assert [g.layers for g in groups] == [(0, 2), (1,)]
+
+
+@pytest.mark.parametrize("fmt", [KVFormat.VLLM_MLA, KVFormat.SGLANG_MLA], ids=lambda f: f.value)
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "padded"])
+def test_mla_head_of_132_int8_bytes(fmt: KVFormat, noncontiguous: bool) -> None:
+    """An MLA head of 132 int8 bytes round-trips exactly."""
+    _round_trip(fmt, seed=3, head_size=132, dtype=torch.int8, noncontiguous=noncontiguous)
+
+
+def _setup(
+    fmt: KVFormat = KVFormat.VLLM_FLASH_ATTN,
+) -> tuple[Any, KVLayout, torch.Tensor]:
+    caches, kw = make_kv_caches(fmt)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    staging = torch.full((2, layout.chunk_nbytes(8)), POISON, dtype=torch.uint8)
+    return caches, layout, staging
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([[0, 8], [1, 2]], "block id 8 out of range"),
+        ([[0, -1], [1, 2]], "block id -1 out of range"),
+    ],
+)
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_bad_block_ids_are_rejected_before_any_write(
+    ids: list[list[int]], message: str, direction: str
+) -> None:
+    """Out-of-range ids raise in either direction before anything moves."""
+    caches, layout, staging = _setup()
+    before = clone_structure(caches)
+    with pytest.raises(ValueError, match=message):
+        transfer_blocks(layout, staging, torch.tensor(ids), direction=direction)  # type: ignore[arg-type]
+    assert bool((staging == POISON).all())
+    assert same_bytes(caches, before)
+
+
+def test_scatter_rejects_a_block_written_twice() -> None:
+    """Two chunks writing one block would race on the GPU, so scatter refuses them."""
+    caches, layout, staging = _setup()
+    before = clone_structure(caches)
+    with pytest.raises(ValueError, match="repeat a block"):
+        transfer_blocks(layout, staging, torch.tensor([[0, 1], [1, 2]]), direction="scatter")
+    assert same_bytes(caches, before)
+
+
+def test_gather_may_read_a_block_twice() -> None:
+    """Repeated ids are fine for a gather: both chunks get the same bytes."""
+    _, layout, staging = _setup()
+    transfer_blocks(layout, staging, torch.tensor([[3, 4], [3, 4]]), direction="gather")
+    assert torch.equal(staging[0], staging[1])
+
+
+def test_skipped_blocks_are_not_checked_for_repeats_on_scatter() -> None:
+    """A repeated id inside the skipped prefix is never written, so scatter accepts it."""
+    caches, layout, staging = _setup()
+    staging.copy_(torch.randint(0, 256, staging.shape, dtype=torch.uint8))
+    ids, skip = torch.tensor([[5, 1], [5, 2]]), [1, 1]
+    expected = clone_structure(caches)
+    apply_scatter(layout, expected, staging, ids, skip)
+    transfer_blocks(layout, staging, ids, direction="scatter", skip_blocks=skip)
+    assert same_bytes(caches, expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"direction": "sideways"}, "direction must be"),
+        ({"backend": "tpu"}, "backend must be"),
+        ({"skip_blocks": [0]}, "one count per chunk"),
+        ({"skip_blocks": [0, 3]}, r"must lie in \[0, 2\]"),
+        ({"skip_blocks": torch.tensor([0.0, 1.0])}, "must hold integers"),
+        ({"backend": "cuda"}, "needs a CUDA cache"),
+    ],
+)
+def test_bad_arguments_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    """Bad direction, backend or skip counts raise ValueError naming the argument."""
+    _, layout, staging = _setup()
+    args: dict[str, object] = {"direction": "gather", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        transfer_blocks(layout, staging, torch.tensor([[0, 1], [2, 3]]), **args)  # type: ignore[arg-type]
+    assert bool((staging == POISON).all())
+
+
+@pytest.mark.parametrize(
+    ("staging", "ids", "message"),
+    [
+        (torch.zeros(2, 10, dtype=torch.uint8), [[0, 1], [2, 3]], "staging must be"),
+        (torch.zeros(2, 256, dtype=torch.float16), [[0, 1], [2, 3]], "uint8"),
+        (torch.zeros(1024, 2, dtype=torch.uint8).t(), [[0, 1], [2, 3]], "contiguous"),
+        (torch.zeros(2, 1024, dtype=torch.uint8), [0, 1], r"\[num_chunks, blocks_per_chunk"),
+    ],
+)
+def test_bad_staging_or_id_shapes_are_rejected(
+    staging: torch.Tensor, ids: list[int], message: str
+) -> None:
+    """Staging of the wrong shape, dtype or strides, or 1-d block ids, raise ValueError."""
+    _, layout, _ = _setup()
+    with pytest.raises(ValueError, match=message):
+        transfer_blocks(layout, staging, torch.tensor(ids), direction="gather")
+
+
+def test_float_block_ids_are_rejected() -> None:
+    """Block ids must be an integer tensor."""
+    _, layout, staging = _setup()
+    with pytest.raises(ValueError, match="int64 or int32"):
+        transfer_blocks(layout, staging, torch.tensor([[0.0, 1.0]]), direction="gather")
+
+
+def test_zero_chunks_is_a_no_op() -> None:
+    """An empty batch moves nothing and raises nothing."""
+    _, layout, _ = _setup()
+    staging = torch.empty(0, layout.chunk_nbytes(8), dtype=torch.uint8)
+    transfer_blocks(layout, staging, torch.empty(0, 2, dtype=torch.int64), direction="scatter")
