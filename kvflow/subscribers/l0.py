@@ -1,0 +1,342 @@
+"""Sampled lifecycle of engine GPU blocks (SPEC section 7).
+
+Each batch decides sampling for every allocated block id at once with the
+vectorised deterministic sampler (one numpy call per instance per batch), so
+unsampled blocks cost a few array operations and never touch Python state;
+only sampled blocks hold state, so memory follows the sample, not the id space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from typing import Any
+
+import numpy as np
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+
+from kvflow.events import Event, EventType, Sampler
+from kvflow.subscribers.buckets import BLOCK_SECONDS
+
+_ALLOC = EventType.BLOCK_ALLOCATION
+_END_SESSION = EventType.END_SESSION
+_UNREGISTER = EventType.UNREGISTER
+_NS = 1e-9
+
+
+class _Block:
+    """One sampled block. `owners` is a request id, a set of them, or None once released."""
+
+    __slots__ = ("alloc_ns", "history", "owners", "release_ns", "tokens")
+
+    def __init__(self, tokens: int, owner: str, ts: int) -> None:
+        self.tokens = tokens
+        self.owners: str | set[str] | None = owner
+        self.alloc_ns = ts
+        self.release_ns = 0
+        self.history = [ts]
+
+
+class _Alloc:
+    """A validated BLOCK_ALLOCATION event, ready for the in-order state pass."""
+
+    __slots__ = ("block_size", "instance_id", "labels", "records", "ts")
+
+    def __init__(
+        self,
+        ts: int,
+        instance_id: str,
+        labels: dict[str, str],
+        block_size: int,
+        records: list[tuple[str, Sequence[int], Sequence[int]]],
+    ) -> None:
+        self.ts = ts
+        self.instance_id = instance_id
+        self.labels = labels
+        self.block_size = block_size
+        self.records = records
+
+
+class L0LifecycleSubscriber:
+    """Tracks sampled (instance_id, block_id) pairs through ACTIVE/RELEASED/evicted.
+
+    Emits `kvflow.l0.block_lifetime`, `kvflow.l0.block_idle_before_evict` and
+    `kvflow.l0.block_reuse_gap` (seconds) on eviction, and counts every
+    allocation record and block, sampled or not. `max_history` bounds the access
+    history of a hot block: when reached, its gaps so far are recorded early.
+    """
+
+    name = "l0_lifecycle"
+    event_types: frozenset[EventType] | None = frozenset({_ALLOC, _END_SESSION, _UNREGISTER})
+
+    def __init__(
+        self,
+        meter_provider: MeterProvider,
+        sample_rate: float = 0.01,
+        seed: int = 0,
+        *,
+        max_history: int = 256,
+    ) -> None:
+        if not isinstance(max_history, int) or max_history < 2:
+            raise ValueError(f"max_history must be an integer >= 2, got {max_history!r}")
+        self._sampler = Sampler(sample_rate, seed)
+        self._max_history = max_history
+        self._blocks: dict[str, dict[int, _Block]] = {}
+        self._owned: dict[str, list[_Block]] = {}
+        self._labels: dict[tuple[str, str], dict[str, str]] = {}
+        self._instance_labels: dict[str, dict[str, str]] = {}
+        meter = meter_provider.get_meter("kvflow.l0")
+        self._lifetime = meter.create_histogram(
+            "kvflow.l0.block_lifetime",
+            unit="s",
+            description="Sampled GPU block: allocation to eviction",
+            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
+        ).record
+        self._idle = meter.create_histogram(
+            "kvflow.l0.block_idle_before_evict",
+            unit="s",
+            description="Sampled GPU block: release by its last owner to eviction",
+            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
+        ).record
+        self._reuse_gap = meter.create_histogram(
+            "kvflow.l0.block_reuse_gap",
+            unit="s",
+            description="Sampled GPU block: time between consecutive accesses",
+            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
+        ).record
+        self._records_counter = meter.create_counter(
+            "kvflow.l0.allocation_records",
+            unit="{record}",
+            description="BlockAllocation records reported by the engine",
+        ).add
+        self._blocks_counter = meter.create_counter(
+            "kvflow.l0.allocated_blocks",
+            unit="{block}",
+            description="Blocks allocated by the engine (all of them, sampled or not)",
+        ).add
+        self._invalid_counter = meter.create_counter(
+            "kvflow.l0.invalid_records",
+            unit="{record}",
+            description="Allocation records skipped as malformed",
+        ).add
+        meter.create_observable_gauge(
+            "kvflow.l0.tracked_blocks",
+            callbacks=[self._observe_tracked],
+            unit="{block}",
+            description="Sampled blocks currently held in lifecycle state",
+        )
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def sample_rate(self) -> float:
+        return self._sampler.rate
+
+    def tracked_block_ids(self, instance_id: str) -> frozenset[int]:
+        """The sampled block ids of `instance_id` that currently hold state."""
+        return frozenset(int(b) for b in self._blocks.get(instance_id, {}))
+
+    def _observe_tracked(self, options: CallbackOptions) -> Iterable[Observation]:
+        for instance_id, blocks in list(self._blocks.items()):
+            labels = self._instance_labels.get(instance_id)
+            if labels is not None:
+                yield Observation(len(blocks), labels)
+
+    # -- event processing --------------------------------------------------------------
+
+    def on_events(self, events: Sequence[Event]) -> None:
+        """Sample every allocated block of the batch at once, then run the state machine."""
+        steps, ids_by_instance, counts = self._validate(events)
+        kept = self._sample(ids_by_instance)
+        cursors = dict.fromkeys(kept, 0)
+        offsets = dict.fromkeys(kept, 0)
+        for step in steps:
+            if type(step) is _Alloc:
+                inst = step.instance_id
+                positions = kept[inst]
+                cursor = cursors[inst]
+                offset = offsets[inst]
+                n_kept = len(positions)
+                for record in step.records:
+                    end = offset + len(record[1])
+                    if cursor < n_kept and positions[cursor] < end:
+                        first = cursor
+                        while cursor < n_kept and positions[cursor] < end:
+                            cursor += 1
+                        self._allocate(step, record, [p - offset for p in positions[first:cursor]])
+                    offset = end
+                cursors[inst] = cursor
+                offsets[inst] = offset
+            elif step.type is _END_SESSION:
+                if step.session_id is not None:
+                    self._end_session(step.session_id, step.ts_ns)
+            else:
+                self._unregister(step)
+        for key, (n_records, n_blocks, n_invalid) in counts.items():
+            labels = self._label_set(*key)
+            if n_records:
+                self._records_counter(n_records, labels)
+                self._blocks_counter(n_blocks, labels)
+            if n_invalid:
+                self._invalid_counter(n_invalid, labels)
+
+    def _label_set(self, instance_id: str, model_name: str) -> dict[str, str]:
+        key = (instance_id, model_name)
+        labels = self._labels.get(key)
+        if labels is None:
+            labels = self._labels[key] = {"instance_id": instance_id, "model_name": model_name}
+        return labels
+
+    def _validate(
+        self, events: Sequence[Event]
+    ) -> tuple[list[Any], dict[str, list[Sequence[int]]], dict[tuple[str, str], list[int]]]:
+        """Pass 1: keep well-formed records in order, gather block ids per instance."""
+        steps: list[Any] = []
+        ids_by_instance: dict[str, list[Sequence[int]]] = {}
+        counts: dict[tuple[str, str], list[int]] = {}
+        for ev in events:
+            etype = ev.type
+            if etype is not _ALLOC:
+                steps.append(ev)
+                continue
+            attrs = ev.attrs
+            instance_id = attrs.get("instance_id")
+            model_name = attrs.get("model_name")
+            block_size = attrs.get("block_size")
+            records = attrs.get("records")
+            key = (str(instance_id), str(model_name))
+            tally = counts.get(key)
+            if tally is None:
+                tally = counts[key] = [0, 0, 0]
+            if (
+                not isinstance(instance_id, str)
+                or type(block_size) is not int
+                or block_size < 1
+                or not isinstance(records, Sequence)
+            ):
+                tally[2] += len(records) if isinstance(records, Sequence) else 1
+                continue
+            good = []
+            seqs = ids_by_instance.setdefault(instance_id, [])
+            for record in records:
+                try:
+                    req_id, block_ids, token_ids = record
+                    n = len(block_ids)
+                    valid = isinstance(req_id, str) and len(token_ids) <= n * block_size
+                except (TypeError, ValueError):
+                    valid = False
+                if valid:
+                    good.append(record)
+                    seqs.append(block_ids)
+                    tally[1] += n
+                else:
+                    tally[2] += 1
+            tally[0] += len(good)
+            if good:
+                labels = self._label_set(*key)
+                self._instance_labels[instance_id] = labels
+                steps.append(_Alloc(ev.ts_ns, instance_id, labels, block_size, good))
+        return steps, ids_by_instance, counts
+
+    def _sample(self, ids_by_instance: dict[str, list[Sequence[int]]]) -> dict[str, list[int]]:
+        """Positions (in batch order) of the sampled block ids, per instance."""
+        keep_mask = self._sampler.keep_mask
+        kept: dict[str, list[int]] = {}
+        for instance_id, seqs in ids_by_instance.items():
+            total = sum(map(len, seqs))
+            ids = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=total)
+            kept[instance_id] = np.flatnonzero(keep_mask(instance_id, ids=ids)).tolist()
+        return kept
+
+    def _allocate(
+        self, step: _Alloc, record: tuple[str, Sequence[int], Sequence[int]], js: list[int]
+    ) -> None:
+        """Cases 1-5 of SPEC section 7 for the sampled blocks `js` of one record."""
+        req, block_ids, token_ids = record
+        ts = step.ts
+        bs = step.block_size
+        blocks = self._blocks.get(step.instance_id)
+        if blocks is None:
+            blocks = self._blocks[step.instance_id] = {}
+        owned = self._owned.get(req) or []
+        for j in js:
+            block_id = int(block_ids[j])
+            tokens = hash(tuple(token_ids[j * bs : (j + 1) * bs]))
+            blk = blocks.get(block_id)
+            if blk is None:  # 1. unseen -> ACTIVE
+                blk = blocks[block_id] = _Block(tokens, req, ts)
+                owned.append(blk)
+                continue
+            owners = blk.owners
+            if blk.tokens == tokens:
+                if owners is None:  # 4. reuse of a released block
+                    history = blk.history
+                    if len(history) >= self._max_history:
+                        self._record_gaps(history, step.labels)
+                        del history[:-1]
+                    history.append(ts)
+                    blk.owners = req
+                    owned.append(blk)
+                elif owners == req or (type(owners) is set and req in owners):
+                    pass  # 2. same tokens, same request
+                else:  # 3. prefix sharing: co-owner
+                    blk.owners = {owners, req} if isinstance(owners, str) else owners | {req}
+                    owned.append(blk)
+                continue
+            # 5. different tokens: the engine evicted the block and reused its id
+            self._evict(blk, ts, step.labels)
+            blk.tokens = tokens
+            blk.owners = req
+            blk.alloc_ns = ts
+            blk.release_ns = 0
+            blk.history = [ts]
+            owned.append(blk)
+        if owned:  # (re)attach: evicting the request's own block may have detached it
+            self._owned[req] = owned
+
+    def _evict(self, blk: _Block, ts: int, labels: dict[str, str]) -> None:
+        self._lifetime(max(ts - blk.alloc_ns, 0) * _NS, labels)
+        owners = blk.owners
+        if owners is None:
+            self._idle(max(ts - blk.release_ns, 0) * _NS, labels)
+        else:
+            for owner in (owners,) if type(owners) is str else owners:
+                self._disown(owner, blk)
+        self._record_gaps(blk.history, labels)
+
+    def _record_gaps(self, history: list[int], labels: dict[str, str]) -> None:
+        record = self._reuse_gap
+        for i in range(1, len(history)):
+            record(max(history[i] - history[i - 1], 0) * _NS, labels)
+
+    def _disown(self, owner: str, blk: _Block) -> None:
+        """Drop `blk` from an owner's list when the block is evicted while ACTIVE."""
+        owned = self._owned.get(owner)
+        if owned is not None:
+            owned.remove(blk)
+            if not owned:
+                del self._owned[owner]
+
+    def _end_session(self, req: str, ts: int) -> None:
+        """6. The request leaves every block it owned; ownerless blocks become RELEASED."""
+        for blk in self._owned.pop(req, ()):
+            owners = blk.owners
+            if owners == req:
+                blk.owners = None
+                blk.release_ns = ts
+            elif type(owners) is set and req in owners:
+                owners.discard(req)
+                if len(owners) == 1:
+                    blk.owners = next(iter(owners))
+
+    def _unregister(self, ev: Event) -> None:
+        """Forget an unregistered instance's blocks (its block ids mean nothing any more)."""
+        instance_id = ev.attrs.get("instance_id")
+        if isinstance(instance_id, str):
+            self._blocks.pop(instance_id, None)
+            self._instance_labels.pop(instance_id, None)
+
+    def shutdown(self) -> None:
+        """Drop all state; nothing is pending (observations are recorded as they happen)."""
+        self._blocks.clear()
+        self._owned.clear()

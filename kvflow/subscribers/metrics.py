@@ -1,0 +1,378 @@
+"""The SPEC section 6 metric catalogue, recorded from the event stream.
+
+Durations come from op_id-paired START/END timestamps; counter increments are
+summed per delivered batch and added once per label set; bus self-metrics and
+L1 occupancy are observed through callbacks when a reader collects.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+
+from kvflow.events import END_TO_START, START_TO_END, BusStats, Event, EventBus, EventType
+from kvflow.subscribers.buckets import GB_PER_S, OP_SECONDS, TOKENS
+
+_ET = EventType
+_NS = 1e-9
+_OPERATION = {
+    _ET.STORE_START: "store",
+    _ET.RETRIEVE_START: "retrieve",
+    _ET.LOOKUP_START: "lookup",
+}
+_STATS_MAX_AGE_S = 0.05
+_EMPTY: dict[str, str] = {}
+_M = ("model_name",)
+_MO = ("model_name", "outcome")
+_IM = ("instance_id", "model_name")
+_IMO = ("instance_id", "model_name", "outcome")
+_OP = ("operation",)
+
+#: A batch's pending counter adds: (instrument, id(labels)) -> [labels, amount].
+_Adds = dict[tuple[Any, int], list[Any]]
+
+#: Returns L1 occupancy: keys usage_bytes, capacity_bytes, objects.
+L1Stats = Callable[[], Mapping[str, int]]
+
+
+class _Pending:
+    """A START waiting for its END: when it started and which inflight labels it holds."""
+
+    __slots__ = ("labels", "operation", "ts")
+
+    def __init__(self, ts: int, operation: str, labels: dict[str, str]) -> None:
+        self.ts = ts
+        self.operation = operation
+        self.labels = labels
+
+
+class MetricsSubscriber:
+    """Records kvflow.{store,retrieve,lookup,inflight,l1,instances,bus}.* (docs/METRICS.md).
+
+    `bus` enables the kvflow.bus.* self-metrics, `l1_stats` the L1 occupancy
+    gauges. A START whose END has not arrived within `pending_ttl_s` (event
+    time) or beyond `max_pending` is given up: it leaves the inflight gauge and
+    counts in kvflow.inflight.expired, so inflight cannot leak.
+    """
+
+    name = "metrics"
+    event_types: frozenset[EventType] | None = None
+
+    def __init__(
+        self,
+        meter_provider: MeterProvider,
+        *,
+        bus: EventBus | None = None,
+        l1_stats: L1Stats | None = None,
+        pending_ttl_s: float = 300.0,
+        max_pending: int = 100_000,
+    ) -> None:
+        if not pending_ttl_s > 0:
+            raise ValueError(f"pending_ttl_s must be > 0, got {pending_ttl_s!r}")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an integer >= 1, got {max_pending!r}")
+        self._bus = bus
+        self._l1_stats = l1_stats
+        self._ttl_ns = int(pending_ttl_s * 1e9)
+        self._max_pending = max_pending
+        self._pending: dict[int, _Pending] = {}
+        self._labels: dict[tuple[Any, ...], dict[str, str]] = {}
+        self._stats: BusStats | None = None
+        self._stats_at = 0.0
+        self._stats_lock = threading.Lock()
+        meter = meter_provider.get_meter("kvflow")
+        self._build_op_instruments(meter)
+        self._build_l1_instruments(meter)
+        self._build_bus_instruments(meter)
+
+    # -- instruments -----------------------------------------------------------------
+
+    def _build_op_instruments(self, meter: Any) -> None:
+        counter, updown = meter.create_counter, meter.create_up_down_counter
+        hist = meter.create_histogram
+        self._requests = {}
+        self._tokens = {}
+        self._bytes = {}
+        self._duration = {}
+        self._throughput = {}
+        self._inflight = {}
+        for op in ("store", "retrieve"):
+            self._requests[op] = counter(
+                f"kvflow.{op}.requests", unit="{request}", description=f"Finished {op} operations"
+            )
+            self._tokens[op] = counter(
+                f"kvflow.{op}.tokens", unit="{token}", description=f"Tokens moved by {op}s"
+            )
+            self._bytes[op] = counter(
+                f"kvflow.{op}.bytes", unit="By", description=f"Bytes moved by {op}s"
+            )
+            self._duration[op] = hist(
+                f"kvflow.{op}.duration",
+                unit="s",
+                description=f"{op} latency, START to END",
+                explicit_bucket_boundaries_advisory=OP_SECONDS,
+            )
+            self._throughput[op] = hist(
+                f"kvflow.{op}.throughput",
+                unit="GBy/s",
+                description=f"{op} bytes / duration of successful {op}s, in 1e9 bytes/s",
+                explicit_bucket_boundaries_advisory=GB_PER_S,
+            )
+        self._requests["lookup"] = counter(
+            "kvflow.lookup.requests", unit="{request}", description="Finished lookups"
+        )
+        self._lookup_requested = counter(
+            "kvflow.lookup.requested_tokens", unit="{token}", description="Tokens asked for"
+        )
+        self._lookup_hit = counter(
+            "kvflow.lookup.hit_tokens", unit="{token}", description="Prefix tokens found"
+        )
+        self._duration["lookup"] = hist(
+            "kvflow.lookup.duration",
+            unit="s",
+            description="lookup latency, START to END",
+            explicit_bucket_boundaries_advisory=OP_SECONDS,
+        )
+        self._lookup_hit_hist = hist(
+            "kvflow.lookup.prefix_hit_tokens",
+            unit="{token}",
+            description="Hit prefix length per lookup",
+            explicit_bucket_boundaries_advisory=TOKENS,
+        )
+        for op, plural in (("store", "stores"), ("retrieve", "retrieves"), ("lookup", "lookups")):
+            self._inflight[op] = updown(
+                f"kvflow.inflight.{plural}",
+                unit="{operation}",
+                description=f"{op}s started and not yet finished",
+            )
+        self._expired = counter(
+            "kvflow.inflight.expired",
+            unit="{operation}",
+            description="STARTs given up without an END (TTL or pending bound)",
+        )
+        self._instances = updown(
+            "kvflow.instances.registered", unit="{instance}", description="Registered KV instances"
+        )
+
+    def _build_l1_instruments(self, meter: Any) -> None:
+        self._l1_counters = {
+            _ET.L1_WRITE: (
+                meter.create_counter("kvflow.l1.written_chunks", unit="{chunk}"),
+                meter.create_counter("kvflow.l1.written_bytes", unit="By"),
+            ),
+            _ET.L1_READ: (
+                meter.create_counter("kvflow.l1.read_chunks", unit="{chunk}"),
+                meter.create_counter("kvflow.l1.read_bytes", unit="By"),
+            ),
+            _ET.L1_EVICT: (
+                meter.create_counter(
+                    "kvflow.l1.evicted_chunks", unit="{chunk}", description="Chunks evicted from L1"
+                ),
+                meter.create_counter("kvflow.l1.evicted_bytes", unit="By"),
+            ),
+        }
+        if self._l1_stats is None:
+            return
+        for key, unit, text in (
+            ("usage_bytes", "By", "L1 bytes in use"),
+            ("capacity_bytes", "By", "L1 capacity"),
+            ("objects", "{object}", "Chunk objects held in L1"),
+        ):
+            meter.create_observable_gauge(
+                f"kvflow.l1.{key}", callbacks=[self._l1_callback(key)], unit=unit, description=text
+            )
+
+    def _build_bus_instruments(self, meter: Any) -> None:
+        if self._bus is None:
+            return
+        for field, text in (
+            ("published", "Events offered to the bus"),
+            ("delivered", "Events handed to subscribers"),
+            ("dropped", "Events refused because the bus was full"),
+        ):
+            meter.create_observable_counter(
+                f"kvflow.bus.{field}",
+                callbacks=[self._per_type_callback(field)],
+                unit="{event}",
+                description=text,
+            )
+        meter.create_observable_gauge(
+            "kvflow.bus.queue_depth",
+            callbacks=[lambda o: [Observation(self._bus_stats().queue_depth)]],
+            unit="{event}",
+            description="Events admitted and not yet dispatched",
+        )
+        meter.create_observable_gauge(
+            "kvflow.bus.capacity",
+            callbacks=[lambda o: [Observation(self._bus_stats().capacity)]],
+            unit="{event}",
+            description="Bound on queued events",
+        )
+        meter.create_observable_gauge(
+            "kvflow.bus.lag",
+            callbacks=[lambda o: [Observation(self._bus_stats().oldest_lag_ns * _NS)]],
+            unit="s",
+            description="Age of the oldest event not yet handled by every subscriber",
+        )
+        meter.create_observable_counter(
+            "kvflow.bus.subscriber_errors",
+            callbacks=[self._observe_subscriber_errors],
+            unit="{batch}",
+            description="Batches whose on_events raised, per subscriber",
+        )
+        meter.create_observable_counter(
+            "kvflow.bus.subscriber_dropped",
+            callbacks=[self._observe_subscriber_dropped],
+            unit="{event}",
+            description="Events a slow subscriber's own backlog refused",
+        )
+
+    def _bus_stats(self) -> BusStats:
+        """One stats snapshot shared by the callbacks of one collection (consistent counts)."""
+        assert self._bus is not None
+        with self._stats_lock:
+            now = time.monotonic()
+            if self._stats is None or now - self._stats_at > _STATS_MAX_AGE_S:
+                self._stats = self._bus.stats()
+                self._stats_at = now
+            return self._stats
+
+    def _per_type_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            counts: Mapping[EventType, int] = getattr(self._bus_stats(), field)
+            return [Observation(counts.get(t, 0), {"event_type": t.label}) for t in EventType]
+
+        return observe
+
+    def _observe_subscriber_errors(self, options: CallbackOptions) -> Iterable[Observation]:
+        errors = self._bus_stats().subscriber_errors
+        return [Observation(n, {"subscriber": name}) for name, n in errors.items()]
+
+    def _observe_subscriber_dropped(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(n, {"subscriber": name, "event_type": t.label})
+            for name, per_type in self._bus_stats().subscriber_dropped.items()
+            for t, n in per_type.items()
+        ]
+
+    def _l1_callback(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            assert self._l1_stats is not None
+            value = self._l1_stats().get(key)
+            return [] if value is None else [Observation(value)]
+
+        return observe
+
+    # -- event processing ---------------------------------------------------------------
+
+    def _label_set(self, names: tuple[str, ...], *values: Any) -> dict[str, str]:
+        """The cached attribute dict for `names` = `values` (one dict object per label set)."""
+        key = (names, *values)
+        labels = self._labels.get(key)
+        if labels is None:
+            labels = self._labels[key] = {k: str(v) for k, v in zip(names, values, strict=True)}
+        return labels
+
+    def on_events(self, events: Sequence[Event]) -> None:
+        """Record one batch; counter increments are summed and added once per label set."""
+        adds: _Adds = {}
+        latest = 0
+        for ev in events:
+            etype = ev.type
+            if ev.ts_ns > latest:
+                latest = ev.ts_ns
+            if etype in START_TO_END:
+                self._on_start(ev, adds)
+            elif etype in END_TO_START:
+                self._on_end(ev, adds)
+            elif etype in self._l1_counters:
+                chunks, nbytes = self._l1_counters[etype]
+                _add(adds, chunks, _EMPTY, ev.attrs.get("chunks", 0))
+                _add(adds, nbytes, _EMPTY, ev.attrs.get("bytes", 0))
+            elif etype is _ET.REGISTER or etype is _ET.UNREGISTER:
+                labels = self._label_set(_M, ev.attrs.get("model_name", ""))
+                _add(adds, self._instances, labels, 1 if etype is _ET.REGISTER else -1)
+        self._expire(latest, adds)
+        for (instrument, _), (labels, amount) in adds.items():
+            if amount:
+                instrument.add(amount, labels)
+
+    def _on_start(self, ev: Event, adds: _Adds) -> None:
+        op_id = ev.op_id
+        if op_id is None:
+            return
+        operation = _OPERATION[ev.type]
+        attrs = ev.attrs
+        if operation == "lookup":
+            labels = self._label_set(_M, attrs.get("model_name", ""))
+        else:
+            labels = self._label_set(_IM, attrs.get("instance_id", ""), attrs.get("model_name", ""))
+        self._pending[op_id] = _Pending(ev.ts_ns, operation, labels)
+        _add(adds, self._inflight[operation], labels, 1)
+
+    def _on_end(self, ev: Event, adds: _Adds) -> None:
+        attrs = ev.attrs
+        error = attrs.get("error")
+        outcome = "ok" if attrs.get("ok", error is None) and error is None else "error"
+        pending = None if ev.op_id is None else self._pending.pop(ev.op_id, None)
+        if pending is not None:
+            _add(adds, self._inflight[pending.operation], pending.labels, -1)
+        if ev.type is _ET.LOOKUP_END:
+            model = attrs.get("model_name", "")
+            labels = self._label_set(_M, model)
+            _add(adds, self._requests["lookup"], self._label_set(_MO, model, outcome), 1)
+            _add(adds, self._lookup_requested, labels, attrs.get("requested_tokens", 0))
+            hit = attrs.get("hit_tokens", 0)
+            _add(adds, self._lookup_hit, labels, hit)
+            if outcome == "ok":
+                self._lookup_hit_hist.record(hit, labels)
+            if pending is not None:
+                self._duration["lookup"].record(max(ev.ts_ns - pending.ts, 0) * _NS, labels)
+            return
+        operation = "store" if ev.type is _ET.STORE_END else "retrieve"
+        instance, model = attrs.get("instance_id", ""), attrs.get("model_name", "")
+        labels = self._label_set(_IM, instance, model)
+        with_outcome = self._label_set(_IMO, instance, model, outcome)
+        _add(adds, self._requests[operation], with_outcome, 1)
+        _add(adds, self._tokens[operation], labels, attrs.get("tokens", 0))
+        nbytes = attrs.get("bytes", 0)
+        _add(adds, self._bytes[operation], labels, nbytes)
+        if pending is None:
+            return
+        duration_ns = max(ev.ts_ns - pending.ts, 0)
+        self._duration[operation].record(duration_ns * _NS, with_outcome)
+        if outcome == "ok" and nbytes > 0 and duration_ns > 0:
+            self._throughput[operation].record(nbytes / duration_ns, labels)
+
+    def _expire(self, latest_ns: int, adds: _Adds) -> None:
+        """Give up STARTs older than the TTL (event time) or beyond the pending bound."""
+        pending = self._pending
+        horizon = latest_ns - self._ttl_ns
+        while pending:
+            op_id, first = next(iter(pending.items()))
+            if first.ts >= horizon and len(pending) <= self._max_pending:
+                break
+            del pending[op_id]
+            _add(adds, self._inflight[first.operation], first.labels, -1)
+            _add(adds, self._expired, self._label_set(_OP, first.operation), 1)
+
+    @property
+    def pending_operations(self) -> int:
+        """STARTs still waiting for their END."""
+        return len(self._pending)
+
+    def shutdown(self) -> None:
+        """Nothing to release: counters are added at the end of every batch."""
+
+
+def _add(adds: _Adds, instrument: Any, labels: dict[str, str], n: int) -> None:
+    """Sum an increment into the batch's pending adds, keyed by instrument and label set."""
+    entry = adds.get((instrument, id(labels)))
+    if entry is None:
+        adds[(instrument, id(labels))] = [labels, n]
+    else:
+        entry[1] += n

@@ -1,0 +1,239 @@
+"""Spans rebuilt from events: a root span per request, a child per operation.
+
+A child span is created when its END arrives, with the START's and END's own
+timestamps converted to epoch time, so spans show when work happened, not when
+the bus delivered it. Pending STARTs and open requests are bounded and expire
+after a TTL measured in event time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import Span, Status, StatusCode, TracerProvider
+
+from kvflow.events import END_TO_START, START_TO_END, Event, EventType, monotonic_to_epoch_ns
+
+_ET = EventType
+_SPAN_NAME = {
+    _ET.STORE_START: "kvflow.store",
+    _ET.RETRIEVE_START: "kvflow.retrieve",
+    _ET.LOOKUP_START: "kvflow.lookup",
+}
+_ATTR_TYPES = (str, bool, int, float)
+
+
+class _Start:
+    """A START waiting for its END."""
+
+    __slots__ = ("attrs", "session_id", "ts", "type")
+
+    def __init__(self, ev: Event) -> None:
+        self.ts = ev.ts_ns
+        self.type = ev.type
+        self.session_id = ev.session_id
+        self.attrs = ev.attrs
+
+
+class _Request:
+    """An open request: its root span, the context children attach to, its last event time."""
+
+    __slots__ = ("context", "last_ts", "span")
+
+    def __init__(self, span: Span, ts: int) -> None:
+        self.span = span
+        self.context: Context = trace.set_span_in_context(span)
+        self.last_ts = ts
+
+
+class TracingSubscriber:
+    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup}` children.
+
+    A START without its END for `ttl_s` of event time (or pushed out by
+    `max_pending`) ends as an ERROR span with attribute `kvflow.expired`; a
+    request idle for `ttl_s` (or pushed out by `max_requests`) has its root span
+    ended at its last event. `expired` counts the expired operation spans.
+    """
+
+    name = "tracing"
+    event_types: frozenset[EventType] | None = frozenset(
+        {*START_TO_END, *END_TO_START, _ET.END_SESSION}
+    )
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider,
+        *,
+        ttl_s: float = 300.0,
+        max_pending: int = 10_000,
+        max_requests: int = 10_000,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        for field, value in (("max_pending", max_pending), ("max_requests", max_requests)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        self._tracer = tracer_provider.get_tracer("kvflow")
+        self._ttl_ns = int(ttl_s * 1e9)
+        self._max_pending = max_pending
+        self._max_requests = max_requests
+        self._starts: dict[int, _Start] = {}
+        self._requests: dict[str, _Request] = {}
+        self.expired = 0
+        self._expired_counter = None
+        if meter_provider is not None:
+            self._expired_counter = (
+                meter_provider.get_meter("kvflow.tracing")
+                .create_counter(
+                    "kvflow.tracing.expired_spans",
+                    unit="{span}",
+                    description="Operation spans ended without an END (TTL, bound or shutdown)",
+                )
+                .add
+            )
+
+    @property
+    def pending_operations(self) -> int:
+        return len(self._starts)
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._requests)
+
+    def on_events(self, events: Sequence[Event]) -> None:
+        """Pair STARTs with ENDs by op_id; END_SESSION closes the request's root span."""
+        latest = 0
+        for ev in events:
+            etype = ev.type
+            latest = max(latest, ev.ts_ns)
+            if etype in START_TO_END:
+                if ev.op_id is None:
+                    continue
+                self._starts[ev.op_id] = _Start(ev)
+                if ev.session_id is not None:
+                    self._touch(ev.session_id, ev.ts_ns)
+            elif etype in END_TO_START:
+                start = None if ev.op_id is None else self._starts.pop(ev.op_id, None)
+                self._finish(start, ev)
+            else:
+                self._end_request(ev.session_id, ev.ts_ns)
+        self._expire(latest)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _touch(self, session_id: str, ts: int) -> _Request:
+        """The request's open root span (started at `ts` if new), moved to most recent."""
+        request = self._requests.pop(session_id, None)
+        if request is None:
+            span = self._tracer.start_span(
+                "kvflow.request",
+                context=Context(),
+                start_time=monotonic_to_epoch_ns(ts),
+                attributes={"kvflow.session_id": session_id},
+            )
+            request = _Request(span, ts)
+        request.last_ts = max(request.last_ts, ts)
+        self._requests[session_id] = request
+        return request
+
+    def _end_request(self, session_id: str | None, ts: int, *, expired: bool = False) -> None:
+        request = None if session_id is None else self._requests.pop(session_id, None)
+        if request is None:
+            return
+        if expired:
+            request.span.set_attribute("kvflow.expired", True)
+        request.span.end(end_time=monotonic_to_epoch_ns(max(ts, request.last_ts)))
+
+    # -- operations ---------------------------------------------------------------------
+
+    def _finish(self, start: _Start | None, end: Event) -> None:
+        """Emit the child span for an END (zero-length and flagged if its START was lost)."""
+        start_type = END_TO_START[end.type]
+        session_id = end.session_id if start is None else start.session_id
+        attributes = _span_attributes(None if start is None else start.attrs, end.attrs)
+        attributes["kvflow.op_id"] = end.op_id if end.op_id is not None else -1
+        if start is None:
+            attributes["kvflow.start_missing"] = True
+        start_ts = end.ts_ns if start is None else start.ts
+        span = self._start_span(start_type, session_id, start_ts, attributes)
+        if session_id is not None:
+            self._touch(session_id, end.ts_ns)
+        error = end.attrs.get("error")
+        if error is not None or end.attrs.get("ok") is False:
+            span.set_status(Status(StatusCode.ERROR, str(error or "operation failed")))
+        span.end(end_time=monotonic_to_epoch_ns(max(end.ts_ns, start_ts)))
+
+    def _start_span(
+        self, etype: EventType, session_id: str | None, ts: int, attributes: dict[str, Any]
+    ) -> Span:
+        request = None if session_id is None else self._requests.get(session_id)
+        if request is None and session_id is not None:
+            request = self._touch(session_id, ts)
+        return self._tracer.start_span(
+            _SPAN_NAME[etype],
+            context=Context() if request is None else request.context,
+            start_time=monotonic_to_epoch_ns(ts),
+            attributes=attributes,
+        )
+
+    def _give_up(self, op_id: int, start: _Start, end_ts: int, reason: str) -> None:
+        attributes = _span_attributes(start.attrs, None)
+        attributes["kvflow.op_id"] = op_id
+        attributes["kvflow.expired"] = True
+        span = self._start_span(start.type, start.session_id, start.ts, attributes)
+        span.set_status(Status(StatusCode.ERROR, f"no END event: {reason}"))
+        span.end(end_time=monotonic_to_epoch_ns(end_ts))
+        self.expired += 1
+        if self._expired_counter is not None:
+            self._expired_counter(1, {"operation": _SPAN_NAME[start.type].removeprefix("kvflow.")})
+
+    def _expire(self, latest_ns: int) -> None:
+        """End STARTs and requests older than the TTL (event time) or beyond their bounds."""
+        horizon = latest_ns - self._ttl_ns
+        starts = self._starts
+        while starts:
+            op_id, start = next(iter(starts.items()))
+            if start.ts >= horizon and len(starts) <= self._max_pending:
+                break
+            del starts[op_id]
+            overflow = start.ts >= horizon
+            reason = "pending bound reached" if overflow else "TTL passed"
+            self._give_up(op_id, start, latest_ns if overflow else start.ts + self._ttl_ns, reason)
+        requests = self._requests
+        while requests:
+            session_id, request = next(iter(requests.items()))
+            if request.last_ts >= horizon and len(requests) <= self._max_requests:
+                break
+            self._end_request(session_id, request.last_ts, expired=True)
+
+    def shutdown(self) -> None:
+        """End every pending operation (ERROR, expired) and every open request span."""
+        for op_id, start in list(self._starts.items()):
+            last = self._requests.get(start.session_id or "")
+            self._give_up(op_id, start, max(start.ts, last.last_ts if last else 0), "shutdown")
+        self._starts.clear()
+        for session_id, request in list(self._requests.items()):
+            self._end_request(session_id, request.last_ts, expired=True)
+
+
+def _span_attributes(
+    start: Mapping[str, Any] | None, end: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """`kvflow.<attr>` for every scalar attr; END values win, START tokens stay as requested."""
+    attributes: dict[str, Any] = {}
+    if start is not None:
+        for key, value in start.items():
+            if isinstance(value, _ATTR_TYPES):
+                attributes[f"kvflow.{key}"] = value
+        if "tokens" in start:
+            attributes["kvflow.requested_tokens"] = start["tokens"]
+    if end is not None:
+        for key, value in end.items():
+            if isinstance(value, _ATTR_TYPES):
+                attributes[f"kvflow.{key}"] = value
+    return attributes
