@@ -61,7 +61,7 @@ def layer_view(caches: PagedCaches, layout: str, layer: int) -> torch.Tensor:
 
 def num_layers_of(caches: PagedCaches, layout: str) -> int:
     """How many layers the caches hold."""
-    return caches.shape[1] if layout == "vllm_cross_layer" else len(caches)
+    return caches.shape[1] if isinstance(caches, torch.Tensor) else len(caches)
 
 
 def fill(caches: PagedCaches, value: float) -> None:

@@ -1,19 +1,33 @@
-"""The end-to-end workload and its checks, shared by the CPU tests and the GPU script.
+"""The end-to-end scenario, shared by the CPU tests and the GPU script.
 
 Request 1 (the prompt) is several chunks plus a partial one; request 2 shares the
-prompt's full chunks and adds a suffix of its own. A reused KV passes when it is
-bit-identical to the original, gives exactly the logits the original gives, and
-matches a full recompute of request 2.
+prompt's full chunks and adds a suffix of its own. An engine worker stores
+request 1's KV through kvflow, loses its blocks, and retrieves the prefix for
+request 2 into other blocks. The reused KV passes when it is bit-identical to the
+original, gives exactly the logits the original gives, and matches a full
+recompute of request 2.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.e2e.tiny_llama import VOCAB_SIZE, continue_from, full_logits, relative_error
+from kvflow.core import KVFlowClient, empty_shared
+from tests.e2e import paged_kv
+from tests.e2e.tiny_llama import (
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    VOCAB_SIZE,
+    continue_from,
+    full_logits,
+    prefill,
+    relative_error,
+)
 
 #: kvflow's chunk (the server runs with --chunk-size CHUNK_SIZE) and the engine's block.
 CHUNK_SIZE = 32
@@ -24,6 +38,8 @@ NUM_BLOCKS = 40
 PROMPT_CHUNKS = 4
 PROMPT_TAIL = 9
 SUFFIX_TOKENS = 16
+#: What the engine's own prefix cache is marked with in blocks retrieve must skip.
+SENTINEL = -7.0
 
 #: How close the continuation from reused KV must be to a full recompute, per model dtype
 #: (relative to the largest logit): fp32 1e-5 as specified; bf16 a few units of its epsilon
@@ -56,11 +72,12 @@ def assert_reuse_matches(
     reused_kv: torch.Tensor,
     original_kv: torch.Tensor,
     requests: Requests,
-) -> None:
+) -> float:
     """Check KV rebuilt from a paged cache against the prefill's, then as the model's past.
 
     `reused_kv` and `original_kv` are [NL, 2, shared, NH, HS]: the former read back through
     request 2's block table, the latter the prompt's prefill KV of the shared prefix.
+    Returns the continuation's error relative to a full recompute.
     """
     # Bytes first: a block copied to the wrong place, or a token moved inside its block, is
     # invisible to attention (K and V move together), so only this check sees it.
@@ -79,6 +96,7 @@ def assert_reuse_matches(
     err = relative_error(reused_logits, recomputed)
     rtol = RECOMPUTE_RTOL[model.dtype]
     assert err <= rtol, f"continuation differs from a full recompute: {err:.3g} > {rtol:g}"
+    return err
 
 
 def _first_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
@@ -89,3 +107,142 @@ def _first_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
     layer, kv, token, head, _ = (int(i) for i in differs.nonzero()[0])
     which = "K" if kv == 0 else "V"
     return f"KV differ first at layer {layer} {which} token {token} head {head}"
+
+
+class EngineWorker:
+    """One engine worker registered with a kvflow server: its paged caches and its names.
+
+    CPU caches live in POSIX shared memory, CUDA caches are shared by CUDA IPC. A model
+    name per worker keeps each scenario's chunks to itself in a shared server.
+    """
+
+    def __init__(
+        self, client: KVFlowClient, layout: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        tag = f"{layout}-{str(dtype).removeprefix('torch.')}-{device.type}-{id(self):x}"
+        self.client = client
+        self.layout = layout
+        self.device = device
+        self.instance_id = f"e2e-{tag}"
+        self.model_name = f"tiny-llama-{tag}"
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if device.type == "cpu":
+                return empty_shared(shape, dtype)
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.caches = paged_kv.allocate(
+            layout,
+            num_layers=NUM_LAYERS,
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            num_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype=dtype,
+            empty=empty,
+        )
+        paged_kv.fill(self.caches, float("nan"))
+        client.register_kv_caches(self.instance_id, self.caches, model_name=self.model_name)
+
+    def close(self) -> None:
+        """Unregister from the server."""
+        self.client.unregister(self.instance_id)
+
+    def __enter__(self) -> EngineWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ReuseResult:
+    """What one run of the scenario measured (the checks themselves assert)."""
+
+    recompute_error: float  # continuation vs full recompute, relative to the largest logit
+    store_s: float  # wall time of the store call (client side)
+    retrieve_s: float  # wall time of the retrieve call (client side)
+    chunk_bytes: int  # bytes of one chunk of this worker's KV
+
+
+def run_reuse(
+    worker: EngineWorker,
+    model: LlamaForCausalLM,
+    requests: Requests,
+    *,
+    seed: int,
+    skip_blocks: int = 0,
+) -> ReuseResult:
+    """Store request 1, wipe, retrieve request 2's prefix into other blocks, continue; check all.
+
+    With `skip_blocks`, request 2's first blocks stand for the engine's own prefix cache:
+    retrieve is told to skip them and must leave them as they were.
+    """
+    client, layout, caches = worker.client, worker.layout, worker.caches
+    gen = torch.Generator().manual_seed(seed)
+
+    # Request 1: prefill a prompt of full chunks and a tail; write its KV at a random table.
+    first = prefill(model, requests.prompt)
+    table1 = paged_kv.random_block_table(NUM_BLOCKS, len(requests.prompt), BLOCK_SIZE, gen)
+    paged_kv.write_kv(caches, layout, first.kv, table1)
+
+    # Store it: only full chunks are kept, the tail stays with the engine.
+    started = time.perf_counter()
+    stored = client.store(worker.instance_id, requests.prompt, table1, request_id="req-1")
+    store_s = time.perf_counter() - started
+    assert stored == PROMPT_CHUNKS * CHUNK_SIZE
+    client.end_session("req-1")
+
+    # The engine loses every block: poison the whole cache.
+    paged_kv.fill(caches, float("nan"))
+
+    # Lookup reports request 2's shared chunks; a request diverging inside chunk 3 gets its
+    # first three chunks only, and another model gets nothing.
+    assert client.lookup(requests.second, model_name=worker.model_name) == requests.shared
+    diverging = requests.prompt.clone()
+    diverging[3 * CHUNK_SIZE + 5] += 1
+    assert client.lookup(diverging, model_name=worker.model_name) == 3 * CHUNK_SIZE
+    assert client.lookup(requests.second, model_name=f"{worker.model_name}-other") == 0
+
+    # Request 2 gets a different random block table; its first `skip_blocks` blocks hold the
+    # engine's own copy of those tokens, marked with a sentinel retrieve must not overwrite.
+    table2 = paged_kv.random_block_table(NUM_BLOCKS, len(requests.second), BLOCK_SIZE, gen)
+    assert not torch.equal(table2[: len(table1)], table1)
+    skipped = table2[:skip_blocks].tolist()
+    if skipped:
+        for layer in range(NUM_LAYERS):
+            paged_kv.layer_view(caches, layout, layer)[:, skipped] = SENTINEL
+    # The engine's own writes to its blocks are done before kvflow writes into them.
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
+
+    started = time.perf_counter()
+    hit = client.retrieve(
+        worker.instance_id,
+        requests.second,
+        table2,
+        request_id="req-2",
+        skip_first_n_tokens=skip_blocks * BLOCK_SIZE,
+    )
+    retrieve_s = time.perf_counter() - started
+    # The result is the whole hit prefix, skipped tokens included (they are valid too).
+    assert hit == requests.shared
+
+    # Retrieve wrote the prefix's blocks past the skipped ones and nothing else.
+    prefix_blocks = table2[: requests.shared // BLOCK_SIZE].tolist()
+    untouched = [b for b in range(NUM_BLOCKS) if b not in prefix_blocks]
+    assert paged_kv.read_blocks(caches, layout, untouched).isnan().all()
+    if skipped:
+        assert (paged_kv.read_blocks(caches, layout, skipped) == SENTINEL).all()
+
+    # Put the engine's own copy in the skipped blocks, then rebuild the model's past from
+    # table2 and continue request 2.
+    original = first.kv[:, :, : requests.shared].contiguous()
+    skip_tokens = skip_blocks * BLOCK_SIZE
+    paged_kv.write_kv(caches, layout, original[:, :, :skip_tokens], table2)
+    reused = paged_kv.read_kv(caches, layout, requests.shared, table2)
+    err = assert_reuse_matches(model, reused, original, requests)
+    client.end_session("req-2")
+
+    chunk_bytes = NUM_LAYERS * 2 * CHUNK_SIZE * NUM_KV_HEADS * HEAD_SIZE * original.element_size()
+    return ReuseResult(err, store_s, retrieve_s, chunk_bytes)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from tests.e2e import paged_kv
 from tests.e2e.scenario import (
@@ -21,6 +20,7 @@ from tests.e2e.tiny_llama import (
     HEAD_SIZE,
     NUM_KV_HEADS,
     NUM_LAYERS,
+    ModelFor,
     continue_from,
     full_logits,
     prefill,
@@ -57,12 +57,12 @@ def test_writer_places_each_token_where_the_layout_says(layout: str) -> None:
         for half in range(2):
             for pos in range(num_tokens):
                 block, slot = int(table[pos // BLOCK_SIZE]), pos % BLOCK_SIZE
-                if layout == "vllm_flash_attn":
-                    stored = caches[layer][half, block, slot]
-                elif layout == "vllm_flashinfer":
-                    stored = caches[layer][block, half, slot]
-                else:
+                if isinstance(caches, torch.Tensor):  # vllm_cross_layer
                     stored = caches[block, layer, half, slot]
+                elif layout == "vllm_flash_attn":
+                    stored = caches[layer][half, block, slot]
+                else:
+                    stored = caches[layer][block, half, slot]
                 assert torch.equal(stored, kv[layer, half, pos])
     # The reader inverts the writer.
     assert torch.equal(paged_kv.read_kv(caches, layout, num_tokens, table), kv)
@@ -73,11 +73,11 @@ def test_writer_places_each_token_where_the_layout_says(layout: str) -> None:
 def test_hand_copied_blocks_reproduce_the_continuation(
     layout: str,
     dtype: torch.dtype,
-    models: dict[torch.dtype, LlamaForCausalLM],
+    model_for: ModelFor,
     requests: Requests,
 ) -> None:
     """The scenario of the server tests with a by-hand copy in place of kvflow passes every check."""
-    model = models[dtype]
+    model = model_for(dtype, "cpu")
     gen = torch.Generator().manual_seed(5)
     caches = _allocate(layout, dtype)
 
@@ -99,11 +99,9 @@ def test_hand_copied_blocks_reproduce_the_continuation(
     assert_reuse_matches(model, reused, first.kv[:, :, : requests.shared].contiguous(), requests)
 
 
-def test_checks_catch_misplaced_or_mixed_up_kv(
-    models: dict[torch.dtype, LlamaForCausalLM], requests: Requests
-) -> None:
+def test_checks_catch_misplaced_or_mixed_up_kv(model_for: ModelFor, requests: Requests) -> None:
     """Each check fails on the mistake it exists for: the harness cannot pass vacuously."""
-    model = models[torch.float32]
+    model = model_for(torch.float32, "cpu")
     original = prefill(model, requests.prompt).kv[:, :, : requests.shared].contiguous()
     suffix = requests.second[requests.shared :]
     recomputed = full_logits(model, requests.second)[requests.shared :]

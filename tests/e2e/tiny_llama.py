@@ -7,6 +7,7 @@ handled as one tensor `[num_layers, 2, num_tokens, num_kv_heads, head_size]`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ NUM_HEADS = 4
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
 VOCAB_SIZE = 256
+
+#: Gives the model for (dtype, device), e.g. a cached `build_model`.
+ModelFor = Callable[[torch.dtype, str], LlamaForCausalLM]
 
 
 def build_model(

@@ -1,0 +1,153 @@
+"""GPU end-to-end: a real transformer continues from KV that went through `kvflow server`.
+
+The CPU e2e scenario (tests/e2e/scenario.py) with CUDA tensors: the tiny Llama and
+its paged caches live on the GPU, the caches are shared with a `kvflow server`
+subprocess by CUDA IPC, and the server moves blocks with the PyCUDA kernels.
+For every layout x dtype x skip it checks bit-identical KV, exactly equal logits
+and a full recompute, and times the store and retrieve calls. Prints a table;
+exits 1 if any case failed. Run from the repository root:
+    python benchmarks/gpu_e2e.py [--repeat 20] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the scenario lives in the test tree of this checkout
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kvflow.core import KVFlowClient  # noqa: E402
+from kvflow.kernels import cuda_available  # noqa: E402
+from tests.e2e import paged_kv  # noqa: E402
+from tests.e2e.scenario import (  # noqa: E402
+    BLOCK_SIZE,
+    CHUNK_SIZE,
+    NUM_BLOCKS,
+    EngineWorker,
+    make_requests,
+    run_reuse,
+)
+from tests.e2e.server_proc import running_server  # noqa: E402
+from tests.e2e.tiny_llama import build_model  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SKIPS = (0, 3)
+
+
+def _median_retrieve_ms(worker: EngineWorker, tokens: torch.Tensor, repeat: int) -> float:
+    """Median wall time of `repeat` more retrieves of the stored prefix into fresh tables."""
+    gen = torch.Generator().manual_seed(99)
+    times = []
+    for i in range(repeat):
+        table = paged_kv.random_block_table(NUM_BLOCKS, len(tokens), BLOCK_SIZE, gen)
+        started = time.perf_counter()
+        worker.client.retrieve(worker.instance_id, tokens, table, request_id=f"timing-{i}")
+        times.append(time.perf_counter() - started)
+        worker.client.end_session(f"timing-{i}")
+    return 1e3 * statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=20, help="extra retrieves timed per case")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu runs the same cases through shared memory (to check the script without a GPU)",
+    )
+    args = parser.parse_args()
+    if args.device == "cpu":
+        device = torch.device("cpu")
+    elif cuda_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        print("gpu_e2e: needs a CUDA GPU and pycuda (kvflow.kernels.cuda_available() is False)")
+        return 1
+    requests = make_requests()
+    models = {name: build_model(dtype, device=device) for name, dtype in DTYPES.items()}
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "server.log"
+        with (
+            running_server(CHUNK_SIZE, log_path) as endpoint,
+            KVFlowClient(endpoint, timeout_s=60.0) as client,
+        ):
+            for layout in paged_kv.LAYOUTS:
+                for dtype_name, dtype in DTYPES.items():
+                    for skip in SKIPS:
+                        row: dict[str, object] = {
+                            "layout": layout,
+                            "dtype": dtype_name,
+                            "skip": skip,
+                        }
+                        try:
+                            with EngineWorker(client, layout, dtype, device) as worker:
+                                desc = client.status()["instances"][worker.instance_id]
+                                result = run_reuse(
+                                    worker,
+                                    models[dtype_name],
+                                    requests,
+                                    seed=11 + skip,
+                                    skip_blocks=skip,
+                                )
+                                retrieve_ms = _median_retrieve_ms(
+                                    worker, requests.second, args.repeat
+                                )
+                            row.update(
+                                ok=True,
+                                server_device=desc["device"],
+                                kv_format=desc["kv_format"],
+                                recompute_error=result.recompute_error,
+                                store_ms=1e3 * result.store_s,
+                                retrieve_ms=1e3 * result.retrieve_s,
+                                retrieve_median_ms=retrieve_ms,
+                                chunk_bytes=result.chunk_bytes,
+                            )
+                        except Exception as exc:  # report every case, then fail at the end
+                            row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+                            traceback.print_exc()
+                        rows.append(row)
+        if not all(r["ok"] for r in rows):
+            print("---- server log ----\n" + log_path.read_text()[-8000:])
+
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    _print_table(rows, device)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _print_table(rows: list[dict[str, object]], device: torch.device) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (shared memory)"
+    print(f"\nkvflow e2e on {name}, torch {torch.__version__}")
+    print(f"chunk {CHUNK_SIZE} tokens, block {BLOCK_SIZE}; checks: KV bit-identical, logits ==")
+    print("original-KV logits, |continuation - recompute| / max|recompute| <= 1e-5 fp32, 3e-2 bf16")
+    head = f"{'layout':<17} {'dtype':<5} {'skip':>4} {'result':<6} {'server':<7} {'rel err':>9}"
+    print(head + f" {'store ms':>9} {'retr ms':>8} {'retr p50':>9}")
+    for r in rows:
+        line = f"{r['layout']:<17} {r['dtype']:<5} {r['skip']:>4} "
+        if r["ok"]:
+            line += (
+                f"{'PASS':<6} {r['server_device']:<7} {r['recompute_error']:>9.2e} "
+                f"{r['store_ms']:>9.2f} {r['retrieve_ms']:>8.2f} {r['retrieve_median_ms']:>9.2f}"
+            )
+        else:
+            line += f"FAIL   {r['error']}"
+        print(line)
+    passed = sum(bool(r["ok"]) for r in rows)
+    print(f"{passed}/{len(rows)} cases passed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
