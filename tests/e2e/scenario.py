@@ -10,6 +10,8 @@ recompute of request 2.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,6 +47,8 @@ SENTINEL = -7.0
 #: (relative to the largest logit): fp32 1e-5 as specified; bf16 a few units of its epsilon
 #: (2**-8), since a recompute may round differently from a cached past.
 RECOMPUTE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+_worker_numbers = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -113,13 +117,15 @@ class EngineWorker:
     """One engine worker registered with a kvflow server: its paged caches and its names.
 
     CPU caches live in POSIX shared memory, CUDA caches are shared by CUDA IPC. A model
-    name per worker keeps each scenario's chunks to itself in a shared server.
+    name per worker (unique in a server's life) keeps each scenario's chunks to itself:
+    nothing stored by an earlier scenario can stand in for this one's store.
     """
 
     def __init__(
         self, client: KVFlowClient, layout: str, dtype: torch.dtype, device: torch.device
     ) -> None:
-        tag = f"{layout}-{str(dtype).removeprefix('torch.')}-{device.type}-{id(self):x}"
+        number = next(_worker_numbers)
+        tag = f"{layout}-{str(dtype).removeprefix('torch.')}-{device.type}-{os.getpid()}-{number}"
         self.client = client
         self.layout = layout
         self.device = device
