@@ -1,0 +1,207 @@
+"""Block-transfer kernel throughput vs a same-run device copy and the torch reference.
+
+For each case (format, dtype, block size, vector width) it times gather (cache ->
+staging) and scatter (staging -> cache) of the same chunks, a device-to-device copy of
+the same number of bytes, and the torch index_select/index_put reference. GB/s count
+bytes read plus bytes written (2 x bytes moved), like the copy ceiling. Needs a CUDA GPU
+and pycuda; prints a table, optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.kernels import KVFormat, KVLayout, cuda_available, new_transfer_stream
+from kvflow.kernels.cuda_backend import launch_transfer
+from kvflow.kernels.plan import build_plan
+from kvflow.kernels.reference import transfer_reference
+from kvflow.kernels.streams import TransferStream
+from kvflow.kernels.testing import make_kv_caches
+
+BF16, FP8, INT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration: a cache shape, a chunk size and a vector-width cap."""
+
+    name: str
+    fmt: KVFormat
+    cache: dict[str, Any]
+    chunk_tokens: int
+    chunks: int
+    max_vec: int = 16
+
+
+def _mha(
+    layers: int = 32,
+    heads: int = 8,
+    size: int = 128,
+    dtype: torch.dtype = BF16,
+    block: int = 16,
+    **kw: Any,
+) -> dict[str, Any]:
+    return {
+        "num_layers": layers,
+        "num_heads": heads,
+        "head_size": size,
+        "dtype": dtype,
+        "block_size": block,
+        **kw,
+    }
+
+
+CASES = [
+    Case("fa-bf16-32K", KVFormat.VLLM_FLASH_ATTN, _mha(), 256, 16),
+    Case("fa-bf16-32K-v8", KVFormat.VLLM_FLASH_ATTN, _mha(), 256, 16, max_vec=8),
+    Case("fa-bf16-32K-v4", KVFormat.VLLM_FLASH_ATTN, _mha(), 256, 16, max_vec=4),
+    Case("fa-bf16-32K-v2", KVFormat.VLLM_FLASH_ATTN, _mha(), 256, 16, max_vec=2),
+    Case("fa-bf16-32K-v1", KVFormat.VLLM_FLASH_ATTN, _mha(), 256, 16, max_vec=1),
+    Case("fa-fp8-16K", KVFormat.VLLM_FLASH_ATTN, _mha(dtype=FP8), 256, 32),
+    Case("fa-bf16-4K", KVFormat.VLLM_FLASH_ATTN, _mha(heads=1), 256, 128),
+    Case("fi-bf16-HND-32K", KVFormat.VLLM_FLASHINFER, _mha(noncontiguous=True), 256, 16),
+    Case(
+        "fi-int8-HND-h132",
+        KVFormat.VLLM_FLASHINFER,
+        _mha(size=132, dtype=INT8, noncontiguous=True),
+        256,
+        32,
+    ),
+    Case("cross-bf16-32K", KVFormat.VLLM_CROSS_LAYER, _mha(), 256, 16),
+    Case("sgl-mha-bf16-bs1", KVFormat.SGLANG_MHA, _mha(block=1), 256, 16),
+    Case(
+        "mla-bf16-1024tok",
+        KVFormat.VLLM_MLA,
+        _mha(layers=61, heads=1, size=576, block=1024),
+        1024,
+        4,
+    ),
+    Case(
+        "mla-int8-h132", KVFormat.VLLM_MLA, _mha(layers=61, heads=1, size=132, dtype=INT8), 256, 128
+    ),
+    Case(
+        "sgl-mla-int8-h132-pad",
+        KVFormat.SGLANG_MLA,
+        _mha(layers=61, heads=1, size=132, dtype=INT8, noncontiguous=True),
+        256,
+        128,
+    ),
+]
+
+
+def _time_ms(fn: Callable[[], object], stream: TransferStream, reps: int, rounds: int = 5) -> float:
+    """Median over rounds of the mean GPU time per call, with reps calls queued back to back."""
+    with torch.cuda.stream(stream.torch):
+        for _ in range(2):
+            fn()
+        samples = []
+        for _ in range(rounds):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / reps)
+    return statistics.median(samples)
+
+
+def run_case(case: Case, stream: TransferStream, torch_reps: int) -> dict[str, Any]:
+    """Time one case; returns its row of figures."""
+    per_chunk = case.chunk_tokens // case.cache["block_size"]
+    blocks = case.chunks * per_chunk
+    caches, kw = make_kv_caches(case.fmt, num_blocks=2 * blocks, device="cuda", **case.cache)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randperm(layout.num_blocks, generator=gen)[:blocks].view(case.chunks, per_chunk)
+    skip = torch.zeros(case.chunks, dtype=torch.int64)
+    nbytes = layout.chunk_nbytes(case.chunk_tokens)
+    staging = torch.randint(0, 256, (case.chunks, nbytes), dtype=torch.uint8, device="cuda")
+    copy_src = torch.randint(0, 256, (case.chunks * nbytes,), dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    plan = build_plan(layout, case.chunk_tokens, max_vector_bytes=case.max_vec)
+    moved = case.chunks * nbytes
+
+    def kernel(gather: bool) -> Callable[[], object]:
+        return lambda: launch_transfer(
+            layout, staging, ids, skip, gather=gather, stream=stream, max_vector_bytes=case.max_vec
+        )
+
+    def reference(gather: bool) -> Callable[[], object]:
+        return lambda: transfer_reference(layout, staging, ids, skip, gather=gather)
+
+    reps = max(3, min(50, int(2e10 // moved)))
+    ms = {
+        "gather": _time_ms(kernel(True), stream, reps),
+        "scatter": _time_ms(kernel(False), stream, reps),
+        "copy": _time_ms(lambda: copy_dst.copy_(copy_src), stream, reps),
+        "torch_gather": _time_ms(reference(True), stream, torch_reps, rounds=3),
+        "torch_scatter": _time_ms(reference(False), stream, torch_reps, rounds=3),
+    }
+    gbps = {k: 2 * moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
+    return {
+        "case": case.name,
+        "format": case.fmt.value,
+        "dtype": str(case.cache["dtype"]).removeprefix("torch."),
+        "block_bytes": plan.groups[0].seg_bytes,
+        "vec": plan.groups[0].vec_bytes,
+        "contiguous": plan.groups[0].contiguous,
+        "mb_moved": moved / 2**20,
+        "ms": ms,
+        "gbps": gbps,
+        "gather_vs_copy": gbps["gather"] / gbps["copy"],
+        "scatter_vs_copy": gbps["scatter"] / gbps["copy"],
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per case: kernel, copy and torch GB/s and the kernel/copy ratios."""
+    head = (
+        f"{'case':<22}{'block':>8}{'vec':>4}{'MB':>6}{'gather':>8}{'scatter':>8}{'copy':>7}"
+        f"{'g/copy':>7}{'s/copy':>7}{'torch g':>8}{'torch s':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        g = r["gbps"]
+        print(
+            f"{r['case']:<22}{r['block_bytes']:>8}{r['vec']:>4}{r['mb_moved']:>6.0f}"
+            f"{g['gather']:>8.0f}{g['scatter']:>8.0f}{g['copy']:>7.0f}"
+            f"{r['gather_vs_copy']:>7.2f}{r['scatter_vs_copy']:>7.2f}"
+            f"{g['torch_gather']:>8.0f}{g['torch_scatter']:>8.0f}"
+        )
+
+
+def main() -> None:
+    """Run every case (or those named) and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", help="case names to run (default: all)")
+    parser.add_argument("--torch-reps", type=int, default=3)
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+    if not cuda_available():
+        raise SystemExit("bench_kernels needs a CUDA GPU and pycuda")
+    stream = new_transfer_stream(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for case in CASES:
+        if args.cases and case.name not in args.cases:
+            continue
+        rows.append(run_case(case, stream, args.torch_reps))
+        torch.cuda.empty_cache()
+    print(f"GPU: {torch.cuda.get_device_name()}  (GB/s = (read + write) / time)")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

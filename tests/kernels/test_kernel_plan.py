@@ -1,0 +1,245 @@
+"""The transfer plan: vector widths, fast division, and the descriptor table's index math.
+
+``_emulate`` walks the packed table exactly as ``block_transfer.cu`` does (warp tile ->
+chunk, group, (kv, layer), block, vectors) and moves real bytes with bounds-checked
+memmoves, so the table and the kernel's addressing are checked on CPU against the
+reference transfer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.kernels import KVFormat, KVLayout
+from kvflow.kernels.plan import (
+    ENTRY,
+    GROUP,
+    HEADER,
+    HEADER_BYTES,
+    TransferPlan,
+    build_plan,
+    fast_divide,
+    fast_divisor,
+    unroll,
+)
+from kvflow.kernels.reference import transfer_reference
+from kvflow.kernels.testing import flat_tensors, make_kv_caches
+
+
+def test_fast_division_is_exact_below_two_to_the_31() -> None:
+    """The kernel's multiply-high division equals floor division for every tested pair."""
+    rng = random.Random(5)
+    divisors = [*range(1, 300), *(rng.randrange(1, 2**31) for _ in range(300)), 2**31 - 1]
+    for d in divisors:
+        div = fast_divisor(d)
+        assert div[1] < 2**32
+        for n in (0, 1, d - 1, d, d + 1, 3 * d + 2, 2**31 - 1, rng.randrange(2**31)):
+            if n < 2**31:
+                assert fast_divide(n, div) == n // d, (n, d)
+    with pytest.raises(ValueError, match="outside"):
+        fast_divisor(0)
+
+
+def _layout(fmt: KVFormat, **kwargs: Any) -> KVLayout:
+    caches, kw = make_kv_caches(fmt, **kwargs)
+    return KVLayout.from_kv_caches(caches, **kw)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kwargs", "vec", "contiguous"),
+    [
+        (KVFormat.VLLM_FLASH_ATTN, {}, 16, True),
+        (KVFormat.VLLM_FLASH_ATTN, {"noncontiguous": True}, 16, False),
+        (
+            KVFormat.VLLM_FLASHINFER,
+            {"noncontiguous": True, "head_size": 132, "dtype": torch.int8},
+            4,
+            False,
+        ),
+        (KVFormat.SGLANG_MHA, {"noncontiguous": True, "head_size": 65}, 2, False),
+        (
+            KVFormat.VLLM_CROSS_LAYER,
+            {"noncontiguous": True, "head_size": 7, "dtype": torch.uint8},
+            1,
+            False,
+        ),
+        (KVFormat.VLLM_MLA, {"head_size": 132, "dtype": torch.int8, "block_size": 16}, 16, True),
+        (KVFormat.VLLM_MLA, {"head_size": 132, "dtype": torch.int8, "block_size": 1}, 4, True),
+        (
+            KVFormat.SGLANG_MLA,
+            {"head_size": 132, "dtype": torch.int8, "noncontiguous": True},
+            4,
+            False,
+        ),
+    ],
+)
+def test_widest_vector_dividing_runs_and_addresses(
+    fmt: KVFormat, kwargs: dict[str, Any], vec: int, contiguous: bool
+) -> None:
+    """Each group gets the widest of 16/8/4/2/1 bytes dividing its runs and addresses."""
+    layout = _layout(fmt, **kwargs)
+    plan = build_plan(layout, 2 * layout.block_size)
+    assert [(g.vec_bytes, g.contiguous) for g in plan.groups] == [(vec, contiguous)]
+
+
+def test_vector_width_is_capped_by_request_and_staging_alignment() -> None:
+    """max_vector_bytes and a less aligned staging buffer narrow the vector."""
+    layout = _layout(KVFormat.VLLM_FLASH_ATTN)
+    assert build_plan(layout, 8, max_vector_bytes=2).groups[0].vec_bytes == 2
+    assert build_plan(layout, 8, staging_alignment=4).groups[0].vec_bytes == 4
+    with pytest.raises(ValueError, match="max_vector_bytes must be one of"):
+        build_plan(layout, 8, max_vector_bytes=3)
+
+
+def test_table_layout_and_tile_counts() -> None:
+    """Header, groups and entries sit where the kernel expects; tiles cover every segment."""
+    specs = [(2, 64, torch.bfloat16), (1, 132, torch.int8), (2, 64, torch.bfloat16)]
+    layout = _layout(KVFormat.VLLM_FLASH_ATTN, layer_specs=specs, block_size=16, num_blocks=4)
+    plan = build_plan(layout, 64)
+    assert (HEADER.itemsize, GROUP.itemsize, ENTRY.itemsize) == (48, 112, 32)
+    assert plan.groups_offset == HEADER_BYTES
+    assert plan.entries_offset == HEADER_BYTES + 2 * GROUP.itemsize
+    assert plan.table.nbytes == plan.entries_offset + (2 * 2 + 2 * 1) * ENTRY.itemsize
+    header = plan.table[: HEADER.itemsize].view(HEADER)[0]
+    assert (int(header["num_groups"]), int(header["blocks_per_chunk"])) == (2, 4)
+    assert int(header["chunk_bytes"]) == layout.chunk_nbytes(64)
+    for g in plan.groups:
+        per_tile = 32 * unroll(g.vec_bytes) * g.vec_bytes
+        assert g.tiles_per_seg == -(-g.seg_bytes // per_tile)
+    assert plan.groups[0].tile_begin == 0
+    assert plan.groups[0].tile_end == plan.groups[1].tile_begin
+    assert plan.groups[1].tile_end == plan.tiles_per_chunk
+
+
+class _Memory:
+    """Bounds-checked byte moves between the CPU tensors of one test."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.ranges = [
+            (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
+        ]
+
+    def move(self, dst: int, src: int, size: int) -> None:
+        for addr in (dst, src):
+            assert any(lo <= addr and addr + size <= lo + n for lo, n in self.ranges), hex(addr)
+        ctypes.memmove(dst, src, size)
+
+
+def _div(record: Any, name: str) -> tuple[int, int, int]:
+    f = record[name]
+    return int(f["d"]), int(f["m"]), int(f["s"])
+
+
+def _emulate(
+    plan: TransferPlan,
+    ids: torch.Tensor,
+    skip: torch.Tensor,
+    staging: torch.Tensor,
+    memory: _Memory,
+    gather: bool,
+) -> None:
+    """The kernel's per-warp-tile addressing, one lane and one vector at a time."""
+    header = plan.table[: HEADER.itemsize].view(HEADER)[0]
+    groups = plan.table[plan.groups_offset : plan.entries_offset].view(GROUP)
+    entries = plan.table[plan.entries_offset :].view(ENTRY)
+    per_chunk = int(header["blocks_per_chunk"])
+    tpc = _div(header, "tiles_per_chunk")
+    for tile in range(ids.shape[0] * plan.tiles_per_chunk):
+        chunk = fast_divide(tile, tpc)
+        rem = tile - chunk * tpc[0]
+        gi = 0
+        while gi + 1 < int(header["num_groups"]) and rem >= int(groups[gi]["tile_end"]):
+            gi += 1
+        g = groups[gi]
+        rem -= int(g["tile_begin"])
+        tps = _div(g, "tiles_per_seg")
+        seg = fast_divide(rem, tps)
+        seg_tile = rem - seg * tps[0]
+        kv_layer = fast_divide(seg, _div(header, "per_chunk_div"))
+        block = seg - kv_layer * per_chunk
+        if block < int(skip[chunk]):
+            continue
+        e = entries[int(g["first_entry"]) + kv_layer]
+        cache = int(e["base"]) + int(ids[chunk, block]) * int(e["s_block"])
+        stage = (
+            staging.data_ptr()
+            + chunk * int(header["chunk_bytes"])
+            + int(g["stage_offset"])
+            + kv_layer * int(g["layer_stage_bytes"])
+            + block * int(g["seg_bytes"])
+        )
+        vec = 1 << int(g["vec_log2"])
+        run_vecs, runs = _div(g, "run_vecs"), _div(g, "runs_per_token")
+        for lane in range(32):
+            first = seg_tile * 32 * unroll(vec) + lane
+            for u in range(unroll(vec)):
+                v = first + u * 32
+                if v >= int(g["seg_vecs"]):
+                    continue
+                if int(g["contiguous"]):
+                    at = v * vec
+                else:
+                    run = fast_divide(v, run_vecs)
+                    token = fast_divide(run, runs)
+                    head = run - token * runs[0]
+                    at = (
+                        token * int(e["s_token"])
+                        + head * int(e["s_run"])
+                        + (v - run * run_vecs[0]) * vec
+                    )
+                src, dst = (
+                    (cache + at, stage + v * vec) if gather else (stage + v * vec, cache + at)
+                )
+                memory.move(dst, src, vec)
+
+
+@pytest.mark.parametrize("max_vec", [16, 4, 1])
+@pytest.mark.parametrize(
+    ("fmt", "kwargs"),
+    [
+        (KVFormat.VLLM_CROSS_LAYER, {"noncontiguous": True}),
+        (
+            KVFormat.VLLM_FLASH_ATTN,
+            {"layer_specs": [(2, 8, torch.bfloat16), (1, 12, torch.float8_e5m2)]},
+        ),
+        (KVFormat.VLLM_FLASHINFER, {"noncontiguous": True, "head_size": 132, "dtype": torch.int8}),
+        (KVFormat.SGLANG_MHA, {"noncontiguous": True, "num_heads": 3}),
+        (KVFormat.VLLM_MLA, {"head_size": 132, "dtype": torch.int8, "noncontiguous": True}),
+        (KVFormat.SGLANG_MLA, {"head_size": 20, "dtype": torch.float32}),
+    ],
+    ids=lambda x: x.value if isinstance(x, KVFormat) else "",
+)
+def test_kernel_addressing_matches_the_reference(
+    fmt: KVFormat, kwargs: dict[str, Any], max_vec: int
+) -> None:
+    """Gather and scatter through the emulated kernel equal the reference, byte for byte."""
+    gen = torch.Generator().manual_seed(max_vec)
+    caches, kw = make_kv_caches(fmt, num_blocks=6, block_size=2, generator=gen, **kwargs)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    ids = torch.tensor([[4, 1, 3], [0, 5, 2]])
+    skip = torch.tensor([1, 0])
+    plan = build_plan(layout, 3 * layout.block_size, max_vector_bytes=max_vec)
+    nbytes = plan.chunk_bytes
+    staging = torch.full((2, nbytes), 0xA5, dtype=torch.uint8)
+    want = staging.clone()
+    transfer_reference(layout, want, ids, skip, gather=True)
+    memory = _Memory([*flat_tensors(caches), staging])
+    _emulate(plan, ids, skip, staging, memory, gather=True)
+    assert torch.equal(staging, want)
+
+    target, _ = make_kv_caches(fmt, num_blocks=6, block_size=2, generator=gen, **kwargs)
+    target_layout = KVLayout.from_kv_caches(target, **kw)
+    expected, _ = make_kv_caches(fmt, num_blocks=6, block_size=2, **kwargs)
+    for dst, src in zip(flat_tensors(expected), flat_tensors(target), strict=True):
+        dst.copy_(src)
+    transfer_reference(KVLayout.from_kv_caches(expected, **kw), staging, ids, skip, gather=False)
+    plan = build_plan(target_layout, 3 * layout.block_size, max_vector_bytes=max_vec)
+    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), gather=False)
+    for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
+        assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())
