@@ -1,5 +1,7 @@
 """Composition of events, kernels and storage into the cache engine and server."""
 
+from kvflow.core.client import KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.shm import empty_shared
 
-__all__ = ["ObservabilityConfig", "ServerConfig"]
+__all__ = ["KVFlowClient", "ObservabilityConfig", "ServerConfig", "empty_shared"]

@@ -1,0 +1,329 @@
+"""The wire protocol between KVFlowClient and KVFlowServer (msgspec, never pickle).
+
+A message is a ZMQ multipart: one small msgpack header frame (a tagged-union
+struct) followed by the raw payload frames its type declares (token ids and block
+ids as little-endian int32 arrays). Every request gets exactly one reply: its
+result or `Failed(code, message)`. Requests carry the protocol version; new fields
+always get defaults so older peers of the same version still decode them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import msgspec
+import numpy as np
+
+from kvflow.core.errors import InvalidRequestError, ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: dtype of every payload array on the wire (SPEC section 3 hashes int32 tokens).
+WIRE_DTYPE = np.dtype("<i4")
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+# -- KV cache descriptions (registration) ----------------------------------------
+
+
+class ShmMemory(msgspec.Struct, tag="shm", frozen=True):
+    """A CPU tensor's memory: a POSIX shared-memory segment and a byte offset in it."""
+
+    name: str
+    size: int
+    offset: int
+
+
+class CudaIpcMemory(msgspec.Struct, tag="cuda_ipc", frozen=True):
+    """A GPU tensor's memory: the CUDA IPC handle of its allocation and a byte offset."""
+
+    handle: bytes
+    offset: int
+    alloc_size: int
+    device_uuid: str
+    device_index: int
+
+
+class TensorDesc(msgspec.Struct, frozen=True):
+    """Everything needed to view a tensor from another process (strides in elements)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    memory: ShmMemory | CudaIpcMemory
+
+
+class KVCachesDesc(msgspec.Struct, frozen=True):
+    """The nesting of `kv_caches`: one tensor, a list, or a (K list, V list) pair.
+
+    For "pair", `tensors` holds the K list followed by the V list; `split` is the
+    length of the K list.
+    """
+
+    kind: Literal["tensor", "list", "pair"]
+    tensors: list[TensorDesc]
+    split: int = 0
+
+
+class AllocationRecord(msgspec.Struct, array_like=True, frozen=True):
+    """One `kvflow.events.BlockAllocation` on the wire."""
+
+    req_id: str
+    block_ids: list[int]
+    token_ids: list[int]
+
+
+# -- requests ----------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True):
+    """Base of every request: protocol version, correlation id, client id.
+
+    `payloads` names the raw int32 frames that follow the header, in order.
+    """
+
+    payloads: ClassVar[tuple[str, ...]] = ()
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+    client: str = ""
+
+
+class Register(Request, tag="register"):
+    instance_id: str
+    kv_caches: KVCachesDesc
+    model_name: str
+    world_size: int = 1
+    rank: int = 0
+    block_size: int | None = None
+    kv_format: str | None = None
+    #: IPC handle of the engine's interprocess CUDA event (GPU caches only).
+    event_handle: bytes | None = None
+
+
+class Lookup(Request, tag="lookup"):
+    payloads: ClassVar[tuple[str, ...]] = ("token_ids",)
+    model_name: str
+    world_size: int = 1
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+class Store(Request, tag="store"):
+    payloads: ClassVar[tuple[str, ...]] = ("token_ids", "block_ids")
+    instance_id: str
+    request_id: str
+    cache_salt: str | None = None
+
+
+class Retrieve(Request, tag="retrieve"):
+    payloads: ClassVar[tuple[str, ...]] = ("token_ids", "block_ids")
+    instance_id: str
+    request_id: str
+    skip_first_n_tokens: int = 0
+    cache_salt: str | None = None
+
+
+class EndSession(Request, tag="end_session"):
+    request_id: str
+
+
+class ReportAllocations(Request, tag="report_allocations"):
+    instance_id: str
+    records: list[AllocationRecord]
+
+
+class Unregister(Request, tag="unregister"):
+    instance_id: str
+
+
+class Status(Request, tag="status"):
+    pass
+
+
+class Heartbeat(Request, tag="heartbeat"):
+    pass
+
+
+AnyRequest = (
+    Register
+    | Lookup
+    | Store
+    | Retrieve
+    | EndSession
+    | ReportAllocations
+    | Unregister
+    | Status
+    | Heartbeat
+)
+
+
+# -- replies -----------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, tag_field="r", kw_only=True):
+    """Base of every reply: the request's correlation id and the server's handling time."""
+
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+    server_ns: int = 0
+
+
+class Done(Reply, tag="done"):
+    """Success; `value` is the method's integer result (None for methods returning None)."""
+
+    value: int | None = None
+
+
+class Registered(Reply, tag="registered"):
+    """Registration accepted; the client must heartbeat at least this often."""
+
+    heartbeat_interval_s: float
+
+
+class StatusResult(Reply, tag="status"):
+    status: dict[str, Any]
+
+
+class Failed(Reply, tag="failed"):
+    """The request failed; `code` is a kvflow error code (kvflow.core.errors)."""
+
+    code: str
+    message: str
+
+
+AnyReply = Done | Registered | StatusResult | Failed
+
+
+class _Versioned(msgspec.Struct):
+    """Just enough of a header to read its version and id when the full decode fails."""
+
+    v: int = 0
+    id: int = 0
+
+
+# -- encoding and decoding ------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+# Status replies may hold values msgpack has no type for (paths, enums): send their text.
+_reply_encoder = msgspec.msgpack.Encoder(enc_hook=str)
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+_versioned_decoder = msgspec.msgpack.Decoder(_Versioned)
+
+
+def as_wire_array(values: Any, what: str) -> np.ndarray:
+    """Convert token or block ids (list, numpy array, torch tensor) to a 1-D int32 array.
+
+    Raises InvalidRequestError naming `what` for non-integers, wrong rank or overflow.
+    """
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{what} must be a sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise InvalidRequestError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=WIRE_DTYPE)
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype != WIRE_DTYPE:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < _INT32_MIN or hi > _INT32_MAX:
+            raise InvalidRequestError(f"{what} must fit in int32, got values in [{lo}, {hi}]")
+        arr = arr.astype(WIRE_DTYPE)
+    return np.ascontiguousarray(arr)
+
+
+def encode_request(request: Request, payloads: Sequence[np.ndarray] = ()) -> list[Any]:
+    """The frames of `request`: its header, then its payload arrays' raw bytes.
+
+    The header is checked against its schema first (a few microseconds), so a
+    wrongly typed argument fails here with InvalidRequestError, not on the server.
+    """
+    if len(payloads) != len(request.payloads):
+        raise ValueError(
+            f"{type(request).__name__} takes payloads {request.payloads}, got {len(payloads)}"
+        )
+    try:
+        header = _encoder.encode(request)
+        _request_decoder.decode(header)
+    except (TypeError, msgspec.EncodeError, msgspec.ValidationError) as exc:
+        raise InvalidRequestError(f"invalid {type(request).__name__} argument: {exc}") from None
+    return [header, *(p.data for p in payloads)]
+
+
+def decode_request(frames: Sequence[Any]) -> tuple[Request, tuple[np.ndarray, ...]]:
+    """Decode a request's frames into its typed header and its payload arrays.
+
+    Raises ProtocolError for anything malformed: no frames, an undecodable header,
+    a wrong protocol version, a wrong number of payload frames, or a payload whose
+    size is not a whole number of int32 values.
+    """
+    if not frames:
+        raise ProtocolError("empty message: expected a header frame")
+    header = frames[0]
+    try:
+        request = _request_decoder.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        version = peek_version(header)
+        if version not in (None, PROTOCOL_VERSION):
+            raise _version_error(version) from None
+        raise ProtocolError(f"malformed request header: {exc}") from None
+    if request.v != PROTOCOL_VERSION:
+        raise _version_error(request.v)
+    names = request.payloads
+    if len(frames) - 1 != len(names):
+        raise ProtocolError(
+            f"{type(request).__name__} takes {len(names)} payload frame(s)"
+            f" ({', '.join(names) or 'none'}), got {len(frames) - 1}"
+        )
+    arrays = []
+    for name, frame in zip(names, frames[1:], strict=True):
+        buf = memoryview(frame)
+        if buf.nbytes % WIRE_DTYPE.itemsize:
+            raise ProtocolError(
+                f"payload {name} has {buf.nbytes} bytes, not a whole number of int32 values"
+            )
+        arrays.append(np.frombuffer(buf, dtype=WIRE_DTYPE))
+    return request, tuple(arrays)
+
+
+def peek_version(header: Any) -> int | None:
+    """The protocol version a header claims, or None when even that cannot be read."""
+    try:
+        return _versioned_decoder.decode(header).v
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def peek_id(header: Any) -> int:
+    """The correlation id a header claims (0 when unreadable), to address an error reply."""
+    try:
+        return _versioned_decoder.decode(header).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+
+
+def _version_error(version: int) -> ProtocolError:
+    return ProtocolError(
+        f"protocol version {version} is not supported (this server speaks {PROTOCOL_VERSION})"
+    )
+
+
+def encode_reply(reply: Reply) -> bytes:
+    return _reply_encoder.encode(reply)
+
+
+def decode_reply(frame: Any) -> Reply:
+    """Decode a reply header; raises ProtocolError when it is malformed."""
+    try:
+        reply = _reply_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed reply from server: {exc}") from None
+    if reply.v != PROTOCOL_VERSION:
+        raise _version_error(reply.v)
+    return reply
