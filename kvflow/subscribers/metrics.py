@@ -8,7 +8,6 @@ L1 occupancy are observed through callbacks when a reader collects.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +23,6 @@ _OPERATION = {
     _ET.RETRIEVE_START: "retrieve",
     _ET.LOOKUP_START: "lookup",
 }
-_STATS_MAX_AGE_S = 0.05
 _EMPTY: dict[str, str] = {}
 _M = ("model_name",)
 _MO = ("model_name", "outcome")
@@ -82,7 +80,6 @@ class MetricsSubscriber:
         self._pending: dict[int, _Pending] = {}
         self._labels: dict[tuple[Any, ...], dict[str, str]] = {}
         self._stats: BusStats | None = None
-        self._stats_at = 0.0
         self._stats_lock = threading.Lock()
         meter = meter_provider.get_meter("kvflow")
         self._build_op_instruments(meter)
@@ -231,19 +228,23 @@ class MetricsSubscriber:
             description="Events a slow subscriber's own backlog refused",
         )
 
-    def _bus_stats(self) -> BusStats:
-        """One stats snapshot shared by the callbacks of one collection (consistent counts)."""
+    def _bus_stats(self, refresh: bool = False) -> BusStats:
+        """The stats snapshot of the current collection.
+
+        The SDK runs callbacks in registration order, so the first bus instrument
+        (kvflow.bus.published) refreshes it and the others reuse it: one
+        collection reports counts from one consistent snapshot.
+        """
         assert self._bus is not None
         with self._stats_lock:
-            now = time.monotonic()
-            if self._stats is None or now - self._stats_at > _STATS_MAX_AGE_S:
+            if refresh or self._stats is None:
                 self._stats = self._bus.stats()
-                self._stats_at = now
             return self._stats
 
     def _per_type_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            counts: Mapping[EventType, int] = getattr(self._bus_stats(), field)
+            stats = self._bus_stats(refresh=field == "published")
+            counts: Mapping[EventType, int] = getattr(stats, field)
             return [Observation(counts.get(t, 0), {"event_type": t.label}) for t in EventType]
 
         return observe
@@ -298,8 +299,7 @@ class MetricsSubscriber:
                 _add(adds, self._instances, labels, 1 if etype is _ET.REGISTER else -1)
         self._expire(latest, adds)
         for (instrument, _), (labels, amount) in adds.items():
-            if amount:
-                instrument.add(amount, labels)
+            instrument.add(amount, labels)  # zeros too: a gauge back at 0 must still be exported
 
     def _on_start(self, ev: Event, adds: _Adds) -> None:
         op_id = ev.op_id

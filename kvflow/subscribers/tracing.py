@@ -165,14 +165,23 @@ class TracingSubscriber:
             self._touch(session_id, end.ts_ns)
         error = end.attrs.get("error")
         if error is not None or end.attrs.get("ok") is False:
-            span.set_status(Status(StatusCode.ERROR, str(error or "operation failed")))
+            message = end.attrs.get("error_message")
+            text = f"{error}: {message}" if error and message else (error or message)
+            span.set_status(Status(StatusCode.ERROR, str(text or "operation failed")))
         span.end(end_time=monotonic_to_epoch_ns(max(end.ts_ns, start_ts)))
 
     def _start_span(
-        self, etype: EventType, session_id: str | None, ts: int, attributes: dict[str, Any]
+        self,
+        etype: EventType,
+        session_id: str | None,
+        ts: int,
+        attributes: dict[str, Any],
+        *,
+        open_root: bool = True,
     ) -> Span:
+        """Start an op span under its request's root (opened if needed and `open_root`)."""
         request = None if session_id is None else self._requests.get(session_id)
-        if request is None and session_id is not None:
+        if request is None and session_id is not None and open_root:
             request = self._touch(session_id, ts)
         return self._tracer.start_span(
             _SPAN_NAME[etype],
@@ -185,7 +194,7 @@ class TracingSubscriber:
         attributes = _span_attributes(start.attrs, None)
         attributes["kvflow.op_id"] = op_id
         attributes["kvflow.expired"] = True
-        span = self._start_span(start.type, start.session_id, start.ts, attributes)
+        span = self._start_span(start.type, start.session_id, start.ts, attributes, open_root=False)
         span.set_status(Status(StatusCode.ERROR, f"no END event: {reason}"))
         span.end(end_time=monotonic_to_epoch_ns(end_ts))
         self.expired += 1

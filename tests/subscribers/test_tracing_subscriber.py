@@ -1,0 +1,155 @@
+"""TracingSubscriber: request root spans, op_id-paired child spans, expiry, bounds."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.trace import StatusCode
+
+from kvflow.events import monotonic_to_epoch_ns
+from kvflow.subscribers import TracingSubscriber
+from kvflow.subscribers.testing import EventScript, MetricsCapture, SpanCapture
+
+STORE = {"instance_id": "gpu0", "model_name": "llama"}
+
+
+@pytest.fixture
+def spans() -> SpanCapture:
+    capture = SpanCapture()
+    yield capture
+    capture.shutdown()
+
+
+def test_request_span_with_operation_children(spans: SpanCapture) -> None:
+    """Each op is a child of its request's root span, timed by its own events' timestamps."""
+    sub = TracingSubscriber(spans.provider)
+    s = EventScript()
+    s.op("lookup", 0.0, 0.001, "req-1", start_attrs={"model_name": "llama", "tokens": 512},
+         model_name="llama", requested_tokens=512, hit_tokens=256)  # fmt: skip
+    s.op("retrieve", 0.002, 0.010, "req-1", start_attrs={**STORE, "tokens": 256},
+         **STORE, tokens=256, bytes=4096)  # fmt: skip
+    store_op = s.op("store", 0.5, 0.75, "req-1", start_attrs={**STORE, "tokens": 512},
+                    **STORE, tokens=256, bytes=4096)  # fmt: skip
+    s.end_session(1.0, "req-1")
+    sub.on_events(s.events)
+
+    (root,) = spans.spans("kvflow.request")
+    assert root.attributes["kvflow.session_id"] == "req-1"
+    assert root.start_time == monotonic_to_epoch_ns(s.ts(0.0))
+    assert root.end_time == monotonic_to_epoch_ns(s.ts(1.0))
+    children = {sp.name: sp for sp in spans.spans() if sp.parent is not None}
+    assert set(children) == {"kvflow.lookup", "kvflow.retrieve", "kvflow.store"}
+    for child in children.values():
+        assert child.parent.span_id == root.context.span_id
+        assert child.context.trace_id == root.context.trace_id
+        assert child.status.status_code is StatusCode.UNSET
+    store = children["kvflow.store"]
+    assert store.start_time == monotonic_to_epoch_ns(s.ts(0.5))
+    assert store.end_time == monotonic_to_epoch_ns(s.ts(0.75))
+    assert store.attributes["kvflow.op_id"] == store_op
+    assert store.attributes["kvflow.requested_tokens"] == 512
+    assert store.attributes["kvflow.tokens"] == 256
+    assert store.attributes["kvflow.bytes"] == 4096
+    assert store.attributes["kvflow.instance_id"] == "gpu0"
+    assert store.attributes["kvflow.ok"] is True
+    assert children["kvflow.lookup"].attributes["kvflow.hit_tokens"] == 256
+
+
+def test_failed_operation_is_an_error_span(spans: SpanCapture) -> None:
+    """An END reporting an error gives its span ERROR status with the error's text."""
+    sub = TracingSubscriber(spans.provider)
+    s = EventScript()
+    s.op("retrieve", 0.0, 0.1, "r", start_attrs=STORE, **STORE, tokens=0, bytes=0, ok=False,
+         error="chunk_missing", error_message="chunk 3 evicted")  # fmt: skip
+    sub.on_events(s.events)
+    (span,) = spans.spans("kvflow.retrieve")
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == "chunk_missing: chunk 3 evicted"
+
+
+def test_unmatched_start_expires_as_error_span() -> None:
+    """A START without END for the TTL (event time) ends as an ERROR span marked expired."""
+    spans, metrics = SpanCapture(), MetricsCapture()
+    sub = TracingSubscriber(spans.provider, ttl_s=30.0, meter_provider=metrics.provider)
+    s = EventScript()
+    s.start("store", 0.0, "r1", **STORE)
+    s.op("lookup", 10.0, 10.1, "r2", model_name="llama", requested_tokens=1, hit_tokens=0)
+    sub.on_events(s.events)
+    assert spans.spans("kvflow.store") == []
+    s.events.clear()
+    s.op("lookup", 31.0, 31.1, "r2", model_name="llama", requested_tokens=1, hit_tokens=0)
+    sub.on_events(s.events)
+    (expired,) = spans.spans("kvflow.store")
+    assert expired.status.status_code is StatusCode.ERROR
+    assert expired.attributes["kvflow.expired"] is True
+    assert expired.end_time - expired.start_time == 30 * 10**9
+    assert sub.expired == 1
+    assert metrics.total("kvflow.tracing.expired_spans", operation="store") == 1
+    assert sub.pending_operations == 0
+    spans.shutdown()
+    metrics.shutdown()
+
+
+def test_pending_starts_and_requests_are_bounded(spans: SpanCapture) -> None:
+    """Beyond max_pending the oldest STARTs expire; beyond max_requests the oldest roots end."""
+    sub = TracingSubscriber(spans.provider, max_pending=3, max_requests=2)
+    s = EventScript()
+    for i in range(5):
+        s.start("store", i * 0.01, f"r{i}", **STORE)
+    sub.on_events(s.events)
+    assert sub.pending_operations == 3
+    assert sub.open_requests == 2
+    assert sub.expired == 2
+    assert len(spans.spans("kvflow.store")) == 2
+    assert all(sp.attributes["kvflow.expired"] for sp in spans.spans("kvflow.request"))
+
+
+def test_idle_request_root_span_expires(spans: SpanCapture) -> None:
+    """A request with no END_SESSION is ended at its last event once idle for the TTL."""
+    sub = TracingSubscriber(spans.provider, ttl_s=5.0)
+    s = EventScript()
+    s.op("store", 0.0, 1.0, "forgotten", start_attrs=STORE, **STORE, tokens=1, bytes=1)
+    s.op("store", 7.0, 7.5, "other", start_attrs=STORE, **STORE, tokens=1, bytes=1)
+    sub.on_events(s.events)
+    roots = {sp.attributes["kvflow.session_id"]: sp for sp in spans.spans("kvflow.request")}
+    assert set(roots) == {"forgotten"}
+    assert roots["forgotten"].end_time == monotonic_to_epoch_ns(s.ts(1.0))
+    assert roots["forgotten"].attributes["kvflow.expired"] is True
+    assert sub.open_requests == 1
+
+
+def test_end_without_start_and_op_without_session(spans: SpanCapture) -> None:
+    """An END whose START was lost is a zero-length flagged span; no session means no root."""
+    sub = TracingSubscriber(spans.provider)
+    s = EventScript()
+    s.end("store", 777, 2.0, "r1", **STORE, tokens=1, bytes=1)
+    s.op("lookup", 3.0, 3.5, None, model_name="llama", requested_tokens=1, hit_tokens=1)
+    sub.on_events(s.events)
+    (store,) = spans.spans("kvflow.store")
+    assert store.attributes["kvflow.start_missing"] is True
+    assert store.start_time == store.end_time
+    (lookup,) = spans.spans("kvflow.lookup")
+    assert lookup.parent is None
+
+
+def test_shutdown_ends_everything_pending(spans: SpanCapture) -> None:
+    """shutdown() ends open STARTs as expired ERROR spans and closes open request spans."""
+    sub = TracingSubscriber(spans.provider)
+    s = EventScript()
+    s.start("retrieve", 0.0, "r1", **STORE)
+    sub.on_events(s.events)
+    sub.shutdown()
+    (retrieve,) = spans.spans("kvflow.retrieve")
+    assert retrieve.status.status_code is StatusCode.ERROR
+    assert "shutdown" in retrieve.status.description
+    assert len(spans.spans("kvflow.request")) == 1
+    assert sub.pending_operations == sub.open_requests == 0
+
+
+def test_invalid_settings_are_rejected() -> None:
+    """ttl_s and the bounds are validated with a message naming the field."""
+    capture = SpanCapture()
+    with pytest.raises(ValueError, match="ttl_s"):
+        TracingSubscriber(capture.provider, ttl_s=0)
+    with pytest.raises(ValueError, match="max_pending"):
+        TracingSubscriber(capture.provider, max_pending=0)
+    capture.shutdown()
