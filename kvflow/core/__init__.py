@@ -2,6 +2,7 @@
 
 from kvflow.core.client import KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.engine import CacheEngine
 from kvflow.core.shm import empty_shared
 
-__all__ = ["KVFlowClient", "ObservabilityConfig", "ServerConfig", "empty_shared"]
+__all__ = ["CacheEngine", "KVFlowClient", "ObservabilityConfig", "ServerConfig", "empty_shared"]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -232,7 +233,7 @@ class L1Cache:
             for obj in objs:
                 obj.pins -= 1
 
-    def count_prefix(self, chunk_keys: Sequence[Sequence[Hashable]]) -> int:
+    def count_prefix(self, chunk_keys: Iterable[Sequence[Hashable]]) -> int:
         """Consecutive chunks from 0 whose every key (one per rank) is readable."""
         with self._lock:
             hits: list[L1Object] = []
@@ -252,7 +253,7 @@ class L1Cache:
 
     # -- maintenance -----------------------------------------------------------------
 
-    def drop_where(self, predicate: Callable[[Hashable], bool]) -> int:
+    def drop_where(self, predicate: Callable[[Any], bool]) -> int:
         """Remove every readable, unpinned object whose key matches; returns how many."""
         with self._lock:
             doomed = [o for k, o in self._lru.items() if o.pins == 0 and predicate(k)]

@@ -1,0 +1,528 @@
+"""The in-process cache engine (SPEC section 4): registration, keys, L1, transfers, events.
+
+Thread-safe: lookup/status may run while stores and retrieves of different
+instances run on other threads; one instance's transfers are serialised by its
+lock. Every operation is observed through START/END event pairs on the bus.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.core.config import ServerConfig
+from kvflow.core.errors import (
+    AlreadyRegisteredError,
+    CapacityError,
+    InvalidRequestError,
+    KVFlowError,
+    TransferError,
+    UnknownInstanceError,
+)
+from kvflow.core.instances import Instance, LayoutDesc, ModelRank
+from kvflow.core.keys import KeyCache, ObjectKey, as_token_array
+from kvflow.core.l1 import L1Cache, WritePlan
+from kvflow.core.observability import Observability
+from kvflow.core.ops import Op
+from kvflow.core.transfer import CpuMover, CudaMover, Mover
+from kvflow.events import BlockAllocation, Event, EventBus, EventType
+from kvflow.kernels import KVLayout, cuda_available
+
+GIB = 1 << 30
+
+
+def _check_str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _check_salt(cache_salt: Any) -> str | None:
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidRequestError(f"cache_salt must be a string or None, got {cache_salt!r}")
+    return cache_salt
+
+
+def _check_world(world_size: Any, rank: Any = 0) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidRequestError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+
+
+def _as_block_ids(block_ids: Any) -> torch.Tensor:
+    """A 1-D int64 CPU tensor of block ids from a list, numpy array or tensor."""
+    if isinstance(block_ids, torch.Tensor):
+        ids = block_ids.detach()
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InvalidRequestError(f"block_ids must be integers, got dtype {ids.dtype}")
+        ids = ids.to("cpu", torch.int64)
+    else:
+        try:
+            arr = np.asarray(block_ids)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"block_ids must be a sequence of integers: {exc}") from None
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidRequestError(f"block_ids must be integers, got dtype {arr.dtype}")
+        ids = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+    if ids.dim() != 1:
+        raise InvalidRequestError(f"block_ids must be 1-D, got shape {tuple(ids.shape)}")
+    return ids
+
+
+class CacheEngine:
+    """Registration, keys, L1 and transfers behind the SPEC section 4 methods.
+
+    Builds its event bus and subscribers from `config.observability` unless `bus`
+    is given; a given bus is used as is (the caller starts and stops it).
+    """
+
+    def __init__(self, config: ServerConfig | None = None, *, bus: EventBus | None = None):
+        self.config = config if config is not None else ServerConfig()
+        self.chunk_size = self.config.chunk_size
+        self.l1 = L1Cache(int(self.config.l1_size_gb * GIB))
+        self._keys = KeyCache(self.chunk_size)
+        self._lock = threading.Lock()
+        self._instances: dict[str, Instance] = {}
+        self._layouts: dict[ModelRank, LayoutDesc] = {}
+        self._closed = False
+        self._obs = Observability(self.config.observability, bus, l1_stats=self.l1_stats)
+        self.bus = self._obs.bus
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _instance(self, instance_id: Any) -> Instance:
+        with self._lock:
+            if self._closed:
+                raise KVFlowError("the cache engine is closed")
+            inst = self._instances.get(instance_id)
+        if inst is None:
+            raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
+        return inst
+
+    def _block_table(self, inst: Instance, block_ids: Any, n_chunks: int) -> torch.Tensor:
+        """Rows of the first n_chunks chunks' block ids, validated against the layout."""
+        ids = _as_block_ids(block_ids)
+        bpc = inst.blocks_per_chunk
+        need = n_chunks * bpc
+        if len(ids) < need:
+            raise InvalidRequestError(
+                f"block_ids has {len(ids)} blocks ({len(ids) * inst.block_size} tokens) but the "
+                f"{n_chunks} full chunk(s) of token_ids need {need} blocks of {inst.block_size}"
+            )
+        ids = ids[:need]
+        try:
+            inst.layout.validate_block_ids(ids)
+        except ValueError as exc:
+            raise InvalidRequestError(f"block_ids: {exc}") from None
+        return ids.view(n_chunks, bpc)
+
+    def _object_keys(
+        self, tokens: np.ndarray, session: str | None, model_rank: ModelRank, salt: str | None
+    ) -> list[ObjectKey]:
+        model, world, rank = model_rank
+        return [ObjectKey(h, model, world, rank, salt) for h in self._keys.hashes(tokens, session)]
+
+    def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
+        self.bus.publish(Event(etype, 0, session_id, None, attrs))
+
+    def _publish_evictions(self, plan: WritePlan, session_id: str | None) -> None:
+        if plan.evicted_chunks:
+            self._publish(
+                EventType.L1_EVICT,
+                session_id,
+                {"chunks": plan.evicted_chunks, "bytes": plan.evicted_bytes},
+            )
+
+    @staticmethod
+    def _quiesce(inst: Instance) -> None:
+        """After a failure: let enqueued copies finish before their memory is reused."""
+        with contextlib.suppress(Exception):
+            inst.mover.wait()
+
+    @contextlib.contextmanager
+    def _transfer(self, inst: Instance, op: Op, **failed: Any) -> Iterator[None]:
+        """Run an op's body; on any error wait for its streams, publish a failed END, re-raise.
+
+        `failed` are the END attrs of a failure. Errors that are not kvflow's own
+        (a failing copy) become TransferError.
+        """
+        try:
+            yield
+        except BaseException as exc:
+            self._quiesce(inst)
+            if isinstance(exc, KVFlowError) or not isinstance(exc, Exception):
+                op.fail(exc, **failed)
+                raise
+            err = TransferError(f"transfer for instance {inst.instance_id!r} failed: {exc}")
+            op.fail(err, **failed)
+            raise err from exc
+
+    # -- registration ------------------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        instance_id: str,
+        kv_caches: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        rank: int = 0,
+        block_size: int | None = None,
+        kv_format: str | None = None,
+    ) -> None:
+        """Register an instance's KV tensors; the layout is detected (or `kv_format`)."""
+        _check_str("instance_id", instance_id)
+        _check_str("model_name", model_name)
+        _check_world(world_size, rank)
+        with self._lock:
+            if instance_id in self._instances:
+                raise AlreadyRegisteredError(f"instance {instance_id!r} is already registered")
+        try:
+            layout = KVLayout.from_kv_caches(kv_caches, block_size=block_size, kv_format=kv_format)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"kv_caches of instance {instance_id!r}: {exc}") from None
+        if self.chunk_size % layout.block_size:
+            raise InvalidRequestError(
+                f"chunk_size {self.chunk_size} is not a multiple of the block_size "
+                f"{layout.block_size} of instance {instance_id!r}"
+            )
+        desc: LayoutDesc = tuple(
+            (tuple(shape), dtype) for shape, dtype in layout.layout_desc(self.chunk_size)
+        )
+        nbytes = layout.chunk_nbytes(self.chunk_size)
+        if nbytes > self.l1.capacity_bytes:
+            raise CapacityError(
+                f"one chunk of instance {instance_id!r} takes {nbytes} bytes, more than the whole "
+                f"L1 capacity ({self.l1.capacity_bytes} bytes); raise --l1-size-gb"
+            )
+        mover = self._make_mover(layout, nbytes)
+        inst = Instance(
+            instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes, mover
+        )
+        try:
+            self._add_instance(inst)
+        except BaseException:
+            mover.close()
+            raise
+        self._publish(EventType.REGISTER, None, inst.event_attrs())
+
+    def _make_mover(self, layout: KVLayout, chunk_nbytes: int) -> Mover:
+        if layout.device.type == "cpu":
+            return CpuMover(layout)
+        if layout.device.type == "cuda" and cuda_available():
+            return CudaMover(layout, chunk_nbytes)
+        raise InvalidRequestError(
+            f"KV caches on {layout.device} are not supported here (CUDA caches need pycuda "
+            "and a visible GPU; otherwise use CPU tensors)"
+        )
+
+    def _add_instance(self, inst: Instance) -> None:
+        """Record the instance and its (model, world, rank) layout desc, atomically."""
+        key = inst.model_rank
+        with self._lock:
+            if self._closed:
+                raise KVFlowError("the cache engine is closed")
+            if inst.instance_id in self._instances:
+                raise AlreadyRegisteredError(f"instance {inst.instance_id!r} is already registered")
+            known = self._layouts.get(key)
+            if known is not None and known != inst.layout_desc:
+                users = [i.instance_id for i in self._instances.values() if i.model_rank == key]
+                if users:
+                    raise InvalidRequestError(
+                        f"model {key[0]!r} world_size {key[1]} rank {key[2]} is registered by "
+                        f"{users} with chunk layout {known}; instance {inst.instance_id!r} has "
+                        f"{inst.layout_desc} (use a different model_name)"
+                    )
+                # nobody uses the old layout any more: its objects are unreadable, drop them
+                self.l1.drop_where(lambda k: (k.model_name, k.world_size, k.rank) == key)
+            self._layouts[key] = inst.layout_desc
+            self._instances[inst.instance_id] = inst
+
+    def unregister(self, instance_id: str) -> None:
+        """Forget an instance after its in-flight transfer; its L1 objects stay cached."""
+        with self._lock:
+            inst = self._instances.pop(instance_id, None)
+        if inst is None:
+            raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
+        with inst.lock:
+            inst.mover.close()
+        self._publish(EventType.UNREGISTER, None, inst.event_attrs())
+
+    def layout_desc(self, model_name: str, world_size: int = 1, rank: int = 0) -> LayoutDesc | None:
+        """The chunk layout recorded for (model, world, rank), or None if never registered."""
+        with self._lock:
+            return self._layouts.get((model_name, world_size, rank))
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> int:
+        """Tokens of the longest prefix of full chunks that every rank has in L1."""
+        n_req = len(token_ids) if hasattr(token_ids, "__len__") else 0
+        attrs = {"model_name": model_name, "tokens": n_req}
+        op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
+        result: dict[str, Any] = {"requested_tokens": n_req, "hit_tokens": 0}
+        try:
+            if self._closed:
+                raise KVFlowError("the cache engine is closed")
+            _check_str("model_name", model_name)
+            _check_world(world_size)
+            salt = _check_salt(cache_salt)
+            if request_id is not None:
+                _check_str("request_id", request_id)
+            tokens = as_token_array(token_ids)
+            hashes = self._keys.hashes(tokens, request_id)
+            chunks = (
+                [ObjectKey(h, model_name, world_size, r, salt) for r in range(world_size)]
+                for h in hashes
+            )
+            hit = self.l1.count_prefix(chunks) * self.chunk_size
+        except BaseException as exc:
+            op.fail(exc, **result)
+            raise
+        op.end(requested_tokens=n_req, hit_tokens=hit)
+        return hit
+
+    # -- store ------------------------------------------------------------------------------
+
+    def store(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy the full chunks missing from L1 into it; returns tokens of the request in L1.
+
+        The result counts, from token 0, the chunks now in L1 (written by this call,
+        already there, or being written by a concurrent store); it stops at the
+        first chunk L1 had no room for.
+        """
+        inst = self._instance(instance_id)
+        n_req = len(token_ids) if hasattr(token_ids, "__len__") else 0
+        attrs = {"instance_id": inst.instance_id, "model_name": inst.model_name, "tokens": n_req}
+        result: dict[str, Any] = {}
+        with inst.lock:
+            op = Op(self.bus, EventType.STORE_START, request_id, attrs)
+            with self._transfer(inst, op, tokens=0, bytes=0):
+                _check_str("request_id", request_id)
+                salt = _check_salt(cache_salt)
+                tokens = as_token_array(token_ids)
+                n_chunks = len(tokens) // self.chunk_size
+                table = self._block_table(inst, block_ids, n_chunks)
+                keys = self._object_keys(tokens, request_id, inst.model_rank, salt)
+                plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
+                self._publish_evictions(plan, request_id)
+                if keys and not plan.covered:
+                    raise CapacityError(
+                        f"L1 is full of objects being read; no room for a chunk of "
+                        f"{inst.chunk_nbytes} bytes"
+                    )
+                try:
+                    rows = [i for i, _ in plan.new]
+                    inst.mover.store(table[rows], [self.l1.view(o) for _, o in plan.new])
+                    result = {
+                        "tokens": len(rows) * self.chunk_size,
+                        "bytes": len(rows) * inst.chunk_nbytes,
+                    }
+                    op.end(inst.mover.store_stream, **result)
+                    inst.mover.wait()
+                except BaseException:
+                    self._quiesce(inst)
+                    self.l1.abort(plan)
+                    raise
+                self.l1.commit(plan)
+        if plan.new:
+            self._publish(
+                EventType.L1_WRITE, request_id, {"chunks": len(plan.new), "bytes": result["bytes"]}
+            )
+        return plan.covered * self.chunk_size
+
+    # -- retrieve ----------------------------------------------------------------------------
+
+    def retrieve(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        skip_first_n_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy the consecutive L1 hits from chunk 0 into the request's blocks.
+
+        Returns the hit prefix in tokens (the tokens now valid in the blocks from
+        token 0); the first `skip_first_n_tokens` (whole blocks) are not written.
+        """
+        inst = self._instance(instance_id)
+        n_req = len(token_ids) if hasattr(token_ids, "__len__") else 0
+        attrs = {"instance_id": inst.instance_id, "model_name": inst.model_name, "tokens": n_req}
+        result: dict[str, Any] = {}
+        with inst.lock:
+            op = Op(self.bus, EventType.RETRIEVE_START, request_id, attrs)
+            with self._transfer(inst, op, tokens=0, bytes=0, hit_tokens=0):
+                _check_str("request_id", request_id)
+                salt = _check_salt(cache_salt)
+                skip = skip_first_n_tokens
+                if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+                    raise InvalidRequestError(
+                        f"skip_first_n_tokens must be an integer >= 0, got {skip!r}"
+                    )
+                if skip % inst.block_size:
+                    raise InvalidRequestError(
+                        f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
+                        f"({inst.block_size}) of instance {inst.instance_id!r}"
+                    )
+                tokens = as_token_array(token_ids)
+                n_chunks = len(tokens) // self.chunk_size
+                table = self._block_table(inst, block_ids, n_chunks)
+                keys = self._object_keys(tokens, request_id, inst.model_rank, salt)
+                objs = self.l1.pin_prefix(keys)
+                try:
+                    result = self._scatter(inst, objs, table, skip // inst.block_size)
+                    op.end(inst.mover.retrieve_stream, **result)
+                    inst.mover.wait()
+                except BaseException:
+                    self._quiesce(inst)
+                    raise
+                finally:
+                    self.l1.unpin(objs)
+        if result["chunks"]:
+            self._publish(
+                EventType.L1_READ,
+                request_id,
+                {"chunks": result["chunks"], "bytes": result["bytes"]},
+            )
+        return int(result["hit_tokens"])
+
+    def _scatter(
+        self, inst: Instance, objs: Sequence[Any], table: torch.Tensor, skip_blocks: int
+    ) -> dict[str, Any]:
+        """Enqueue the copies of the hit chunks not wholly skipped; returns END attrs."""
+        bpc = inst.blocks_per_chunk
+        rows: list[int] = []
+        skips: list[int] = []
+        for c in range(len(objs)):
+            s = min(max(skip_blocks - c * bpc, 0), bpc)
+            if s < bpc:
+                rows.append(c)
+                skips.append(s)
+        if rows:
+            inst.mover.retrieve([self.l1.view(objs[c]) for c in rows], table[rows], skips)
+        hit = len(objs) * self.chunk_size
+        written = sum(bpc - s for s in skips) * inst.block_size
+        return {
+            "tokens": written,
+            "bytes": len(rows) * inst.chunk_nbytes,
+            "hit_tokens": hit,
+            "chunks": len(rows),
+        }
+
+    # -- sessions and allocations ------------------------------------------------------------
+
+    def end_session(self, request_id: str) -> None:
+        """The request finished: drop its key chain and publish END_SESSION."""
+        _check_str("request_id", request_id)
+        self._keys.drop(request_id)
+        self._publish(EventType.END_SESSION, request_id, {})
+
+    def report_block_allocations(
+        self, instance_id: str, records: Sequence[BlockAllocation]
+    ) -> None:
+        """Publish the engine's new block allocations (BLOCK_ALLOCATION, SPEC section 7)."""
+        inst = self._instance(instance_id)
+        if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
+            raise InvalidRequestError(
+                f"records must be a sequence of BlockAllocation, got {type(records).__name__}"
+            )
+        checked: list[BlockAllocation] = []
+        for i, rec in enumerate(records):
+            if not isinstance(rec, Sequence) or len(rec) != 3:
+                raise InvalidRequestError(
+                    f"records[{i}] must be BlockAllocation(req_id, new_block_ids, new_token_ids)"
+                )
+            req_id, block_ids, token_ids = rec
+            if not isinstance(req_id, str) or not req_id:
+                raise InvalidRequestError(f"records[{i}].req_id must be a non-empty string")
+            for name, seq in (("new_block_ids", block_ids), ("new_token_ids", token_ids)):
+                if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
+                    raise InvalidRequestError(f"records[{i}].{name} must be a sequence of ints")
+            checked.append(rec if isinstance(rec, BlockAllocation) else BlockAllocation(*rec))
+        attrs = {
+            "instance_id": inst.instance_id,
+            "model_name": inst.model_name,
+            "block_size": inst.block_size,
+            "records": tuple(checked),
+        }
+        self._publish(EventType.BLOCK_ALLOCATION, None, attrs)
+
+    # -- introspection and shutdown ------------------------------------------------------------
+
+    def l1_stats(self) -> dict[str, int]:
+        """L1 usage, capacity, objects and evictions (what the L1 gauges read)."""
+        return self.l1.stats()
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot: instances, L1, bus accounting, config."""
+        with self._lock:
+            instances = {i: inst.describe() for i, inst in self._instances.items()}
+            closed = self._closed
+        stats = self.bus.stats()
+        return {
+            "closed": closed,
+            "chunk_size": self.chunk_size,
+            "instances": instances,
+            "l1": self.l1.stats(),
+            "bus": {
+                "published": stats.total_published,
+                "delivered": stats.total_delivered,
+                "dropped": stats.total_dropped,
+                "dropped_by_type": {t.label: n for t, n in stats.dropped.items() if n},
+                "queue_depth": stats.queue_depth,
+                "oldest_lag_ns": stats.oldest_lag_ns,
+                "capacity": stats.capacity,
+                "subscriber_errors": dict(stats.subscriber_errors),
+            },
+            "config": dataclasses.asdict(self.config),
+        }
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Unregister everything, stop the bus and flush exporters (idempotent).
+
+        Returns True when the event pipeline shut down cleanly.
+        """
+        with self._lock:
+            if self._closed:
+                return self._obs.clean
+            self._closed = True
+            instances = list(self._instances.values())
+            self._instances.clear()
+        for inst in instances:
+            with inst.lock:
+                inst.mover.close()
+        ok = self._obs.close(timeout)
+        self.l1.close()
+        return ok
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,43 @@
+"""The engine's event pipeline: its bus and subscribers, built from ObservabilityConfig.
+
+The one place the engine wires `kvflow.subscribers`; a bus given by the caller is
+used as is and left for the caller to stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvflow.core.config import ObservabilityConfig
+from kvflow.events import EventBus
+from kvflow.subscribers import ObservabilityPipeline, build_subscribers
+
+
+class Observability:
+    """Owns (or borrows) the bus and the subscriber pipeline; `close` is idempotent."""
+
+    def __init__(
+        self,
+        config: ObservabilityConfig,
+        bus: EventBus | None,
+        *,
+        l1_stats: Callable[[], dict[str, int]],
+    ) -> None:
+        self.pipeline: ObservabilityPipeline | None = None
+        self.clean = True
+        self._closed = False
+        if bus is not None:
+            self.bus = bus
+            return
+        self.bus = EventBus(capacity=config.event_bus_capacity, enabled=config.enabled)
+        self.pipeline = build_subscribers(config, bus=self.bus, l1_stats=l1_stats)
+        self.bus.start()
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the owned bus (delivering what it holds), flush and close the exporters."""
+        if self._closed:
+            return self.clean
+        self._closed = True
+        if self.pipeline is not None:
+            self.clean = self.pipeline.shutdown(timeout)
+        return self.clean

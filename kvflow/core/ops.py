@@ -1,0 +1,63 @@
+"""START/END event pairs: one op_id, and exactly one END whatever happens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.core.errors import KVFlowError
+from kvflow.events import START_TO_END, Event, EventBus, EventType, next_op_id
+
+
+def error_code(exc: BaseException) -> str:
+    """The short, low-cardinality error name put in END events (`KVFlowError.code`)."""
+    return exc.code if isinstance(exc, KVFlowError) else "internal"
+
+
+class Op:
+    """Publishes START on creation; `end` or `fail` publishes its END once (later calls no-op).
+
+    START is stamped on the host when the op begins; a successful END may be stamped
+    on the CUDA stream where the op's last step runs. The END's stamp then always
+    follows its START's, and the bus delivers START first.
+    """
+
+    __slots__ = ("attrs", "bus", "end_type", "ended", "op_id", "session_id")
+
+    def __init__(
+        self,
+        bus: EventBus,
+        start_type: EventType,
+        session_id: str | None,
+        attrs: dict[str, Any],
+    ) -> None:
+        self.bus = bus
+        self.end_type = START_TO_END[start_type]
+        self.session_id = session_id
+        self.attrs = attrs
+        self.op_id = next_op_id()
+        self.ended = False
+        bus.publish(Event(start_type, 0, session_id, self.op_id, attrs))
+
+    def end(self, stream: Any = None, **result: Any) -> None:
+        """Publish the successful END (on `stream` when the work runs on one)."""
+        if self.ended:
+            return
+        self.ended = True
+        attrs = {**self.attrs, **result, "ok": True, "error": None}
+        self.bus.publish_on_stream(
+            stream, Event(self.end_type, 0, self.session_id, self.op_id, attrs)
+        )
+
+    def fail(self, exc: BaseException, **result: Any) -> None:
+        """Publish the failed END, stamped now, naming the error."""
+        if self.ended:
+            return
+        self.ended = True
+        attrs = {
+            **self.attrs,
+            **result,
+            "ok": False,
+            "error": error_code(exc),
+            "error_message": str(exc),
+        }
+        self.bus.publish(Event(self.end_type, 0, self.session_id, self.op_id, attrs))

@@ -1,0 +1,81 @@
+"""Test helpers shipped with the package: a small engine on a recording bus, block readers
+and START/END pairing checks (the engine tests use them; the server's may too)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.engine import CacheEngine
+from kvflow.events import END_TO_START, START_TO_END, Event, EventBus, EventType
+from kvflow.events.testing import RecordingSubscriber
+from kvflow.kernels import KVLayout, transfer_blocks
+from kvflow.kernels.testing import make_kv_caches
+
+BLOCK = 4
+CHUNK = 8  # two blocks per chunk
+GIB = 1 << 30
+
+
+def small_engine(
+    *, l1_bytes: int = 1 << 20, chunk_size: int = CHUNK
+) -> tuple[CacheEngine, RecordingSubscriber]:
+    """An engine with `l1_bytes` of L1 on a started bus that records every event."""
+    bus = EventBus(capacity=100_000)
+    recorder = RecordingSubscriber()
+    bus.register(recorder)
+    bus.start()
+    config = ServerConfig(
+        chunk_size=chunk_size,
+        l1_size_gb=l1_bytes / GIB,
+        observability=ObservabilityConfig(prometheus_port=0),
+    )
+    return CacheEngine(config, bus=bus), recorder
+
+
+def caches(fmt: str, seed: int, **kw: Any) -> tuple[Any, dict[str, Any]]:
+    """Random KV caches of `fmt` (block size BLOCK) and their registration kwargs."""
+    kw.setdefault("block_size", BLOCK)
+    kw.setdefault("num_blocks", 16)
+    return make_kv_caches(fmt, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def block_bytes(kv: Any, kwargs: dict[str, Any], block_ids: list[int]) -> torch.Tensor:
+    """Each listed block's bytes (one row per block, SPEC chunk layout of one block)."""
+    layout = KVLayout.from_kv_caches(kv, **kwargs)
+    out = torch.empty((len(block_ids), layout.chunk_nbytes(layout.block_size)), dtype=torch.uint8)
+    ids = torch.tensor(block_ids, dtype=torch.int64).view(-1, 1)
+    transfer_blocks(layout, out, ids, direction="gather", backend="cpu")
+    return out
+
+
+def events_of(recorder: RecordingSubscriber, engine: CacheEngine) -> list[Event]:
+    """Every event the engine published so far, once delivered."""
+    assert engine.bus.flush(5.0)
+    return list(recorder.events)
+
+
+def pairs(events: list[Event]) -> Iterator[tuple[Event, Event]]:
+    """(START, END) pairs by op_id; asserts each START has exactly one END and vice versa."""
+    starts: dict[int, Event] = {}
+    ends: dict[int, Event] = {}
+    for ev in events:
+        if ev.type in START_TO_END:
+            assert ev.op_id is not None and ev.op_id not in starts
+            starts[ev.op_id] = ev
+        elif ev.type in END_TO_START:
+            assert ev.op_id is not None and ev.op_id not in ends, f"two ENDs for {ev.op_id}"
+            ends[ev.op_id] = ev
+    assert starts.keys() == ends.keys(), "unpaired START or END"
+    for op_id, start in starts.items():
+        end = ends[op_id]
+        assert end.type == START_TO_END[start.type]
+        assert end.session_id == start.session_id
+        yield start, end
+
+
+def of_type(events: list[Event], etype: EventType) -> list[Event]:
+    return [e for e in events if e.type == etype]

@@ -1,0 +1,136 @@
+"""CacheEngine under memory pressure and concurrency: readers are safe, writers are ordered."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core.engine import CacheEngine
+from kvflow.core.errors import CapacityError
+from kvflow.core.testing import CHUNK, block_bytes, caches, events_of, pairs, small_engine
+
+BLOCKS = [0, 1, 2, 3]  # two chunks
+
+
+def _chunk_bytes() -> int:
+    engine, _ = small_engine()
+    kv, kw = caches("vllm_flash_attn", seed=0)
+    engine.register_kv_caches("probe", kv, model_name="m", **kw)
+    n = int(engine.status()["instances"]["probe"]["chunk_nbytes"])
+    engine.close()
+    return n
+
+
+def _gate_retrieve(
+    engine: CacheEngine, instance_id: str
+) -> tuple[threading.Event, threading.Event]:
+    """Make the instance's retrieve wait (after pinning its objects) until released."""
+    mover = engine._instance(instance_id).mover
+    real = mover.retrieve
+    entered, release = threading.Event(), threading.Event()
+
+    def gated(srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skips: Sequence[int]) -> None:
+        entered.set()
+        assert release.wait(10)
+        real(srcs, block_ids, skips)
+
+    mover.retrieve = gated  # type: ignore[method-assign]
+    return entered, release
+
+
+def test_eviction_under_pressure_never_evicts_an_object_being_read() -> None:
+    """While a retrieve holds two chunks, stores evict only unpinned objects; data stays intact."""
+    engine, recorder = small_engine(l1_bytes=4 * _chunk_bytes())
+    src, kw = caches("vllm_flash_attn", seed=1)
+    dst, _ = caches("vllm_flash_attn", seed=2)
+    engine.register_kv_caches("writer", src, model_name="m", **kw)
+    engine.register_kv_caches("reader", dst, model_name="m", **kw)
+    x = np.arange(2 * CHUNK, dtype=np.int32)
+    engine.store("writer", x, BLOCKS, request_id="x")
+    want = block_bytes(src, kw, BLOCKS)
+    entered, release = _gate_retrieve(engine, "reader")
+    result: list[int] = []
+    reader = threading.Thread(
+        target=lambda: result.append(engine.retrieve("reader", x, [8, 9, 10, 11], request_id="r"))
+    )
+    reader.start()
+    assert entered.wait(10)
+    # L1 holds 4 chunks; x's 2 are pinned. Each new request needs 2 more.
+    for i in range(1, 4):
+        src[0].view(torch.uint8).view(-1)[: 64 * i].fill_(i)  # different bytes per request
+        engine.store("writer", x + 1000 * i, BLOCKS, request_id=f"y{i}")
+    assert engine.l1_stats()["evicted_chunks"] == 4
+    release.set()
+    reader.join(10)
+    assert result == [2 * CHUNK]
+    assert engine.lookup(x, model_name="m") == 2 * CHUNK
+    assert engine.lookup(x + 3000, model_name="m") == 2 * CHUNK
+    assert torch.equal(block_bytes(dst, kw, [8, 9, 10, 11]), want)
+    engine.retrieve("reader", x, [12, 13, 14, 15], request_id="again")
+    assert torch.equal(block_bytes(dst, kw, [12, 13, 14, 15]), want)
+    list(pairs(events_of(recorder, engine)))
+    engine.close()
+
+
+def test_a_store_finding_every_object_pinned_fails_with_capacity_error() -> None:
+    """No evictable object and no free room: CapacityError, a failed END, nothing visible."""
+    engine, recorder = small_engine(l1_bytes=2 * _chunk_bytes())
+    kv, kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("writer", kv, model_name="m", **kw)
+    engine.register_kv_caches("reader", kv, model_name="m", **kw)
+    x = np.arange(2 * CHUNK, dtype=np.int32)
+    engine.store("writer", x, BLOCKS, request_id="x")
+    entered, release = _gate_retrieve(engine, "reader")
+    reader = threading.Thread(
+        target=engine.retrieve, args=("reader", x, BLOCKS), kwargs={"request_id": "r"}
+    )
+    reader.start()
+    assert entered.wait(10)
+    with pytest.raises(CapacityError, match="no room"):
+        engine.store("writer", x + 1, BLOCKS, request_id="y")
+    release.set()
+    reader.join(10)
+    assert engine.lookup(x + 1, model_name="m") == 0
+    ends = [end.attrs for _, end in pairs(events_of(recorder, engine))]
+    assert [e["error"] for e in ends] == [None, None, "resource_exhausted", None]
+    engine.close()
+
+
+def test_concurrent_instances_store_and_retrieve_while_lookups_run() -> None:
+    """Four instances on four threads, lookups on the main thread; every byte lands right."""
+    engine, recorder = small_engine()
+    made = [caches("vllm_flashinfer", seed=10 + i) for i in range(4)]
+    for i, (kv, kw) in enumerate(made):
+        engine.register_kv_caches(f"i{i}", kv, model_name=f"m{i % 2}", **kw)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for n in range(10):
+                tokens = np.arange(2 * CHUNK, dtype=np.int32) + 100 * n + 10_000 * i
+                engine.store(f"i{i}", tokens, BLOCKS, request_id=f"{i}-{n}")
+                assert (
+                    engine.retrieve(f"i{i}", tokens, [4, 5, 6, 7], request_id=f"{i}-{n}")
+                    == 2 * CHUNK
+                )
+                engine.end_session(f"{i}-{n}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        engine.lookup(np.arange(2 * CHUNK, dtype=np.int32), model_name="m0")
+        engine.status()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for kv, kw in made:
+        assert torch.equal(block_bytes(kv, kw, [4, 5, 6, 7]), block_bytes(kv, kw, BLOCKS))
+    assert len(list(pairs(events_of(recorder, engine)))) > 80
+    engine.close()
