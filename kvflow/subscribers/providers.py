@@ -118,16 +118,21 @@ def otlp_span_exporter(endpoint: str, protocol: str) -> SpanExporter:
 
 
 def make_meter_provider(readers: Sequence[MetricReader]) -> MeterProvider:
-    """A MeterProvider for kvflow's resource; exemplars are off (no spans on bus threads)."""
+    """A MeterProvider for kvflow's resource; exemplars are off (no spans on bus threads).
+
+    No atexit hook: the pipeline shuts it down by its deadline, and an exit hook
+    would block interpreter exit on an unreachable collector.
+    """
     return MeterProvider(
         metric_readers=list(readers),
         resource=kvflow_resource(),
         exemplar_filter=AlwaysOffExemplarFilter(),
+        shutdown_on_exit=False,
     )
 
 
 def make_tracer_provider(exporter: SpanExporter) -> TracerProvider:
-    """A TracerProvider batching spans to `exporter`."""
-    provider = TracerProvider(resource=kvflow_resource())
+    """A TracerProvider batching spans to `exporter` (no atexit hook, as above)."""
+    provider = TracerProvider(resource=kvflow_resource(), shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
