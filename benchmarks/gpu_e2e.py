@@ -75,6 +75,8 @@ def main() -> int:
     else:
         print("gpu_e2e: needs a CUDA GPU and pycuda (kvflow.kernels.cuda_available() is False)")
         return 1
+    # fp32 matmuls in full precision (no TF32), so a recompute is comparable at 1e-5.
+    torch.set_float32_matmul_precision("highest")
     requests = make_requests()
     models = {name: build_model(dtype, device=device) for name, dtype in DTYPES.items()}
     rows: list[dict[str, object]] = []
