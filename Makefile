@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest install clean
+.PHONY: run test lint typecheck pytest install clean prometheus
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+# The exporter tests scrape kvflow with a real Prometheus (Debian package); they skip without it.
+prometheus:
+	@command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+		|| echo "prometheus could not be installed: its exporter test will be skipped"
+
+pytest: $(STAMP) prometheus
 	$(PY) -m pytest -q
 
 test: lint typecheck pytest
