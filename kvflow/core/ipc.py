@@ -11,6 +11,7 @@ PyCUDA is imported lazily: CPU-only installs never need it.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from kvflow.core.protocol import CudaIpcMemory
 
 _lock = threading.Lock()
 _contexts: dict[int, Any] = {}
+#: IPC handle -> its open mapping, while any tensor views it (a handle opens once per process).
+_mappings: weakref.WeakValueDictionary[bytes, _CudaBytes] = weakref.WeakValueDictionary()
 
 
 def _driver() -> Any:
@@ -97,18 +100,16 @@ class _CudaBytes:
         self._mapping = mapping
 
 
-class IpcOpener:
-    """Opens the IPC handles of one registration, each distinct handle exactly once."""
+def open_cuda_ipc(memory: CudaIpcMemory) -> torch.Tensor:
+    """The whole allocation `memory` lives in, as a uint8 tensor on this process's GPU.
 
-    def __init__(self) -> None:
-        self._opened: dict[bytes, torch.Tensor] = {}
-
-    def open(self, memory: CudaIpcMemory) -> torch.Tensor:
-        """The whole allocation `memory` lives in, as a uint8 tensor on this process's GPU."""
-        cached = self._opened.get(memory.handle)
-        if cached is not None:
-            return cached
-        index = device_index_of(memory.device_uuid)
+    Each handle is opened once; while any tensor views its mapping, opening it
+    again reuses that mapping. The mapping closes when the last view is freed.
+    """
+    index = device_index_of(memory.device_uuid)
+    with _lock:
+        holder = _mappings.get(memory.handle)
+    if holder is None:
         with _DeviceContext(index) as drv:
             try:
                 mapping = drv.IPCMemoryHandle(
@@ -116,11 +117,10 @@ class IpcOpener:
                 )
             except Exception as exc:  # PyCUDA raises its own LogicError/RuntimeError
                 raise InvalidRequestError(f"cannot open CUDA IPC memory handle: {exc}") from None
-        raw = torch.as_tensor(
-            _CudaBytes(int(mapping), memory.alloc_size, mapping), device=f"cuda:{index}"
-        )
-        self._opened[memory.handle] = raw
-        return raw
+        holder = _CudaBytes(int(mapping), memory.alloc_size, mapping)
+        with _lock:
+            _mappings[memory.handle] = holder
+    return torch.as_tensor(holder, device=f"cuda:{index}")
 
 
 def make_interprocess_event() -> torch.cuda.Event:

@@ -9,7 +9,7 @@ view it. Every description is bounds-checked against the memory it names.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,7 +92,6 @@ class OpenedKVCaches:
 
     kv_caches: Any
     cuda_device: int | None = None
-    _ipc: Any = field(default=None, repr=False)
 
 
 def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
@@ -101,7 +100,6 @@ def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
         raise InvalidRequestError(
             f"kv_caches must hold 1..{MAX_TENSORS} tensors, got {len(desc.tensors)}"
         )
-    opener = None
     shm_cache: dict[str, torch.Tensor] = {}
     devices: set[int] = set()
     tensors = []
@@ -113,10 +111,9 @@ def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
                 shm_cache[memory.name] = map_shared(memory)
             raw = shm_cache[memory.name]
         else:
-            from kvflow.core.ipc import IpcOpener
+            from kvflow.core.ipc import open_cuda_ipc
 
-            opener = opener or IpcOpener()
-            raw = opener.open(memory)
+            raw = open_cuda_ipc(memory)
             devices.add(raw.device.index or 0)
         tensors.append(view_described(raw, tdesc, f"kv_caches tensor {i}"))
     if desc.kind == "tensor":
@@ -131,7 +128,7 @@ def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
         kv_caches = (tensors[: desc.split], tensors[desc.split :])
     if len(devices) > 1:
         raise InvalidRequestError(f"kv_caches span several GPUs {sorted(devices)}, expected one")
-    return OpenedKVCaches(kv_caches, next(iter(devices), None), opener)
+    return OpenedKVCaches(kv_caches, next(iter(devices), None))
 
 
 def view_described(raw: torch.Tensor, tdesc: TensorDesc, where: str) -> torch.Tensor:

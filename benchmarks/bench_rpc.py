@@ -1,0 +1,115 @@
+"""RPC cost of `lookup` through a real `kvflow server` process.
+
+Starts a server subprocess, registers a small shared-memory KV cache, stores a
+long prompt (default 128,000 tokens = 500 chunks of 256), then times lookups of
+that prompt and of a short one: client round trip and the server's own handling
+time (decode, engine lookup, reply) as reported in each reply. Run:
+    python benchmarks/bench_rpc.py [--iterations N] [--tokens N] [--observability on|off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from kvflow.core import KVFlowClient, empty_shared
+
+BLOCK = 16
+
+
+def start_server(observability: bool) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--prometheus-port", "0"]
+    cmd += ["--l1-size-gb", "0.5", "--log-format", "console", "--disable-logging"]
+    if not observability:
+        cmd.append("--disable-observability")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    match = re.search(r"listening on (tcp://\S+)", line)
+    if not match:
+        proc.kill()
+        raise SystemExit(f"server did not start: {line}{proc.stderr.read()}")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining its log
+    return proc, match.group(1)
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    arr = np.asarray(samples) * 1e6
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def time_lookups(
+    client: KVFlowClient, tokens: np.ndarray, n: int, request_id: str | None
+) -> tuple[list[float], list[float], int]:
+    """Round-trip and server-side seconds of `n` lookups (after a few warm-up calls)."""
+    for _ in range(5):
+        hit = client.lookup(tokens, model_name="bench", request_id=request_id)
+    rtt, server = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        hit = client.lookup(tokens, model_name="bench", request_id=request_id)
+        rtt.append(time.perf_counter() - t0)
+        server.append(client.last_server_time_s)
+    return rtt, server, hit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--tokens", type=int, default=128_000)
+    parser.add_argument("--short-tokens", type=int, default=512)
+    parser.add_argument("--observability", choices=("on", "off"), default="on")
+    args = parser.parse_args()
+
+    proc, endpoint = start_server(args.observability == "on")
+    try:
+        client = KVFlowClient(endpoint, timeout_s=60)
+        n_blocks = args.tokens // BLOCK + 1
+        kv = [empty_shared((2, n_blocks, BLOCK, 1, 8), torch.float16)]
+        kv[0].zero_()
+        client.register_kv_caches("bench", kv, model_name="bench")
+        rng = np.random.default_rng(0)
+        long_prompt = rng.integers(0, 128_000, args.tokens, dtype=np.int32)
+        short_prompt = long_prompt[: args.short_tokens].copy()
+        stored = client.store("bench", long_prompt, np.arange(n_blocks - 1), request_id="warm")
+        client.end_session("warm")
+
+        rows = []
+        for label, prompt, rid in (
+            (f"{args.tokens} tokens, no request_id", long_prompt, None),
+            (f"{args.tokens} tokens, same request_id", long_prompt, "session"),
+            (f"{args.short_tokens} tokens, no request_id", short_prompt, None),
+        ):
+            rtt, server, hit = time_lookups(client, prompt, args.iterations, rid)
+            rows.append((label, hit, *percentiles(rtt), *percentiles(server)))
+        list_prompt = long_prompt.tolist()
+        t0 = time.perf_counter()
+        client.lookup(list_prompt, model_name="bench")
+        list_rtt = time.perf_counter() - t0
+        client.unregister("bench")
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs;")
+    print(f"observability {args.observability}; stored {stored} tokens; {args.iterations} calls")
+    print(f"{'lookup':<36} {'hit':>7} {'rtt p50':>9} {'rtt p99':>9} {'srv p50':>9} {'srv p99':>9}")
+    for label, hit, r50, r99, s50, s99 in rows:
+        print(f"{label:<36} {hit:>7} {r50:>7.0f}us {r99:>7.0f}us {s50:>7.0f}us {s99:>7.0f}us")
+    print(
+        f"(one {args.tokens}-token lookup from a Python list: {list_rtt * 1e6:.0f} us round trip)"
+    )
+
+
+if __name__ == "__main__":
+    main()
