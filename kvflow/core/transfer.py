@@ -1,9 +1,8 @@
 """Moving chunk bytes between an instance's KV blocks and L1 objects.
 
 `CpuMover` gathers/scatters straight between CPU caches and L1 bytes.
-`CudaMover` pipelines through GPU staging slots on two streams: the block kernel
-runs on `kernel_stream` while the previous chunk's copy runs on `copy_stream`;
-CUDA events order each slot's reuse, so the host only enqueues and waits once.
+`CudaMover` pipelines through a GPU staging buffer on two streams: the block kernel
+runs on `kernel_stream` while the previous group's host copies run on `copy_stream`.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ import torch
 
 from kvflow.kernels import KVLayout, TransferStream, new_transfer_stream, transfer_blocks
 
-#: GPU bytes a CudaMover may use for staging (at least 2 slots of one chunk each).
+#: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
-MAX_SLOTS = 4
+#: Most chunks moved by one kernel launch.
+MAX_GROUP = 8
 
 
 class Mover(Protocol):
@@ -77,27 +77,32 @@ class CpuMover:
 
 
 class CudaMover:
-    """Pipelined GPU moves: staging slots, a kernel stream and a copy stream."""
+    """Pipelined GPU moves through two halves of a staging buffer, on two streams.
+
+    Chunks go in groups of `group` (one kernel launch each); group j uses half j % 2,
+    so the kernel for group j+1 runs while group j's host copies drain. Events order
+    each half's reuse on the GPU: the host only enqueues, then waits once.
+    """
 
     def __init__(self, layout: KVLayout, chunk_nbytes: int) -> None:
         self.layout = layout
         self.device = layout.device
         self.chunk_nbytes = chunk_nbytes
-        self.n_slots = max(2, min(MAX_SLOTS, STAGING_BUDGET_BYTES // max(chunk_nbytes, 1)))
+        self.group = max(1, min(MAX_GROUP, STAGING_BUDGET_BYTES // (2 * max(chunk_nbytes, 1))))
         self.kernel_stream: TransferStream = new_transfer_stream(self.device)
         self.copy_stream: TransferStream = new_transfer_stream(self.device)
         self.store_stream = self.copy_stream
         self.retrieve_stream = self.kernel_stream
         self._staging: torch.Tensor | None = None
-        self._filled = [torch.cuda.Event() for _ in range(self.n_slots)]
-        self._drained = [torch.cuda.Event() for _ in range(self.n_slots)]
+        self._filled = [torch.cuda.Event(), torch.cuda.Event()]
+        self._drained = [torch.cuda.Event(), torch.cuda.Event()]
 
-    def _slots(self) -> torch.Tensor:
+    def _halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staging is None:
             self._staging = torch.empty(
-                (self.n_slots, self.chunk_nbytes), dtype=torch.uint8, device=self.device
+                (2, self.group, self.chunk_nbytes), dtype=torch.uint8, device=self.device
             )
-        return self._staging
+        return self._staging[0], self._staging[1]
 
     def _after_caller(self, stream: TransferStream) -> None:
         """Order our first step after the caller's pending work on its current stream."""
@@ -106,45 +111,49 @@ class CudaMover:
         stream.torch.wait_event(ready)
 
     def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
-        staging = self._slots()
+        halves = self._halves()
         ks, cs = self.kernel_stream, self.copy_stream
-        ids = block_ids.to(self.device, non_blocking=True)
         self._after_caller(ks)
-        for c, dst in enumerate(dsts):
-            s = c % self.n_slots
-            if c >= self.n_slots:
-                ks.torch.wait_event(self._drained[s])
+        for j, start in enumerate(range(0, len(dsts), self.group)):
+            h = j % 2
+            stop = min(start + self.group, len(dsts))
+            stage = halves[h][: stop - start]
+            if j >= 2:
+                ks.torch.wait_event(self._drained[h])
             transfer_blocks(
-                self.layout, staging[s : s + 1], ids[c : c + 1], direction="gather",
-                backend="cuda", stream=ks,
+                self.layout, stage, block_ids[start:stop], direction="gather", backend="cuda",
+                stream=ks,
             )  # fmt: skip
-            self._filled[s].record(ks.torch)
-            cs.torch.wait_event(self._filled[s])
+            self._filled[h].record(ks.torch)
+            cs.torch.wait_event(self._filled[h])
             with torch.cuda.stream(cs.torch):
-                dst.copy_(staging[s], non_blocking=True)
-            self._drained[s].record(cs.torch)
+                for i in range(stop - start):
+                    dsts[start + i].copy_(stage[i], non_blocking=True)
+            self._drained[h].record(cs.torch)
 
     def retrieve(
         self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
     ) -> None:
-        staging = self._slots()
+        halves = self._halves()
         ks, cs = self.kernel_stream, self.copy_stream
-        ids = block_ids.to(self.device, non_blocking=True)
         self._after_caller(cs)
-        for c, src in enumerate(srcs):
-            s = c % self.n_slots
-            if c >= self.n_slots:
-                cs.torch.wait_event(self._drained[s])
+        for j, start in enumerate(range(0, len(srcs), self.group)):
+            h = j % 2
+            stop = min(start + self.group, len(srcs))
+            stage = halves[h][: stop - start]
+            if j >= 2:
+                cs.torch.wait_event(self._drained[h])
             with torch.cuda.stream(cs.torch):
-                staging[s].copy_(src, non_blocking=True)
-            self._filled[s].record(cs.torch)
-            ks.torch.wait_event(self._filled[s])
+                for i in range(stop - start):
+                    stage[i].copy_(srcs[start + i], non_blocking=True)
+            self._filled[h].record(cs.torch)
+            ks.torch.wait_event(self._filled[h])
+            skips = list(skip_blocks[start:stop])
             transfer_blocks(
-                self.layout, staging[s : s + 1], ids[c : c + 1], direction="scatter",
-                skip_blocks=[skip_blocks[c]] if skip_blocks[c] else None, backend="cuda",
-                stream=ks,
+                self.layout, stage, block_ids[start:stop], direction="scatter",
+                skip_blocks=skips if any(skips) else None, backend="cuda", stream=ks,
             )  # fmt: skip
-            self._drained[s].record(ks.torch)
+            self._drained[h].record(ks.torch)
 
     def wait(self) -> None:
         self.kernel_stream.synchronize()

@@ -1,0 +1,237 @@
+"""CacheEngine store/retrieve throughput vs a pinned memcpy of the same bytes, obs on vs off.
+
+Per case (format, realistic model shape, page size) it checks a round trip bit for
+bit, then times, interleaved: a contiguous pinned D2H and H2D copy of one op's bytes
+(the ceiling), and `store` (fresh tokens every time, so every chunk is written and L1
+evicts) and `retrieve` (the same hit prefix every time) on two engines sharing the
+cache: observability off, and on (metrics with a Prometheus endpoint, L0 sampling 1%,
+logging, GPU-stamped END events). Wall-clock per call, median of the repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.engine import CacheEngine
+from kvflow.core.tally import OpTally
+from kvflow.events import EventType
+from kvflow.kernels import KVFormat, KVLayout, cuda_available, transfer_blocks
+from kvflow.kernels.testing import make_kv_caches
+
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine configuration: cache format and shape, chunk size, chunks per op."""
+
+    name: str
+    fmt: KVFormat
+    layers: int
+    heads: int
+    head_size: int
+    block: int
+    chunk: int
+    chunks: int
+    noncontiguous: bool = False
+
+
+CASES = [
+    Case("fa-bf16-bs16", KVFormat.VLLM_FLASH_ATTN, 32, 8, 128, 16, 256, 16),
+    Case("fi-bf16-HND-bs16", KVFormat.VLLM_FLASHINFER, 32, 8, 128, 16, 256, 16, True),
+    Case("cross-bf16-bs16", KVFormat.VLLM_CROSS_LAYER, 32, 8, 128, 16, 256, 16),
+    Case("sgl-mha-bf16-bs1", KVFormat.SGLANG_MHA, 32, 8, 128, 1, 256, 16),
+    Case("mla-bf16-576-bs64", KVFormat.VLLM_MLA, 61, 1, 576, 64, 256, 32),
+    Case("sgl-mla-bf16-576-bs1", KVFormat.SGLANG_MLA, 61, 1, 576, 1, 256, 32),
+    Case("fa-bf16-bs1024", KVFormat.VLLM_FLASH_ATTN, 32, 8, 128, 1024, 1024, 4),
+    Case("mla-bf16-576-bs1024", KVFormat.VLLM_MLA, 61, 1, 576, 1024, 1024, 8),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _engine(case: Case, l1_bytes: int, observe: bool) -> CacheEngine:
+    obs = (
+        ObservabilityConfig(prometheus_port=_free_port(), l0_sample_rate=0.01)
+        if observe
+        else ObservabilityConfig(enabled=False)
+    )
+    return CacheEngine(
+        ServerConfig(chunk_size=case.chunk, l1_size_gb=l1_bytes / 2**30, observability=obs)
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _check_round_trip(
+    engine: CacheEngine, layout: KVLayout, src: list[int], dst: list[int], case: Case
+) -> None:
+    """Store from `src` blocks, retrieve into `dst` blocks; the bytes must match exactly."""
+    tokens = np.arange(2 * case.chunk, dtype=np.int32) + 2_000_000_000
+    engine.store("bench", tokens, src, request_id="check")
+    assert engine.retrieve("bench", tokens, dst, request_id="check") == 2 * case.chunk
+    n = len(tokens) // case.block
+    rows = []
+    for ids in (src[:n], dst[:n]):
+        out = torch.empty((n, layout.chunk_nbytes(case.block)), dtype=torch.uint8,
+                          device=layout.device)  # fmt: skip
+        block_ids = torch.tensor(ids, dtype=torch.int64).view(-1, 1)
+        transfer_blocks(layout, out, block_ids, direction="gather", backend="cpu")
+        rows.append(out)
+    if not torch.equal(rows[0], rows[1]):
+        raise AssertionError(f"{case.name}: retrieved blocks differ from the stored ones")
+
+
+def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
+    """Check and time one case; returns its row of figures."""
+    per_chunk = case.chunk // case.block
+    blocks = case.chunks * per_chunk
+    kv, kw = make_kv_caches(
+        case.fmt, num_layers=case.layers, num_blocks=2 * blocks, block_size=case.block,
+        num_heads=case.heads, head_size=case.head_size, dtype=BF16,
+        noncontiguous=case.noncontiguous, device=device,
+    )  # fmt: skip
+    layout = KVLayout.from_kv_caches(kv, **kw)
+    op_bytes = case.chunks * layout.chunk_nbytes(case.chunk)
+    perm = torch.randperm(2 * blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    src, dst = perm[:blocks], perm[blocks:]
+    engines = {
+        "off": _engine(case, 3 * op_bytes, observe=False),
+        "on": _engine(case, 3 * op_bytes, observe=True),
+    }
+    tally = OpTally()
+    engines["on"].bus.register(tally)
+    for engine in engines.values():
+        engine.register_kv_caches("bench", kv, model_name=case.name, **kw)
+    _check_round_trip(engines["off"], layout, src, dst, case)
+
+    pinned = device.type == "cuda"
+    host = torch.empty(op_bytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(op_bytes, dtype=torch.uint8, device=device)
+    fixed = np.arange(case.chunks * case.chunk, dtype=np.int32)
+    times: dict[str, list[float]] = {k: [] for k in (
+        "d2h", "h2d", "store_off", "store_on", "retrieve_off", "retrieve_on")}  # fmt: skip
+    for engine in engines.values():
+        engine.store("bench", fixed, src, request_id="fixed")
+    warmup = 3
+    for rep in range(warmup + reps):
+        fresh = fixed + (rep + 1) * 1_000_000
+        sample = {
+            "d2h": _timed(lambda: host.copy_(dev, non_blocking=True), device),
+            "h2d": _timed(lambda: dev.copy_(host, non_blocking=True), device),
+        }
+        for mode, engine in engines.items():
+            rid = f"{mode}{rep}"
+            sample[f"store_{mode}"] = _timed(
+                lambda e=engine, t=fresh, r=rid: e.store("bench", t, src, request_id=r), device
+            )
+            sample[f"retrieve_{mode}"] = _timed(
+                lambda e=engine, r=rid: e.retrieve("bench", fixed, dst, request_id=r), device
+            )
+        if rep >= warmup:
+            for k, v in sample.items():
+                times[k].append(v)
+    on = engines["on"]
+    on.bus.flush(10.0)
+    stats = on.bus.stats()
+    evicted = on.l1_stats()["evicted_chunks"]
+    for engine in engines.values():
+        engine.close()
+    gbps = {k: op_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    return {
+        "case": case.name,
+        "format": case.fmt.value,
+        "chunk_mib": layout.chunk_nbytes(case.chunk) / 2**20,
+        "op_mib": op_bytes / 2**20,
+        "gbps": gbps,
+        "store_vs_copy": gbps["store_off"] / gbps["d2h"],
+        "retrieve_vs_copy": gbps["retrieve_off"] / gbps["h2d"],
+        "store_on_off": gbps["store_on"] / gbps["store_off"],
+        "retrieve_on_off": gbps["retrieve_on"] / gbps["retrieve_off"],
+        "open_ops": tally.open_ops(),
+        "ops_seen": sum(t.ops for t in tally.snapshot().values()),
+        "dropped": stats.total_dropped,
+        "evicted_chunks": evicted,
+        "stream_stamped": on.bus.stamper is not None,
+        "ends": stats.published.get(EventType.STORE_END, 0),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per case: ceiling, engine off/on GB/s and the two target ratios."""
+    head = (
+        f"{'case':<22}{'op MiB':>7}{'d2h':>6}{'st off':>7}{'st on':>6}{'st/cp':>6}{'on/off':>7}"
+        f"{'h2d':>6}{'rt off':>7}{'rt on':>6}{'rt/cp':>6}{'on/off':>7}{'drop':>5}{'open':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        g = r["gbps"]
+        print(
+            f"{r['case']:<22}{r['op_mib']:>7.0f}{g['d2h']:>6.1f}{g['store_off']:>7.1f}"
+            f"{g['store_on']:>6.1f}{r['store_vs_copy']:>6.2f}{r['store_on_off']:>7.3f}"
+            f"{g['h2d']:>6.1f}{g['retrieve_off']:>7.1f}{g['retrieve_on']:>6.1f}"
+            f"{r['retrieve_vs_copy']:>6.2f}{r['retrieve_on_off']:>7.3f}"
+            f"{r['dropped']:>5}{r['open_ops']:>5}"
+        )
+
+
+def main() -> None:
+    """Run every case (or those named) and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", help="case names to run (default: all)")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--small", action="store_true",
+                        help="4 layers and 2 chunks per op: a quick CPU sanity run")  # fmt: skip
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+    use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
+    if use_cuda and not cuda_available():
+        raise SystemExit("bench_engine --device cuda needs a CUDA GPU and pycuda")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    rows = []
+    for case in CASES:
+        if args.cases and case.name not in args.cases:
+            continue
+        if args.small:
+            case = replace(case, layers=4, chunks=2)
+        rows.append(run_case(case, device, args.reps))
+        if use_cuda:
+            torch.cuda.empty_cache()
+    where = torch.cuda.get_device_name() if use_cuda else "CPU (no pinned memory)"
+    print(f"device: {where}; GB/s = bytes moved per op / median wall time per op")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
