@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvflow.kernels import KVFormat, KVLayout, cuda_available, new_transfer_stream
-from kvflow.kernels.cuda_backend import launch_transfer
+from kvflow.kernels.cuda_backend import DEFAULT_TUNING, KernelTuning, launch_transfer
 from kvflow.kernels.plan import build_plan
 from kvflow.kernels.reference import transfer_reference
 from kvflow.kernels.streams import TransferStream
@@ -96,6 +96,15 @@ CASES = [
 ]
 
 
+VARIANTS = {
+    "default": DEFAULT_TUNING,
+    "iters2": KernelTuning(iters=2),
+    "iters4": KernelTuning(iters=4),
+    "lane128": KernelTuning(lane_bytes=128),
+    "no-cs": KernelTuning(streaming=False),
+}
+
+
 def _time_ms(fn: Callable[[], object], stream: TransferStream, reps: int, rounds: int = 5) -> float:
     """Median over rounds of the mean GPU time per call, with reps calls queued back to back."""
     with torch.cuda.stream(stream.torch):
@@ -114,8 +123,10 @@ def _time_ms(fn: Callable[[], object], stream: TransferStream, reps: int, rounds
     return statistics.median(samples)
 
 
-def run_case(case: Case, stream: TransferStream, torch_reps: int) -> dict[str, Any]:
-    """Time one case; returns its row of figures."""
+def run_case(
+    case: Case, stream: TransferStream, torch_reps: int, variants: list[str]
+) -> list[dict[str, Any]]:
+    """Time one case: the copy and torch once, the kernel per tuning variant (one row each)."""
     per_chunk = case.chunk_tokens // case.cache["block_size"]
     blocks = case.chunks * per_chunk
     caches, kw = make_kv_caches(case.fmt, num_blocks=2 * blocks, device="cuda", **case.cache)
@@ -127,45 +138,66 @@ def run_case(case: Case, stream: TransferStream, torch_reps: int) -> dict[str, A
     staging = torch.randint(0, 256, (case.chunks, nbytes), dtype=torch.uint8, device="cuda")
     copy_src = torch.randint(0, 256, (case.chunks * nbytes,), dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
-    plan = build_plan(layout, case.chunk_tokens, max_vector_bytes=case.max_vec)
     moved = case.chunks * nbytes
-
-    def kernel(gather: bool) -> Callable[[], object]:
-        return lambda: launch_transfer(
-            layout, staging, ids, skip, gather=gather, stream=stream, max_vector_bytes=case.max_vec
-        )
+    reps = max(3, min(50, int(2e10 // moved)))
 
     def reference(gather: bool) -> Callable[[], object]:
         return lambda: transfer_reference(layout, staging, ids, skip, gather=gather)
 
-    reps = max(3, min(50, int(2e10 // moved)))
-    ms = {
-        "gather": _time_ms(kernel(True), stream, reps),
-        "scatter": _time_ms(kernel(False), stream, reps),
+    base_ms = {
         "copy": _time_ms(lambda: copy_dst.copy_(copy_src), stream, reps),
         "torch_gather": _time_ms(reference(True), stream, torch_reps, rounds=3),
         "torch_scatter": _time_ms(reference(False), stream, torch_reps, rounds=3),
     }
-    gbps = {k: 2 * moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
-    return {
-        "case": case.name,
-        "format": case.fmt.value,
-        "dtype": str(case.cache["dtype"]).removeprefix("torch."),
-        "block_bytes": plan.groups[0].seg_bytes,
-        "vec": plan.groups[0].vec_bytes,
-        "contiguous": plan.groups[0].contiguous,
-        "mb_moved": moved / 2**20,
-        "ms": ms,
-        "gbps": gbps,
-        "gather_vs_copy": gbps["gather"] / gbps["copy"],
-        "scatter_vs_copy": gbps["scatter"] / gbps["copy"],
-    }
+    rows = []
+    for variant in variants:
+        tuning = VARIANTS[variant]
+
+        def kernel(gather: bool, tuning: KernelTuning = tuning) -> Callable[[], object]:
+            return lambda: launch_transfer(
+                layout,
+                staging,
+                ids,
+                skip,
+                gather=gather,
+                stream=stream,
+                max_vector_bytes=case.max_vec,
+                tuning=tuning,
+            )
+
+        ms = {
+            "gather": _time_ms(kernel(True), stream, reps),
+            "scatter": _time_ms(kernel(False), stream, reps),
+            **base_ms,
+        }
+        gbps = {k: 2 * moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
+        plans = [
+            build_plan(layout, case.chunk_tokens, gather=g, max_vector_bytes=case.max_vec)
+            for g in (True, False)
+        ]
+        rows.append(
+            {
+                "case": case.name,
+                "variant": variant,
+                "format": case.fmt.value,
+                "dtype": str(case.cache["dtype"]).removeprefix("torch."),
+                "block_bytes": plans[0].groups[0].seg_bytes,
+                "vec": plans[0].groups[0].vec_bytes,
+                "order": [p.groups[0].linear for p in plans],
+                "mb_moved": moved / 2**20,
+                "ms": ms,
+                "gbps": gbps,
+                "gather_vs_copy": gbps["gather"] / gbps["copy"],
+                "scatter_vs_copy": gbps["scatter"] / gbps["copy"],
+            }
+        )
+    return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per case: kernel, copy and torch GB/s and the kernel/copy ratios."""
     head = (
-        f"{'case':<22}{'block':>8}{'vec':>4}{'MB':>6}{'gather':>8}{'scatter':>8}{'copy':>7}"
+        f"{'case':<22}{'variant':<9}{'block':>8}{'vec':>4}{'MB':>6}{'gather':>8}{'scatter':>8}{'copy':>7}"
         f"{'g/copy':>7}{'s/copy':>7}{'torch g':>8}{'torch s':>8}"
     )
     print(head)
@@ -173,7 +205,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         g = r["gbps"]
         print(
-            f"{r['case']:<22}{r['block_bytes']:>8}{r['vec']:>4}{r['mb_moved']:>6.0f}"
+            f"{r['case']:<22}{r['variant']:<9}{r['block_bytes']:>8}{r['vec']:>4}{r['mb_moved']:>6.0f}"
             f"{g['gather']:>8.0f}{g['scatter']:>8.0f}{g['copy']:>7.0f}"
             f"{r['gather_vs_copy']:>7.2f}{r['scatter_vs_copy']:>7.2f}"
             f"{g['torch_gather']:>8.0f}{g['torch_scatter']:>8.0f}"
@@ -185,6 +217,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", help="case names to run (default: all)")
     parser.add_argument("--torch-reps", type=int, default=3)
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=["default"],
+        choices=sorted(VARIANTS),
+        help="kernel tuning variants to compare (default: the shipped tuning)",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     if not cuda_available():
@@ -194,7 +233,7 @@ def main() -> None:
     for case in CASES:
         if args.cases and case.name not in args.cases:
             continue
-        rows.append(run_case(case, stream, args.torch_reps))
+        rows += run_case(case, stream, args.torch_reps, args.variants)
         torch.cuda.empty_cache()
     print(f"GPU: {torch.cuda.get_device_name()}  (GB/s = (read + write) / time)")
     print_table(rows)

@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from kvflow.kernels.layout import KVLayout
-from kvflow.kernels.loader import active_context, cuda_available, get_function
+from kvflow.kernels.loader import DEFAULT_OPTIONS, active_context, cuda_available, get_function
 from kvflow.kernels.plan import (
+    DEFAULT_LANE_BYTES,
     MAX_NUMERATOR,
     THREADS_PER_CTA,
     WARPS_PER_CTA,
@@ -20,9 +21,34 @@ from kvflow.kernels.plan import (
 from kvflow.kernels.streams import TransferStream, default_transfer_stream
 
 KERNEL_SOURCE = "block_transfer.cu"
-KERNEL_NAME = "kvf_block_transfer"
+KERNEL_GENERAL = "kvf_block_transfer"
+KERNEL_LINEAR = "kvf_block_transfer_linear"  # same template, every group contiguous
 _ARG_TYPES = [np.uintp] * 6 + [np.uint32, np.uint32]
 _prepared: set[int] = set()
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Build-time knobs of the kernel (defaults measured best; benchmarks compare others).
+
+    lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
+    streaming: .cs (evict-first) loads and stores instead of default caching.
+    """
+
+    lane_bytes: int = DEFAULT_LANE_BYTES
+    iters: int = 1
+    streaming: bool = True
+
+    def options(self) -> tuple[str, ...]:
+        """nvcc options selecting this build."""
+        return (
+            *DEFAULT_OPTIONS,
+            f"-DKVF_LANE_BYTES={self.lane_bytes}",
+            f"-DKVF_STREAMING={int(self.streaming)}",
+        )
+
+
+DEFAULT_TUNING = KernelTuning()
 
 
 @dataclass(frozen=True)
@@ -34,17 +60,26 @@ class DevicePlan:
 
 
 def device_plan(
-    layout: KVLayout, chunk_tokens: int, staging_alignment: int, max_vector_bytes: int
+    layout: KVLayout,
+    chunk_tokens: int,
+    *,
+    gather: bool,
+    staging_alignment: int,
+    max_vector_bytes: int,
+    tuning: KernelTuning,
 ) -> DevicePlan:
     """The plan for these parameters, built and uploaded on first use, cached on the layout."""
-    key = ("cuda", chunk_tokens, staging_alignment, max_vector_bytes)
+    key = ("cuda", chunk_tokens, gather, staging_alignment, max_vector_bytes, tuning)
     found = layout.plan_cache.get(key)
     if found is None:
         plan = build_plan(
             layout,
             chunk_tokens,
+            gather=gather,
             staging_alignment=staging_alignment,
             max_vector_bytes=max_vector_bytes,
+            lane_bytes=tuning.lane_bytes,
+            iters=tuning.iters,
         )
         table = torch.from_numpy(plan.table).to(layout.device)  # synchronous upload
         found = DevicePlan(plan, table)
@@ -62,12 +97,14 @@ def launch_transfer(
     gather: bool,
     stream: TransferStream | None = None,
     max_vector_bytes: int = 16,
+    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> TransferPlan | None:
     """Enqueue one kernel launch for all chunks (arguments already validated).
 
     block_ids / skip_blocks are CPU int64 ([chunks, per_chunk] / [chunks]). Returns the
     plan used (its per-group vector widths), or None when there was nothing to move.
-    ``max_vector_bytes`` caps the vector width (tests and benchmarks force each path).
+    ``max_vector_bytes`` caps the vector width (tests and benchmarks force each path);
+    ``tuning`` selects a kernel build (benchmarks).
     """
     if layout.device.type != "cuda":
         raise ValueError(f"the cuda backend needs a CUDA cache; the layout is on {layout.device}")
@@ -88,14 +125,17 @@ def launch_transfer(
     dplan = device_plan(
         layout,
         per_chunk * layout.block_size,
-        pow2_alignment(staging.data_ptr()),
-        max_vector_bytes,
+        gather=gather,
+        staging_alignment=pow2_alignment(staging.data_ptr()),
+        max_vector_bytes=max_vector_bytes,
+        tuning=tuning,
     )
     plan = dplan.plan
     num_tiles = num_chunks * plan.tiles_per_chunk
     if num_tiles >= MAX_NUMERATOR:
         raise ValueError(f"{num_chunks} chunks exceed one launch ({num_tiles} warp tiles)")
-    function = get_function(index, KERNEL_SOURCE, KERNEL_NAME)
+    name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
+    function = get_function(index, KERNEL_SOURCE, name, tuning.options())
     if id(function) not in _prepared:
         function.prepare(_ARG_TYPES)
         _prepared.add(id(function))

@@ -23,7 +23,8 @@ DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
 _lock = threading.RLock()
 _contexts: dict[int, Any] = {}
-_functions: dict[tuple[int, str, str, tuple[str, ...]], tuple[Any, Any]] = {}
+_modules: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+_functions: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
 
 
 @functools.cache
@@ -80,27 +81,33 @@ def get_function(
     """The compiled kernel ``name`` from ``csrc/<source>`` for this device's architecture."""
     ctx = primary_context(device_index)
     key = (int(ctx.handle), source, name, tuple(options))
-    found = _functions.get(key)
-    if found is not None:
-        return found[1]
-    with _lock:
-        found = _functions.get(key)
-        if found is None:
-            from pycuda.compiler import SourceModule
+    function = _functions.get(key)
+    if function is None:
+        with _lock:
+            module = _module(device_index, int(ctx.handle), source, tuple(options))
+            function = _functions.setdefault(key, module.get_function(name))
+    return function
 
-            major, minor = torch.cuda.get_device_capability(device_index)
-            cache = kernel_cache_dir()
-            cache.mkdir(parents=True, exist_ok=True)
-            text = (CSRC_DIR / source).read_text()
-            with active_context(device_index), FileLock(str(cache / "build.lock")):
-                module = SourceModule(
-                    text,
-                    arch=f"sm_{major}{minor}",
-                    no_extern_c=True,
-                    options=list(options),
-                    cache_dir=str(cache),
-                    include_dirs=[str(CSRC_DIR)],
-                )
-            found = (module, module.get_function(name))
-            _functions[key] = found
-    return found[1]
+
+def _module(device_index: int, ctx_handle: int, source: str, options: tuple[str, ...]) -> Any:
+    """Compile (or load from the disk cache) one .cu file once per context and options."""
+    key = (ctx_handle, source, options)
+    module = _modules.get(key)
+    if module is None:
+        from pycuda.compiler import SourceModule
+
+        major, minor = torch.cuda.get_device_capability(device_index)
+        cache = kernel_cache_dir()
+        cache.mkdir(parents=True, exist_ok=True)
+        text = (CSRC_DIR / source).read_text()
+        with active_context(device_index), FileLock(str(cache / "build.lock")):
+            module = SourceModule(
+                text,
+                arch=f"sm_{major}{minor}",
+                no_extern_c=True,
+                options=list(options),
+                cache_dir=str(cache),
+                include_dirs=[str(CSRC_DIR)],
+            )
+        _modules[key] = module
+    return module

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.kernels.layout import KVLayout
+from kvflow.kernels.layout import KVLayout, LayerGroup, StrideDesc
 
 WARP = 32
 WARPS_PER_CTA = 8
@@ -28,6 +28,8 @@ HEADER = np.dtype(
         ("tiles_per_chunk", FASTDIV),
         ("per_chunk_div", FASTDIV),
         ("chunk_bytes", "<i8"),
+        ("iters", "<u4"),
+        ("pad", "<u4"),
     ],
     align=True,
 )
@@ -36,33 +38,33 @@ GROUP = np.dtype(
         ("stage_offset", "<i8"),
         ("layer_stage_bytes", "<i8"),
         ("seg_bytes", "<i8"),
+        ("stage_outer", "<i8"),
+        ("stage_inner", "<i8"),
         ("tile_begin", "<u4"),
         ("tile_end", "<u4"),
         ("first_entry", "<u4"),
         ("vec_log2", "<u4"),
         ("seg_vecs", "<u4"),
-        ("contiguous", "<u4"),
+        ("linear", "<u4"),
         ("tiles_per_seg", FASTDIV),
         ("num_layers", FASTDIV),
         ("run_vecs", FASTDIV),
-        ("runs_per_token", FASTDIV),
+        ("inner", FASTDIV),
     ],
     align=True,
 )
 ENTRY = np.dtype(
-    [("base", "<i8"), ("s_block", "<i8"), ("s_token", "<i8"), ("s_run", "<i8")], align=True
+    [("base", "<i8"), ("s_block", "<i8"), ("s_outer", "<i8"), ("s_inner", "<i8")], align=True
 )
+LINEAR_BOTH, LINEAR_STAGE, LINEAR_CACHE = 0, 1, 2  # which side is linear in the vector index
+DEFAULT_LANE_BYTES = 64
 HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 
-def unroll(vec_bytes: int) -> int:
-    """Vectors each lane moves per warp tile: 64 bytes per lane, at least 4, at most 16."""
-    return min(16, max(4, 64 // vec_bytes))
-
-
-def tile_vectors(vec_bytes: int) -> int:
-    """Vectors in one warp tile (the kernel's unit of work)."""
-    return WARP * unroll(vec_bytes)
+def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) -> int:
+    """Vectors per lane per unrolled step, as the kernel's ``unroll<VEC, LIN>()``."""
+    most = 16 if linear == LINEAR_BOTH else 8
+    return min(most, max(4, lane_bytes // vec_bytes))
 
 
 def fast_divisor(d: int) -> tuple[int, int, int]:
@@ -93,12 +95,17 @@ def pow2_alignment(value: int, cap: int = 16) -> int:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """How one layer group is copied: vector width and how cache runs are addressed."""
+    """How one layer group is copied: vector width and the order vectors are visited in.
+
+    A segment (one block of one (kv, layer)) is cut into runs contiguous on both sides;
+    run r sits at (outer, inner) = divmod(r, inner) with a byte stride per index and side.
+    """
 
     vec_bytes: int
-    contiguous: bool  # one cache block of one (kv, layer) is a single contiguous run
-    run_bytes: int  # contiguous bytes per cache run (whole block, token row or head)
-    runs_per_token: int
+    linear: int  # LINEAR_BOTH / LINEAR_STAGE / LINEAR_CACHE: side(s) linear in the vector index
+    run_bytes: int
+    inner: int  # runs per outer index
+    stage_strides: tuple[int, int]  # (outer, inner) byte strides in staging
     seg_bytes: int
     tiles_per_seg: int
     tile_begin: int
@@ -107,35 +114,65 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """Geometry of every group for one chunk size, plus the packed descriptor table."""
+    """Geometry of every group for one chunk size and direction, plus the packed table."""
 
     chunk_tokens: int
     blocks_per_chunk: int
     chunk_bytes: int
     tiles_per_chunk: int
     groups: tuple[GroupPlan, ...]
-    table: np.ndarray  # uint8 bytes: header | group descs | (layer, kv) entries
+    table: np.ndarray  # uint8 bytes: header | group descs | (kv, layer) entries
     groups_offset: int
     entries_offset: int
+
+    @property
+    def all_linear(self) -> bool:
+        """Every group is contiguous on both sides: the lean kernel instantiation suffices."""
+        return all(g.linear == LINEAR_BOTH for g in self.groups)
+
+
+def _order(
+    group: LayerGroup, descs: list[StrideDesc], block_size: int, gather: bool
+) -> tuple[int, int, int, tuple[int, int], list[tuple[int, int]]]:
+    """(linear, run_bytes, inner, staging strides, cache strides per entry) for one group.
+
+    Runs are merged as far as both sides are contiguous. Otherwise vectors follow the
+    staging order (token, head), except that a scatter into a head-major (HND) block
+    follows the cache order (head, token), so the destination is written linearly.
+    """
+    hb, row = group.head_bytes, group.row_bytes
+    heads_merged = group.num_heads == 1 or all(d.head == hb for d in descs)
+    if heads_merged and (block_size == 1 or all(d.token == row for d in descs)):
+        return LINEAR_BOTH, block_size * row, 1, (0, 0), [(0, 0)] * len(descs)
+    if heads_merged:
+        return LINEAR_STAGE, row, 1, (row, 0), [(d.token, 0) for d in descs]
+    head_major = all(d.token == hb and d.head == block_size * hb for d in descs)
+    if head_major and not gather:
+        return LINEAR_CACHE, hb, block_size, (hb, row), [(d.head, d.token) for d in descs]
+    return LINEAR_STAGE, hb, group.num_heads, (row, hb), [(d.token, d.head) for d in descs]
 
 
 def build_plan(
     layout: KVLayout,
     chunk_tokens: int,
     *,
+    gather: bool = True,
     staging_alignment: int = 16,
     max_vector_bytes: int = 16,
+    lane_bytes: int = DEFAULT_LANE_BYTES,
+    iters: int = 1,
 ) -> TransferPlan:
-    """Plan a transfer of ``chunk_tokens``-token chunks; vector widths capped as given.
+    """Plan a transfer of ``chunk_tokens``-token chunks in one direction.
 
-    Each group gets the widest vector of 16/8/4/2/1 bytes dividing its contiguous run and
-    every address it touches (cache bases and strides, staging offsets).
+    Each group gets the widest vector of 16/8/4/2/1 bytes (at most ``max_vector_bytes``)
+    dividing its runs and every address it touches (cache bases and strides, staging
+    offsets and alignment). ``lane_bytes`` and ``iters`` must match the kernel build.
     """
     if max_vector_bytes not in VECTOR_WIDTHS:
         raise ValueError(f"max_vector_bytes must be one of {VECTOR_WIDTHS}; got {max_vector_bytes}")
     chunk_bytes = layout.chunk_nbytes(chunk_tokens)
-    per_chunk = chunk_tokens // layout.block_size
     bs = layout.block_size
+    per_chunk = chunk_tokens // bs
     group_plans: list[GroupPlan] = []
     group_rows: list[tuple[object, ...]] = []
     entries: list[tuple[int, int, int, int]] = []
@@ -144,60 +181,54 @@ def build_plan(
         descs = [
             layout.stride_desc(layer, kv) for kv in range(group.kv_size) for layer in group.layers
         ]
-        heads_merged = group.num_heads == 1 or all(d.head == group.head_bytes for d in descs)
-        tokens_merged = heads_merged and (bs == 1 or all(d.token == group.row_bytes for d in descs))
+        linear, run_bytes, inner, stage_strides, cache_strides = _order(group, descs, bs, gather)
         seg_bytes = bs * group.row_bytes
-        if tokens_merged:
-            run_bytes, runs_per_token = seg_bytes, 1
-        elif heads_merged:
-            run_bytes, runs_per_token = group.row_bytes, 1
-        else:
-            run_bytes, runs_per_token = group.head_bytes, group.num_heads
         terms = [run_bytes, chunk_bytes, offset, chunk_tokens * group.row_bytes, seg_bytes]
-        for d in descs:
-            terms += [d.base_ptr, d.block]
-            if not tokens_merged:
-                terms.append(d.token)
-            if runs_per_token > 1:
-                terms.append(d.head)
+        terms += stage_strides
+        for d, strides in zip(descs, cache_strides, strict=True):
+            terms += [d.base_ptr, d.block, *strides]
         vec = min(max_vector_bytes, pow2_alignment(staging_alignment))
         for term in terms:
             vec = min(vec, pow2_alignment(term))
         seg_vecs = seg_bytes // vec
         if seg_vecs >= MAX_NUMERATOR:
             raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
-        tiles_per_seg = math.ceil(seg_vecs / tile_vectors(vec))
+        per_tile = WARP * unroll(vec, linear, lane_bytes) * iters
+        tiles_per_seg = math.ceil(seg_vecs / per_tile)
         tiles = group.kv_size * len(group.layers) * per_chunk * tiles_per_seg
-        plan = GroupPlan(
-            vec,
-            tokens_merged,
-            run_bytes,
-            runs_per_token,
-            seg_bytes,
-            tiles_per_seg,
-            tile,
-            tile + tiles,
+        group_plans.append(
+            GroupPlan(
+                vec,
+                linear,
+                run_bytes,
+                inner,
+                stage_strides,
+                seg_bytes,
+                tiles_per_seg,
+                tile,
+                tile + tiles,
+            )
         )
-        group_plans.append(plan)
         group_rows.append(
             (
                 offset,
                 chunk_tokens * group.row_bytes,
                 seg_bytes,
+                *stage_strides,
                 tile,
                 tile + tiles,
                 len(entries),
                 vec.bit_length() - 1,
                 seg_vecs,
-                int(tokens_merged),
+                linear,
                 _pack_div(tiles_per_seg),
                 _pack_div(len(group.layers)),
                 _pack_div(run_bytes // vec),
-                _pack_div(runs_per_token),
+                _pack_div(inner),
             )
         )
         entries += [
-            (d.base_ptr, d.block, d.token, d.head if runs_per_token > 1 else 0) for d in descs
+            (d.base_ptr, d.block, *strides) for d, strides in zip(descs, cache_strides, strict=True)
         ]
         tile += tiles
     if tile >= MAX_NUMERATOR:
@@ -209,6 +240,8 @@ def build_plan(
         _pack_div(max(tile, 1)),
         _pack_div(per_chunk),
         chunk_bytes,
+        iters,
+        0,
     )
     groups_arr = np.array(group_rows, dtype=GROUP)
     entries_arr = np.array(entries, dtype=ENTRY)

@@ -67,7 +67,7 @@ def make_kv_caches(
         kwargs["block_size"] = bs
 
     def mla(hs: int, dt: torch.dtype, sglang: bool) -> torch.Tensor:
-        pad = 8 if noncontiguous else 0
+        pad = 16 if noncontiguous else 0
         if sglang:
             return _physical((nb * bs, 1, hs + pad), dt, device, generator)[..., :hs]
         return _physical((nb, bs, hs + pad), dt, device, generator)[..., :hs]

@@ -21,7 +21,7 @@ from kvflow.kernels import (
     new_transfer_stream,
     transfer_blocks,
 )
-from kvflow.kernels.cuda_backend import launch_transfer
+from kvflow.kernels.cuda_backend import DEFAULT_TUNING, KernelTuning, launch_transfer
 from kvflow.kernels.plan import VECTOR_WIDTHS, build_plan
 from kvflow.kernels.reference import transfer_reference
 from kvflow.kernels.testing import flat_tensors, make_kv_caches
@@ -40,7 +40,14 @@ def _caches(fmt: KVFormat, seed: int, **kwargs: Any) -> tuple[Any, KVLayout]:
     return caches, KVLayout.from_kv_caches(caches, **kw)
 
 
-def _check(fmt: KVFormat, chunks: int, per_chunk: int, max_vec: int, **kwargs: Any) -> int:
+def _check(
+    fmt: KVFormat,
+    chunks: int,
+    per_chunk: int,
+    max_vec: int,
+    tuning: KernelTuning = DEFAULT_TUNING,
+    **kwargs: Any,
+) -> int:
     """Kernel vs reference for gather and scatter; returns the vector width used."""
     seed = next(_seeds)
     _, layout = _caches(fmt, seed, **kwargs)
@@ -52,7 +59,9 @@ def _check(fmt: KVFormat, chunks: int, per_chunk: int, max_vec: int, **kwargs: A
     nbytes = layout.chunk_nbytes(per_chunk * layout.block_size)
     got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device="cuda")
     want = got.clone()
-    plan = launch_transfer(layout, got, ids, skip, gather=True, max_vector_bytes=max_vec)
+    plan = launch_transfer(
+        layout, got, ids, skip, gather=True, max_vector_bytes=max_vec, tuning=tuning
+    )
     transfer_reference(layout, want, ids, skip, gather=True)
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"gather differs ({fmt.value}, vec cap {max_vec})"
@@ -60,7 +69,9 @@ def _check(fmt: KVFormat, chunks: int, per_chunk: int, max_vec: int, **kwargs: A
     staging = torch.randint(0, 256, (chunks, nbytes), dtype=torch.uint8, device="cuda")
     target, target_layout = _caches(fmt, seed + 1, **kwargs)
     expected, expected_layout = _caches(fmt, seed + 1, **kwargs)
-    launch_transfer(target_layout, staging, ids, skip, gather=False, max_vector_bytes=max_vec)
+    launch_transfer(
+        target_layout, staging, ids, skip, gather=False, max_vector_bytes=max_vec, tuning=tuning
+    )
     transfer_reference(expected_layout, staging, ids, skip, gather=False)
     torch.cuda.synchronize()
     for a, b in zip(flat_tensors(target), flat_tensors(expected), strict=True):
@@ -145,6 +156,29 @@ def test_kernel_on_naturally_narrow_vectors(
 def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: int) -> None:
     """Blocks spanning many warp tiles (up to 295 KB) copy exactly at several widths."""
     _check(fmt, 4, 4, max_vec, num_blocks=40, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [KernelTuning(iters=3), KernelTuning(lane_bytes=128), KernelTuning(streaming=False)],
+    ids=["iters3", "lane128", "no-cs"],
+)
+@pytest.mark.parametrize(
+    ("fmt", "kwargs"),
+    [
+        (KVFormat.VLLM_FLASH_ATTN, {"block_size": 16, "num_heads": 8, "head_size": 128}),
+        (
+            KVFormat.VLLM_CROSS_LAYER,
+            {"block_size": 16, "num_heads": 4, "head_size": 66, "noncontiguous": True},
+        ),
+    ],
+)
+def test_kernel_tuning_builds_stay_exact(
+    fmt: KVFormat, kwargs: dict[str, Any], tuning: KernelTuning
+) -> None:
+    """The benchmark's alternative builds copy exactly too."""
+    for width in (16, 4):
+        _check(fmt, 3, 4, width, tuning, num_blocks=30, **kwargs)
 
 
 def test_default_stream_is_ordered_with_torch_current_stream() -> None:

@@ -13,7 +13,7 @@ from kvflow.kernels.loader import CSRC_DIR
 
 NVCC = shutil.which("nvcc")
 SOURCES = sorted(CSRC_DIR.glob("*.cu"))
-HOT_KERNELS = {"kvf_block_transfer"}
+HOT_KERNELS = {"kvf_block_transfer", "kvf_block_transfer_linear"}
 
 
 def _ptxas_report(source: Path, tmp_path: Path) -> dict[str, tuple[int, int, int]]:
@@ -53,7 +53,7 @@ def test_cuda_source_compiles_for_sm90_without_spills(source: Path, tmp_path: Pa
     """nvcc -cubin -arch=sm_90 -Werror all-warnings succeeds; ptxas reports zero spills."""
     report = _ptxas_report(source, tmp_path)
     print(source.name, report)
-    assert report, "ptxas printed no function report"
+    assert set(report) >= HOT_KERNELS or source.name != "block_transfer.cu", report
     for name, (_, stores, loads) in report.items():
         if name in HOT_KERNELS:
             assert (stores, loads) == (0, 0), f"{name} spills: {stores} B stored, {loads} B loaded"

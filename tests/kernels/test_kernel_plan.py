@@ -22,6 +22,9 @@ from kvflow.kernels.plan import (
     GROUP,
     HEADER,
     HEADER_BYTES,
+    LINEAR_BOTH,
+    LINEAR_CACHE,
+    LINEAR_STAGE,
     TransferPlan,
     build_plan,
     fast_divide,
@@ -52,40 +55,59 @@ def _layout(fmt: KVFormat, **kwargs: Any) -> KVLayout:
 
 
 @pytest.mark.parametrize(
-    ("fmt", "kwargs", "vec", "contiguous"),
+    ("fmt", "kwargs", "vec", "linear"),
     [
-        (KVFormat.VLLM_FLASH_ATTN, {}, 16, True),
-        (KVFormat.VLLM_FLASH_ATTN, {"noncontiguous": True}, 16, False),
+        (KVFormat.VLLM_FLASH_ATTN, {}, 16, LINEAR_BOTH),
+        (KVFormat.VLLM_FLASH_ATTN, {"noncontiguous": True}, 16, LINEAR_STAGE),
         (
             KVFormat.VLLM_FLASHINFER,
             {"noncontiguous": True, "head_size": 132, "dtype": torch.int8},
             4,
-            False,
+            LINEAR_STAGE,
         ),
-        (KVFormat.SGLANG_MHA, {"noncontiguous": True, "head_size": 65}, 2, False),
+        (KVFormat.SGLANG_MHA, {"noncontiguous": True, "head_size": 65}, 2, LINEAR_STAGE),
         (
             KVFormat.VLLM_CROSS_LAYER,
             {"noncontiguous": True, "head_size": 7, "dtype": torch.uint8},
             1,
-            False,
+            LINEAR_STAGE,
         ),
-        (KVFormat.VLLM_MLA, {"head_size": 132, "dtype": torch.int8, "block_size": 16}, 16, True),
-        (KVFormat.VLLM_MLA, {"head_size": 132, "dtype": torch.int8, "block_size": 1}, 4, True),
+        (
+            KVFormat.VLLM_MLA,
+            {"head_size": 132, "dtype": torch.int8, "block_size": 16},
+            16,
+            LINEAR_BOTH,
+        ),
+        (
+            KVFormat.VLLM_MLA,
+            {"head_size": 132, "dtype": torch.int8, "block_size": 1},
+            4,
+            LINEAR_BOTH,
+        ),
         (
             KVFormat.SGLANG_MLA,
             {"head_size": 132, "dtype": torch.int8, "noncontiguous": True},
             4,
-            False,
+            LINEAR_STAGE,
         ),
     ],
 )
 def test_widest_vector_dividing_runs_and_addresses(
-    fmt: KVFormat, kwargs: dict[str, Any], vec: int, contiguous: bool
+    fmt: KVFormat, kwargs: dict[str, Any], vec: int, linear: int
 ) -> None:
     """Each group gets the widest of 16/8/4/2/1 bytes dividing its runs and addresses."""
     layout = _layout(fmt, **kwargs)
     plan = build_plan(layout, 2 * layout.block_size)
-    assert [(g.vec_bytes, g.contiguous) for g in plan.groups] == [(vec, contiguous)]
+    assert [(g.vec_bytes, g.linear) for g in plan.groups] == [(vec, linear)]
+
+
+def test_scatter_into_head_major_blocks_writes_the_cache_linearly() -> None:
+    """HND blocks: gather follows staging order, scatter follows cache order (linear dst)."""
+    layout = _layout(KVFormat.VLLM_FLASHINFER, noncontiguous=True, num_heads=4, block_size=8)
+    gather = build_plan(layout, 16, gather=True).groups[0]
+    scatter = build_plan(layout, 16, gather=False).groups[0]
+    assert (gather.linear, gather.inner, gather.stage_strides) == (LINEAR_STAGE, 4, (64, 16))
+    assert (scatter.linear, scatter.inner, scatter.stage_strides) == (LINEAR_CACHE, 8, (16, 64))
 
 
 def test_vector_width_is_capped_by_request_and_staging_alignment() -> None:
@@ -102,7 +124,7 @@ def test_table_layout_and_tile_counts() -> None:
     specs = [(2, 64, torch.bfloat16), (1, 132, torch.int8), (2, 64, torch.bfloat16)]
     layout = _layout(KVFormat.VLLM_FLASH_ATTN, layer_specs=specs, block_size=16, num_blocks=4)
     plan = build_plan(layout, 64)
-    assert (HEADER.itemsize, GROUP.itemsize, ENTRY.itemsize) == (48, 112, 32)
+    assert (HEADER.itemsize, GROUP.itemsize, ENTRY.itemsize) == (56, 128, 32)
     assert plan.groups_offset == HEADER_BYTES
     assert plan.entries_offset == HEADER_BYTES + 2 * GROUP.itemsize
     assert plan.table.nbytes == plan.entries_offset + (2 * 2 + 2 * 1) * ENTRY.itemsize
@@ -110,7 +132,7 @@ def test_table_layout_and_tile_counts() -> None:
     assert (int(header["num_groups"]), int(header["blocks_per_chunk"])) == (2, 4)
     assert int(header["chunk_bytes"]) == layout.chunk_nbytes(64)
     for g in plan.groups:
-        per_tile = 32 * unroll(g.vec_bytes) * g.vec_bytes
+        per_tile = 32 * unroll(g.vec_bytes, g.linear) * g.vec_bytes
         assert g.tiles_per_seg == -(-g.seg_bytes // per_tile)
     assert plan.groups[0].tile_begin == 0
     assert plan.groups[0].tile_end == plan.groups[1].tile_begin
@@ -143,9 +165,11 @@ def _emulate(
     staging: torch.Tensor,
     memory: _Memory,
     gather: bool,
+    iters: int,
 ) -> None:
     """The kernel's per-warp-tile addressing, one lane and one vector at a time."""
     header = plan.table[: HEADER.itemsize].view(HEADER)[0]
+    assert int(header["iters"]) == iters
     groups = plan.table[plan.groups_offset : plan.entries_offset].view(GROUP)
     entries = plan.table[plan.entries_offset :].view(ENTRY)
     per_chunk = int(header["blocks_per_chunk"])
@@ -175,31 +199,31 @@ def _emulate(
             + block * int(g["seg_bytes"])
         )
         vec = 1 << int(g["vec_log2"])
-        run_vecs, runs = _div(g, "run_vecs"), _div(g, "runs_per_token")
+        linear = int(g["linear"])
+        steps = unroll(vec, linear) * iters
+        run_vecs, inner = _div(g, "run_vecs"), _div(g, "inner")
         for lane in range(32):
-            first = seg_tile * 32 * unroll(vec) + lane
-            for u in range(unroll(vec)):
-                v = first + u * 32
+            for u in range(steps):
+                v = seg_tile * 32 * steps + u * 32 + lane
                 if v >= int(g["seg_vecs"]):
                     continue
-                if int(g["contiguous"]):
-                    at = v * vec
-                else:
-                    run = fast_divide(v, run_vecs)
-                    token = fast_divide(run, runs)
-                    head = run - token * runs[0]
-                    at = (
-                        token * int(e["s_token"])
-                        + head * int(e["s_run"])
-                        + (v - run * run_vecs[0]) * vec
-                    )
-                src, dst = (
-                    (cache + at, stage + v * vec) if gather else (stage + v * vec, cache + at)
+                run = fast_divide(v, run_vecs)
+                outer = fast_divide(run, inner)
+                index = (outer, run - outer * inner[0])
+                word = (v - run * run_vecs[0]) * vec
+                at_cache = index[0] * int(e["s_outer"]) + index[1] * int(e["s_inner"]) + word
+                at_stage = (
+                    index[0] * int(g["stage_outer"]) + index[1] * int(g["stage_inner"]) + word
                 )
-                memory.move(dst, src, vec)
+                if linear in (LINEAR_BOTH, LINEAR_CACHE):
+                    at_cache = v * vec
+                if linear in (LINEAR_BOTH, LINEAR_STAGE):
+                    at_stage = v * vec
+                src, dst = (cache + at_cache, stage + at_stage)
+                memory.move(*((dst, src) if gather else (src, dst)), vec)
 
 
-@pytest.mark.parametrize("max_vec", [16, 4, 1])
+@pytest.mark.parametrize(("max_vec", "iters"), [(16, 1), (4, 3), (1, 1)])
 @pytest.mark.parametrize(
     ("fmt", "kwargs"),
     [
@@ -216,7 +240,7 @@ def _emulate(
     ids=lambda x: x.value if isinstance(x, KVFormat) else "",
 )
 def test_kernel_addressing_matches_the_reference(
-    fmt: KVFormat, kwargs: dict[str, Any], max_vec: int
+    fmt: KVFormat, kwargs: dict[str, Any], max_vec: int, iters: int
 ) -> None:
     """Gather and scatter through the emulated kernel equal the reference, byte for byte."""
     gen = torch.Generator().manual_seed(max_vec)
@@ -224,13 +248,13 @@ def test_kernel_addressing_matches_the_reference(
     layout = KVLayout.from_kv_caches(caches, **kw)
     ids = torch.tensor([[4, 1, 3], [0, 5, 2]])
     skip = torch.tensor([1, 0])
-    plan = build_plan(layout, 3 * layout.block_size, max_vector_bytes=max_vec)
+    plan = build_plan(layout, 3 * layout.block_size, max_vector_bytes=max_vec, iters=iters)
     nbytes = plan.chunk_bytes
     staging = torch.full((2, nbytes), 0xA5, dtype=torch.uint8)
     want = staging.clone()
     transfer_reference(layout, want, ids, skip, gather=True)
     memory = _Memory([*flat_tensors(caches), staging])
-    _emulate(plan, ids, skip, staging, memory, gather=True)
+    _emulate(plan, ids, skip, staging, memory, gather=True, iters=iters)
     assert torch.equal(staging, want)
 
     target, _ = make_kv_caches(fmt, num_blocks=6, block_size=2, generator=gen, **kwargs)
@@ -239,7 +263,10 @@ def test_kernel_addressing_matches_the_reference(
     for dst, src in zip(flat_tensors(expected), flat_tensors(target), strict=True):
         dst.copy_(src)
     transfer_reference(KVLayout.from_kv_caches(expected, **kw), staging, ids, skip, gather=False)
-    plan = build_plan(target_layout, 3 * layout.block_size, max_vector_bytes=max_vec)
-    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), gather=False)
+    plan = build_plan(
+        target_layout, 3 * layout.block_size, gather=False, max_vector_bytes=max_vec, iters=iters
+    )
+    memory = _Memory([*flat_tensors(target), staging])
+    _emulate(plan, ids, skip, staging, memory, gather=False, iters=iters)
     for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())

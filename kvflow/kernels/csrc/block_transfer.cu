@@ -2,13 +2,26 @@
 //
 // One kernel for every SPEC format, dtype and layer group: the host planner
 // (kvflow/kernels/plan.py) reduces each (layer, kv) to an affine stride descriptor and
-// each group to a vector width, and this kernel only moves bytes. The unit of work is a
-// warp tile: 32 lanes x UNROLL vectors of one block segment (one block of one (kv, layer)).
-// Warp tiles are numbered chunk-major, then group, then (kv, layer), then block, so
-// consecutive warps sweep the staging buffer sequentially. Accesses use streaming (.cs)
-// loads and stores so the copy does not evict the engine's working set from L2.
+// each group to a vector width and a vector order, and this kernel only moves bytes.
+//
+// Work unit: a warp tile = 32 lanes x UNROLL vectors (x iters) of one segment, i.e. one
+// block of one (kv, layer). Warp tiles are numbered chunk-major, then group, then
+// (kv, layer), then block, so consecutive warps sweep the staging buffer in order.
+// Inside a segment vector v sits at run r = v / run_vecs, word w = v % run_vecs, and the
+// run splits into (outer, inner) = (r / inner, r % inner); each side adds
+// outer * s_outer + inner * s_inner + w * VEC. The planner orders vectors so the
+// destination is linear (coalesced full-sector writes) where it can, and a linear side
+// skips the divisions. Accesses are streaming (.cs) so the copy does not evict the
+// engine's working set from L2.
 #include <cstddef>
 #include <cstdint>
+
+#ifndef KVF_LANE_BYTES
+#define KVF_LANE_BYTES 64  // bytes each lane moves per unrolled step (vectors: 4..16)
+#endif
+#ifndef KVF_STREAMING
+#define KVF_STREAMING 1
+#endif
 
 namespace kvf {
 
@@ -31,37 +44,41 @@ struct PlanHeader {
   FastDiv tiles_per_chunk;
   FastDiv per_chunk;
   int64_t chunk_bytes;  // bytes of one staging row (one chunk)
+  uint32_t iters;       // unrolled steps per warp tile
+  uint32_t pad;
 };
+
+enum Linear : int { kBoth = 0, kStage = 1, kCache = 2 };
 
 struct GroupDesc {
   int64_t stage_offset;       // byte offset of the group inside a chunk row
   int64_t layer_stage_bytes;  // staging bytes of one (kv, layer): chunk_tokens * row_bytes
   int64_t seg_bytes;          // bytes of one block of one (kv, layer)
+  int64_t stage_outer;        // staging byte strides of (outer, inner)
+  int64_t stage_inner;
   uint32_t tile_begin;        // first warp tile of the group inside a chunk
   uint32_t tile_end;
   uint32_t first_entry;       // index of the group's first (kv, layer) entry
   uint32_t vec_log2;          // vector width in bytes = 1 << vec_log2
   uint32_t seg_vecs;          // vectors in one segment
-  uint32_t contiguous;        // 1: a cache block of one (kv, layer) is one contiguous run
+  uint32_t linear;            // Linear: which side is linear in v
   FastDiv tiles_per_seg;
   FastDiv num_layers;
-  FastDiv run_vecs;           // vectors in one contiguous cache run (token row or head)
-  FastDiv runs_per_token;     // 1 (token rows contiguous) or num_heads (heads apart)
+  FastDiv run_vecs;           // vectors in one run contiguous on both sides
+  FastDiv inner;              // runs per outer index
 };
 
 struct Entry {  // one (kv, layer): affine cache address in bytes
   int64_t base;
   int64_t s_block;
-  int64_t s_token;
-  int64_t s_run;
+  int64_t s_outer;
+  int64_t s_inner;
 };
 
 static_assert(sizeof(FastDiv) == 16, "mirror plan.FASTDIV");
-static_assert(sizeof(PlanHeader) == 48 && offsetof(PlanHeader, chunk_bytes) == 40,
-              "mirror plan.HEADER");
-static_assert(sizeof(GroupDesc) == 112 && offsetof(GroupDesc, tile_begin) == 24 &&
-                  offsetof(GroupDesc, tiles_per_seg) == 48 &&
-                  offsetof(GroupDesc, runs_per_token) == 96,
+static_assert(sizeof(PlanHeader) == 56 && offsetof(PlanHeader, iters) == 48, "mirror plan.HEADER");
+static_assert(sizeof(GroupDesc) == 128 && offsetof(GroupDesc, tile_begin) == 40 &&
+                  offsetof(GroupDesc, tiles_per_seg) == 64 && offsetof(GroupDesc, inner) == 112,
               "mirror plan.GROUP");
 static_assert(sizeof(Entry) == 32, "mirror plan.ENTRY");
 
@@ -72,98 +89,133 @@ template <> struct VecType<4> { using T = unsigned int; };
 template <> struct VecType<2> { using T = unsigned short; };
 template <> struct VecType<1> { using T = unsigned char; };
 
-// Vectors per lane per warp tile: 64 bytes per lane, between 4 and 16 vectors.
-template <int VEC> __host__ __device__ constexpr unsigned unroll() {
-  return VEC >= 4 ? 64 / VEC : 16;
+// Vectors per lane per unrolled step: KVF_LANE_BYTES bytes, at least 4 vectors and at
+// most 16 (8 where addresses are computed per vector, to bound registers).
+template <int VEC, int LIN> __host__ __device__ constexpr unsigned unroll() {
+  constexpr unsigned most = LIN == 0 ? 16 : 8;
+  return KVF_LANE_BYTES / VEC < 4 ? 4 : (KVF_LANE_BYTES / VEC > most ? most : KVF_LANE_BYTES / VEC);
 }
 
-// Cache byte offset of vector v inside a block segment addressed by runs.
+template <typename T> __device__ __forceinline__ T load(const T* p) {
+#if KVF_STREAMING
+  return __ldcs(p);
+#else
+  return *p;
+#endif
+}
+
+template <typename T> __device__ __forceinline__ void store(T* p, T value) {
+#if KVF_STREAMING
+  __stcs(p, value);
+#else
+  *p = value;
+#endif
+}
+
+// Byte offsets of vector v on the cache and staging sides of a segment.
+struct Split {
+  int64_t cache, stage;
+};
+
 template <int VEC>
-__device__ __forceinline__ int64_t run_offset(const GroupDesc& g, const Entry& e, uint32_t v) {
+__device__ __forceinline__ Split split(const GroupDesc& g, const Entry& e, uint32_t v) {
   const uint32_t run = divide(g.run_vecs, v);
   const uint32_t w = v - run * g.run_vecs.d;
-  const uint32_t token = divide(g.runs_per_token, run);
-  const uint32_t head = run - token * g.runs_per_token.d;
-  return static_cast<int64_t>(token) * e.s_token + static_cast<int64_t>(head) * e.s_run +
-         static_cast<int64_t>(w) * VEC;
+  const uint32_t outer = divide(g.inner, run);
+  const uint32_t inner = run - outer * g.inner.d;
+  const int64_t word = static_cast<int64_t>(w) * VEC;
+  return {outer * e.s_outer + inner * e.s_inner + word,
+          outer * g.stage_outer + inner * g.stage_inner + word};
 }
 
-template <int VEC, bool GATHER, bool CONTIGUOUS>
+template <int VEC, bool GATHER, Linear LIN>
 __device__ __forceinline__ void copy_tile(const GroupDesc& g, const Entry& e, char* cache,
-                                          char* stage, uint32_t tile, uint32_t lane) {
+                                          char* stage, uint32_t tile, uint32_t iters,
+                                          uint32_t lane) {
   using T = typename VecType<VEC>::T;
-  constexpr unsigned U = unroll<VEC>();
-  // Vector u of this lane is first + u * kWarp; `left` bounds u without 32-bit wraparound,
-  // so contiguous addresses fold into one base register plus immediate offsets.
-  const uint32_t first = tile * (kWarp * U) + lane;
-  const int32_t left = static_cast<int32_t>(g.seg_vecs) - static_cast<int32_t>(first);
-  T* stage_v = reinterpret_cast<T*>(stage) + first;
-  T* cache_v = reinterpret_cast<T*>(cache) + first;
-  T buf[U];
+  constexpr unsigned U = unroll<VEC, LIN>();
+  for (uint32_t it = 0; it < iters; ++it) {
+    // Vector u of this lane is first + u * kWarp; `left` bounds u without 32-bit
+    // wraparound, so linear addresses fold into one base register plus immediates.
+    const uint32_t first = (tile * iters + it) * (kWarp * U) + lane;
+    const int32_t left = static_cast<int32_t>(g.seg_vecs) - static_cast<int32_t>(first);
+    if (left <= 0) return;
+    T* stage_v = reinterpret_cast<T*>(stage) + first;
+    T* cache_v = reinterpret_cast<T*>(cache) + first;
+    T buf[U];
 #pragma unroll
-  for (unsigned u = 0; u < U; ++u) {
-    if (static_cast<int32_t>(u * kWarp) < left) {
-      const T* src;
-      if (GATHER) {
-        src = CONTIGUOUS ? cache_v + u * kWarp
-                         : reinterpret_cast<const T*>(cache + run_offset<VEC>(g, e, first + u * kWarp));
-      } else {
-        src = stage_v + u * kWarp;
+    for (unsigned u = 0; u < U; ++u) {
+      if (static_cast<int32_t>(u * kWarp) < left) {
+        const T* src;
+        if (LIN == kBoth) {
+          src = (GATHER ? cache_v : stage_v) + u * kWarp;
+        } else {
+          const Split at = split<VEC>(g, e, first + u * kWarp);
+          const bool src_linear = GATHER ? LIN == kCache : LIN == kStage;
+          src = src_linear ? (GATHER ? cache_v : stage_v) + u * kWarp
+                           : reinterpret_cast<const T*>(GATHER ? cache + at.cache
+                                                               : stage + at.stage);
+        }
+        buf[u] = load(src);
       }
-      buf[u] = __ldcs(src);
     }
-  }
 #pragma unroll
-  for (unsigned u = 0; u < U; ++u) {
-    if (static_cast<int32_t>(u * kWarp) < left) {
-      T* dst;
-      if (GATHER) {
-        dst = stage_v + u * kWarp;
-      } else {
-        dst = CONTIGUOUS ? cache_v + u * kWarp
-                         : reinterpret_cast<T*>(cache + run_offset<VEC>(g, e, first + u * kWarp));
+    for (unsigned u = 0; u < U; ++u) {
+      if (static_cast<int32_t>(u * kWarp) < left) {
+        T* dst;
+        if (LIN == kBoth) {
+          dst = (GATHER ? stage_v : cache_v) + u * kWarp;
+        } else {
+          const bool dst_linear = GATHER ? LIN == kStage : LIN == kCache;
+          if (dst_linear) {
+            dst = (GATHER ? stage_v : cache_v) + u * kWarp;
+          } else {
+            const Split at = split<VEC>(g, e, first + u * kWarp);
+            dst = reinterpret_cast<T*>(GATHER ? stage + at.stage : cache + at.cache);
+          }
+        }
+        store(dst, buf[u]);
       }
-      __stcs(dst, buf[u]);
     }
   }
 }
 
-template <int VEC, bool GATHER>
+template <int VEC, bool GATHER, bool GENERAL>
 __device__ __forceinline__ void copy_tile_any(const GroupDesc& g, const Entry& e, char* cache,
-                                              char* stage, uint32_t tile, uint32_t lane) {
-  if (g.contiguous) {
-    copy_tile<VEC, GATHER, true>(g, e, cache, stage, tile, lane);
+                                              char* stage, uint32_t tile, uint32_t iters,
+                                              uint32_t lane) {
+  if (!GENERAL || g.linear == kBoth) {
+    copy_tile<VEC, GATHER, kBoth>(g, e, cache, stage, tile, iters, lane);
+  } else if (g.linear == kStage) {
+    copy_tile<VEC, GATHER, kStage>(g, e, cache, stage, tile, iters, lane);
   } else {
-    copy_tile<VEC, GATHER, false>(g, e, cache, stage, tile, lane);
+    copy_tile<VEC, GATHER, kCache>(g, e, cache, stage, tile, iters, lane);
   }
 }
 
-template <bool GATHER>
+template <bool GATHER, bool GENERAL>
 __device__ __forceinline__ void dispatch(const GroupDesc& g, const Entry& e, char* cache,
-                                         char* stage, uint32_t tile, uint32_t lane) {
+                                         char* stage, uint32_t tile, uint32_t iters,
+                                         uint32_t lane) {
   switch (g.vec_log2) {
-    case 4: copy_tile_any<16, GATHER>(g, e, cache, stage, tile, lane); break;
-    case 3: copy_tile_any<8, GATHER>(g, e, cache, stage, tile, lane); break;
-    case 2: copy_tile_any<4, GATHER>(g, e, cache, stage, tile, lane); break;
-    case 1: copy_tile_any<2, GATHER>(g, e, cache, stage, tile, lane); break;
-    default: copy_tile_any<1, GATHER>(g, e, cache, stage, tile, lane); break;
+    case 4: copy_tile_any<16, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
+    case 3: copy_tile_any<8, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
+    case 2: copy_tile_any<4, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
+    case 1: copy_tile_any<2, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
+    default: copy_tile_any<1, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
   }
 }
-
-}  // namespace kvf
 
 // gather != 0: cache -> staging; else staging -> cache. block_ids is [chunks, per_chunk]
 // int32, skip is [chunks] int32; num_tiles = chunks * tiles_per_chunk.
-extern "C" __global__ void __launch_bounds__(kvf::kThreads)
-kvf_block_transfer(const kvf::PlanHeader* __restrict__ hdr,
-                   const kvf::GroupDesc* __restrict__ groups,
-                   const kvf::Entry* __restrict__ entries,
-                   const int32_t* __restrict__ block_ids,
-                   const int32_t* __restrict__ skip,
-                   char* __restrict__ staging,
-                   uint32_t num_tiles,
-                   uint32_t gather) {
-  using namespace kvf;
+template <bool GENERAL>
+__device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
+                                         const GroupDesc* __restrict__ groups,
+                                         const Entry* __restrict__ entries,
+                                         const int32_t* __restrict__ block_ids,
+                                         const int32_t* __restrict__ skip,
+                                         char* __restrict__ staging, uint32_t num_tiles,
+                                         uint32_t gather) {
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t tile = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp;
   if (tile >= num_tiles) return;
@@ -185,8 +237,32 @@ kvf_block_transfer(const kvf::PlanHeader* __restrict__ hdr,
                 static_cast<int64_t>(kv_layer) * g.layer_stage_bytes +
                 static_cast<int64_t>(block) * g.seg_bytes;
   if (gather) {
-    dispatch<true>(g, e, cache, stage, seg_tile, lane);
+    dispatch<true, GENERAL>(g, e, cache, stage, seg_tile, hdr->iters, lane);
   } else {
-    dispatch<false>(g, e, cache, stage, seg_tile, lane);
+    dispatch<false, GENERAL>(g, e, cache, stage, seg_tile, hdr->iters, lane);
   }
+}
+
+}  // namespace kvf
+
+// Every group's segments are contiguous on both sides (the common NHD case): lean code.
+extern "C" __global__ void __launch_bounds__(kvf::kThreads)
+kvf_block_transfer_linear(const kvf::PlanHeader* __restrict__ hdr,
+                          const kvf::GroupDesc* __restrict__ groups,
+                          const kvf::Entry* __restrict__ entries,
+                          const int32_t* __restrict__ block_ids,
+                          const int32_t* __restrict__ skip, char* __restrict__ staging,
+                          uint32_t num_tiles, uint32_t gather) {
+  kvf::transfer<false>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather);
+}
+
+// Any group layout (runs addressed through the stride descriptor).
+extern "C" __global__ void __launch_bounds__(kvf::kThreads)
+kvf_block_transfer(const kvf::PlanHeader* __restrict__ hdr,
+                   const kvf::GroupDesc* __restrict__ groups,
+                   const kvf::Entry* __restrict__ entries,
+                   const int32_t* __restrict__ block_ids,
+                   const int32_t* __restrict__ skip, char* __restrict__ staging,
+                   uint32_t num_tiles, uint32_t gather) {
+  kvf::transfer<true>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather);
 }
