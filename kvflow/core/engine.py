@@ -440,6 +440,8 @@ class CacheEngine:
     def end_session(self, request_id: str) -> None:
         """The request finished: drop its key chain and publish END_SESSION."""
         _check_str("request_id", request_id)
+        if self._closed:
+            raise KVFlowError("the cache engine is closed")
         self._keys.drop(request_id)
         self._publish(EventType.END_SESSION, request_id, {})
 
