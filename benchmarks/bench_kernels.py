@@ -98,8 +98,9 @@ CASES = [
 
 VARIANTS = {
     "default": DEFAULT_TUNING,
+    "iters1": KernelTuning(iters=1),
     "iters2": KernelTuning(iters=2),
-    "iters4": KernelTuning(iters=4),
+    "occ6": KernelTuning(linear_min_ctas=6),
     "lane128": KernelTuning(lane_bytes=128),
     "no-cs": KernelTuning(streaming=False),
 }

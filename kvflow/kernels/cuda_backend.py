@@ -10,6 +10,7 @@ import torch
 from kvflow.kernels.layout import KVLayout
 from kvflow.kernels.loader import DEFAULT_OPTIONS, active_context, cuda_available, get_function
 from kvflow.kernels.plan import (
+    DEFAULT_ITERS,
     DEFAULT_LANE_BYTES,
     MAX_NUMERATOR,
     THREADS_PER_CTA,
@@ -32,12 +33,14 @@ class KernelTuning:
     """Build-time knobs of the kernel (defaults measured best; benchmarks compare others).
 
     lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
-    streaming: .cs (evict-first) loads and stores instead of default caching.
+    streaming: .cs (evict-first) loads and stores instead of default caching;
+    linear_min_ctas: CTAs per SM the lean kernel's register budget must allow.
     """
 
     lane_bytes: int = DEFAULT_LANE_BYTES
-    iters: int = 1
+    iters: int = DEFAULT_ITERS
     streaming: bool = True
+    linear_min_ctas: int = 1
 
     def options(self) -> tuple[str, ...]:
         """nvcc options selecting this build."""
@@ -45,6 +48,7 @@ class KernelTuning:
             *DEFAULT_OPTIONS,
             f"-DKVF_LANE_BYTES={self.lane_bytes}",
             f"-DKVF_STREAMING={int(self.streaming)}",
+            f"-DKVF_LINEAR_MIN_CTAS={self.linear_min_ctas}",
         )
 
 

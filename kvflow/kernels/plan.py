@@ -58,6 +58,7 @@ ENTRY = np.dtype(
 )
 LINEAR_BOTH, LINEAR_STAGE, LINEAR_CACHE = 0, 1, 2  # which side is linear in the vector index
 DEFAULT_LANE_BYTES = 64
+DEFAULT_ITERS = 4  # unrolled steps per warp tile (measured: fewer CTAs, same bytes in flight)
 HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 
@@ -160,7 +161,7 @@ def build_plan(
     staging_alignment: int = 16,
     max_vector_bytes: int = 16,
     lane_bytes: int = DEFAULT_LANE_BYTES,
-    iters: int = 1,
+    iters: int = DEFAULT_ITERS,
 ) -> TransferPlan:
     """Plan a transfer of ``chunk_tokens``-token chunks in one direction.
 

@@ -160,8 +160,14 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
 
 @pytest.mark.parametrize(
     "tuning",
-    [KernelTuning(iters=3), KernelTuning(lane_bytes=128), KernelTuning(streaming=False)],
-    ids=["iters3", "lane128", "no-cs"],
+    [
+        KernelTuning(iters=1),
+        KernelTuning(iters=3),
+        KernelTuning(lane_bytes=128),
+        KernelTuning(streaming=False),
+        KernelTuning(linear_min_ctas=6),
+    ],
+    ids=["iters1", "iters3", "lane128", "no-cs", "occ6"],
 )
 @pytest.mark.parametrize(
     ("fmt", "kwargs"),

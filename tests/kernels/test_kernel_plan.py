@@ -18,6 +18,7 @@ import torch
 
 from kvflow.kernels import KVFormat, KVLayout
 from kvflow.kernels.plan import (
+    DEFAULT_ITERS,
     ENTRY,
     GROUP,
     HEADER,
@@ -132,7 +133,7 @@ def test_table_layout_and_tile_counts() -> None:
     assert (int(header["num_groups"]), int(header["blocks_per_chunk"])) == (2, 4)
     assert int(header["chunk_bytes"]) == layout.chunk_nbytes(64)
     for g in plan.groups:
-        per_tile = 32 * unroll(g.vec_bytes, g.linear) * g.vec_bytes
+        per_tile = 32 * unroll(g.vec_bytes, g.linear) * DEFAULT_ITERS * g.vec_bytes
         assert g.tiles_per_seg == -(-g.seg_bytes // per_tile)
     assert plan.groups[0].tile_begin == 0
     assert plan.groups[0].tile_end == plan.groups[1].tile_begin

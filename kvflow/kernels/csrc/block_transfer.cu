@@ -22,6 +22,9 @@
 #ifndef KVF_STREAMING
 #define KVF_STREAMING 1
 #endif
+#ifndef KVF_LINEAR_MIN_CTAS
+#define KVF_LINEAR_MIN_CTAS 1  // resident CTAs per SM the linear kernel's registers allow
+#endif
 
 namespace kvf {
 
@@ -246,7 +249,7 @@ __device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
 }  // namespace kvf
 
 // Every group's segments are contiguous on both sides (the common NHD case): lean code.
-extern "C" __global__ void __launch_bounds__(kvf::kThreads)
+extern "C" __global__ void __launch_bounds__(kvf::kThreads, KVF_LINEAR_MIN_CTAS)
 kvf_block_transfer_linear(const kvf::PlanHeader* __restrict__ hdr,
                           const kvf::GroupDesc* __restrict__ groups,
                           const kvf::Entry* __restrict__ entries,
