@@ -3,7 +3,9 @@
 Starts a server subprocess, registers a small shared-memory KV cache, stores a
 long prompt (default 128,000 tokens = 500 chunks of 256), then times lookups of
 that prompt and of a short one: client round trip and the server's own handling
-time (decode, engine lookup, reply) as reported in each reply. Run:
+time (decode, engine lookup, reply) as reported in each reply. The same lookups
+on an in-process CacheEngine (observability off) separate the engine's share
+from the RPC layer's. Run:
     python benchmarks/bench_rpc.py [--iterations N] [--tokens N] [--observability on|off]
 """
 
@@ -21,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core import CacheEngine, KVFlowClient, ObservabilityConfig, ServerConfig, empty_shared
 
 BLOCK = 16
 
@@ -62,6 +64,30 @@ def time_lookups(
     return rtt, server, hit
 
 
+def engine_lookup_us(prompts: list[tuple[np.ndarray, str | None]], n: int) -> list[float]:
+    """p50 microseconds of the same lookups on an in-process engine (no RPC, no events)."""
+    config = ServerConfig(l1_size_gb=0.5, observability=ObservabilityConfig(enabled=False))
+    engine = CacheEngine(config)
+    long_prompt = prompts[0][0]
+    n_blocks = len(long_prompt) // BLOCK + 1
+    kv = [torch.zeros(2, n_blocks, BLOCK, 1, 8, dtype=torch.float16)]
+    engine.register_kv_caches("e", kv, model_name="bench")
+    engine.store("e", long_prompt, np.arange(n_blocks - 1), request_id="warm")
+    engine.end_session("warm")
+    out = []
+    for prompt, rid in prompts:
+        for _ in range(5):
+            engine.lookup(prompt, model_name="bench", request_id=rid)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            engine.lookup(prompt, model_name="bench", request_id=rid)
+            times.append(time.perf_counter() - t0)
+        out.append(percentiles(times)[0])
+    engine.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=300)
@@ -84,11 +110,12 @@ def main() -> None:
         client.end_session("warm")
 
         rows = []
-        for label, prompt, rid in (
+        cases = (
             (f"{args.tokens} tokens, no request_id", long_prompt, None),
             (f"{args.tokens} tokens, same request_id", long_prompt, "session"),
             (f"{args.short_tokens} tokens, no request_id", short_prompt, None),
-        ):
+        )
+        for label, prompt, rid in cases:
             rtt, server, hit = time_lookups(client, prompt, args.iterations, rid)
             rows.append((label, hit, *percentiles(rtt), *percentiles(server)))
         list_prompt = long_prompt.tolist()
@@ -100,12 +127,17 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+    in_process = engine_lookup_us([(p, rid) for _, p, rid in cases], args.iterations)
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs;")
     print(f"observability {args.observability}; stored {stored} tokens; {args.iterations} calls")
-    print(f"{'lookup':<36} {'hit':>7} {'rtt p50':>9} {'rtt p99':>9} {'srv p50':>9} {'srv p99':>9}")
-    for label, hit, r50, r99, s50, s99 in rows:
-        print(f"{label:<36} {hit:>7} {r50:>7.0f}us {r99:>7.0f}us {s50:>7.0f}us {s99:>7.0f}us")
+    head = f"{'lookup':<36} {'hit':>7} {'rtt p50':>9} {'rtt p99':>9} {'srv p50':>9} {'srv p99':>9}"
+    print(f"{head} {'engine p50':>10}")
+    for (label, hit, r50, r99, s50, s99), e50 in zip(rows, in_process, strict=True):
+        print(
+            f"{label:<36} {hit:>7} {r50:>7.0f}us {r99:>7.0f}us {s50:>7.0f}us {s99:>7.0f}us"
+            f" {e50:>8.0f}us"
+        )
     print(
         f"(one {args.tokens}-token lookup from a Python list: {list_rtt * 1e6:.0f} us round trip)"
     )
