@@ -33,13 +33,14 @@ class KernelTuning:
     """Build-time knobs of the kernel (defaults measured best; benchmarks compare others).
 
     lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
-    streaming: .cs (evict-first) loads and stores instead of default caching;
+    stream_loads / stream_stores: .cs (evict-first) loads / stores instead of default caching;
     linear_min_ctas: CTAs per SM the lean kernel's register budget must allow.
     """
 
     lane_bytes: int = DEFAULT_LANE_BYTES
     iters: int = DEFAULT_ITERS
-    streaming: bool = True
+    stream_loads: bool = True
+    stream_stores: bool = True
     linear_min_ctas: int = 1
 
     def options(self) -> tuple[str, ...]:
@@ -47,7 +48,8 @@ class KernelTuning:
         return (
             *DEFAULT_OPTIONS,
             f"-DKVF_LANE_BYTES={self.lane_bytes}",
-            f"-DKVF_STREAMING={int(self.streaming)}",
+            f"-DKVF_STREAM_LOADS={int(self.stream_loads)}",
+            f"-DKVF_STREAM_STORES={int(self.stream_stores)}",
             f"-DKVF_LINEAR_MIN_CTAS={self.linear_min_ctas}",
         )
 

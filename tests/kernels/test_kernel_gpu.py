@@ -164,7 +164,7 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
         KernelTuning(iters=1),
         KernelTuning(iters=3),
         KernelTuning(lane_bytes=128),
-        KernelTuning(streaming=False),
+        KernelTuning(stream_loads=False, stream_stores=False),
         KernelTuning(linear_min_ctas=6),
     ],
     ids=["iters1", "iters3", "lane128", "no-cs", "occ6"],

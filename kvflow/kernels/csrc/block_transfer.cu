@@ -19,8 +19,11 @@
 #ifndef KVF_LANE_BYTES
 #define KVF_LANE_BYTES 64  // bytes each lane moves per unrolled step (vectors: 4..16)
 #endif
-#ifndef KVF_STREAMING
-#define KVF_STREAMING 1
+#ifndef KVF_STREAM_LOADS
+#define KVF_STREAM_LOADS 1  // .cs loads: the source is read once
+#endif
+#ifndef KVF_STREAM_STORES
+#define KVF_STREAM_STORES 1  // .cs stores: the copy is not kept in L2
 #endif
 #ifndef KVF_LINEAR_MIN_CTAS
 #define KVF_LINEAR_MIN_CTAS 1  // resident CTAs per SM the linear kernel's registers allow
@@ -100,7 +103,7 @@ template <int VEC, int LIN> __host__ __device__ constexpr unsigned unroll() {
 }
 
 template <typename T> __device__ __forceinline__ T load(const T* p) {
-#if KVF_STREAMING
+#if KVF_STREAM_LOADS
   return __ldcs(p);
 #else
   return *p;
@@ -108,7 +111,7 @@ template <typename T> __device__ __forceinline__ T load(const T* p) {
 }
 
 template <typename T> __device__ __forceinline__ void store(T* p, T value) {
-#if KVF_STREAMING
+#if KVF_STREAM_STORES
   __stcs(p, value);
 #else
   *p = value;
