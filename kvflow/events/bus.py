@@ -269,7 +269,9 @@ class EventBus:
 
     def try_reserve(self, etype: EventType) -> bool:
         """Reserve room for one stream event (counted against capacity); count a drop if none."""
-        with self._lock:
+        lock = self._lock  # acquire/release, not `with`: this is the GPU launch path
+        lock.acquire()
+        try:
             if not self._accepting:
                 return False
             if len(self._queue) >= self._limit:
@@ -279,6 +281,8 @@ class EventBus:
             self._n_reserved += 1
             self._limit -= 1
             return True
+        finally:
+            lock.release()
 
     def release_reservation(self, etype: EventType) -> None:
         """Give back a reservation whose enqueue failed; it is counted as a drop."""

@@ -1,4 +1,4 @@
-"""Build and load the stream-stamp C helper: compiled once with the system C compiler, cached on disk.
+"""Build and load the stream-waker C helper: compiled once with the system C compiler, cached on disk.
 
 The shared object is named by a hash of its source, compiler and flags, so an
 edited source or another compiler builds a new one and a stale one is never
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-SOURCE = Path(__file__).with_name("csrc") / "stream_stamps.c"
+SOURCE = Path(__file__).with_name("csrc") / "stream_wakers.c"
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 _load_lock = threading.Lock()
 
@@ -71,20 +71,20 @@ def build_library(source: Path = SOURCE, *, directory: Path | None = None) -> Pa
 
 @functools.cache
 def _open(path: Path) -> ctypes.PyDLL:
-    # PyDLL keeps the GIL across calls: every entry point is short and never waits on
-    # Python, and skipping the GIL hand-off matters on the launch path (see STREAM_EVENTS.md).
+    # PyDLL keeps the GIL across calls: every entry point is short and never waits on the
+    # GPU, and no call hands the GIL to another thread (see docs/STREAM_EVENTS.md).
     lib = ctypes.PyDLL(str(path))
-    vp, u32, u64p = ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)
-    lib.kvf_ring_create.argtypes = [u32, ctypes.c_int, vp]
+    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+    lib.kvf_ring_create.argtypes = [u32, ctypes.c_int, vp, vp]
     lib.kvf_ring_create.restype = vp
-    lib.kvf_ring_launch.argtypes = [vp, u32, vp]
-    lib.kvf_ring_launch.restype = ctypes.c_int
-    lib.kvf_ring_drain.argtypes = [vp, ctypes.POINTER(u32), u64p, u32]
+    lib.kvf_ring_arm.argtypes = [vp, u32, vp, vp]
+    lib.kvf_ring_arm.restype = ctypes.c_int
+    lib.kvf_ring_drain.argtypes = [vp, ctypes.POINTER(u32), u32]
     lib.kvf_ring_drain.restype = u32
+    lib.kvf_ring_wake.argtypes = [vp]
+    lib.kvf_ring_wake.restype = None
     lib.kvf_ring_release.argtypes = [vp]
     lib.kvf_ring_release.restype = None
-    lib.kvf_stamp.argtypes = [vp]
-    lib.kvf_stamp.restype = None
     lib.kvf_live_ring_count.argtypes = []
     lib.kvf_live_ring_count.restype = ctypes.c_int64
     return lib

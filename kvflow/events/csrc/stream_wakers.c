@@ -1,23 +1,24 @@
 /*
- * kvflow stream stamps: a bounded ring of slots stamped by CUDA host functions.
+ * kvflow stream wakers: native CUDA host functions that wake the event bus.
  *
- * Python reserves a free slot, then calls kvf_ring_launch(), which enqueues
- * kvf_stamp() on a CUDA stream through cuLaunchHostFunc (passed in as a plain
- * function pointer: this file needs no CUDA header and links nothing of CUDA).
- * When the stream reaches it, kvf_stamp() runs on the driver's callback thread:
- * it reads CLOCK_MONOTONIC (the clock of Python's time.monotonic_ns), appends
- * the slot to a completion log and writes the bus's eventfd. It never touches
- * Python, so no thread holding the GIL can ever block it.
+ * A stream event's time comes from a CUDA event recorded on its stream (the
+ * GPU's own timestamp). To learn without polling that it completed, the bus's
+ * dispatcher "arms" a waker: kvf_ring_arm() makes a side stream wait for that
+ * CUDA event (cuStreamWaitEvent) and enqueues kvf_wake() behind the wait
+ * (cuLaunchHostFunc); both are passed in as plain function pointers, so this
+ * file needs no CUDA header and links nothing of CUDA. kvf_wake() runs on the
+ * driver's callback thread: it appends its slot to a completion log and writes
+ * the bus's eventfd. It never touches Python, so no thread holding the GIL can
+ * ever block it, and the work stream itself never waits for the host.
  *
- * The completion log has one cell per slot. A slot is logged at most once per
- * launch and only freed by Python after it was drained, so the log can never
- * overrun the drainer. Host functions of one stream run one after another, so
- * the log holds each stream's stamps in stream order.
+ * The completion log has one cell per slot. A slot is armed at most once at a
+ * time and re-armed only after it was drained, so the log can never overrun
+ * the single drainer.
  *
- * The ring is reference counted: the owner holds one reference and every
- * launched, not yet run host function holds one. Whoever drops the last frees
- * it, so the memory (and the ring's own duplicate of the eventfd) outlives any
- * callback still queued on a stream, whenever the owner lets go.
+ * The ring is reference counted: the owner holds one reference and every armed
+ * waker that has not run yet holds one. Whoever drops the last frees it, so the
+ * memory (and the ring's own duplicate of the eventfd) outlives any waker still
+ * queued on a stream, whenever the owner lets go.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -25,28 +26,29 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <time.h>
 #include <unistd.h>
 
-/* cuLaunchHostFunc(CUstream, CUhostFn, void *): returns a CUresult, 0 = success. */
+/* cuLaunchHostFunc(CUstream, CUhostFn, void *) and cuStreamWaitEvent(CUstream, CUevent,
+ * unsigned): both return a CUresult, 0 = success. */
 typedef int (*kvf_launch_fn)(void *stream, void (*fn)(void *), void *user_data);
+typedef int (*kvf_wait_fn)(void *stream, void *event, unsigned int flags);
 
 struct kvf_ring;
 
 typedef struct kvf_slot {
     struct kvf_ring *ring;
-    uint64_t ts_ns; /* written by kvf_stamp before the slot is logged */
     uint32_t index;
 } kvf_slot;
 
 typedef struct kvf_ring {
     _Atomic int64_t refs;
-    _Atomic uint64_t head; /* next log position a host function claims */
+    _Atomic uint64_t head; /* next log position a waker claims */
     uint64_t tail;         /* next log position the (single) drainer reads */
     uint32_t capacity;
     int wake_fd; /* the ring's own duplicate of the bus's eventfd */
     kvf_launch_fn launch;
-    _Atomic uint32_t *log; /* slot index + 1 per completed stamp; 0 = empty */
+    kvf_wait_fn wait;
+    _Atomic uint32_t *log; /* slot index + 1 per run waker; 0 = empty */
     kvf_slot *slots;
 } kvf_ring;
 
@@ -63,25 +65,28 @@ static void kvf_ring_unref(kvf_ring *ring) {
     atomic_fetch_sub_explicit(&kvf_live_rings, 1, memory_order_relaxed);
 }
 
-/* The CUDA host function: stamp, log, wake. user_data is a kvf_slot. */
-void kvf_stamp(void *user_data) {
-    kvf_slot *slot = user_data;
-    kvf_ring *ring = slot->ring;
-    struct timespec now;
+/* Write the bus's eventfd. Also called from Python (through ctypes.PyDLL, keeping the GIL,
+ * so a launching thread hands the GIL to no one just to wake the dispatcher). */
+void kvf_ring_wake(kvf_ring *ring) {
     const uint64_t one = 1;
-
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    slot->ts_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
-    uint64_t pos = atomic_fetch_add_explicit(&ring->head, 1, memory_order_relaxed);
-    atomic_store_explicit(&ring->log[pos % ring->capacity], slot->index + 1, memory_order_release);
     while (write(ring->wake_fd, &one, sizeof one) < 0 && errno == EINTR) {
     }
+}
+
+/* The CUDA host function: log the slot, wake the bus. user_data is a kvf_slot. */
+void kvf_wake(void *user_data) {
+    kvf_slot *slot = user_data;
+    kvf_ring *ring = slot->ring;
+
+    uint64_t pos = atomic_fetch_add_explicit(&ring->head, 1, memory_order_relaxed);
+    atomic_store_explicit(&ring->log[pos % ring->capacity], slot->index + 1, memory_order_release);
+    kvf_ring_wake(ring);
     kvf_ring_unref(ring);
 }
 
 /* A ring of `capacity` slots waking `wake_fd` (duplicated); NULL on bad input or no memory. */
-kvf_ring *kvf_ring_create(uint32_t capacity, int wake_fd, kvf_launch_fn launch) {
-    if (capacity == 0 || launch == NULL) {
+kvf_ring *kvf_ring_create(uint32_t capacity, int wake_fd, kvf_launch_fn launch, kvf_wait_fn wait) {
+    if (capacity == 0 || launch == NULL || wait == NULL) {
         return NULL;
     }
     kvf_ring *ring = calloc(1, sizeof *ring);
@@ -106,27 +111,33 @@ kvf_ring *kvf_ring_create(uint32_t capacity, int wake_fd, kvf_launch_fn launch) 
     }
     ring->capacity = capacity;
     ring->launch = launch;
+    ring->wait = wait;
     atomic_init(&ring->refs, 1);
     atomic_init(&ring->head, 0);
     atomic_fetch_add_explicit(&kvf_live_rings, 1, memory_order_relaxed);
     return ring;
 }
 
-/* Enqueue kvf_stamp for slot `index` on `stream`: 0, the launcher's error code, or -1 (bad slot). */
-int kvf_ring_launch(kvf_ring *ring, uint32_t index, void *stream) {
+/* Make `stream` wait for `event`, then enqueue kvf_wake for slot `index` on it.
+ * Returns 0, the driver's error code, or -1 for a bad slot. */
+int kvf_ring_arm(kvf_ring *ring, uint32_t index, void *stream, void *event) {
     if (index >= ring->capacity) {
         return -1;
     }
+    int rc = ring->wait(stream, event, 0);
+    if (rc != 0) {
+        return rc;
+    }
     atomic_fetch_add_explicit(&ring->refs, 1, memory_order_relaxed);
-    int rc = ring->launch(stream, kvf_stamp, &ring->slots[index]);
+    rc = ring->launch(stream, kvf_wake, &ring->slots[index]);
     if (rc != 0) {
         atomic_fetch_sub_explicit(&ring->refs, 1, memory_order_relaxed);
     }
     return rc;
 }
 
-/* Move up to `max` completed stamps, in completion order, into the two arrays. One drainer only. */
-uint32_t kvf_ring_drain(kvf_ring *ring, uint32_t *out_index, uint64_t *out_ts, uint32_t max) {
+/* Move up to `max` run wakers' slot indices, in run order, into `out`. One drainer only. */
+uint32_t kvf_ring_drain(kvf_ring *ring, uint32_t *out, uint32_t max) {
     uint32_t n = 0;
     while (n < max) {
         _Atomic uint32_t *cell = &ring->log[ring->tail % ring->capacity];
@@ -136,14 +147,12 @@ uint32_t kvf_ring_drain(kvf_ring *ring, uint32_t *out_index, uint64_t *out_ts, u
         }
         atomic_store_explicit(cell, 0, memory_order_relaxed);
         ring->tail++;
-        out_index[n] = logged - 1;
-        out_ts[n] = ring->slots[logged - 1].ts_ns;
-        n++;
+        out[n++] = logged - 1;
     }
     return n;
 }
 
-/* Drop the owner's reference; the ring is freed once no queued host function remains. */
+/* Drop the owner's reference; the ring is freed once no armed waker remains. */
 void kvf_ring_release(kvf_ring *ring) { kvf_ring_unref(ring); }
 
 /* Rings not yet freed in this process (lets tests check that nothing leaks or is freed early). */
