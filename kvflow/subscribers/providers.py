@@ -43,7 +43,8 @@ class PrometheusEndpoint:
         self.host = host
         self.port = port
         self.registry = CollectorRegistry()
-        self.reader = PrometheusMetricReader(registry=self.registry)
+        # no otel_scope_* labels: every kvflow metric name is unique across its meters
+        self.reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
