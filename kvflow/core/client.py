@@ -97,7 +97,9 @@ class KVFlowClient:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a server that is not there
+            # No ZMQ_IMMEDIATE: with it, a reply that arrives just before the server
+            # closes the connection (a graceful stop) is dropped unread. A request
+            # queued for a server that is down dies with its socket on timeout.
             sock.sndtimeo = int(self.timeout_s * 1000)
             sock.connect(self.endpoint)
             with self._lock:
@@ -141,7 +143,7 @@ class KVFlowClient:
                 self._discard_socket(sock)
                 raise RequestTimeoutError(
                     f"no reply to {op} from the kvflow server at {self.endpoint} within"
-                    f" {timeout:g} s"
+                    f" {timeout:g} s (is it running?)"
                 )
             reply = decode_reply(sock.recv())
             if reply.id == request.id:

@@ -75,8 +75,15 @@ def cuda_ipc_memory_of(tensor: torch.Tensor) -> CudaIpcMemory:
     index = tensor.device.index if tensor.device.index is not None else 0
     ptr = tensor.data_ptr()
     with _DeviceContext(index) as drv:
-        base, size = drv.mem_get_address_range(ptr)
-        handle = bytes(drv.mem_get_ipc_handle(base))
+        try:
+            base, size = drv.mem_get_address_range(ptr)
+            handle = bytes(drv.mem_get_ipc_handle(base))
+        except drv.Error as exc:
+            raise InvalidRequestError(
+                f"cannot export a CUDA IPC handle for a tensor on cuda:{index} ({exc}); its"
+                " memory must come from cudaMalloc (not expandable segments or a"
+                " cudaMallocAsync pool)"
+            ) from None
     return CudaIpcMemory(
         handle=handle,
         offset=ptr - int(base),

@@ -61,6 +61,7 @@ _TICK_S = 0.1
 _MAX_FRAMES = 8
 _BATCH = 64
 _REMEMBER_REAPED = 1024
+_FORCED_CLOSE_S = 5.0
 
 #: A worker job: computes the reply for one queued request.
 Job = Callable[[], Reply]
@@ -105,14 +106,18 @@ class _Worker:
 
     def _run(self) -> None:
         push = self._ctx.socket(zmq.PUSH)
-        push.linger = -1
+        push.linger = 1000
+        push.sndtimeo = 1000  # only blocks once the main loop is gone (a forced stop)
         push.connect(self._results)
         try:
             while (item := self._jobs.get()) is not None:
                 identity, job = item
                 reply = job()
                 if identity is not None:
-                    push.send_multipart([identity, encode_reply(reply)])
+                    try:
+                        push.send_multipart([identity, encode_reply(reply)])
+                    except zmq.Again:
+                        log.warning("reply dropped: the server stopped without waiting for it")
         finally:
             push.close()
 
@@ -133,7 +138,8 @@ class KVFlowServer:
     """Serves a CacheEngine over ZMQ; see the module docstring for the threading model.
 
     Binds at construction (port 0 picks a free port; `endpoint` tells which).
-    `serve_forever` blocks until `request_stop` (thread- and signal-safe).
+    `serve_forever` blocks until `request_stop` (thread- and signal-safe), then
+    closes the engine, also one passed in as `engine`.
     """
 
     def __init__(self, config: ServerConfig | None = None, *, engine: CacheEngine | None = None):
@@ -169,6 +175,7 @@ class KVFlowServer:
         self._workers: list[_Worker] = []
         self._last_seen: dict[str, float] = {}
         self._reaped_ids: OrderedDict[str, None] = OrderedDict()
+        self._next_reap = 0.0
         self._stop = threading.Event()
         self._force = threading.Event()
         self._started = time.monotonic()
@@ -199,7 +206,9 @@ class KVFlowServer:
                     self._forward_results()
                 if self._router in ready:
                     self._serve_batch()
-                self._reap()
+                if time.monotonic() >= self._next_reap:
+                    self._next_reap = time.monotonic() + _TICK_S
+                    self._reap()
         finally:
             self._shutdown()
 
@@ -216,11 +225,23 @@ class KVFlowServer:
             if self._results.poll(int(_TICK_S * 1000)):
                 self._forward_results()
         self._forward_results()
-        clean = self.engine.close()
+        busy = sum(w.alive for w in workers)
+        if busy:  # a second stop request: do not wait for stuck transfers any longer
+            log.warning("kvflow server: not waiting for %d busy instance worker(s)", busy)
+            closed: list[bool] = []
+            closer = threading.Thread(
+                target=lambda: closed.append(self.engine.close()), daemon=True
+            )
+            closer.start()
+            closer.join(_FORCED_CLOSE_S)
+            clean = bool(closed and closed[0])
+        else:
+            clean = self.engine.close()
         self._registrations.clear()
         self._results.close(0)
         self._router.close()
-        self._ctx.term()
+        if not busy:  # busy workers still hold sockets; the process is exiting anyway
+            self._ctx.term()
         log.info("kvflow server stopped (event pipeline %s)", "clean" if clean else "NOT clean")
 
     def close(self) -> None:

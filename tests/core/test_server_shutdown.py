@@ -63,3 +63,33 @@ def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
     assert results == [CHUNK]
     assert not serving.is_alive()
     assert engine.status()["closed"] is True
+
+
+def test_second_stop_request_stops_waiting_for_a_stuck_transfer() -> None:
+    """A second request_stop (a second SIGINT) ends the loop although a store never finishes."""
+    config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
+    engine = GatedEngine(config)
+    server = KVFlowServer(config, engine=engine)
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    kv = [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)]
+    errors: list[BaseException] = []
+    with KVFlowClient(server.endpoint, timeout_s=3) as client:
+        client.register_kv_caches("stuck", kv, model_name="m")
+
+        def store() -> None:
+            try:
+                client.store("stuck", list(range(CHUNK)), list(range(16)), request_id="r")
+            except BaseException as exc:
+                errors.append(exc)
+
+        storing = threading.Thread(target=store)
+        storing.start()
+        assert engine.entered.wait(20)
+        server.request_stop()
+        server.request_stop()
+        serving.join(10)
+        assert not serving.is_alive()
+        storing.join(10)
+        engine.gate.set()  # let the abandoned worker thread end
+    assert len(errors) == 1 and isinstance(errors[0], RequestTimeoutError)
