@@ -108,22 +108,35 @@ VARIANTS = {
 }
 
 
-def _time_ms(fn: Callable[[], object], stream: TransferStream, reps: int, rounds: int = 5) -> float:
+def _time_ms(fn: Callable[[], object], stream: TransferStream, reps: int, rounds: int) -> float:
     """Median over rounds of the mean GPU time per call, with reps calls queued back to back."""
+    return _time_interleaved({"fn": fn}, stream, reps, rounds)["fn"]
+
+
+def _time_interleaved(
+    fns: dict[str, Callable[[], object]], stream: TransferStream, reps: int, rounds: int
+) -> dict[str, float]:
+    """Per function, the median over rounds of its mean time per call (ms).
+
+    Rounds alternate between the functions, so clock or power drift during the run
+    affects each of them alike and ratios stay fair; every function is warmed up first.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     with torch.cuda.stream(stream.torch):
-        for _ in range(2):
-            fn()
-        samples = []
-        for _ in range(rounds):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+        for fn in fns.values():
             for _ in range(reps):
                 fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / reps)
-    return statistics.median(samples)
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def run_case(
@@ -142,36 +155,40 @@ def run_case(
     copy_src = torch.randint(0, 256, (case.chunks * nbytes,), dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
     moved = case.chunks * nbytes
-    reps = max(3, min(50, int(2e10 // moved)))
+    reps = max(3, min(20, int(1e10 // moved)))
 
     def reference(gather: bool) -> Callable[[], object]:
         return lambda: transfer_reference(layout, staging, ids, skip, gather=gather)
 
-    base_ms = {
-        "copy": _time_ms(lambda: copy_dst.copy_(copy_src), stream, reps),
+    torch_ms = {
         "torch_gather": _time_ms(reference(True), stream, torch_reps, rounds=3),
         "torch_scatter": _time_ms(reference(False), stream, torch_reps, rounds=3),
     }
+
+    def kernel(gather: bool, tuning: KernelTuning) -> Callable[[], object]:
+        return lambda: launch_transfer(
+            layout,
+            staging,
+            ids,
+            skip,
+            gather=gather,
+            stream=stream,
+            max_vector_bytes=case.max_vec,
+            tuning=tuning,
+        )
+
+    fns: dict[str, Callable[[], object]] = {"copy": lambda: copy_dst.copy_(copy_src)}
+    for variant in variants:
+        fns[f"{variant}:gather"] = kernel(True, VARIANTS[variant])
+        fns[f"{variant}:scatter"] = kernel(False, VARIANTS[variant])
+    timed = _time_interleaved(fns, stream, reps, rounds=7)
     rows = []
     for variant in variants:
-        tuning = VARIANTS[variant]
-
-        def kernel(gather: bool, tuning: KernelTuning = tuning) -> Callable[[], object]:
-            return lambda: launch_transfer(
-                layout,
-                staging,
-                ids,
-                skip,
-                gather=gather,
-                stream=stream,
-                max_vector_bytes=case.max_vec,
-                tuning=tuning,
-            )
-
         ms = {
-            "gather": _time_ms(kernel(True), stream, reps),
-            "scatter": _time_ms(kernel(False), stream, reps),
-            **base_ms,
+            "gather": timed[f"{variant}:gather"],
+            "scatter": timed[f"{variant}:scatter"],
+            "copy": timed["copy"],
+            **torch_ms,
         }
         gbps = {k: 2 * moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
         plans = [
