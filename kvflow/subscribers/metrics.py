@@ -292,8 +292,8 @@ class MetricsSubscriber:
                 self._on_end(ev, adds)
             elif etype in self._l1_counters:
                 chunks, nbytes = self._l1_counters[etype]
-                _add(adds, chunks, _EMPTY, ev.attrs.get("chunks", 0))
-                _add(adds, nbytes, _EMPTY, ev.attrs.get("bytes", 0))
+                _add(adds, chunks, _EMPTY, ev.attrs.get("chunks") or 0)
+                _add(adds, nbytes, _EMPTY, ev.attrs.get("bytes") or 0)
             elif etype is _ET.REGISTER or etype is _ET.UNREGISTER:
                 labels = self._label_set(_M, ev.attrs.get("model_name", ""))
                 _add(adds, self._instances, labels, 1 if etype is _ET.REGISTER else -1)
@@ -325,8 +325,8 @@ class MetricsSubscriber:
             model = attrs.get("model_name", "")
             labels = self._label_set(_M, model)
             _add(adds, self._requests["lookup"], self._label_set(_MO, model, outcome), 1)
-            _add(adds, self._lookup_requested, labels, attrs.get("requested_tokens", 0))
-            hit = attrs.get("hit_tokens", 0)
+            _add(adds, self._lookup_requested, labels, attrs.get("requested_tokens") or 0)
+            hit = attrs.get("hit_tokens") or 0
             _add(adds, self._lookup_hit, labels, hit)
             if outcome == "ok":
                 self._lookup_hit_hist.record(hit, labels)
@@ -338,8 +338,8 @@ class MetricsSubscriber:
         labels = self._label_set(_IM, instance, model)
         with_outcome = self._label_set(_IMO, instance, model, outcome)
         _add(adds, self._requests[operation], with_outcome, 1)
-        _add(adds, self._tokens[operation], labels, attrs.get("tokens", 0))
-        nbytes = attrs.get("bytes", 0)
+        _add(adds, self._tokens[operation], labels, attrs.get("tokens") or 0)
+        nbytes = attrs.get("bytes") or 0
         _add(adds, self._bytes[operation], labels, nbytes)
         if pending is None:
             return

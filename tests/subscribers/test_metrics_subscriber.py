@@ -54,14 +54,18 @@ def test_store_and_retrieve_metrics(cap: MetricsCapture) -> None:
 
 
 def test_failed_operation_counts_as_error_without_throughput(cap: MetricsCapture) -> None:
-    """An END with an error counts under outcome=error and records no throughput."""
+    """An END with an error counts under outcome=error and records no throughput.
+
+    Missing or None token and byte counts on a failure count as 0.
+    """
     sub = MetricsSubscriber(cap.provider)
     s = EventScript()
-    s.op("store", 0.0, 0.1, "r1", start_attrs=STORE, **STORE, tokens=0, bytes=0,
+    s.op("store", 0.0, 0.1, "r1", start_attrs=STORE, **STORE, tokens=None,
          ok=False, error="out_of_memory")  # fmt: skip
     sub.on_events(s.events)
     assert cap.total("kvflow.store.requests", outcome="error") == 1
     assert cap.total("kvflow.store.requests", outcome="ok") == 0
+    assert cap.total("kvflow.store.tokens") == cap.total("kvflow.store.bytes") == 0
     assert cap.histogram("kvflow.store.duration", outcome="error").count == 1
     assert cap.points("kvflow.store.throughput") == []
 
