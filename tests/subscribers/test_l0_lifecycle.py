@@ -75,6 +75,7 @@ def test_lifecycle_narrative(cap: MetricsCapture) -> None:
     assert observed(cap, IDLE) == (1, 6.0)  # unchanged: both evictions hit an ACTIVE block
     assert observed(cap, GAP) == (1, 8.0)  # single-access histories have no gap
     assert sub.tracked_block_ids("inst0") == {10}
+    assert cap.total("kvflow.l0.tracked_blocks", instance_id="inst0", model_name="model") == 1
 
 
 def test_tokens_split_by_block_size_not_by_count(cap: MetricsCapture) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
 
-from kvflow.events import Event, EventBus, EventType
+from kvflow.events import Event, EventBus, EventType, now_ns
 from kvflow.subscribers import L0LifecycleSubscriber, MetricsSubscriber
 from kvflow.subscribers.buckets import GB_PER_S, OP_SECONDS, TOKENS
 from kvflow.subscribers.testing import EventScript, MetricsCapture
@@ -199,11 +201,12 @@ def test_bus_self_metrics(cap: MetricsCapture) -> None:
     bus = EventBus(capacity=4)
     MetricsSubscriber(cap.provider, bus=bus)
     bus.register(_Failing())
-    for _ in range(6):  # not started: 4 admitted, 2 dropped
+    bus.publish(Event(EventType.L1_READ, now_ns() - 2_000_000_000, attrs={"chunks": 1}))
+    for _ in range(5):  # not started: 4 admitted in all, 2 dropped
         bus.publish(Event(EventType.L1_READ, attrs={"chunks": 1, "bytes": 1}))
     assert cap.total("kvflow.bus.queue_depth") == 4
     assert cap.total("kvflow.bus.capacity") == 4
-    assert cap.total("kvflow.bus.lag") >= 0
+    assert cap.total("kvflow.bus.lag") >= 2.0  # the oldest queued event is 2 s old
     bus.start()
     assert bus.flush(5.0)
     assert cap.total("kvflow.bus.published", event_type="l1_read") == 6
@@ -212,6 +215,45 @@ def test_bus_self_metrics(cap: MetricsCapture) -> None:
     assert cap.total("kvflow.bus.dropped", event_type="store_start") == 0
     assert cap.total("kvflow.bus.subscriber_errors", subscriber="failing") >= 1
     assert cap.total("kvflow.bus.queue_depth") == 0
+    bus.stop(5.0)
+
+
+class _Slow:
+    """Blocks in on_events until released, so its own backlog overflows."""
+
+    name = "slow"
+    event_types = None
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def on_events(self, events: Sequence[Event]) -> None:
+        self.entered.set()
+        self.release.wait(10.0)
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def test_slow_subscriber_overflow_is_counted(cap: MetricsCapture) -> None:
+    """Events a slow subscriber's backlog refuses appear per subscriber and event type."""
+    bus = EventBus(capacity=100, subscriber_backlog=2)
+    MetricsSubscriber(cap.provider, bus=bus)
+    slow = _Slow()
+    bus.register(slow)
+    bus.start()
+    bus.publish(Event(EventType.END_SESSION, session_id="first"))
+    assert slow.entered.wait(5.0)
+    for i in range(10):
+        bus.publish(Event(EventType.END_SESSION, session_id=f"r{i}"))
+        time.sleep(0.002)  # let the dispatcher offer them one by one
+    slow.release.set()
+    assert bus.flush(5.0)
+    dropped = bus.stats().subscriber_dropped["slow"][EventType.END_SESSION]
+    assert dropped >= 8
+    assert cap.total("kvflow.bus.subscriber_dropped", subscriber="slow",
+                     event_type="end_session") == dropped  # fmt: skip
     bus.stop(5.0)
 
 
