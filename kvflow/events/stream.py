@@ -356,7 +356,11 @@ class NativeStreamStamper:
         try:
             cuda_event = lane.pool.pop()
         except IndexError:
-            cuda_event = self._new_event(lane)
+            try:
+                cuda_event = self._new_event(lane)
+            except RuntimeError:
+                bus.release_reservation(etype)
+                raise
             if not cuda_event:
                 bus.release_reservation(etype)
                 return False

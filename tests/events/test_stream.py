@@ -119,6 +119,8 @@ class FakeCuda:
         self.pushed.pop()
 
     def create_event(self) -> int:
+        if self.fail_record:
+            raise RuntimeError(f"cuEventCreate failed: FAKE_ERROR ({self.fail_record})")
         return next(self._ids)
 
     def create_stream(self) -> int:
@@ -397,14 +399,24 @@ def test_bus_capacity_bounds_stream_events() -> None:
 
 @needs_cc
 def test_refused_record_raises_and_counts_a_drop() -> None:
-    """A record CUDA refuses raises RuntimeError naming the error; the event counts as dropped."""
+    """A record (or event creation) CUDA refuses raises RuntimeError naming the error;
+    the event counts as dropped."""
+    fake = FakeCuda(fail_record=400)
     bus = EventBus(10)
-    stamper = NativeStreamStamper(bus, FakeCuda(fail_record=400))
+    stamper = NativeStreamStamper(bus, fake)
     bus.attach_stamper(stamper)
+    bus.start()
+    with pytest.raises(RuntimeError, match=r"cuEventCreate failed: FAKE_ERROR \(400\)"):
+        bus.publish_on_stream(0x99, Event(T.STORE_END))
+    fake.fail_record = 0
+    assert bus.publish_on_stream(0x99, Event(T.STORE_START))  # creates a CUDA event
+    assert bus.flush(5)
+    fake.fail_record = 400
     with pytest.raises(RuntimeError, match=r"FAKE_ERROR \(400\).*STORE_END counted as dropped"):
         bus.publish_on_stream(0x99, Event(T.STORE_END))
     stats = bus.stats()
-    assert stats.dropped == {T.STORE_END: 1} and stats.published == {T.STORE_END: 1}
+    assert stats.dropped == {T.STORE_END: 2}
+    assert stats.published == {T.STORE_START: 1, T.STORE_END: 2}
     assert stamper.pending() == 0 and stats.queue_depth == 0
     assert bus.stop(5)
 
