@@ -1,0 +1,88 @@
+"""KVFlowClient argument checks that fail locally, before anything is sent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.errors import InvalidRequestError, KVFlowError
+from kvflow.events import BlockAllocation
+
+# Nothing listens here: a call that reached the network would time out instead.
+NOWHERE = "tcp://127.0.0.1:9"
+
+
+@pytest.fixture
+def client() -> Iterator[KVFlowClient]:
+    with KVFlowClient(NOWHERE, timeout_s=0.2) as c:
+        yield c
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:5555", "http://x:1", "", 5555])
+def test_endpoint_must_be_a_zmq_address(endpoint: object) -> None:
+    """A malformed endpoint is a ValueError naming the expected form."""
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        KVFlowClient(endpoint)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, True, "5"])
+def test_timeout_must_be_positive(timeout: object) -> None:
+    """timeout_s must be a positive number."""
+    with pytest.raises(ValueError, match="timeout_s"):
+        KVFlowClient(NOWHERE, timeout_s=timeout)  # type: ignore[arg-type]
+
+
+def test_unshared_cpu_caches_fail_before_sending(client: KVFlowClient) -> None:
+    """An ordinary CPU tensor cannot be registered with a remote server."""
+    with pytest.raises(InvalidRequestError, match="empty_shared"):
+        client.register_kv_caches("a", [torch.zeros(2, 4, 16, 1, 8)], model_name="m")
+
+
+def test_wrongly_typed_arguments_fail_before_sending(client: KVFlowClient) -> None:
+    """Argument types are checked against the wire schema locally, naming the field."""
+    kv = [empty_shared((2, 4, 16, 1, 8), torch.float16)]
+    with pytest.raises(InvalidRequestError, match="model_name"):
+        client.register_kv_caches("a", kv, model_name=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="world_size"):
+        client.lookup([1, 2], model_name="m", world_size=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="skip_first_n_tokens"):
+        client.retrieve("a", [1], [0], request_id="r", skip_first_n_tokens="16")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "tokens, match", [([[1, 2]], "one-dimensional"), ([0.5], "integers"), ([2**40], "int32")]
+)
+def test_bad_token_ids_fail_before_sending(
+    client: KVFlowClient, tokens: object, match: str
+) -> None:
+    """Token ids must be a flat sequence of int32 values."""
+    with pytest.raises(InvalidRequestError, match=match):
+        client.store("a", tokens, [0], request_id="r")
+
+
+@pytest.mark.parametrize(
+    "records, match",
+    [
+        ("abc", "sequence of BlockAllocation"),
+        ([("r", [1])], r"records\[0\] must be BlockAllocation"),
+        ([BlockAllocation("r", [1.5], [1])], r"records\[0\].new_block_ids"),
+    ],
+)
+def test_bad_allocation_records_fail_before_sending(
+    client: KVFlowClient, records: object, match: str
+) -> None:
+    """Allocation records must be (req_id, block ids, token ids) with integer ids."""
+    with pytest.raises(InvalidRequestError, match=match):
+        client.report_block_allocations("a", records)  # type: ignore[arg-type]
+
+
+def test_a_closed_client_refuses_calls() -> None:
+    """Calls after close() raise instead of hanging."""
+    c = KVFlowClient(NOWHERE, timeout_s=0.2)
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(KVFlowError, match="closed"):
+        c.status()
