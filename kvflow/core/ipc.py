@@ -12,49 +12,33 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.protocol import CudaIpcMemory
+from kvflow.kernels.loader import active_context, pycuda_importable
 
 _lock = threading.Lock()
-_contexts: dict[int, Any] = {}
 #: IPC handle -> its open mapping, while any tensor views it (a handle opens once per process).
 _mappings: weakref.WeakValueDictionary[bytes, _CudaBytes] = weakref.WeakValueDictionary()
 
 
-def _driver() -> Any:
-    """pycuda.driver, initialised; a clear error when PyCUDA is missing."""
-    try:
-        import pycuda.driver as drv
-    except ImportError:
+@contextmanager
+def _driver_on(index: int) -> Iterator[Any]:
+    """pycuda.driver with the device's primary context (torch's) current; a clear error
+    when PyCUDA is missing."""
+    if not pycuda_importable():
         raise InvalidRequestError(
             "sharing GPU tensors with a kvflow server needs PyCUDA (pip install 'kvflow[cuda]')"
-        ) from None
-    drv.init()
-    return drv
+        )
+    import pycuda.driver as drv
 
-
-class _DeviceContext:
-    """Makes the device's primary context (the one torch uses) current for PyCUDA calls."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __enter__(self) -> Any:
-        drv = _driver()
-        torch.cuda.init()
-        with _lock:
-            ctx = _contexts.get(self.index)
-            if ctx is None:
-                ctx = _contexts[self.index] = drv.Device(self.index).retain_primary_context()
-        ctx.push()
-        return drv
-
-    def __exit__(self, *exc: object) -> None:
-        _driver().Context.pop()
+    with active_context(index):
+        yield drv
 
 
 def device_uuid(index: int) -> str:
@@ -74,7 +58,7 @@ def cuda_ipc_memory_of(tensor: torch.Tensor) -> CudaIpcMemory:
     """Describe a GPU tensor's memory: its allocation's IPC handle and its byte offset."""
     index = tensor.device.index if tensor.device.index is not None else 0
     ptr = tensor.data_ptr()
-    with _DeviceContext(index) as drv:
+    with _driver_on(index) as drv:
         try:
             base, size = drv.mem_get_address_range(ptr)
             handle = bytes(drv.mem_get_ipc_handle(base))
@@ -117,7 +101,7 @@ def open_cuda_ipc(memory: CudaIpcMemory) -> torch.Tensor:
     with _lock:
         holder = _mappings.get(memory.handle)
     if holder is None:
-        with _DeviceContext(index) as drv:
+        with _driver_on(index) as drv:
             try:
                 mapping = drv.IPCMemoryHandle(
                     memory.handle, drv.ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS
