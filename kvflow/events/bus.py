@@ -5,8 +5,8 @@ holds exactly under concurrent publishers). One dispatcher thread swaps the list
 out and hands each batch, filtered by type, to every subscriber's own bounded
 backlog; each subscriber runs on its own delivery thread, so a slow or failing
 subscriber only loses its own overflow and never stalls publishers or the others.
-The dispatcher sleeps on an eventfd that publishers (and native GPU stamp
-callbacks, see `kvflow.events.stream`) write when there is work.
+The dispatcher sleeps on an eventfd that publishers (and native GPU wakers,
+see `kvflow.events.stream`) write when there is work.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class StreamStamper(Protocol):
     """
 
     def enqueue(self, stream: Any, event: Event) -> bool:
-        """Reserve a slot and enqueue the native stamp on `stream`; False = dropped."""
+        """Reserve room and mark `event`'s point on `stream`; False = dropped."""
         ...
 
     def collect(self) -> list[Event]:
@@ -167,7 +167,7 @@ class EventBus:
 
     @property
     def wake_fd(self) -> int:
-        """The eventfd the dispatcher sleeps on; native stamp callbacks write it."""
+        """The eventfd the dispatcher sleeps on; native GPU wakers write it."""
         return self._wake_fd
 
     def register(self, subscriber: Subscriber) -> None:
