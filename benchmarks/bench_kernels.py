@@ -105,7 +105,7 @@ VARIANTS = {
     "no-cs": KernelTuning(stream_loads=0, stream_stores=False),
     "ld-cs": KernelTuning(stream_stores=False),
     "st-cs": KernelTuning(stream_loads=0),
-    "l2hint": KernelTuning(stream_loads=2),
+    "all-cs": KernelTuning(stream_loads=1),
 }
 
 

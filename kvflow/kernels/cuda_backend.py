@@ -40,7 +40,7 @@ class KernelTuning:
 
     lane_bytes: int = DEFAULT_LANE_BYTES
     iters: int = DEFAULT_ITERS
-    stream_loads: int = 1
+    stream_loads: int = 2
     stream_stores: bool = True
     linear_min_ctas: int = 1
 
