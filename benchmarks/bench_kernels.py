@@ -119,21 +119,26 @@ def _time_interleaved(
 ) -> dict[str, float]:
     """Per function, the median over rounds of its mean time per call (ms).
 
-    Rounds alternate between the functions, so clock or power drift during the run
-    affects each of them alike and ratios stay fair; every function is warmed up first.
+    Rounds alternate between the functions (rotating which goes first), and before each
+    timed block a read of a buffer larger than L2 flushes the dirty lines the previous
+    function left, so no function pays for another's write-back and ratios stay fair.
     """
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    flush = torch.empty(2**28, dtype=torch.uint8, device=stream.device)
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     with torch.cuda.stream(stream.torch):
+        flush.zero_()
         for fn in fns.values():
             for _ in range(reps):
                 fn()
-        for _ in range(rounds):
-            for name, fn in fns.items():
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                flush.max()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(reps):
-                    fn()
+                    fns[name]()
                 end.record()
                 end.synchronize()
                 samples[name].append(start.elapsed_time(end) / reps)
@@ -182,7 +187,7 @@ def run_case(
     for variant in variants:
         fns[f"{variant}:gather"] = kernel(True, VARIANTS[variant])
         fns[f"{variant}:scatter"] = kernel(False, VARIANTS[variant])
-    timed = _time_interleaved(fns, stream, reps, rounds=7)
+    timed = _time_interleaved(fns, stream, reps, rounds=9)
     rows = []
     for variant in variants:
         ms = {
