@@ -102,10 +102,9 @@ VARIANTS = {
     "iters2": KernelTuning(iters=2),
     "occ6": KernelTuning(linear_min_ctas=6),
     "lane128": KernelTuning(lane_bytes=128),
-    "no-cs": KernelTuning(stream_loads=0, stream_stores=False),
+    "no-cs": KernelTuning(stream_loads=False, stream_stores=False),
     "ld-cs": KernelTuning(stream_stores=False),
-    "st-cs": KernelTuning(stream_loads=0),
-    "all-cs": KernelTuning(stream_loads=1),
+    "st-cs": KernelTuning(stream_loads=False),
 }
 
 

@@ -33,14 +33,13 @@ class KernelTuning:
     """Build-time knobs of the kernel (defaults measured best; benchmarks compare others).
 
     lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
-    stream_loads: 1 = .cs (evict-first) loads, 2 = 16-byte loads under an L2 evict-first
-    cache policy (other widths .cs), 0 = default caching; stream_stores: .cs stores;
+    stream_loads / stream_stores: .cs (evict-first) loads / stores instead of default caching;
     linear_min_ctas: CTAs per SM the lean kernel's register budget must allow.
     """
 
     lane_bytes: int = DEFAULT_LANE_BYTES
     iters: int = DEFAULT_ITERS
-    stream_loads: int = 2
+    stream_loads: bool = True
     stream_stores: bool = True
     linear_min_ctas: int = 1
 

@@ -164,11 +164,11 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
         KernelTuning(iters=1),
         KernelTuning(iters=3),
         KernelTuning(lane_bytes=128),
-        KernelTuning(stream_loads=0, stream_stores=False),
-        KernelTuning(stream_loads=1),
+        KernelTuning(stream_loads=False, stream_stores=False),
+        KernelTuning(stream_stores=False),
         KernelTuning(linear_min_ctas=6),
     ],
-    ids=["iters1", "iters3", "lane128", "no-cs", "all-cs", "occ6"],
+    ids=["iters1", "iters3", "lane128", "no-cs", "ld-cs", "occ6"],
 )
 @pytest.mark.parametrize(
     ("fmt", "kwargs"),

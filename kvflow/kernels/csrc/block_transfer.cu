@@ -19,11 +19,8 @@
 #ifndef KVF_LANE_BYTES
 #define KVF_LANE_BYTES 64  // bytes each lane moves per unrolled step (vectors: 4..16)
 #endif
-// Loads (the source is read once): 2 = 16-byte loads under an L2 evict-first cache
-// policy, narrower ones .cs (measured: .cs on 16-byte loads costs 3-4% of bandwidth on
-// H200, the policy load none); 1 = .cs loads at every width; 0 = default caching.
 #ifndef KVF_STREAM_LOADS
-#define KVF_STREAM_LOADS 2
+#define KVF_STREAM_LOADS 1  // .cs loads: the source is read once
 #endif
 #ifndef KVF_STREAM_STORES
 #define KVF_STREAM_STORES 1  // .cs stores: the copy is not kept in L2
@@ -113,17 +110,6 @@ template <typename T> __device__ __forceinline__ T load(const T* p) {
 #endif
 }
 
-#if KVF_STREAM_LOADS == 2
-template <> __device__ __forceinline__ uint4 load<uint4>(const uint4* p) {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  uint4 v;
-  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(policy));
-  return v;
-}
-#endif
 
 template <typename T> __device__ __forceinline__ void store(T* p, T value) {
 #if KVF_STREAM_STORES
