@@ -76,16 +76,21 @@ def _engine(case: Case, l1_bytes: int, observe: bool) -> CacheEngine:
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    """Wall time of `fn` from an idle device until the caller's stream has finished it.
+
+    The engine returns once its own streams are done; only the caller's stream is
+    synchronised after it (a device-wide sync would also wait for unrelated work,
+    e.g. the event stamper's side streams).
+    """
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    torch.cuda.current_stream(device).synchronize()
     return time.perf_counter() - t0
 
 

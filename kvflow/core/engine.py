@@ -328,24 +328,28 @@ class CacheEngine:
                 table = self._block_table(inst, block_ids, n_chunks)
                 keys = self._object_keys(tokens, request_id, inst.model_rank, salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
-                self._publish_evictions(plan, request_id)
-                if keys and not plan.covered:
-                    raise CapacityError(
-                        f"L1 is full of objects being read; no room for a chunk of "
-                        f"{inst.chunk_nbytes} bytes"
-                    )
+                evictions_told = False
                 try:
+                    if keys and not plan.covered:
+                        raise CapacityError(
+                            f"L1 is full of objects being read; no room for a chunk of "
+                            f"{inst.chunk_nbytes} bytes"
+                        )
                     rows = [i for i, _ in plan.new]
                     inst.mover.store(table[rows], [self.l1.view(o) for _, o in plan.new])
                     result = {
                         "tokens": len(rows) * self.chunk_size,
                         "bytes": len(rows) * inst.chunk_nbytes,
                     }
+                    self._publish_evictions(plan, request_id)  # events once the GPU is busy
+                    evictions_told = True
                     op.end(inst.mover.store_stream, **result)
                     inst.mover.wait()
                 except BaseException:
                     self._quiesce(inst)
                     self.l1.abort(plan)
+                    if not evictions_told:
+                        self._publish_evictions(plan, request_id)
                     raise
                 self.l1.commit(plan)
         if plan.new:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.core.errors import KVFlowError
-from kvflow.events import START_TO_END, Event, EventBus, EventType, next_op_id
+from kvflow.events import START_TO_END, Event, EventBus, EventType, next_op_id, now_ns
 
 
 def error_code(exc: BaseException) -> str:
@@ -14,14 +14,17 @@ def error_code(exc: BaseException) -> str:
 
 
 class Op:
-    """Publishes START on creation; `end` or `fail` publishes its END once (later calls no-op).
+    """A START/END pair: START stamped at creation; `end` or `fail` publishes both, once.
 
-    START is stamped on the host when the op begins; a successful END may be stamped
-    on the CUDA stream where the op's last step runs. The END's stamp then always
-    follows its START's, and the bus delivers START first.
+    START is published together with its END, after the op's work is enqueued, so
+    the subscriber threads the publish wakes run while the GPU works rather than
+    contending for the GIL with the op's own set-up; its timestamp is still the
+    op's start. A successful END may be stamped on the CUDA stream where the op's
+    last step runs: its stamp then always follows START's, and the bus delivers
+    START first.
     """
 
-    __slots__ = ("attrs", "bus", "end_type", "ended", "op_id", "session_id")
+    __slots__ = ("attrs", "bus", "end_type", "ended", "op_id", "session_id", "start")
 
     def __init__(
         self,
@@ -36,23 +39,25 @@ class Op:
         self.attrs = attrs
         self.op_id = next_op_id()
         self.ended = False
-        bus.publish(Event(start_type, 0, session_id, self.op_id, attrs))
+        self.start = Event(start_type, now_ns(), session_id, self.op_id, attrs)
 
     def end(self, stream: Any = None, **result: Any) -> None:
-        """Publish the successful END (on `stream` when the work runs on one)."""
+        """Publish START and the successful END (on `stream` when the work runs on one)."""
         if self.ended:
             return
         self.ended = True
+        self.bus.publish(self.start)
         attrs = {**self.attrs, **result, "ok": True, "error": None}
         self.bus.publish_on_stream(
             stream, Event(self.end_type, 0, self.session_id, self.op_id, attrs)
         )
 
     def fail(self, exc: BaseException, **result: Any) -> None:
-        """Publish the failed END, stamped now, naming the error."""
+        """Publish START and the failed END, stamped now, naming the error."""
         if self.ended:
             return
         self.ended = True
+        self.bus.publish(self.start)
         attrs = {
             **self.attrs,
             **result,

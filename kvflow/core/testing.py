@@ -59,7 +59,7 @@ def events_of(recorder: RecordingSubscriber, engine: CacheEngine) -> list[Event]
 
 
 def pairs(events: list[Event]) -> Iterator[tuple[Event, Event]]:
-    """(START, END) pairs by op_id; asserts each START has exactly one END and vice versa."""
+    """(START, END) pairs in call order; asserts each START has exactly one END and vice versa."""
     starts: dict[int, Event] = {}
     ends: dict[int, Event] = {}
     for ev in events:
@@ -70,7 +70,8 @@ def pairs(events: list[Event]) -> Iterator[tuple[Event, Event]]:
             assert ev.op_id is not None and ev.op_id not in ends, f"two ENDs for {ev.op_id}"
             ends[ev.op_id] = ev
     assert starts.keys() == ends.keys(), "unpaired START or END"
-    for op_id, start in starts.items():
+    for op_id in sorted(starts):  # op ids follow the order the calls began
+        start = starts[op_id]
         end = ends[op_id]
         assert end.type == START_TO_END[start.type]
         assert end.session_id == start.session_id

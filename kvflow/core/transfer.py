@@ -1,8 +1,8 @@
 """Moving chunk bytes between an instance's KV blocks and L1 objects.
 
 `CpuMover` gathers/scatters straight between CPU caches and L1 bytes.
-`CudaMover` pipelines through a GPU staging buffer on two streams: the block kernel
-runs on `kernel_stream` while the previous group's host copies run on `copy_stream`.
+`CudaMover` pipelines through a ring of GPU staging stages on two streams: the block
+kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_stream`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from kvflow.kernels import KVLayout, TransferStream, new_transfer_stream, transf
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
-#: Most chunks moved by one kernel launch.
+#: Most chunks moved by one kernel launch, and most stages in the staging ring.
 MAX_GROUP = 8
+MAX_STAGES = 4
 
 
 class Mover(Protocol):
@@ -77,32 +78,33 @@ class CpuMover:
 
 
 class CudaMover:
-    """Pipelined GPU moves through two halves of a staging buffer, on two streams.
+    """Pipelined GPU moves through a ring of staging stages, on two streams.
 
-    Chunks go in groups of `group` (one kernel launch each); group j uses half j % 2,
-    so the kernel for group j+1 runs while group j's host copies drain. Events order
-    each half's reuse on the GPU: the host only enqueues, then waits once.
+    Chunks go in groups of `group` (one kernel launch each); group j uses stage
+    j % stages, so kernels for later groups run while earlier groups' host copies
+    drain. Events order each stage's reuse on the GPU: the host only enqueues,
+    then waits once.
     """
 
     def __init__(self, layout: KVLayout, chunk_nbytes: int) -> None:
         self.layout = layout
         self.device = layout.device
         self.chunk_nbytes = chunk_nbytes
-        self.group = max(1, min(MAX_GROUP, STAGING_BUDGET_BYTES // (2 * max(chunk_nbytes, 1))))
+        self.group, self.stages = pipeline_shape(chunk_nbytes)
         self.kernel_stream: TransferStream = new_transfer_stream(self.device)
         self.copy_stream: TransferStream = new_transfer_stream(self.device)
         self.store_stream = self.copy_stream
         self.retrieve_stream = self.kernel_stream
         self._staging: torch.Tensor | None = None
-        self._filled = [torch.cuda.Event(), torch.cuda.Event()]
-        self._drained = [torch.cuda.Event(), torch.cuda.Event()]
+        self._filled = [torch.cuda.Event() for _ in range(self.stages)]
+        self._drained = [torch.cuda.Event() for _ in range(self.stages)]
 
-    def _halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ring(self) -> torch.Tensor:
         if self._staging is None:
             self._staging = torch.empty(
-                (2, self.group, self.chunk_nbytes), dtype=torch.uint8, device=self.device
+                (self.stages, self.group, self.chunk_nbytes), dtype=torch.uint8, device=self.device
             )
-        return self._staging[0], self._staging[1]
+        return self._staging
 
     def _after_caller(self, stream: TransferStream) -> None:
         """Order our first step after the caller's pending work on its current stream."""
@@ -111,49 +113,49 @@ class CudaMover:
         stream.torch.wait_event(ready)
 
     def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
-        halves = self._halves()
+        ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
         self._after_caller(ks)
         for j, start in enumerate(range(0, len(dsts), self.group)):
-            h = j % 2
+            s = j % self.stages
             stop = min(start + self.group, len(dsts))
-            stage = halves[h][: stop - start]
-            if j >= 2:
-                ks.torch.wait_event(self._drained[h])
+            stage = ring[s][: stop - start]
+            if j >= self.stages:
+                ks.torch.wait_event(self._drained[s])
             transfer_blocks(
                 self.layout, stage, block_ids[start:stop], direction="gather", backend="cuda",
                 stream=ks,
             )  # fmt: skip
-            self._filled[h].record(ks.torch)
-            cs.torch.wait_event(self._filled[h])
+            self._filled[s].record(ks.torch)
+            cs.torch.wait_event(self._filled[s])
             with torch.cuda.stream(cs.torch):
                 for i in range(stop - start):
                     dsts[start + i].copy_(stage[i], non_blocking=True)
-            self._drained[h].record(cs.torch)
+            self._drained[s].record(cs.torch)
 
     def retrieve(
         self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
     ) -> None:
-        halves = self._halves()
+        ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
         self._after_caller(cs)
         for j, start in enumerate(range(0, len(srcs), self.group)):
-            h = j % 2
+            s = j % self.stages
             stop = min(start + self.group, len(srcs))
-            stage = halves[h][: stop - start]
-            if j >= 2:
-                cs.torch.wait_event(self._drained[h])
+            stage = ring[s][: stop - start]
+            if j >= self.stages:
+                cs.torch.wait_event(self._drained[s])
             with torch.cuda.stream(cs.torch):
                 for i in range(stop - start):
                     stage[i].copy_(srcs[start + i], non_blocking=True)
-            self._filled[h].record(cs.torch)
-            ks.torch.wait_event(self._filled[h])
+            self._filled[s].record(cs.torch)
+            ks.torch.wait_event(self._filled[s])
             skips = list(skip_blocks[start:stop])
             transfer_blocks(
                 self.layout, stage, block_ids[start:stop], direction="scatter",
                 skip_blocks=skips if any(skips) else None, backend="cuda", stream=ks,
             )  # fmt: skip
-            self._drained[h].record(ks.torch)
+            self._drained[s].record(ks.torch)
 
     def wait(self) -> None:
         self.kernel_stream.synchronize()
@@ -162,3 +164,16 @@ class CudaMover:
     def close(self) -> None:
         self.wait()
         self._staging = None
+
+
+def pipeline_shape(chunk_nbytes: int) -> tuple[int, int]:
+    """(chunks per launch, stages) for the staging ring within STAGING_BUDGET_BYTES.
+
+    Prefers MAX_STAGES stages (slack against stalls, a short pipeline fill) of as
+    many chunks as fit, up to MAX_GROUP; big chunks get one chunk per stage and at
+    least two stages, whatever the budget.
+    """
+    per_chunk = max(chunk_nbytes, 1)
+    group = max(1, min(MAX_GROUP, STAGING_BUDGET_BYTES // (MAX_STAGES * per_chunk)))
+    stages = max(2, min(MAX_STAGES, STAGING_BUDGET_BYTES // (group * per_chunk)))
+    return group, stages

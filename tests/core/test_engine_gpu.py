@@ -31,8 +31,8 @@ def _blocks(kv: object, kw: dict[str, object], ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", [f.value for f in KVFormat])
 def test_cuda_round_trip_with_skip_is_bit_exact(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Store 11 chunks in groups of 2, retrieve them elsewhere skipping 3 blocks."""
-    monkeypatch.setattr(transfer, "STAGING_BUDGET_BYTES", 1)  # force one chunk per group
+    """Store 11 chunks one per launch through 2 stages, retrieve them skipping 3 blocks."""
+    monkeypatch.setattr(transfer, "STAGING_BUDGET_BYTES", 1)  # one chunk per stage, 2 stages
     engine, recorder = small_engine(l1_bytes=64 << 20, chunk_size=CHUNK)
     n = CHUNKS * CHUNK // BLOCK
     gen = torch.Generator().manual_seed(3)
@@ -60,14 +60,19 @@ def test_cuda_round_trip_with_skip_is_bit_exact(fmt: str, monkeypatch: pytest.Mo
     engine.close()
 
 
-def test_cuda_store_with_default_staging_groups_several_chunks() -> None:
-    """With the default budget, small chunks travel several per launch, still exact."""
+@pytest.mark.parametrize("max_group", [2, transfer.MAX_GROUP])
+def test_cuda_store_groups_chunks_around_the_staging_ring(
+    max_group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several chunks per launch (6 groups of 2 wrap a ring of 4 stages), still exact."""
+    monkeypatch.setattr(transfer, "MAX_GROUP", max_group)
     engine, _ = small_engine(l1_bytes=64 << 20, chunk_size=CHUNK)
     n = CHUNKS * CHUNK // BLOCK
     src, kw = make_kv_caches("vllm_flash_attn", num_blocks=2 * n, block_size=BLOCK,
                              device="cuda")  # fmt: skip
     engine.register_kv_caches("a", src, model_name="m", **kw)
-    assert engine._instance("a").mover.group > 1  # type: ignore[attr-defined]
+    mover = engine._instance("a").mover
+    assert (mover.group, mover.stages) == (max_group, 4)  # type: ignore[attr-defined]
     tokens = np.arange(CHUNKS * CHUNK, dtype=np.int32)
     engine.store("a", tokens, list(range(n)), request_id="w")
     engine.retrieve("a", tokens, list(range(n, 2 * n)), request_id="r")
