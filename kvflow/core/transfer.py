@@ -137,25 +137,44 @@ class CudaMover:
         self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
     ) -> None:
         ring = self._ring()
-        ks, cs = self.kernel_stream, self.copy_stream
+        cs = self.copy_stream
         self._after_caller(cs)
+        pending: tuple[int, int, int] | None = None
         for j, start in enumerate(range(0, len(srcs), self.group)):
             s = j % self.stages
             stop = min(start + self.group, len(srcs))
-            stage = ring[s][: stop - start]
             if j >= self.stages:
                 cs.torch.wait_event(self._drained[s])
             with torch.cuda.stream(cs.torch):
                 for i in range(stop - start):
-                    stage[i].copy_(srcs[start + i], non_blocking=True)
+                    ring[s][i].copy_(srcs[start + i], non_blocking=True)
             self._filled[s].record(cs.torch)
-            ks.torch.wait_event(self._filled[s])
-            skips = list(skip_blocks[start:stop])
-            transfer_blocks(
-                self.layout, stage, block_ids[start:stop], direction="scatter",
-                skip_blocks=skips if any(skips) else None, backend="cuda", stream=ks,
-            )  # fmt: skip
-            self._drained[s].record(ks.torch)
+            # the previous group's scatter goes after this group's copies are queued,
+            # so the copy engine has work even if a launch blocks the host a while
+            if pending is not None:
+                self._scatter(ring, block_ids, skip_blocks, *pending)
+            pending = (s, start, stop)
+        if pending is not None:
+            self._scatter(ring, block_ids, skip_blocks, *pending)
+
+    def _scatter(
+        self,
+        ring: torch.Tensor,
+        block_ids: torch.Tensor,
+        skip_blocks: Sequence[int],
+        s: int,
+        start: int,
+        stop: int,
+    ) -> None:
+        """Scatter the group in stage `s` once its copies landed; mark the stage drained."""
+        ks = self.kernel_stream
+        ks.torch.wait_event(self._filled[s])
+        skips = list(skip_blocks[start:stop])
+        transfer_blocks(
+            self.layout, ring[s][: stop - start], block_ids[start:stop], direction="scatter",
+            skip_blocks=skips if any(skips) else None, backend="cuda", stream=ks,
+        )  # fmt: skip
+        self._drained[s].record(ks.torch)
 
     def wait(self) -> None:
         self.kernel_stream.synchronize()
