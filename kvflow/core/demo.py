@@ -9,6 +9,7 @@ event pipeline saw.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import socket
 import sys
@@ -70,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level",
         default="warning",
         help="level of the logging subscriber's per-event logs (stderr)",
+    )
+    p.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="keep the metrics endpoint up this many seconds after the summary",
     )
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
     return p
@@ -242,6 +249,10 @@ def main(command: str, argv: list[str]) -> int:
         engine.bus.flush(5.0)
         for line in _summary(args, engine, sim, tally, outcomes, wall, metrics):
             print(line)
+        if obs.prometheus_port and args.linger > 0:
+            print(f"metrics stay up for {args.linger:g} s (Ctrl-C to stop)", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                time.sleep(args.linger)
     finally:
         clean = engine.close()
     if not clean:
