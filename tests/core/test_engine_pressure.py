@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -127,6 +128,7 @@ def test_concurrent_instances_store_and_retrieve_while_lookups_run() -> None:
     while any(t.is_alive() for t in threads):
         engine.lookup(np.arange(2 * CHUNK, dtype=np.int32), model_name="m0")
         engine.status()
+        time.sleep(0.001)  # leave the GIL to the workers between calls
     for t in threads:
         t.join()
     assert errors == []
