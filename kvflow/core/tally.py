@@ -21,8 +21,7 @@ class OpTotals:
     failed: int = 0
     tokens: int = 0
     bytes: int = 0
-    busy_ns: int = 0
-    moving_ns: int = 0  # busy time of the ops that moved bytes
+    moving_ns: int = 0  # START-to-END time of the ops that moved bytes
 
     @property
     def gb_per_s(self) -> float:
@@ -69,7 +68,6 @@ class OpTally:
         duration = max(end.ts_ns - start_ns, 0)
         t.tokens += int(attrs.get("tokens", 0) or 0)
         t.bytes += nbytes
-        t.busy_ns += duration
         t.moving_ns += duration if nbytes else 0
 
     def open_ops(self) -> int:
