@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The combined GPU run for the device machine: GPU tests of the engine and server,
+# the end-to-end transformer check and the engine benchmark, in one lease.
+# Usage (repo root, `.whl/` carried): bash benchmarks/gpu_suite.sh [OUT_DIR]
+set -uo pipefail
+out=${1:-${OUT:-/tmp/kvflow-gpu}}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__)"
+status=0
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -40
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_engine_gpu.py tests/core/test_server_gpu.py
+step gpu_e2e 180 python3 benchmarks/gpu_e2e.py --json "$out/gpu_e2e.json"
+step bench_engine 240 python3 benchmarks/bench_engine.py --reps 5 --json "$out/bench_engine.json"
+exit $status
