@@ -103,8 +103,8 @@ def open_cuda_ipc(memory: CudaIpcMemory) -> torch.Tensor:
     if holder is None:
         with _driver_on(index) as drv:
             try:
-                mapping = drv.IPCMemoryHandle(
-                    memory.handle, drv.ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS
+                mapping = drv.IPCMemoryHandle(  # PyCUDA accepts only a bytearray
+                    bytearray(memory.handle), drv.ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS
                 )
             except Exception as exc:  # PyCUDA raises its own LogicError/RuntimeError
                 raise InvalidRequestError(f"cannot open CUDA IPC memory handle: {exc}") from None
