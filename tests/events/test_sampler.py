@@ -23,7 +23,10 @@ def test_decisions_identical_in_another_process() -> None:
     """A fresh interpreter (different hash randomisation) keeps exactly the same keys."""
     env_hash = {"PYTHONHASHSEED": "12345"}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**__import__("os").environ, **env_hash},
     ).stdout
     s = Sampler(0.1, seed=7)
