@@ -235,14 +235,21 @@ class L1Cache:
 
     def count_prefix(self, chunk_keys: Iterable[Sequence[Hashable]]) -> int:
         """Consecutive chunks from 0 whose every key (one per rank) is readable."""
+        get = self._index.get
         with self._lock:
             hits: list[L1Object] = []
             n = 0
             for keys in chunk_keys:
-                objs = [self._index.get(k) for k in keys]
-                if not all(o is not None and o.ready for o in objs):
-                    break
-                hits.extend(o for o in objs if o is not None)
+                if len(keys) == 1:  # one rank: the common case, kept free of per-chunk lists
+                    obj = get(keys[0])
+                    if obj is None or not obj.ready:
+                        break
+                    hits.append(obj)
+                else:
+                    objs = [get(k) for k in keys]
+                    if not all(o is not None and o.ready for o in objs):
+                        break
+                    hits.extend(o for o in objs if o is not None)
                 n += 1
             self._touch(hits)
             return n
