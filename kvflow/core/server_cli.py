@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.subscribers import LoggingSetup, configure_logging
 
 ENV_PREFIX = "KVFLOW_"
 _TRUE = ("1", "true", "yes", "on")
@@ -228,41 +228,27 @@ def resolve(argv: list[str], environ: dict[str, str] | None = None) -> ServerCon
         raise UsageError(str(exc)) from None
 
 
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line, like the event log's json format."""
+def _configure_logging(config: ObservabilityConfig) -> LoggingSetup | None:
+    """Render the server's own logs like the event logs.
 
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "timestamp": self.formatTime(record),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "event": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def _configure_logging(config: ObservabilityConfig) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if config.log_format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("kvflow")
-    root.handlers[:] = [handler]
-    root.setLevel(config.log_level.upper())
-    root.propagate = False
+    With event logs on, the engine's pipeline installs that rendering; otherwise
+    the server installs it here, so its lines never come out in another format.
+    """
+    if config.enabled and config.logging_enabled:
+        return None
+    return configure_logging(config.log_level, config.log_format)
 
 
 def _serve(config: ServerConfig) -> int:
     from kvflow.core.server import KVFlowServer
 
-    _configure_logging(config.observability)
+    logging_setup = _configure_logging(config.observability)
     try:
         server = KVFlowServer(config)
     except OSError as exc:
         print(f"kvflow server: error: {exc}", file=sys.stderr)
+        if logging_setup is not None:
+            logging_setup.close()
         return 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -270,7 +256,11 @@ def _serve(config: ServerConfig) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if logging_setup is not None:
+            logging_setup.close()
     return 0
 
 
