@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from kvflow.core.arrays import as_int32_array
 from kvflow.core.errors import (
     ERRORS_BY_CODE,
     InvalidRequestError,
@@ -45,7 +46,6 @@ from kvflow.core.protocol import (
     StatusResult,
     Store,
     Unregister,
-    as_wire_array,
     decode_reply,
     encode_request,
 )
@@ -229,7 +229,7 @@ class KVFlowClient:
         request_id: str | None = None,
     ) -> int:
         """Tokens of the longest chunk prefix the server holds for every rank."""
-        tokens = as_wire_array(token_ids, "token_ids")
+        tokens = as_int32_array(token_ids, "token_ids")
         request = Lookup(
             model_name=model_name,
             world_size=world_size,
@@ -248,8 +248,8 @@ class KVFlowClient:
         cache_salt: str | None = None,
     ) -> int:
         """Store the request's full chunks from its blocks; returns the tokens now stored."""
-        tokens = as_wire_array(token_ids, "token_ids")
-        blocks = as_wire_array(block_ids, "block_ids")
+        tokens = as_int32_array(token_ids, "token_ids")
+        blocks = as_int32_array(block_ids, "block_ids")
         with self._lock:
             entry = self._events.get(instance_id)
         if entry is not None:  # mark "KV written up to here" on the engine's stream
@@ -271,8 +271,8 @@ class KVFlowClient:
         cache_salt: str | None = None,
     ) -> int:
         """Copy stored chunks into the request's blocks; returns the hit prefix in tokens."""
-        tokens = as_wire_array(token_ids, "token_ids")
-        blocks = as_wire_array(block_ids, "block_ids")
+        tokens = as_int32_array(token_ids, "token_ids")
+        blocks = as_int32_array(block_ids, "block_ids")
         request = Retrieve(
             instance_id=instance_id,
             request_id=request_id,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvflow.core.arrays import as_int32_array
 from kvflow.core.config import ServerConfig
 from kvflow.core.errors import (
     AlreadyRegisteredError,
@@ -26,7 +27,7 @@ from kvflow.core.errors import (
     UnknownInstanceError,
 )
 from kvflow.core.instances import Instance, LayoutDesc, ModelRank
-from kvflow.core.keys import KeyCache, ObjectKey, as_token_array
+from kvflow.core.keys import KeyCache, ObjectKey
 from kvflow.core.l1 import L1Cache, WritePlan
 from kvflow.core.observability import Observability
 from kvflow.core.ops import Op
@@ -284,7 +285,7 @@ class CacheEngine:
             salt = _check_salt(cache_salt)
             if request_id is not None:
                 _check_str("request_id", request_id)
-            tokens = as_token_array(token_ids)
+            tokens = as_int32_array(token_ids, "token_ids")
             hashes = self._keys.hashes(tokens, request_id)
             # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
             ranks = range(world_size)
@@ -322,7 +323,7 @@ class CacheEngine:
             with self._transfer(inst, op, tokens=0, bytes=0):
                 _check_str("request_id", request_id)
                 salt = _check_salt(cache_salt)
-                tokens = as_token_array(token_ids)
+                tokens = as_int32_array(token_ids, "token_ids")
                 n_chunks = len(tokens) // self.chunk_size
                 table = self._block_table(inst, block_ids, n_chunks)
                 keys = self._object_keys(tokens, request_id, inst.model_rank, salt)
@@ -393,7 +394,7 @@ class CacheEngine:
                         f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
                         f"({inst.block_size}) of instance {inst.instance_id!r}"
                     )
-                tokens = as_token_array(token_ids)
+                tokens = as_int32_array(token_ids, "token_ids")
                 n_chunks = len(tokens) // self.chunk_size
                 table = self._block_table(inst, block_ids, n_chunks)
                 keys = self._object_keys(tokens, request_id, inst.model_rank, salt)

@@ -9,19 +9,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import blake3
 import numpy as np
 
-from kvflow.core.errors import InvalidRequestError
-
 #: H_{-1}: blake3(b"kvflow/chunk-key/v1"). Published and fixed: changing it invalidates every key.
 KEY_SEED = bytes.fromhex("ab2d09b437b3cabb2a4488c0207473a2d34a4b4c3817dac1a48bf20163f85396")
 KEY_SEED_LABEL = b"kvflow/chunk-key/v1"
-
-_INT32_MIN = -(2**31)
-_INT32_MAX = 2**31 - 1
 
 
 class ObjectKey(NamedTuple):
@@ -32,29 +27,6 @@ class ObjectKey(NamedTuple):
     world_size: int
     rank: int
     cache_salt: str | None
-
-
-def as_token_array(token_ids: Any) -> np.ndarray:
-    """`token_ids` (list, numpy or torch 1-D integers) as a little-endian int32 array."""
-    if isinstance(token_ids, (str, bytes)):
-        raise InvalidRequestError("token_ids must be a sequence of integers, got a string")
-    if hasattr(token_ids, "detach"):  # a torch tensor
-        token_ids = token_ids.detach().cpu().numpy()
-    try:
-        arr = np.asarray(token_ids)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"token_ids must be a sequence of integers: {exc}") from None
-    if arr.ndim != 1:
-        raise InvalidRequestError(f"token_ids must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype="<i4")
-    if arr.dtype.kind not in "iu":
-        raise InvalidRequestError(f"token_ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < _INT32_MIN or hi > _INT32_MAX:
-            raise InvalidRequestError(f"token_ids must fit in int32, got values in [{lo}, {hi}]")
-    return np.ascontiguousarray(arr, dtype="<i4")
 
 
 def chain_hashes(tokens: np.ndarray, chunk_size: int, prev: bytes = KEY_SEED) -> list[bytes]:

@@ -15,14 +15,14 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
+from kvflow.core.arrays import INT32_LE
 from kvflow.core.errors import InvalidRequestError, ProtocolError
 
 PROTOCOL_VERSION = 1
 
 #: dtype of every payload array on the wire (SPEC section 3 hashes int32 tokens).
-WIRE_DTYPE = np.dtype("<i4")
+WIRE_DTYPE = INT32_LE
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 # -- KV cache descriptions (registration) ----------------------------------------
@@ -211,31 +211,6 @@ _reply_encoder = msgspec.msgpack.Encoder(enc_hook=str)
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 _reply_decoder = msgspec.msgpack.Decoder(AnyReply)
 _versioned_decoder = msgspec.msgpack.Decoder(_Versioned)
-
-
-def as_wire_array(values: Any, what: str) -> np.ndarray:
-    """Convert token or block ids (list, numpy array, torch tensor) to a 1-D int32 array.
-
-    Raises InvalidRequestError naming `what` for non-integers, wrong rank or overflow.
-    """
-    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
-        values = values.detach().cpu().numpy()
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"{what} must be a sequence of integers: {exc}") from None
-    if arr.ndim != 1:
-        raise InvalidRequestError(f"{what} must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=WIRE_DTYPE)
-    if arr.dtype.kind not in "iu":
-        raise InvalidRequestError(f"{what} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype != WIRE_DTYPE:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < _INT32_MIN or hi > _INT32_MAX:
-            raise InvalidRequestError(f"{what} must fit in int32, got values in [{lo}, {hi}]")
-        arr = arr.astype(WIRE_DTYPE)
-    return np.ascontiguousarray(arr)
 
 
 def encode_request(request: Request, payloads: Sequence[np.ndarray] = ()) -> list[Any]:

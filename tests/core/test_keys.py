@@ -6,8 +6,9 @@ import blake3
 import numpy as np
 import pytest
 
+from kvflow.core.arrays import as_int32_array
 from kvflow.core.errors import InvalidRequestError
-from kvflow.core.keys import KEY_SEED, KEY_SEED_LABEL, KeyCache, as_token_array, chain_hashes
+from kvflow.core.keys import KEY_SEED, KEY_SEED_LABEL, KeyCache, chain_hashes
 
 
 def test_seed_is_the_blake3_of_its_published_label() -> None:
@@ -24,20 +25,20 @@ def test_keys_chain_over_little_endian_int32_chunks() -> None:
         chunk = b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[start : start + 4])
         prev = blake3.blake3(prev + chunk).digest()
         expected.append(prev)
-    assert chain_hashes(as_token_array(tokens), 4) == expected
+    assert chain_hashes(as_int32_array(tokens, "token_ids"), 4) == expected
 
 
 def test_known_vector_is_stable_across_processes() -> None:
     """A fixed input's first key never changes (it is not salted per process)."""
-    (h,) = chain_hashes(as_token_array([1, 2, 3, -1]), 4)
+    (h,) = chain_hashes(as_int32_array([1, 2, 3, -1], "token_ids"), 4)
     data = KEY_SEED + np.array([1, 2, 3, -1], dtype="<i4").tobytes()
     assert h == blake3.blake3(data).digest()
 
 
 def test_a_chunk_key_depends_on_the_whole_prefix() -> None:
     """Equal chunks after different prefixes get different keys."""
-    a = chain_hashes(as_token_array([1, 1, 7, 7]), 2)
-    b = chain_hashes(as_token_array([2, 2, 7, 7]), 2)
+    a = chain_hashes(as_int32_array([1, 1, 7, 7], "token_ids"), 2)
+    b = chain_hashes(as_int32_array([2, 2, 7, 7], "token_ids"), 2)
     assert a[1] != b[1]
 
 
@@ -53,7 +54,7 @@ def test_session_cache_matches_fresh_hashing_as_a_request_grows() -> None:
 def test_session_cache_rehashes_from_the_first_divergent_chunk() -> None:
     """A reused request id with different tokens never returns stale keys."""
     cache = KeyCache(chunk_size=4)
-    first = as_token_array(range(16))
+    first = as_int32_array(range(16), "token_ids")
     cache.hashes(first, "req")
     second = first.copy()
     second[9] = 999
@@ -64,7 +65,7 @@ def test_session_cache_is_bounded_and_dropped_at_end_of_session() -> None:
     """The cache forgets least-recent sessions past its token budget, and on drop()."""
     cache = KeyCache(chunk_size=4, max_tokens=16)
     for i in range(5):
-        cache.hashes(as_token_array(range(i, i + 8)), f"r{i}")
+        cache.hashes(as_int32_array(range(i, i + 8), "token_ids"), f"r{i}")
     assert len(cache) == 2
     cache.drop("r4")
     assert len(cache) == 1
@@ -77,4 +78,4 @@ def test_session_cache_is_bounded_and_dropped_at_end_of_session() -> None:
 def test_bad_token_ids_are_rejected_with_a_clear_error(bad: object, message: str) -> None:
     """Token ids must be 1-D integers that fit int32."""
     with pytest.raises(InvalidRequestError, match=message):
-        as_token_array(bad)
+        as_int32_array(bad, "token_ids")

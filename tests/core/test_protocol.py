@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.core.arrays import as_int32_array
 from kvflow.core.errors import InvalidRequestError, ProtocolError
 from kvflow.core.protocol import (
     PROTOCOL_VERSION,
@@ -31,7 +32,6 @@ from kvflow.core.protocol import (
     Store,
     TensorDesc,
     Unregister,
-    as_wire_array,
     decode_reply,
     decode_request,
     encode_reply,
@@ -152,7 +152,7 @@ def test_wrongly_typed_arguments_fail_before_sending() -> None:
 )
 def test_ids_become_int32_arrays(values: object) -> None:
     """Lists, tuples, numpy arrays and torch tensors of ids travel as int32."""
-    arr = as_wire_array(values, "token_ids")
+    arr = as_int32_array(values, "token_ids")
     assert arr.dtype == np.dtype("<i4")
     assert arr.tolist() == [1, 2, 3]
 
@@ -169,7 +169,7 @@ def test_ids_become_int32_arrays(values: object) -> None:
 def test_bad_ids_name_the_argument(values: object, match: str) -> None:
     """Ids that are not a flat sequence of int32 values raise InvalidRequestError."""
     with pytest.raises(InvalidRequestError, match=match) as info:
-        as_wire_array(values, "block_ids")
+        as_int32_array(values, "block_ids")
     assert "block_ids" in str(info.value)
 
 
