@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The combined GPU run for the device machine: GPU tests of the engine and server,
+# The combined GPU run for the device machine: every gpu-marked test (kernels, stream
+# events, engine, server over CUDA IPC, e2e),
 # the end-to-end transformer check and the engine benchmark, in one lease.
 # Usage (repo root, `.whl/` carried): bash benchmarks/gpu_suite.sh [OUT_DIR]
 set -uo pipefail
@@ -18,7 +19,7 @@ step() {
   echo "=== $name rc=$rc"
   [ "$rc" -eq 0 ] || status=1
 }
-step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_engine_gpu.py tests/core/test_server_gpu.py
+step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests
 step gpu_e2e 180 python3 benchmarks/gpu_e2e.py --json "$out/gpu_e2e.json"
 step bench_engine 240 python3 benchmarks/bench_engine.py --reps 5 --json "$out/bench_engine.json"
 exit $status
