@@ -15,6 +15,11 @@ class Subscriber(Protocol):
     `on_events` runs on a bus delivery thread with batches in publish order and
     must treat the sequence as read-only (it may be shared with other
     subscribers). Durations are computed from event timestamps, never the clock.
+
+    Optional attribute `blocking: bool` (default True): a subscriber whose
+    `on_events` only does in-memory work sets it False, and the bus then calls it
+    on its dispatcher thread instead of a delivery thread of its own. Such a
+    subscriber must never block: while it runs, no other subscriber is served.
     """
 
     name: str

@@ -67,6 +67,8 @@ class L0LifecycleSubscriber:
     """
 
     name = "l0_lifecycle"
+    #: in-memory aggregation only (exporters read on their own threads): run inline on the bus
+    blocking = False
     event_types: frozenset[EventType] | None = frozenset({_ALLOC, _END_SESSION, _UNREGISTER})
 
     def __init__(

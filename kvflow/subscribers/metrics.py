@@ -58,6 +58,8 @@ class MetricsSubscriber:
     """
 
     name = "metrics"
+    #: in-memory aggregation only (exporters read on their own threads): run inline on the bus
+    blocking = False
     event_types: frozenset[EventType] | None = None
 
     def __init__(

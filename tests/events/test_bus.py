@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -274,3 +275,54 @@ def test_subscriber_without_protocol_is_rejected() -> None:
     """register() names the missing attribute of a non-subscriber."""
     with pytest.raises(TypeError, match="lacks required attribute"):
         EventBus(10).register(object())  # type: ignore[arg-type]
+
+
+class _NonBlocking(RecordingSubscriber):
+    blocking = False
+
+    def __init__(self, name: str, **kw: object) -> None:
+        super().__init__(name, **kw)  # type: ignore[arg-type]
+        self.threads: set[str] = set()
+
+    def on_events(self, events: Sequence[Event]) -> None:
+        self.threads.add(threading.current_thread().name)
+        super().on_events(events)
+
+
+def test_non_blocking_subscriber_runs_on_the_dispatcher_thread() -> None:
+    """blocking=False subscribers are called on the bus's dispatcher thread, in order, with routing."""
+    inline = _NonBlocking("inline", event_types=frozenset({T.STORE_END}))
+    threaded = RecordingSubscriber("threaded")
+    bus = _started(1000, inline, threaded)
+    for i in range(100):
+        bus.publish(Event(T.STORE_END if i % 2 else T.STORE_START, op_id=i))
+    assert bus.flush(5)
+    assert inline.threads == {"kvflow-bus"}
+    assert [e.op_id for e in inline.events] == list(range(1, 100, 2))
+    assert len(threaded.events) == 100
+    bus.stop(5)
+    assert inline.shutdown_calls == 1
+
+
+def test_non_blocking_subscriber_errors_are_isolated() -> None:
+    """A raising inline subscriber is counted and never stops delivery to the others."""
+    bad = _NonBlocking("bad", fail=True)
+    good = RecordingSubscriber("good")
+    bus = _started(1000, bad, good)
+    for _ in range(3):
+        bus.publish(Event(T.L1_READ))
+        assert bus.flush(5)
+    assert len(good.events) == 3
+    assert bus.stats().subscriber_errors["bad"] == 3
+    bus.stop(5)
+
+
+def test_flush_with_a_typed_subscriber_that_receives_nothing() -> None:
+    """flush() completes when a threaded subscriber's filter leaves every batch empty."""
+    idle = RecordingSubscriber("idle", frozenset({T.END_SESSION}))
+    bus = _started(1000, idle)
+    for _ in range(5):
+        bus.publish(Event(T.L1_WRITE))
+        assert bus.flush(2)
+    assert idle.events == [] and idle.batches == 0
+    bus.stop(5)
