@@ -146,7 +146,8 @@ class EventBus:
 
     `capacity` bounds the events admitted but not yet dispatched (including GPU
     events waiting for their stream stamp); `subscriber_backlog` bounds each
-    subscriber's own queue (defaults to `capacity`).
+    subscriber's own queue (defaults to `capacity`); `coalesce_s` is how long the
+    dispatcher waits after waking from idle before it takes a batch (0 = at once).
     """
 
     def __init__(
@@ -155,11 +156,15 @@ class EventBus:
         *,
         enabled: bool = True,
         subscriber_backlog: int | None = None,
+        coalesce_s: float = 0.001,
     ) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
         if subscriber_backlog is not None and subscriber_backlog < 1:
             raise ValueError(f"subscriber_backlog must be >= 1, got {subscriber_backlog!r}")
+        if not isinstance(coalesce_s, (int, float)) or not 0 <= coalesce_s <= 0.1:
+            raise ValueError(f"coalesce_s must be a number in [0, 0.1] seconds, got {coalesce_s!r}")
+        self._coalesce_s = float(coalesce_s)
         self.capacity = capacity
         self.enabled = enabled
         self._backlog = subscriber_backlog or capacity
@@ -359,6 +364,11 @@ class EventBus:
             if ready:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(fd)
+                if self._coalesce_s:
+                    # Woken from idle: let the publishing thread finish what it is doing
+                    # (launching GPU work right after its op completed) before this
+                    # thread takes the GIL, and deliver what arrives meanwhile as one batch.
+                    time.sleep(self._coalesce_s)
 
     def _admitted(self) -> int:
         """Events admitted so far (call with the lock held)."""

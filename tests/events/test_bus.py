@@ -14,7 +14,7 @@ from kvflow.events.testing import RecordingSubscriber
 T = EventType
 
 
-def _started(capacity: int = 10000, *subs: RecordingSubscriber, **kw: int) -> EventBus:
+def _started(capacity: int = 10000, *subs: RecordingSubscriber, **kw: float) -> EventBus:
     bus = EventBus(capacity, **kw)  # type: ignore[arg-type]
     for sub in subs:
         bus.register(sub)
@@ -326,3 +326,23 @@ def test_flush_with_a_typed_subscriber_that_receives_nothing() -> None:
         assert bus.flush(2)
     assert idle.events == [] and idle.batches == 0
     bus.stop(5)
+
+
+def test_dispatcher_coalesces_events_arriving_after_an_idle_wake() -> None:
+    """Events published within coalesce_s of the first one after idle arrive as one batch."""
+    sub = RecordingSubscriber()
+    bus = _started(100, sub, coalesce_s=0.05)  # type: ignore[arg-type]
+    bus.publish(Event(T.STORE_START, op_id=1))
+    time.sleep(0.01)
+    bus.publish(Event(T.STORE_END, op_id=1))
+    assert bus.flush(5)
+    assert sub.batches == 1
+    assert [e.op_id for e in sub.events] == [1, 1]
+    bus.stop(5)
+
+
+@pytest.mark.parametrize("bad", [-0.001, 1.0, "1ms"])
+def test_coalesce_is_validated(bad: object) -> None:
+    """coalesce_s outside [0, 0.1] s is rejected with a message naming it."""
+    with pytest.raises(ValueError, match="coalesce_s"):
+        EventBus(10, coalesce_s=bad)  # type: ignore[arg-type]
