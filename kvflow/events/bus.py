@@ -147,7 +147,8 @@ class EventBus:
     `capacity` bounds the events admitted but not yet dispatched (including GPU
     events waiting for their stream stamp); `subscriber_backlog` bounds each
     subscriber's own queue (defaults to `capacity`); `coalesce_s` is how long the
-    dispatcher waits after waking from idle before it takes a batch (0 = at once).
+    dispatcher waits after waking from idle before it takes a batch, once GPU stream
+    stamps are in use and the queue is under half full (0 = never waits).
     """
 
     def __init__(
@@ -364,10 +365,14 @@ class EventBus:
             if ready:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(fd)
-                if self._coalesce_s:
-                    # Woken from idle: let the publishing thread finish what it is doing
-                    # (launching GPU work right after its op completed) before this
-                    # thread takes the GIL, and deliver what arrives meanwhile as one batch.
+                if (
+                    self._coalesce_s
+                    and self._stamper is not None
+                    and len(self._queue) < self.capacity // 2
+                ):
+                    # A stream waker fires as the GPU finishes an op, just when the
+                    # engine's thread wants the GIL to launch the next one: let it go
+                    # first, and deliver what arrives meanwhile as one batch.
                     time.sleep(self._coalesce_s)
 
     def _admitted(self) -> int:

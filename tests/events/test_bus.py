@@ -328,10 +328,29 @@ def test_flush_with_a_typed_subscriber_that_receives_nothing() -> None:
     bus.stop(5)
 
 
+class _NoStreams:
+    """A stream stamper with no stream work: attaching it turns on the wake coalescing."""
+
+    def enqueue(self, stream: object, event: Event) -> bool:
+        raise AssertionError("no stream events in this test")
+
+    def collect(self) -> list[Event]:
+        return []
+
+    def pending(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 def test_dispatcher_coalesces_events_arriving_after_an_idle_wake() -> None:
-    """Events published within coalesce_s of the first one after idle arrive as one batch."""
+    """With stream stamps in use, events published within coalesce_s of an idle wake arrive as one batch."""
     sub = RecordingSubscriber()
-    bus = _started(100, sub, coalesce_s=0.05)  # type: ignore[arg-type]
+    bus = EventBus(100, coalesce_s=0.05)
+    bus.register(sub)
+    bus.attach_stamper(_NoStreams())
+    bus.start()
     bus.publish(Event(T.STORE_START, op_id=1))
     time.sleep(0.01)
     bus.publish(Event(T.STORE_END, op_id=1))
