@@ -31,10 +31,6 @@ class HostPool:
         """The uint8 bytes [offset, offset + nbytes) of a segment (shares memory)."""
         return self._segments[segment][offset : offset + nbytes]
 
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(s.numel() for s in self._segments)
-
     def release(self) -> None:
         """Drop every segment (the memory returns when no view is left)."""
         self._segments.clear()
