@@ -57,26 +57,6 @@ def _check_world(world_size: Any, rank: Any = 0) -> None:
         raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
 
 
-def _as_block_ids(block_ids: Any) -> torch.Tensor:
-    """A 1-D int64 CPU tensor of block ids from a list, numpy array or tensor."""
-    if isinstance(block_ids, torch.Tensor):
-        ids = block_ids.detach()
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise InvalidRequestError(f"block_ids must be integers, got dtype {ids.dtype}")
-        ids = ids.to("cpu", torch.int64)
-    else:
-        try:
-            arr = np.asarray(block_ids)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"block_ids must be a sequence of integers: {exc}") from None
-        if arr.size and arr.dtype.kind not in "iu":
-            raise InvalidRequestError(f"block_ids must be integers, got dtype {arr.dtype}")
-        ids = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
-    if ids.dim() != 1:
-        raise InvalidRequestError(f"block_ids must be 1-D, got shape {tuple(ids.shape)}")
-    return ids
-
-
 class CacheEngine:
     """Registration, keys, L1 and transfers behind the SPEC section 4 methods.
 
@@ -109,7 +89,7 @@ class CacheEngine:
 
     def _block_table(self, inst: Instance, block_ids: Any, n_chunks: int) -> torch.Tensor:
         """Rows of the first n_chunks chunks' block ids, validated against the layout."""
-        ids = _as_block_ids(block_ids)
+        ids = torch.from_numpy(as_int32_array(block_ids, "block_ids").astype(np.int64))
         bpc = inst.blocks_per_chunk
         need = n_chunks * bpc
         if len(ids) < need:
@@ -124,11 +104,17 @@ class CacheEngine:
             raise InvalidRequestError(f"block_ids: {exc}") from None
         return ids.view(n_chunks, bpc)
 
-    def _object_keys(
-        self, tokens: np.ndarray, session: str | None, model_rank: ModelRank, salt: str | None
-    ) -> list[ObjectKey]:
-        model, world, rank = model_rank
-        return [ObjectKey(h, model, world, rank, salt) for h in self._keys.hashes(tokens, session)]
+    def _request_chunks(
+        self, inst: Instance, token_ids: Any, block_ids: Any, request_id: Any, cache_salt: Any
+    ) -> tuple[torch.Tensor, list[ObjectKey]]:
+        """A store/retrieve request's validated block table and its chunks' L1 keys."""
+        _check_str("request_id", request_id)
+        salt = _check_salt(cache_salt)
+        tokens = as_int32_array(token_ids, "token_ids")
+        table = self._block_table(inst, block_ids, len(tokens) // self.chunk_size)
+        model, world, rank = inst.model_rank
+        hashes = self._keys.hashes(tokens, request_id)
+        return table, [ObjectKey(h, model, world, rank, salt) for h in hashes]
 
     def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
         self.bus.publish(Event(etype, 0, session_id, None, attrs))
@@ -321,12 +307,9 @@ class CacheEngine:
         with inst.lock:
             op = Op(self.bus, EventType.STORE_START, request_id, attrs)
             with self._transfer(inst, op, tokens=0, bytes=0):
-                _check_str("request_id", request_id)
-                salt = _check_salt(cache_salt)
-                tokens = as_int32_array(token_ids, "token_ids")
-                n_chunks = len(tokens) // self.chunk_size
-                table = self._block_table(inst, block_ids, n_chunks)
-                keys = self._object_keys(tokens, request_id, inst.model_rank, salt)
+                table, keys = self._request_chunks(
+                    inst, token_ids, block_ids, request_id, cache_salt
+                )
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
                 evictions_told = False
                 try:
@@ -382,8 +365,6 @@ class CacheEngine:
         with inst.lock:
             op = Op(self.bus, EventType.RETRIEVE_START, request_id, attrs)
             with self._transfer(inst, op, tokens=0, bytes=0, hit_tokens=0):
-                _check_str("request_id", request_id)
-                salt = _check_salt(cache_salt)
                 skip = skip_first_n_tokens
                 if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
                     raise InvalidRequestError(
@@ -394,10 +375,9 @@ class CacheEngine:
                         f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
                         f"({inst.block_size}) of instance {inst.instance_id!r}"
                     )
-                tokens = as_int32_array(token_ids, "token_ids")
-                n_chunks = len(tokens) // self.chunk_size
-                table = self._block_table(inst, block_ids, n_chunks)
-                keys = self._object_keys(tokens, request_id, inst.model_rank, salt)
+                table, keys = self._request_chunks(
+                    inst, token_ids, block_ids, request_id, cache_salt
+                )
                 objs = self.l1.pin_prefix(keys)
                 try:
                     result = self._scatter(inst, objs, table, skip // inst.block_size)
