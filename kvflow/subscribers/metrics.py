@@ -15,6 +15,7 @@ from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from kvflow.events import END_TO_START, START_TO_END, BusStats, Event, EventBus, EventType
 from kvflow.subscribers.buckets import GB_PER_S, OP_SECONDS, TOKENS
+from kvflow.subscribers.expiry import drain_expired
 
 _ET = EventType
 _NS = 1e-9
@@ -352,13 +353,8 @@ class MetricsSubscriber:
 
     def _expire(self, latest_ns: int, adds: _Adds) -> None:
         """Give up STARTs older than the TTL (event time) or beyond the pending bound."""
-        pending = self._pending
         horizon = latest_ns - self._ttl_ns
-        while pending:
-            op_id, first = next(iter(pending.items()))
-            if first.ts >= horizon and len(pending) <= self._max_pending:
-                break
-            del pending[op_id]
+        for _, first in drain_expired(self._pending, horizon, self._max_pending, _ts_of):
             _add(adds, self._inflight[first.operation], first.labels, -1)
             _add(adds, self._expired, self._label_set(_OP, first.operation), 1)
 
@@ -369,6 +365,10 @@ class MetricsSubscriber:
 
     def shutdown(self) -> None:
         """Nothing to release: counters are added at the end of every batch."""
+
+
+def _ts_of(pending: _Pending) -> int:
+    return pending.ts
 
 
 def _add(adds: _Adds, instrument: Any, labels: dict[str, str], n: int) -> None:

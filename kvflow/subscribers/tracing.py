@@ -17,6 +17,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import Span, Status, StatusCode, TracerProvider
 
 from kvflow.events import END_TO_START, START_TO_END, Event, EventType, monotonic_to_epoch_ns
+from kvflow.subscribers.expiry import drain_expired
 
 _ET = EventType
 _SPAN_NAME = {
@@ -141,13 +142,10 @@ class TracingSubscriber:
         self._requests[session_id] = request
         return request
 
-    def _end_request(self, session_id: str | None, ts: int, *, expired: bool = False) -> None:
+    def _end_request(self, session_id: str | None, ts: int) -> None:
         request = None if session_id is None else self._requests.pop(session_id, None)
-        if request is None:
-            return
-        if expired:
-            request.span.set_attribute("kvflow.expired", True)
-        request.span.end(end_time=monotonic_to_epoch_ns(max(ts, request.last_ts)))
+        if request is not None:
+            _close_request(request, ts)
 
     # -- operations ---------------------------------------------------------------------
 
@@ -204,21 +202,12 @@ class TracingSubscriber:
     def _expire(self, latest_ns: int) -> None:
         """End STARTs and requests older than the TTL (event time) or beyond their bounds."""
         horizon = latest_ns - self._ttl_ns
-        starts = self._starts
-        while starts:
-            op_id, start = next(iter(starts.items()))
-            if start.ts >= horizon and len(starts) <= self._max_pending:
-                break
-            del starts[op_id]
+        for op_id, start in drain_expired(self._starts, horizon, self._max_pending, _start_ts):
             overflow = start.ts >= horizon
             reason = "pending bound reached" if overflow else "TTL passed"
             self._give_up(op_id, start, latest_ns if overflow else start.ts + self._ttl_ns, reason)
-        requests = self._requests
-        while requests:
-            session_id, request = next(iter(requests.items()))
-            if request.last_ts >= horizon and len(requests) <= self._max_requests:
-                break
-            self._end_request(session_id, request.last_ts, expired=True)
+        for _, request in drain_expired(self._requests, horizon, self._max_requests, _last_ts):
+            _close_request(request, request.last_ts, expired=True)
 
     def shutdown(self) -> None:
         """End every pending operation (ERROR, expired) and every open request span."""
@@ -226,8 +215,24 @@ class TracingSubscriber:
             last = self._requests.get(start.session_id or "")
             self._give_up(op_id, start, max(start.ts, last.last_ts if last else 0), "shutdown")
         self._starts.clear()
-        for session_id, request in list(self._requests.items()):
-            self._end_request(session_id, request.last_ts, expired=True)
+        for request in self._requests.values():
+            _close_request(request, request.last_ts, expired=True)
+        self._requests.clear()
+
+
+def _close_request(request: _Request, ts: int, *, expired: bool = False) -> None:
+    """End a request's root span (flagged when it expired rather than ended)."""
+    if expired:
+        request.span.set_attribute("kvflow.expired", True)
+    request.span.end(end_time=monotonic_to_epoch_ns(max(ts, request.last_ts)))
+
+
+def _start_ts(start: _Start) -> int:
+    return start.ts
+
+
+def _last_ts(request: _Request) -> int:
+    return request.last_ts
 
 
 def _span_attributes(
