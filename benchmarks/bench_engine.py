@@ -25,8 +25,9 @@ import torch
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine import CacheEngine
 from kvflow.core.tally import OpTally
+from kvflow.core.testing import block_bytes
 from kvflow.events import EventType
-from kvflow.kernels import KVFormat, KVLayout, cuda_available, transfer_blocks
+from kvflow.kernels import KVFormat, KVLayout, cuda_available
 from kvflow.kernels.testing import make_kv_caches
 
 BF16 = torch.bfloat16
@@ -95,21 +96,14 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def _check_round_trip(
-    engine: CacheEngine, layout: KVLayout, src: list[int], dst: list[int], case: Case
+    engine: CacheEngine, kv: Any, kw: dict[str, Any], src: list[int], dst: list[int], case: Case
 ) -> None:
     """Store from `src` blocks, retrieve into `dst` blocks; the bytes must match exactly."""
     tokens = np.arange(2 * case.chunk, dtype=np.int32) + 2_000_000_000
     engine.store("bench", tokens, src, request_id="check")
     assert engine.retrieve("bench", tokens, dst, request_id="check") == 2 * case.chunk
     n = len(tokens) // case.block
-    rows = []
-    for ids in (src[:n], dst[:n]):
-        out = torch.empty((n, layout.chunk_nbytes(case.block)), dtype=torch.uint8,
-                          device=layout.device)  # fmt: skip
-        block_ids = torch.tensor(ids, dtype=torch.int64).view(-1, 1)
-        transfer_blocks(layout, out, block_ids, direction="gather", backend="cpu")
-        rows.append(out)
-    if not torch.equal(rows[0], rows[1]):
+    if not torch.equal(block_bytes(kv, kw, src[:n]), block_bytes(kv, kw, dst[:n])):
         raise AssertionError(f"{case.name}: retrieved blocks differ from the stored ones")
 
 
@@ -134,7 +128,7 @@ def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
     engines["on"].bus.register(tally)
     for engine in engines.values():
         engine.register_kv_caches("bench", kv, model_name=case.name, **kw)
-    _check_round_trip(engines["off"], layout, src, dst, case)
+    _check_round_trip(engines["off"], kv, kw, src, dst, case)
 
     pinned = device.type == "cuda"
     host = torch.empty(op_bytes, dtype=torch.uint8, pin_memory=pinned)

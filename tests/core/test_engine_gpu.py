@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvflow.core import transfer
-from kvflow.core.testing import events_of, pairs, small_engine
+from kvflow.core.testing import block_bytes, events_of, pairs, small_engine
 from kvflow.events import EventType
-from kvflow.kernels import KVFormat, KVLayout, cuda_available, transfer_blocks
+from kvflow.kernels import KVFormat, cuda_available
 from kvflow.kernels.testing import make_kv_caches
 
 pytestmark = [
@@ -18,15 +18,6 @@ pytestmark = [
 ]
 
 BLOCK, CHUNK, CHUNKS = 16, 64, 11  # 11 chunks: several groups, both staging halves reused
-
-
-def _blocks(kv: object, kw: dict[str, object], ids: list[int]) -> torch.Tensor:
-    layout = KVLayout.from_kv_caches(kv, **kw)
-    out = torch.empty((len(ids), layout.chunk_nbytes(BLOCK)), dtype=torch.uint8,
-                      device=layout.device)  # fmt: skip
-    block_ids = torch.tensor(ids, dtype=torch.int64).view(-1, 1)
-    transfer_blocks(layout, out, block_ids, direction="gather", backend="cpu")
-    return out.cpu()
 
 
 @pytest.mark.parametrize("fmt", [f.value for f in KVFormat])
@@ -45,13 +36,13 @@ def test_cuda_round_trip_with_skip_is_bit_exact(fmt: str, monkeypatch: pytest.Mo
     perm = torch.randperm(2 * n + 1, generator=gen).tolist()
     a, b = perm[:n], perm[n : 2 * n]
     tokens = np.arange(CHUNKS * CHUNK + 5, dtype=np.int32)
-    before = _blocks(dst, kw, b)
+    before = block_bytes(dst, kw, b)
     assert engine.store("src", tokens, [*a, perm[-1]], request_id="w") == CHUNKS * CHUNK
     got = engine.retrieve("dst", tokens, [*b, perm[-1]], request_id="r", skip_first_n_tokens=48)
     assert got == CHUNKS * CHUNK
-    after = _blocks(dst, kw, b)
+    after = block_bytes(dst, kw, b)
     assert torch.equal(after[:3], before[:3])
-    assert torch.equal(after[3:], _blocks(src, kw, a)[3:])
+    assert torch.equal(after[3:], block_bytes(src, kw, a)[3:])
     events = events_of(recorder, engine)
     done = [(s, e) for s, e in pairs(events)]
     assert [e.attrs["ok"] for _, e in done] == [True, True]
@@ -76,5 +67,7 @@ def test_cuda_store_groups_chunks_around_the_staging_ring(
     tokens = np.arange(CHUNKS * CHUNK, dtype=np.int32)
     engine.store("a", tokens, list(range(n)), request_id="w")
     engine.retrieve("a", tokens, list(range(n, 2 * n)), request_id="r")
-    assert torch.equal(_blocks(src, kw, list(range(n, 2 * n))), _blocks(src, kw, list(range(n))))
+    assert torch.equal(
+        block_bytes(src, kw, list(range(n, 2 * n))), block_bytes(src, kw, list(range(n)))
+    )
     engine.close()
