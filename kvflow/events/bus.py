@@ -22,6 +22,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Protocol
 
+from kvflow.events.deadline import run_by_deadline
 from kvflow.events.stats import BusStats
 from kvflow.events.subscriber import Subscriber
 from kvflow.events.types import Event, EventType, now_ns
@@ -440,29 +441,12 @@ class EventBus:
 
     def _shutdown_subscribers(self, deadline: float) -> None:
         """Call every subscriber's shutdown() concurrently, bounded by `deadline`."""
-        errors: dict[str, BaseException] = {}
-
-        def run(sub: Subscriber) -> None:
-            try:
-                sub.shutdown()
-            except Exception as exc:
-                errors[sub.name] = exc
-
-        threads = []
-        for delivery in self._deliveries:
-            t = threading.Thread(target=run, args=(delivery.subscriber,), daemon=True)
-            t.start()
-            threads.append((delivery.name, t))
-        for name, t in threads:
-            t.join(max(deadline - time.monotonic(), 0.0))
-            if t.is_alive():
-                errors.setdefault(
-                    name, TimeoutError(f"subscriber {name!r} shutdown passed the deadline")
+        tasks = [(d.name, d.subscriber.shutdown) for d in self._deliveries]
+        for name, outcome in run_by_deadline(tasks, deadline).items():
+            if isinstance(outcome, BaseException):
+                self.shutdown_errors.append(
+                    RuntimeError(f"subscriber {name!r} shutdown failed: {outcome!r}")
                 )
-        for name, exc in errors.items():
-            self.shutdown_errors.append(
-                RuntimeError(f"subscriber {name!r} shutdown failed: {exc!r}")
-            )
 
     # -- accounting -----------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvflow.events import EventBus, Subscriber
+from kvflow.events.deadline import run_by_deadline
 from kvflow.subscribers.l0 import L0LifecycleSubscriber
 from kvflow.subscribers.logs import LoggingSetup, LoggingSubscriber, configure_logging
 from kvflow.subscribers.metrics import L1Stats, MetricsSubscriber
@@ -116,31 +117,12 @@ class ObservabilityPipeline:
 
     def _run_all(self, tasks: list[tuple[str, Callable[[], object]]], deadline: float) -> bool:
         """Run tasks concurrently; a task that raises, returns False or outlives `deadline` fails."""
-        results: dict[str, object] = {}
-
-        def run(name: str, task: Callable[[], object]) -> None:
-            try:
-                results[name] = task()
-            except Exception as exc:
-                results[name] = exc
-
-        threads = [
-            (name, threading.Thread(target=run, args=(name, task), daemon=True))
-            for name, task in tasks
-        ]
-        for _, thread in threads:
-            thread.start()
         clean = True
-        for name, thread in threads:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-            if thread.is_alive():
-                result: object = TimeoutError("passed the shutdown deadline")
-            else:
-                result = results.get(name)
-            if isinstance(result, BaseException):
+        for name, outcome in run_by_deadline(tasks, deadline).items():
+            if isinstance(outcome, BaseException):
                 clean = False
-                self.errors.append(RuntimeError(f"{name} failed: {result!r}"))
-            elif result is False:
+                self.errors.append(RuntimeError(f"{name} failed: {outcome!r}"))
+            elif outcome is False:
                 clean = False
                 self.errors.append(RuntimeError(f"{name} did not complete"))
         return clean
