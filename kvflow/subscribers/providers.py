@@ -2,23 +2,35 @@
 
 Each piece is built explicitly (no global providers, no environment lookups
 beyond the SDK's own), so a process can run several pipelines and tests can
-start and stop them without leaking ports or threads.
+start and stop them without leaking ports or threads. kvflow's MeterProvider
+also collects pre-aggregated metrics from producers (see preaggregated.py).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, ExemplarFilter, MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from prometheus_client import CollectorRegistry, start_http_server
+
+_logger = logging.getLogger(__name__)
 
 OTLP_PROTOCOLS = ("grpc", "http")
 SERVICE_NAME = "kvflow"
@@ -118,13 +130,128 @@ def otlp_span_exporter(endpoint: str, protocol: str) -> SpanExporter:
     return OTLPSpanExporter(endpoint=url)
 
 
-def make_meter_provider(readers: Sequence[MetricReader]) -> MeterProvider:
-    """A MeterProvider for kvflow's resource; exemplars are off (no spans on bus threads).
+class MetricProducer(Protocol):
+    """A source of pre-aggregated metric data (the OpenTelemetry spec's MetricProducer)."""
+
+    def produce(self) -> Sequence[ScopeMetrics]:
+        """The producer's metrics as of now; called once per collection of every reader."""
+        ...
+
+
+class KvflowMeterProvider(MeterProvider):
+    """An SDK MeterProvider whose readers also collect the metrics of registered producers.
+
+    The Python SDK has no MetricProducer, so each reader's collect callback (the
+    private hook MeterProvider itself sets) is pointed at a wrapper: the SDK's own
+    collection, then every producer's ScopeMetrics under the provider's resource.
+    Producers' metrics bypass Views and the readers' temporality and aggregation
+    preferences: they arrive as the producer built them.
+    """
+
+    def __init__(
+        self,
+        metric_readers: Sequence[MetricReader] = (),
+        resource: Resource | None = None,
+        exemplar_filter: ExemplarFilter | None = None,
+        shutdown_on_exit: bool = True,
+        views: Sequence[View] = (),
+    ) -> None:
+        if not callable(getattr(MetricReader, "_set_collect_callback", None)):
+            raise _hooks_missing("MetricReader._set_collect_callback")
+        super().__init__(
+            metric_readers=metric_readers,
+            resource=resource,
+            exemplar_filter=exemplar_filter,
+            shutdown_on_exit=shutdown_on_exit,
+            views=views,
+        )
+        consumer = getattr(self, "_measurement_consumer", None)
+        if not callable(getattr(consumer, "collect", None)):
+            raise _hooks_missing("MeterProvider._measurement_consumer.collect")
+        if not isinstance(getattr(getattr(self, "_sdk_config", None), "resource", None), Resource):
+            raise _hooks_missing("MeterProvider._sdk_config.resource")
+        self._producers: tuple[MetricProducer, ...] = ()
+        self._producers_lock = threading.Lock()
+        for reader in metric_readers:
+            self._route(reader)
+
+    def add_producer(self, producer: MetricProducer) -> None:
+        """Include `producer`'s metrics in every later collection of every reader."""
+        with self._producers_lock:
+            self._producers = (*self._producers, producer)
+
+    def add_metric_reader(self, metric_reader: MetricReader) -> None:
+        """Register a reader as the SDK does, then route its collections through producers."""
+        super().add_metric_reader(metric_reader)
+        # the SDK skips (with a warning) a reader registered before: only re-point one it took
+        if getattr(metric_reader, "_collect", None) == self._measurement_consumer.collect:
+            self._route(metric_reader)
+
+    def _route(self, reader: MetricReader) -> None:
+        """Point `reader`'s collections at `_collect` instead of the SDK's consumer."""
+        # the SDK annotates the callback's 2nd argument as a temporality; it passes timeout_millis
+        reader._set_collect_callback(self._collect)  # type: ignore[arg-type]
+
+    def _collect(self, reader: MetricReader, timeout_millis: float = 10_000) -> MetricsData | None:
+        """The SDK's collection for `reader`, with every producer's scopes merged in."""
+        data = self._measurement_consumer.collect(reader, timeout_millis=timeout_millis)
+        produced: list[ScopeMetrics] = []
+        for producer in self._producers:
+            try:
+                produced.extend(producer.produce())
+            except Exception:  # one broken producer must not cost the SDK's metrics
+                _logger.exception("metric producer %r failed; its metrics are skipped", producer)
+        if not produced:
+            return data
+        return _merge(data, self._sdk_config.resource, produced)
+
+
+def _hooks_missing(hook: str) -> RuntimeError:
+    """The error for an SDK without a private hook KvflowMeterProvider needs (fail early)."""
+    return RuntimeError(
+        f"this opentelemetry-sdk lacks {hook}, which KvflowMeterProvider relies on; "
+        "install the opentelemetry-sdk version range pinned in kvflow's pyproject.toml"
+    )
+
+
+def _merge(
+    data: MetricsData | None, resource: Resource, produced: list[ScopeMetrics]
+) -> MetricsData:
+    """`data` with `produced` added to `resource`'s entry (a scope's metrics join its entry)."""
+    resource_metrics = list(data.resource_metrics) if data is not None else []
+    index = next((i for i, rm in enumerate(resource_metrics) if rm.resource == resource), None)
+    if index is None:
+        resource_metrics.append(
+            ResourceMetrics(
+                resource=resource, scope_metrics=produced, schema_url=resource.schema_url
+            )
+        )
+        return MetricsData(resource_metrics=resource_metrics)
+    target = resource_metrics[index]
+    scopes = list(target.scope_metrics)
+    for extra in produced:
+        at = next((i for i, sm in enumerate(scopes) if sm.scope == extra.scope), None)
+        if at is None:
+            scopes.append(extra)
+        else:
+            scopes[at] = ScopeMetrics(
+                scope=extra.scope,
+                metrics=[*scopes[at].metrics, *extra.metrics],
+                schema_url=scopes[at].schema_url,
+            )
+    resource_metrics[index] = ResourceMetrics(
+        resource=target.resource, scope_metrics=scopes, schema_url=target.schema_url
+    )
+    return MetricsData(resource_metrics=resource_metrics)
+
+
+def make_meter_provider(readers: Sequence[MetricReader]) -> KvflowMeterProvider:
+    """A KvflowMeterProvider for kvflow's resource; exemplars are off (no spans on bus threads).
 
     No atexit hook: the pipeline shuts it down by its deadline, and an exit hook
     would block interpreter exit on an unreachable collector.
     """
-    return MeterProvider(
+    return KvflowMeterProvider(
         metric_readers=list(readers),
         resource=kvflow_resource(),
         exemplar_filter=AlwaysOffExemplarFilter(),
