@@ -8,20 +8,24 @@ only sampled blocks hold state, so memory follows the sample, not the id space.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
 import numpy as np
-from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+from opentelemetry.metrics import CallbackOptions, MeterProvider, NoOpMeter, Observation
 
 from kvflow.events import Event, EventType, Sampler
 from kvflow.subscribers.buckets import BLOCK_SECONDS
+from kvflow.subscribers.preaggregated import HistogramStore
+from kvflow.subscribers.providers import KvflowMeterProvider
 
 _ALLOC = EventType.BLOCK_ALLOCATION
 _END_SESSION = EventType.END_SESSION
 _UNREGISTER = EventType.UNREGISTER
 _NS = 1e-9
+#: records one histogram value for a label set (SDK instrument or pre-aggregated store)
+_Record = Callable[[float, Mapping[str, str]], None]
 
 
 class _Block:
@@ -64,6 +68,9 @@ class L0LifecycleSubscriber:
     `kvflow.l0.block_reuse_gap` (seconds) on eviction, and counts every
     allocation record and block, sampled or not. `max_history` bounds the access
     history of a hot block: when reached, its gaps so far are recorded early.
+    With kvflow's provider (`make_meter_provider`) the histograms are
+    pre-aggregated in a `HistogramStore`; any other provider gets SDK instruments.
+    Both export the same data.
     """
 
     name = "l0_lifecycle"
@@ -88,24 +95,36 @@ class L0LifecycleSubscriber:
         self._labels: dict[tuple[str, str], dict[str, str]] = {}
         self._instance_labels: dict[str, dict[str, str]] = {}
         meter = meter_provider.get_meter("kvflow.l0")
-        self._lifetime = meter.create_histogram(
-            "kvflow.l0.block_lifetime",
-            unit="s",
-            description="Sampled GPU block: allocation to eviction",
-            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
-        ).record
-        self._idle = meter.create_histogram(
+        # kvflow's provider takes the histograms pre-aggregated (an SDK record costs ~10 us);
+        # a plain provider (or a disabled SDK's no-op meter) gets SDK instruments
+        store = None
+        if isinstance(meter_provider, KvflowMeterProvider) and not isinstance(meter, NoOpMeter):
+            store = HistogramStore("kvflow.l0")
+            meter_provider.add_producer(store)
+
+        def histogram(name: str, description: str) -> _Record:
+            """The record function of one block-age histogram, on the path chosen above."""
+            if store is not None:
+                return store.histogram(
+                    name, unit="s", description=description, boundaries=BLOCK_SECONDS
+                ).record
+            return meter.create_histogram(
+                name,
+                unit="s",
+                description=description,
+                explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
+            ).record
+
+        self._lifetime = histogram(
+            "kvflow.l0.block_lifetime", "Sampled GPU block: allocation to eviction"
+        )
+        self._idle = histogram(
             "kvflow.l0.block_idle_before_evict",
-            unit="s",
-            description="Sampled GPU block: release by its last owner to eviction",
-            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
-        ).record
-        self._reuse_gap = meter.create_histogram(
-            "kvflow.l0.block_reuse_gap",
-            unit="s",
-            description="Sampled GPU block: time between consecutive accesses",
-            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
-        ).record
+            "Sampled GPU block: release by its last owner to eviction",
+        )
+        self._reuse_gap = histogram(
+            "kvflow.l0.block_reuse_gap", "Sampled GPU block: time between consecutive accesses"
+        )
         self._records_counter = meter.create_counter(
             "kvflow.l0.allocation_records",
             unit="{record}",

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvflow.events import START_TO_END, BlockAllocation, Event, EventType, next_op_id
-from kvflow.subscribers.providers import kvflow_resource
+from kvflow.subscribers.providers import kvflow_resource, make_meter_provider
 
 _START = {
     "store": EventType.STORE_START,
@@ -42,11 +42,18 @@ class MetricsCapture:
     """A MeterProvider with an in-memory reader; read points by metric name and labels.
 
     Labels given to the accessors select the points whose attributes contain them.
+    `kvflow_provider=True` builds the provider as `build_subscribers` does
+    (`make_meter_provider`: pre-aggregated L0 histograms); the default is a
+    plain SDK MeterProvider, as a caller of kvflow might pass.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, kvflow_provider: bool = False) -> None:
         self.reader = InMemoryMetricReader()
-        self.provider = MeterProvider(metric_readers=[self.reader], resource=kvflow_resource())
+        self.provider: MeterProvider = (
+            make_meter_provider([self.reader])
+            if kvflow_provider
+            else MeterProvider(metric_readers=[self.reader], resource=kvflow_resource())
+        )
 
     def points(self, name: str, **labels: Any) -> list[Any]:
         """Data points of metric `name` (collected now) whose attributes include `labels`."""

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import tracemalloc
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,9 +28,10 @@ def observed(cap: MetricsCapture, name: str) -> tuple[int, float]:
     return sum(p.count for p in points), round(sum(p.sum for p in points), 9)
 
 
-@pytest.fixture
-def cap() -> MetricsCapture:
-    capture = MetricsCapture()
+@pytest.fixture(params=[False, True], ids=["plain-provider", "kvflow-provider"])
+def cap(request: pytest.FixtureRequest) -> Iterator[MetricsCapture]:
+    """Each test runs against SDK histograms and against kvflow's pre-aggregated ones."""
+    capture = MetricsCapture(kvflow_provider=request.param)
     yield capture
     capture.shutdown()
 
