@@ -50,6 +50,17 @@ def _check_salt(cache_salt: Any) -> str | None:
     return cache_salt
 
 
+def _rows_of(table: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """table[rows] for ascending rows: a view when they are a prefix or a contiguous run.
+
+    Indexing a tensor with a Python list is slow in torch (milliseconds for a few
+    thousand ids); a run is sliced and anything else goes through index_select.
+    """
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        return table[rows[0] : rows[-1] + 1]
+    return table.index_select(0, torch.tensor(rows, dtype=torch.int64))
+
+
 def _check_world(world_size: Any, rank: Any = 0) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidRequestError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -319,7 +330,7 @@ class CacheEngine:
                             f"{inst.chunk_nbytes} bytes"
                         )
                     rows = [i for i, _ in plan.new]
-                    inst.mover.store(table[rows], [self.l1.view(o) for _, o in plan.new])
+                    inst.mover.store(_rows_of(table, rows), self.l1.views([o for _, o in plan.new]))
                     result = {
                         "tokens": len(rows) * self.chunk_size,
                         "bytes": len(rows) * inst.chunk_nbytes,
@@ -409,7 +420,9 @@ class CacheEngine:
                 rows.append(c)
                 skips.append(s)
         if rows:
-            inst.mover.retrieve([self.l1.view(objs[c]) for c in rows], table[rows], skips)
+            inst.mover.retrieve(
+                self.l1.views([objs[c] for c in rows]), _rows_of(table, rows), skips
+            )
         hit = len(objs) * self.chunk_size
         written = sum(bpc - s for s in skips) * inst.block_size
         return {

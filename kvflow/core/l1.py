@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -258,6 +258,10 @@ class L1Cache:
         """The object's bytes (uint8, 1-D). Valid while the object is pinned or being written."""
         return self.pool.view(obj.segment, obj.offset, obj.nbytes)
 
+    def views(self, objs: Sequence[L1Object]) -> ObjectViews:
+        """The objects' bytes as a lazy sequence: each view is made when a mover reaches it."""
+        return ObjectViews(self, objs)
+
     # -- maintenance -----------------------------------------------------------------
 
     def drop_where(self, predicate: Callable[[Any], bool]) -> int:
@@ -290,3 +294,24 @@ class L1Cache:
             self._free.clear()
             self._reserved = self._usage = self._writing = 0
             self.pool.release()
+
+
+class ObjectViews(Sequence[torch.Tensor]):
+    """`L1Cache.view` of each object, made on access, so a store's copies start before the
+    views of its later chunks exist (a view costs microseconds; a request has dozens)."""
+
+    def __init__(self, l1: L1Cache, objs: Sequence[L1Object]) -> None:
+        self._l1 = l1
+        self._objs = objs
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(index, slice):
+            return ObjectViews(self._l1, self._objs[index])
+        return self._l1.view(self._objs[index])

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvflow.kernels import KVLayout, TransferStream, new_transfer_stream, transfer_blocks
+from kvflow.kernels import KVLayout, PreparedTransfer, TransferStream, new_transfer_stream
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
@@ -55,20 +55,18 @@ class CpuMover:
         self.layout = layout
 
     def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        moves = PreparedTransfer(self.layout, block_ids, direction="gather", backend="cpu")
         for c, dst in enumerate(dsts):
-            transfer_blocks(
-                self.layout, dst.view(1, -1), block_ids[c : c + 1], direction="gather",
-                backend="cpu",
-            )  # fmt: skip
+            moves.launch(dst.view(1, -1), c, 1)
 
     def retrieve(
         self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
     ) -> None:
+        moves = PreparedTransfer(
+            self.layout, block_ids, direction="scatter", skip_blocks=skip_blocks, backend="cpu"
+        )
         for c, src in enumerate(srcs):
-            transfer_blocks(
-                self.layout, src.view(1, -1), block_ids[c : c + 1], direction="scatter",
-                skip_blocks=[skip_blocks[c]] if skip_blocks[c] else None, backend="cpu",
-            )  # fmt: skip
+            moves.launch(src.view(1, -1), c, 1)
 
     def wait(self) -> None:
         return None
@@ -115,6 +113,9 @@ class CudaMover:
     def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
         ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
+        moves = PreparedTransfer(
+            self.layout, block_ids, direction="gather", backend="cuda", stream=ks
+        )
         self._after_caller(ks)
         for j, start in enumerate(range(0, len(dsts), self.group)):
             s = j % self.stages
@@ -122,10 +123,7 @@ class CudaMover:
             stage = ring[s][: stop - start]
             if j >= self.stages:
                 ks.torch.wait_event(self._drained[s])
-            transfer_blocks(
-                self.layout, stage, block_ids[start:stop], direction="gather", backend="cuda",
-                stream=ks,
-            )  # fmt: skip
+            moves.launch(stage, start, stop - start)
             self._filled[s].record(ks.torch)
             cs.torch.wait_event(self._filled[s])
             with torch.cuda.stream(cs.torch):
@@ -138,6 +136,10 @@ class CudaMover:
     ) -> None:
         ring = self._ring()
         cs = self.copy_stream
+        moves = PreparedTransfer(
+            self.layout, block_ids, direction="scatter", skip_blocks=skip_blocks, backend="cuda",
+            stream=self.kernel_stream,
+        )  # fmt: skip
         self._after_caller(cs)
         pending: tuple[int, int, int] | None = None
         for j, start in enumerate(range(0, len(srcs), self.group)):
@@ -152,28 +154,18 @@ class CudaMover:
             # the previous group's scatter goes after this group's copies are queued,
             # so the copy engine has work even if a launch blocks the host a while
             if pending is not None:
-                self._scatter(ring, block_ids, skip_blocks, *pending)
+                self._scatter(moves, ring, *pending)
             pending = (s, start, stop)
         if pending is not None:
-            self._scatter(ring, block_ids, skip_blocks, *pending)
+            self._scatter(moves, ring, *pending)
 
     def _scatter(
-        self,
-        ring: torch.Tensor,
-        block_ids: torch.Tensor,
-        skip_blocks: Sequence[int],
-        s: int,
-        start: int,
-        stop: int,
+        self, moves: PreparedTransfer, ring: torch.Tensor, s: int, start: int, stop: int
     ) -> None:
         """Scatter the group in stage `s` once its copies landed; mark the stage drained."""
         ks = self.kernel_stream
         ks.torch.wait_event(self._filled[s])
-        skips = list(skip_blocks[start:stop])
-        transfer_blocks(
-            self.layout, ring[s][: stop - start], block_ids[start:stop], direction="scatter",
-            skip_blocks=skips if any(skips) else None, backend="cuda", stream=ks,
-        )  # fmt: skip
+        moves.launch(ring[s][: stop - start], start, stop - start)
         self._drained[s].record(ks.torch)
 
     def wait(self) -> None:

@@ -8,13 +8,14 @@ from kvflow.kernels.formats import KVFormat, detect_format
 from kvflow.kernels.layout import SUPPORTED_DTYPES, KVLayout, LayerGroup, StrideDesc
 from kvflow.kernels.loader import cuda_available
 from kvflow.kernels.streams import TransferStream, default_transfer_stream, new_transfer_stream
-from kvflow.kernels.transfer import transfer_blocks
+from kvflow.kernels.transfer import PreparedTransfer, transfer_blocks
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "KVFormat",
     "KVLayout",
     "LayerGroup",
+    "PreparedTransfer",
     "StrideDesc",
     "TransferStream",
     "cuda_available",

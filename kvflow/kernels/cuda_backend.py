@@ -94,6 +94,109 @@ def device_plan(
     return found
 
 
+def _check_device(layout: KVLayout, stream: TransferStream | None) -> int:
+    """The cache's CUDA device index, after checking the backend can run there."""
+    if layout.device.type != "cuda":
+        raise ValueError(f"the cuda backend needs a CUDA cache; the layout is on {layout.device}")
+    if not cuda_available():
+        raise RuntimeError("the cuda backend needs pycuda (pip install 'kvflow[cuda]')")
+    if stream is not None and stream.device != layout.device:
+        raise ValueError(f"stream is on {stream.device} but the cache is on {layout.device}")
+    index = layout.device.index
+    assert index is not None
+    return index
+
+
+def upload_ids(
+    layout: KVLayout,
+    block_ids: torch.Tensor,
+    skip_blocks: torch.Tensor,
+    stream: TransferStream | None = None,
+) -> torch.Tensor:
+    """Copy block ids [chunks, per_chunk] and skip counts [chunks] (CPU int64) to the device.
+
+    One pinned, asynchronous copy on the launch stream: int32 ids, then the skip counts.
+    With stream=None it runs on the device's transfer stream after torch's current stream.
+    """
+    index = _check_device(layout, stream)
+    transfer_stream = stream or default_transfer_stream(index)
+    if stream is None:
+        transfer_stream.torch.wait_stream(torch.cuda.current_stream(layout.device))
+    host_ids = torch.cat([block_ids.reshape(-1), skip_blocks]).to(torch.int32).pin_memory()
+    with torch.cuda.stream(transfer_stream.torch):
+        return host_ids.to(layout.device, non_blocking=True)
+
+
+def launch_uploaded(
+    layout: KVLayout,
+    staging: torch.Tensor,
+    device_ids: torch.Tensor,
+    shape: tuple[int, int],
+    first: int,
+    count: int,
+    *,
+    gather: bool,
+    stream: TransferStream | None = None,
+    max_vector_bytes: int = 16,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> TransferPlan | None:
+    """Enqueue one launch for chunks [first, first + count) of ids from `upload_ids`.
+
+    `shape` is the uploaded (chunks, per_chunk); staging holds `count` rows (arguments
+    already validated). Returns the plan used, or None when there was nothing to move.
+    """
+    index = _check_device(layout, stream)
+    if staging.device != layout.device:
+        raise ValueError(
+            f"staging is on {staging.device} but the cache is on {layout.device}; the cuda "
+            "backend needs both on one device"
+        )
+    num_chunks, per_chunk = shape
+    if count == 0:
+        return None
+    dplan = device_plan(
+        layout,
+        per_chunk * layout.block_size,
+        gather=gather,
+        staging_alignment=pow2_alignment(staging.data_ptr()),
+        max_vector_bytes=max_vector_bytes,
+        tuning=tuning,
+    )
+    plan = dplan.plan
+    num_tiles = count * plan.tiles_per_chunk
+    if num_tiles >= MAX_NUMERATOR:
+        raise ValueError(f"{count} chunks exceed one launch ({num_tiles} warp tiles)")
+    name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
+    function = get_function(index, KERNEL_SOURCE, name, tuning.options())
+    if id(function) not in _prepared:
+        function.prepare(_ARG_TYPES)
+        _prepared.add(id(function))
+    transfer_stream = stream or default_transfer_stream(index)
+    current = torch.cuda.current_stream(layout.device)
+    if stream is None:
+        transfer_stream.torch.wait_stream(current)
+    ids = device_ids.data_ptr()
+    table = dplan.table.data_ptr()
+    grid = (num_tiles + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+    with active_context(index):
+        function.prepared_async_call(
+            (grid, 1),
+            (THREADS_PER_CTA, 1, 1),
+            transfer_stream.pycuda,
+            np.uintp(table),
+            np.uintp(table + plan.groups_offset),
+            np.uintp(table + plan.entries_offset),
+            np.uintp(ids + 4 * first * per_chunk),
+            np.uintp(ids + 4 * (num_chunks * per_chunk + first)),
+            np.uintp(staging.data_ptr()),
+            np.uint32(num_tiles),
+            np.uint32(1 if gather else 0),
+        )
+    if stream is None:
+        current.wait_stream(transfer_stream.torch)
+    return plan
+
+
 def launch_transfer(
     layout: KVLayout,
     staging: torch.Tensor,
@@ -105,69 +208,19 @@ def launch_transfer(
     max_vector_bytes: int = 16,
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> TransferPlan | None:
-    """Enqueue one kernel launch for all chunks (arguments already validated).
+    """Upload the ids and enqueue one kernel launch for all chunks (arguments validated).
 
     block_ids / skip_blocks are CPU int64 ([chunks, per_chunk] / [chunks]). Returns the
     plan used (its per-group vector widths), or None when there was nothing to move.
     ``max_vector_bytes`` caps the vector width (tests and benchmarks force each path);
     ``tuning`` selects a kernel build (benchmarks).
     """
-    if layout.device.type != "cuda":
-        raise ValueError(f"the cuda backend needs a CUDA cache; the layout is on {layout.device}")
-    if staging.device != layout.device:
-        raise ValueError(
-            f"staging is on {staging.device} but the cache is on {layout.device}; the cuda "
-            "backend needs both on one device"
-        )
-    if not cuda_available():
-        raise RuntimeError("the cuda backend needs pycuda (pip install 'kvflow[cuda]')")
-    if stream is not None and stream.device != layout.device:
-        raise ValueError(f"stream is on {stream.device} but the cache is on {layout.device}")
-    num_chunks, per_chunk = block_ids.shape
-    if num_chunks == 0:
+    shape = (int(block_ids.shape[0]), int(block_ids.shape[1]))
+    if shape[0] == 0:
+        _check_device(layout, stream)
         return None
-    index = layout.device.index
-    assert index is not None
-    dplan = device_plan(
-        layout,
-        per_chunk * layout.block_size,
-        gather=gather,
-        staging_alignment=pow2_alignment(staging.data_ptr()),
-        max_vector_bytes=max_vector_bytes,
-        tuning=tuning,
-    )
-    plan = dplan.plan
-    num_tiles = num_chunks * plan.tiles_per_chunk
-    if num_tiles >= MAX_NUMERATOR:
-        raise ValueError(f"{num_chunks} chunks exceed one launch ({num_tiles} warp tiles)")
-    name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
-    function = get_function(index, KERNEL_SOURCE, name, tuning.options())
-    if id(function) not in _prepared:
-        function.prepare(_ARG_TYPES)
-        _prepared.add(id(function))
-    transfer_stream = stream or default_transfer_stream(index)
-    current = torch.cuda.current_stream(layout.device)
-    if stream is None:
-        transfer_stream.torch.wait_stream(current)
-    host_ids = torch.cat([block_ids.reshape(-1), skip_blocks]).to(torch.int32)
-    with torch.cuda.stream(transfer_stream.torch):
-        ids = host_ids.to(layout.device, non_blocking=True)
-    table = dplan.table.data_ptr()
-    grid = (num_tiles + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-    with active_context(index):
-        function.prepared_async_call(
-            (grid, 1),
-            (THREADS_PER_CTA, 1, 1),
-            transfer_stream.pycuda,
-            np.uintp(table),
-            np.uintp(table + plan.groups_offset),
-            np.uintp(table + plan.entries_offset),
-            np.uintp(ids.data_ptr()),
-            np.uintp(ids.data_ptr() + 4 * num_chunks * per_chunk),
-            np.uintp(staging.data_ptr()),
-            np.uint32(num_tiles),
-            np.uint32(1 if gather else 0),
-        )
-    if stream is None:
-        current.wait_stream(transfer_stream.torch)
-    return plan
+    device_ids = upload_ids(layout, block_ids, skip_blocks, stream)
+    return launch_uploaded(
+        layout, staging, device_ids, shape, 0, shape[0], gather=gather, stream=stream,
+        max_vector_bytes=max_vector_bytes, tuning=tuning,
+    )  # fmt: skip

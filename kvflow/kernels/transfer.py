@@ -1,4 +1,8 @@
-"""``transfer_blocks``: argument validation, then the CUDA kernel or the torch reference."""
+"""Block transfers: argument validation, then the CUDA kernel or the torch reference.
+
+`PreparedTransfer` checks (and uploads) a request's ids once for launches in pieces;
+`transfer_blocks` is the one-shot form.
+"""
 
 from __future__ import annotations
 
@@ -17,17 +21,16 @@ Direction = Literal["gather", "scatter"]
 Backend = Literal["auto", "cuda", "cpu"]
 
 
-def check_transfer_args(
+def check_transfer_ids(
     layout: KVLayout,
-    staging: torch.Tensor,
     block_ids: torch.Tensor,
     skip_blocks: torch.Tensor | Sequence[int] | None,
     direction: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate everything before any work; return (block ids, skip counts) as CPU int64.
+    """Validate the ids side of a transfer; return (block ids, skip counts) as CPU int64.
 
-    Raises ValueError naming the bad argument: shapes, dtypes, ids out of range, skip
-    counts out of range, or ids repeated among the blocks a scatter would write.
+    Raises ValueError naming the bad argument: direction, shapes, dtypes, ids out of
+    range, skip counts out of range, or ids repeated among the blocks a scatter would write.
     """
     if direction not in ("gather", "scatter"):
         raise ValueError(f"direction must be 'gather' or 'scatter'; got {direction!r}")
@@ -38,17 +41,6 @@ def check_transfer_args(
         )
     ids = block_ids.detach().to("cpu", torch.int64)
     num_chunks, per_chunk = ids.shape
-    chunk_bytes = layout.chunk_nbytes(per_chunk * layout.block_size)
-    if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8:
-        got = staging.dtype if isinstance(staging, torch.Tensor) else type(staging).__name__
-        raise ValueError(f"staging must be a uint8 tensor; got {got}")
-    if tuple(staging.shape) != (num_chunks, chunk_bytes):
-        raise ValueError(
-            f"staging must be [num_chunks={num_chunks}, chunk_nbytes={chunk_bytes}] for "
-            f"{per_chunk} blocks of {layout.block_size} tokens; got {tuple(staging.shape)}"
-        )
-    if not staging.is_contiguous():
-        raise ValueError(f"staging must be contiguous; strides are {tuple(staging.stride())}")
     skip = _skip_counts(skip_blocks, num_chunks, per_chunk)
     if direction == "scatter":
         keep = torch.arange(per_chunk).unsqueeze(0) >= skip.unsqueeze(1)
@@ -56,6 +48,20 @@ def check_transfer_args(
         if torch.unique(written).numel() != written.numel():
             raise ValueError("block_ids repeat a block that scatter would write twice")
     return ids, skip
+
+
+def check_staging(staging: torch.Tensor, rows: int, chunk_bytes: int, chunk_desc: str) -> None:
+    """ValueError unless staging is a contiguous uint8 [rows, chunk_bytes] tensor."""
+    if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8:
+        got = staging.dtype if isinstance(staging, torch.Tensor) else type(staging).__name__
+        raise ValueError(f"staging must be a uint8 tensor; got {got}")
+    if tuple(staging.shape) != (rows, chunk_bytes):
+        raise ValueError(
+            f"staging must be [num_chunks={rows}, chunk_nbytes={chunk_bytes}] for "
+            f"{chunk_desc}; got {tuple(staging.shape)}"
+        )
+    if not staging.is_contiguous():
+        raise ValueError(f"staging must be contiguous; strides are {tuple(staging.stride())}")
 
 
 def _skip_counts(
@@ -80,6 +86,70 @@ def _skip_counts(
     return skip
 
 
+class PreparedTransfer:
+    """One request's block ids, checked once and (CUDA) uploaded once, then launched
+    in pieces: `launch(staging, first, count)` moves chunks [first, first + count) with no
+    further checks on the ids or uploads, so a pipeline of chunk groups pays the set-up once.
+
+    The cuda backend is asynchronous on ``stream``; with stream=None it is ordered after,
+    and before, work on torch's current stream.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        block_ids: torch.Tensor,
+        *,
+        direction: Direction,
+        skip_blocks: torch.Tensor | Sequence[int] | None = None,
+        backend: Backend = "auto",
+        stream: TransferStream | None = None,
+    ) -> None:
+        if backend not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu'; got {backend!r}")
+        ids, skip = check_transfer_ids(layout, block_ids, skip_blocks, direction)
+        self.layout = layout
+        self.gather = direction == "gather"
+        self.stream = stream
+        self.num_chunks, self.per_chunk = (int(n) for n in ids.shape)
+        self.chunk_nbytes = layout.chunk_nbytes(self.per_chunk * layout.block_size)
+        self._ids, self._skip = ids, skip
+        self._cuda = backend == "cuda" or (backend == "auto" and layout.device.type == "cuda")
+        self._device_ids: torch.Tensor | None = None  # uploaded by the first CUDA launch
+
+    def launch(self, staging: torch.Tensor, first: int = 0, count: int | None = None) -> None:
+        """Move chunks [first, first + count) (default: from `first` to the end) to/from
+        `staging`, whose row i is chunk first + i."""
+        count = self.num_chunks - first if count is None else count
+        if first < 0 or count < 0 or first + count > self.num_chunks:
+            raise ValueError(
+                f"chunks [{first}, {first + count}) are not within the {self.num_chunks} prepared"
+            )
+        check_staging(
+            staging, count, self.chunk_nbytes,
+            f"{self.per_chunk} blocks of {self.layout.block_size} tokens",
+        )  # fmt: skip
+        if count == 0:
+            return
+        if self._cuda:
+            from kvflow.kernels.cuda_backend import launch_uploaded, upload_ids
+
+            if self._device_ids is None:
+                self._device_ids = upload_ids(self.layout, self._ids, self._skip, self.stream)
+            launch_uploaded(
+                self.layout, staging, self._device_ids, (self.num_chunks, self.per_chunk),
+                first, count, gather=self.gather, stream=self.stream,
+            )  # fmt: skip
+            return
+        ids = self._ids[first : first + count]
+        skip = self._skip[first : first + count]
+        if self.stream is not None and self.layout.device.type == "cuda":
+            with torch.cuda.stream(self.stream.torch):
+                transfer_reference(self.layout, staging, ids, skip, gather=self.gather)
+            return
+        transfer_reference(self.layout, staging, ids, skip, gather=self.gather)
+
+
 def transfer_blocks(
     layout: KVLayout,
     staging: torch.Tensor,
@@ -97,17 +167,7 @@ def transfer_blocks(
     The cuda backend is asynchronous on ``stream``; with stream=None it is ordered after,
     and before, work on torch's current stream.
     """
-    if backend not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu'; got {backend!r}")
-    ids, skip = check_transfer_args(layout, staging, block_ids, skip_blocks, direction)
-    use_cuda = backend == "cuda" or (backend == "auto" and layout.device.type == "cuda")
-    if use_cuda:
-        from kvflow.kernels.cuda_backend import launch_transfer
-
-        launch_transfer(layout, staging, ids, skip, gather=direction == "gather", stream=stream)
-        return
-    if stream is not None and layout.device.type == "cuda":
-        with torch.cuda.stream(stream.torch):
-            transfer_reference(layout, staging, ids, skip, gather=direction == "gather")
-        return
-    transfer_reference(layout, staging, ids, skip, gather=direction == "gather")
+    PreparedTransfer(
+        layout, block_ids, direction=direction, skip_blocks=skip_blocks, backend=backend,
+        stream=stream,
+    ).launch(staging)  # fmt: skip

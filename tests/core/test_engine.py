@@ -14,6 +14,7 @@ from kvflow.core.errors import (
     InvalidRequestError,
     UnknownInstanceError,
 )
+from kvflow.core.keys import chain_hashes
 from kvflow.core.testing import BLOCK, CHUNK, block_bytes, caches, small_engine
 from kvflow.kernels import KVFormat
 
@@ -120,6 +121,24 @@ def test_store_skips_chunks_already_in_l1() -> None:
     assert [e["tokens"] for e in ends] == [2 * CHUNK, CHUNK]
     assert ends[1]["bytes"] == engine.status()["instances"]["a"]["chunk_nbytes"]
     assert engine.l1_stats()["objects"] == 3
+    engine.close()
+
+
+def test_store_fills_gaps_between_chunks_already_in_l1() -> None:
+    """Chunks 0 and 2 missing, chunk 1 present: the store copies exactly 0 and 2 from their blocks."""
+    engine, recorder, (src, src_kw), (dst, dst_kw) = _register_pair("vllm_flash_attn")
+    engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
+    h0, _, h2 = chain_hashes(TOKENS, CHUNK)
+    assert engine.l1.drop_where(lambda key: key.chunk_hash in (h0, h2)) == 2
+    assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w2") == 3 * CHUNK
+    assert engine.retrieve("dst", TOKENS, DST_BLOCKS, request_id="r") == 3 * CHUNK
+    n = 3 * CHUNK // BLOCK
+    assert torch.equal(
+        block_bytes(dst, dst_kw, DST_BLOCKS[:n]), block_bytes(src, src_kw, SRC_BLOCKS[:n])
+    )
+    engine.bus.flush(5.0)
+    ends = [e.attrs for e in recorder.events if e.type.name == "STORE_END"]
+    assert [e["tokens"] for e in ends] == [3 * CHUNK, 2 * CHUNK]
     engine.close()
 
 

@@ -17,6 +17,7 @@ from kvflow.kernels import (
     SUPPORTED_DTYPES,
     KVFormat,
     KVLayout,
+    PreparedTransfer,
     cuda_available,
     new_transfer_stream,
     transfer_blocks,
@@ -220,3 +221,42 @@ def test_cuda_backend_needs_staging_on_the_cache_device() -> None:
     staging = torch.empty(1, layout.chunk_nbytes(8), dtype=torch.uint8)
     with pytest.raises(ValueError, match="both on one device"):
         transfer_blocks(layout, staging, torch.tensor([[0, 1]]), direction="gather")
+
+
+@pytest.mark.parametrize(
+    "fmt", [KVFormat.VLLM_FLASH_ATTN, KVFormat.SGLANG_MHA], ids=lambda f: f.value
+)
+def test_prepared_transfer_launches_groups_on_a_stream_exactly(fmt: KVFormat) -> None:
+    """Ids uploaded once, groups launched at offsets: same bytes as the reference, both ways."""
+    seed = next(_seeds)
+    _, layout = _caches(fmt, seed, num_blocks=64)
+    stream = new_transfer_stream(layout.device)
+    chunks, per_chunk = 7, 3
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(layout.num_blocks, generator=g)[: chunks * per_chunk].view(
+        chunks, per_chunk
+    )
+    skip = [c % (per_chunk + 1) for c in range(chunks)]
+    nbytes = layout.chunk_nbytes(per_chunk * layout.block_size)
+    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device="cuda")
+    want = got.clone()
+    torch.cuda.synchronize()
+    moves = PreparedTransfer(layout, ids, direction="gather", skip_blocks=skip, stream=stream)
+    for first, count in ((0, 3), (3, 1), (4, 3)):
+        moves.launch(got[first : first + count], first, count)
+    transfer_reference(layout, want, ids, torch.tensor(skip), gather=True)
+    stream.synchronize()
+    assert torch.equal(got, want)
+
+    target, target_layout = _caches(fmt, seed + 1, num_blocks=64)
+    expected, expected_layout = _caches(fmt, seed + 1, num_blocks=64)
+    torch.cuda.synchronize()
+    scatter = PreparedTransfer(
+        target_layout, ids, direction="scatter", skip_blocks=skip, stream=stream
+    )
+    scatter.launch(got[:5], 0, 5)
+    scatter.launch(got[5:], 5)
+    transfer_reference(expected_layout, got, ids, torch.tensor(skip), gather=False)
+    stream.synchronize()
+    for a, b in zip(flat_tensors(target), flat_tensors(expected), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvflow.kernels import SUPPORTED_DTYPES, KVFormat, KVLayout, transfer_blocks
+from kvflow.kernels import SUPPORTED_DTYPES, KVFormat, KVLayout, PreparedTransfer, transfer_blocks
 from kvflow.kernels.testing import (
     apply_scatter,
     clone_structure,
@@ -185,3 +185,68 @@ def test_zero_chunks_is_a_no_op() -> None:
     _, layout, _ = _setup()
     staging = torch.empty(0, layout.chunk_nbytes(8), dtype=torch.uint8)
     transfer_blocks(layout, staging, torch.empty(0, 2, dtype=torch.int64), direction="scatter")
+
+
+@pytest.mark.parametrize(
+    "fmt", [KVFormat.VLLM_FLASH_ATTN, KVFormat.SGLANG_MLA], ids=lambda f: f.value
+)
+def test_prepared_transfer_in_pieces_matches_one_shot(fmt: KVFormat) -> None:
+    """Launching chunk groups of a PreparedTransfer moves the same bytes as one transfer."""
+    gen = torch.Generator().manual_seed(7)
+    caches, kw = make_kv_caches(fmt, generator=gen, num_blocks=32)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    chunks, per_chunk = 5, 2
+    ids, skip = _ids_and_skip(layout.num_blocks, chunks, per_chunk, seed=7)
+    nbytes = layout.chunk_nbytes(per_chunk * layout.block_size)
+    whole = torch.full((chunks, nbytes), POISON, dtype=torch.uint8)
+    transfer_blocks(layout, whole, ids, direction="gather", skip_blocks=skip)
+    pieces = torch.full((chunks, nbytes), POISON, dtype=torch.uint8)
+    moves = PreparedTransfer(layout, ids, direction="gather", skip_blocks=skip)
+    for first, count in ((0, 2), (2, 1), (3, 2)):
+        moves.launch(pieces[first : first + count], first, count)
+    assert torch.equal(pieces, whole)
+
+    target, _ = make_kv_caches(fmt, generator=gen, num_blocks=32)
+    target_layout = KVLayout.from_kv_caches(target, **kw)
+    expected = clone_structure(target)
+    apply_scatter(target_layout, expected, whole, ids, skip)
+    scatter = PreparedTransfer(target_layout, ids, direction="scatter", skip_blocks=skip)
+    scatter.launch(whole[:3], 0, 3)
+    scatter.launch(whole[3:], 3)
+    assert same_bytes(target, expected)
+
+
+@pytest.mark.parametrize(
+    ("first", "count", "message"),
+    [(-1, 1, r"chunks \[-1, 0\)"), (2, 2, r"chunks \[2, 4\) are not within the 3"),
+     (0, -1, r"chunks \[0, -1\)")],
+)  # fmt: skip
+def test_prepared_launch_outside_the_prepared_chunks_is_rejected(
+    first: int, count: int, message: str
+) -> None:
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_blocks=16)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    moves = PreparedTransfer(layout, torch.arange(6).view(3, 2), direction="gather")
+    staging = torch.zeros(
+        (max(count, 0), layout.chunk_nbytes(2 * layout.block_size)), dtype=torch.uint8
+    )
+    with pytest.raises(ValueError, match=message):
+        moves.launch(staging, first, count)
+
+
+def test_prepared_launch_checks_the_staging_rows() -> None:
+    """A launch of 2 chunks needs exactly 2 staging rows of the chunk's bytes."""
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_blocks=16)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    moves = PreparedTransfer(layout, torch.arange(6).view(3, 2), direction="gather")
+    staging = torch.zeros((3, layout.chunk_nbytes(2 * layout.block_size)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"staging must be \[num_chunks=2"):
+        moves.launch(staging, 1, 2)
+
+
+def test_prepared_scatter_rejects_a_block_repeated_across_chunks() -> None:
+    """Scatter checks repeats over the whole prepared request, not one launch's chunks."""
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_blocks=16)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    with pytest.raises(ValueError, match="write twice"):
+        PreparedTransfer(layout, torch.tensor([[1, 2], [3, 1]]), direction="scatter")
