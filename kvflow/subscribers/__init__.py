@@ -18,7 +18,10 @@ from kvflow.subscribers.l0 import L0LifecycleSubscriber
 from kvflow.subscribers.logs import LoggingSetup, LoggingSubscriber, configure_logging
 from kvflow.subscribers.metrics import L1Stats, MetricsSubscriber
 from kvflow.subscribers.pipeline import ObservabilityPipeline, build_subscribers
+from kvflow.subscribers.preaggregated import HistogramStore
 from kvflow.subscribers.providers import (
+    KvflowMeterProvider,
+    MetricProducer,
     PrometheusEndpoint,
     kvflow_resource,
     make_meter_provider,
@@ -30,10 +33,13 @@ from kvflow.subscribers.settings import ObservabilitySettings
 from kvflow.subscribers.tracing import TracingSubscriber
 
 __all__ = [
+    "HistogramStore",
+    "KvflowMeterProvider",
     "L0LifecycleSubscriber",
     "L1Stats",
     "LoggingSetup",
     "LoggingSubscriber",
+    "MetricProducer",
     "MetricsSubscriber",
     "ObservabilityPipeline",
     "ObservabilitySettings",

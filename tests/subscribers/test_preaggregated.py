@@ -14,13 +14,19 @@ from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Histogram,
     InMemoryMetricReader,
+    MetricReader,
     MetricsData,
     ScopeMetrics,
 )
 
-from kvflow.subscribers import L0LifecycleSubscriber, kvflow_resource, make_meter_provider
+from kvflow.subscribers import (
+    HistogramStore,
+    KvflowMeterProvider,
+    L0LifecycleSubscriber,
+    kvflow_resource,
+    make_meter_provider,
+)
 from kvflow.subscribers.buckets import BLOCK_SECONDS
-from kvflow.subscribers.preaggregated import HistogramStore
 from kvflow.subscribers.testing import EventScript, MetricsCapture
 
 L0_HISTOGRAMS = (
@@ -253,3 +259,12 @@ def test_provider_collects_producers_for_added_readers_and_survives_a_broken_one
         0.5,
     )
     provider.shutdown()
+
+
+def test_provider_refuses_an_sdk_without_its_collection_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An SDK lacking the private hook fails at construction, naming it, not at first export."""
+    monkeypatch.delattr(MetricReader, "_set_collect_callback")
+    with pytest.raises(RuntimeError, match="_set_collect_callback"):
+        KvflowMeterProvider([InMemoryMetricReader()])
