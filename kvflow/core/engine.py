@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvflow.core.arrays import as_int32_array
 from kvflow.core.config import ServerConfig
@@ -50,15 +49,11 @@ def _check_salt(cache_salt: Any) -> str | None:
     return cache_salt
 
 
-def _rows_of(table: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """table[rows] for ascending rows: a view when they are a prefix or a contiguous run.
-
-    Indexing a tensor with a Python list is slow in torch (milliseconds for a few
-    thousand ids); a run is sliced and anything else goes through index_select.
-    """
+def _rows_of(table: np.ndarray, rows: list[int]) -> np.ndarray:
+    """table[rows] for ascending rows: a view when they are one contiguous run."""
     if rows and rows[-1] - rows[0] == len(rows) - 1:
         return table[rows[0] : rows[-1] + 1]
-    return table.index_select(0, torch.tensor(rows, dtype=torch.int64))
+    return table[np.asarray(rows, dtype=np.intp)]
 
 
 def _check_world(world_size: Any, rank: Any = 0) -> None:
@@ -98,9 +93,9 @@ class CacheEngine:
             raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
         return inst
 
-    def _block_table(self, inst: Instance, block_ids: Any, n_chunks: int) -> torch.Tensor:
+    def _block_table(self, inst: Instance, block_ids: Any, n_chunks: int) -> np.ndarray:
         """Rows of the first n_chunks chunks' block ids, validated against the layout."""
-        ids = torch.from_numpy(as_int32_array(block_ids, "block_ids").astype(np.int64))
+        ids = as_int32_array(block_ids, "block_ids")
         bpc = inst.blocks_per_chunk
         need = n_chunks * bpc
         if len(ids) < need:
@@ -113,11 +108,11 @@ class CacheEngine:
             inst.layout.validate_block_ids(ids)
         except ValueError as exc:
             raise InvalidRequestError(f"block_ids: {exc}") from None
-        return ids.view(n_chunks, bpc)
+        return ids.reshape(n_chunks, bpc)
 
     def _request_chunks(
         self, inst: Instance, token_ids: Any, block_ids: Any, request_id: Any, cache_salt: Any
-    ) -> tuple[torch.Tensor, list[ObjectKey]]:
+    ) -> tuple[np.ndarray, list[ObjectKey]]:
         """A store/retrieve request's validated block table and its chunks' L1 keys."""
         _check_str("request_id", request_id)
         salt = _check_salt(cache_salt)
@@ -408,7 +403,7 @@ class CacheEngine:
         return int(result["hit_tokens"])
 
     def _scatter(
-        self, inst: Instance, objs: Sequence[Any], table: torch.Tensor, skip_blocks: int
+        self, inst: Instance, objs: Sequence[Any], table: np.ndarray, skip_blocks: int
     ) -> dict[str, Any]:
         """Enqueue the copies of the hit chunks not wholly skipped; returns END attrs."""
         bpc = inst.blocks_per_chunk

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvflow.kernels import KVLayout, PreparedTransfer, TransferStream, new_transfer_stream
@@ -28,12 +29,12 @@ class Mover(Protocol):
     store_stream: Any
     retrieve_stream: Any
 
-    def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         """Enqueue: chunk c's blocks (row c of block_ids) -> dsts[c] (uint8 L1 bytes)."""
         ...
 
     def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
+        self, srcs: Sequence[torch.Tensor], block_ids: np.ndarray, skip_blocks: Sequence[int]
     ) -> None:
         """Enqueue: srcs[c] -> chunk c's blocks, leaving its first skip_blocks[c] untouched."""
         ...
@@ -54,13 +55,13 @@ class CpuMover:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
 
-    def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         moves = PreparedTransfer(self.layout, block_ids, direction="gather", backend="cpu")
         for c, dst in enumerate(dsts):
             moves.launch(dst.view(1, -1), c, 1)
 
     def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
+        self, srcs: Sequence[torch.Tensor], block_ids: np.ndarray, skip_blocks: Sequence[int]
     ) -> None:
         moves = PreparedTransfer(
             self.layout, block_ids, direction="scatter", skip_blocks=skip_blocks, backend="cpu"
@@ -96,6 +97,7 @@ class CudaMover:
         self._staging: torch.Tensor | None = None
         self._filled = [torch.cuda.Event() for _ in range(self.stages)]
         self._drained = [torch.cuda.Event() for _ in range(self.stages)]
+        self._caller_ready = torch.cuda.Event()
 
     def _ring(self) -> torch.Tensor:
         if self._staging is None:
@@ -106,11 +108,10 @@ class CudaMover:
 
     def _after_caller(self, stream: TransferStream) -> None:
         """Order our first step after the caller's pending work on its current stream."""
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        stream.torch.wait_event(ready)
+        self._caller_ready.record(torch.cuda.current_stream(self.device))
+        stream.torch.wait_event(self._caller_ready)
 
-    def store(self, block_ids: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
         moves = PreparedTransfer(
@@ -132,7 +133,7 @@ class CudaMover:
             self._drained[s].record(cs.torch)
 
     def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skip_blocks: Sequence[int]
+        self, srcs: Sequence[torch.Tensor], block_ids: np.ndarray, skip_blocks: Sequence[int]
     ) -> None:
         ring = self._ring()
         cs = self.copy_stream

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,10 +60,12 @@ DEFAULT_TUNING = KernelTuning()
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """A TransferPlan with its descriptor table resident on the cache's device."""
+    """A TransferPlan, its descriptor table resident on the cache's device, and the
+    prepared kernel that runs it."""
 
     plan: TransferPlan
     table: torch.Tensor
+    function: Any
 
 
 def device_plan(
@@ -74,7 +77,7 @@ def device_plan(
     max_vector_bytes: int,
     tuning: KernelTuning,
 ) -> DevicePlan:
-    """The plan for these parameters, built and uploaded on first use, cached on the layout."""
+    """The plan and kernel for these parameters, built on first use, cached on the layout."""
     key = ("cuda", chunk_tokens, gather, staging_alignment, max_vector_bytes, tuning)
     found = layout.plan_cache.get(key)
     if found is None:
@@ -88,7 +91,14 @@ def device_plan(
             iters=tuning.iters,
         )
         table = torch.from_numpy(plan.table).to(layout.device)  # synchronous upload
-        found = DevicePlan(plan, table)
+        index = layout.device.index
+        assert index is not None
+        name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
+        function = get_function(index, KERNEL_SOURCE, name, tuning.options())
+        if id(function) not in _prepared:
+            function.prepare(_ARG_TYPES)
+            _prepared.add(id(function))
+        found = DevicePlan(plan, table, function)
         layout.plan_cache[key] = found
     assert isinstance(found, DevicePlan)
     return found
@@ -107,94 +117,97 @@ def _check_device(layout: KVLayout, stream: TransferStream | None) -> int:
     return index
 
 
-def upload_ids(
-    layout: KVLayout,
-    block_ids: torch.Tensor,
-    skip_blocks: torch.Tensor,
-    stream: TransferStream | None = None,
-) -> torch.Tensor:
-    """Copy block ids [chunks, per_chunk] and skip counts [chunks] (CPU int64) to the device.
+class UploadedTransfer:
+    """A request's block ids resident on the device, launched in chunk ranges.
 
-    One pinned, asynchronous copy on the launch stream: int32 ids, then the skip counts.
-    With stream=None it runs on the device's transfer stream after torch's current stream.
+    The ids (int32) and skip counts go up in one pinned, asynchronous copy on the
+    launch stream when it is made; the kernel and plan are looked up once per staging
+    alignment, so each `launch` costs pointer arithmetic and one driver call. With
+    stream=None the work runs on the device's transfer stream, ordered after and
+    before torch's current stream.
     """
-    index = _check_device(layout, stream)
-    transfer_stream = stream or default_transfer_stream(index)
-    if stream is None:
-        transfer_stream.torch.wait_stream(torch.cuda.current_stream(layout.device))
-    host_ids = torch.cat([block_ids.reshape(-1), skip_blocks]).to(torch.int32).pin_memory()
-    with torch.cuda.stream(transfer_stream.torch):
-        return host_ids.to(layout.device, non_blocking=True)
 
+    def __init__(
+        self,
+        layout: KVLayout,
+        block_ids: np.ndarray,
+        skip_blocks: np.ndarray,
+        *,
+        gather: bool,
+        stream: TransferStream | None = None,
+        max_vector_bytes: int = 16,
+        tuning: KernelTuning = DEFAULT_TUNING,
+    ) -> None:
+        self._index = _check_device(layout, stream)
+        self.layout = layout
+        self.num_chunks, self.per_chunk = (int(n) for n in block_ids.shape)
+        self.gather = gather
+        self.max_vector_bytes = max_vector_bytes
+        self.tuning = tuning
+        self._ordered = stream is None
+        self._stream = stream or default_transfer_stream(self._index)
+        if self._ordered:
+            self._stream.torch.wait_stream(torch.cuda.current_stream(layout.device))
+        host = np.concatenate([block_ids.reshape(-1), skip_blocks]).astype(np.int32)
+        pinned = torch.from_numpy(host).pin_memory()
+        with torch.cuda.stream(self._stream.torch):
+            self._ids = pinned.to(layout.device, non_blocking=True)
+        self._kernels: dict[int, tuple[TransferPlan, Any, int]] = {}
 
-def launch_uploaded(
-    layout: KVLayout,
-    staging: torch.Tensor,
-    device_ids: torch.Tensor,
-    shape: tuple[int, int],
-    first: int,
-    count: int,
-    *,
-    gather: bool,
-    stream: TransferStream | None = None,
-    max_vector_bytes: int = 16,
-    tuning: KernelTuning = DEFAULT_TUNING,
-) -> TransferPlan | None:
-    """Enqueue one launch for chunks [first, first + count) of ids from `upload_ids`.
+    def _kernel(self, alignment: int) -> tuple[TransferPlan, Any, int]:
+        """(plan, prepared kernel, plan table address) for staging of this alignment."""
+        found = self._kernels.get(alignment)
+        if found is None:
+            dplan = device_plan(
+                self.layout,
+                self.per_chunk * self.layout.block_size,
+                gather=self.gather,
+                staging_alignment=alignment,
+                max_vector_bytes=self.max_vector_bytes,
+                tuning=self.tuning,
+            )
+            found = self._kernels[alignment] = (dplan.plan, dplan.function, dplan.table.data_ptr())
+        return found
 
-    `shape` is the uploaded (chunks, per_chunk); staging holds `count` rows (arguments
-    already validated). Returns the plan used, or None when there was nothing to move.
-    """
-    index = _check_device(layout, stream)
-    if staging.device != layout.device:
-        raise ValueError(
-            f"staging is on {staging.device} but the cache is on {layout.device}; the cuda "
-            "backend needs both on one device"
-        )
-    num_chunks, per_chunk = shape
-    if count == 0:
-        return None
-    dplan = device_plan(
-        layout,
-        per_chunk * layout.block_size,
-        gather=gather,
-        staging_alignment=pow2_alignment(staging.data_ptr()),
-        max_vector_bytes=max_vector_bytes,
-        tuning=tuning,
-    )
-    plan = dplan.plan
-    num_tiles = count * plan.tiles_per_chunk
-    if num_tiles >= MAX_NUMERATOR:
-        raise ValueError(f"{count} chunks exceed one launch ({num_tiles} warp tiles)")
-    name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
-    function = get_function(index, KERNEL_SOURCE, name, tuning.options())
-    if id(function) not in _prepared:
-        function.prepare(_ARG_TYPES)
-        _prepared.add(id(function))
-    transfer_stream = stream or default_transfer_stream(index)
-    current = torch.cuda.current_stream(layout.device)
-    if stream is None:
-        transfer_stream.torch.wait_stream(current)
-    ids = device_ids.data_ptr()
-    table = dplan.table.data_ptr()
-    grid = (num_tiles + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-    with active_context(index):
-        function.prepared_async_call(
-            (grid, 1),
-            (THREADS_PER_CTA, 1, 1),
-            transfer_stream.pycuda,
-            np.uintp(table),
-            np.uintp(table + plan.groups_offset),
-            np.uintp(table + plan.entries_offset),
-            np.uintp(ids + 4 * first * per_chunk),
-            np.uintp(ids + 4 * (num_chunks * per_chunk + first)),
-            np.uintp(staging.data_ptr()),
-            np.uint32(num_tiles),
-            np.uint32(1 if gather else 0),
-        )
-    if stream is None:
-        current.wait_stream(transfer_stream.torch)
-    return plan
+    def launch(self, staging: torch.Tensor, first: int, count: int) -> TransferPlan | None:
+        """Enqueue chunks [first, first + count) to/from `staging` (validated by the caller).
+
+        Returns the plan used, or None when there was nothing to move.
+        """
+        if staging.device != self.layout.device:
+            raise ValueError(
+                f"staging is on {staging.device} but the cache is on {self.layout.device}; "
+                "the cuda backend needs both on one device"
+            )
+        if count == 0:
+            return None
+        plan, function, table = self._kernel(pow2_alignment(staging.data_ptr()))
+        num_tiles = count * plan.tiles_per_chunk
+        if num_tiles >= MAX_NUMERATOR:
+            raise ValueError(f"{count} chunks exceed one launch ({num_tiles} warp tiles)")
+        stream = self._stream
+        if self._ordered:
+            current = torch.cuda.current_stream(self.layout.device)
+            stream.torch.wait_stream(current)
+        ids = self._ids.data_ptr()
+        per_chunk = self.per_chunk
+        with active_context(self._index):
+            function.prepared_async_call(
+                ((num_tiles + WARPS_PER_CTA - 1) // WARPS_PER_CTA, 1),
+                (THREADS_PER_CTA, 1, 1),
+                stream.pycuda,
+                np.uintp(table),
+                np.uintp(table + plan.groups_offset),
+                np.uintp(table + plan.entries_offset),
+                np.uintp(ids + 4 * first * per_chunk),
+                np.uintp(ids + 4 * (self.num_chunks * per_chunk + first)),
+                np.uintp(staging.data_ptr()),
+                np.uint32(num_tiles),
+                np.uint32(1 if self.gather else 0),
+            )
+        if self._ordered:
+            current.wait_stream(stream.torch)
+        return plan
 
 
 def launch_transfer(
@@ -215,12 +228,7 @@ def launch_transfer(
     ``max_vector_bytes`` caps the vector width (tests and benchmarks force each path);
     ``tuning`` selects a kernel build (benchmarks).
     """
-    shape = (int(block_ids.shape[0]), int(block_ids.shape[1]))
-    if shape[0] == 0:
-        _check_device(layout, stream)
-        return None
-    device_ids = upload_ids(layout, block_ids, skip_blocks, stream)
-    return launch_uploaded(
-        layout, staging, device_ids, shape, 0, shape[0], gather=gather, stream=stream,
-        max_vector_bytes=max_vector_bytes, tuning=tuning,
-    )  # fmt: skip
+    return UploadedTransfer(
+        layout, np.asarray(block_ids, dtype=np.int64), np.asarray(skip_blocks, dtype=np.int64),
+        gather=gather, stream=stream, max_vector_bytes=max_vector_bytes, tuning=tuning,
+    ).launch(staging, 0, int(block_ids.shape[0]))  # fmt: skip

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvflow.kernels.formats import KVFormat, detect_format, parse_format
@@ -161,13 +162,19 @@ class KVLayout:
             view.data_ptr(), view.stride(0) * size, view.stride(1) * size, view.stride(2) * size
         )
 
-    def validate_block_ids(self, block_ids: torch.Tensor) -> None:
-        """ValueError if any id is < 0 or >= num_blocks (or the tensor is not integer)."""
-        if not isinstance(block_ids, torch.Tensor):
-            raise ValueError(f"block_ids must be a torch.Tensor; got {type(block_ids).__name__}")
-        if block_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"block_ids must be int64 or int32; got {block_ids.dtype}")
-        if block_ids.numel() == 0:
+    def validate_block_ids(self, block_ids: torch.Tensor | np.ndarray) -> None:
+        """ValueError if any id is < 0 or >= num_blocks (or the ids are not int32/int64)."""
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"block_ids must be int64 or int32; got {block_ids.dtype}")
+        elif isinstance(block_ids, np.ndarray):
+            if block_ids.dtype not in (np.int64, np.int32):
+                raise ValueError(f"block_ids must be int64 or int32; got {block_ids.dtype}")
+        else:
+            raise ValueError(
+                f"block_ids must be a torch.Tensor or numpy array; got {type(block_ids).__name__}"
+            )
+        if block_ids.reshape(-1).shape[0] == 0:
             return
         lo, hi = int(block_ids.min()), int(block_ids.max())
         if lo < 0 or hi >= self.num_blocks:

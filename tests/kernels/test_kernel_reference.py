@@ -201,7 +201,7 @@ def test_prepared_transfer_in_pieces_matches_one_shot(fmt: KVFormat) -> None:
     whole = torch.full((chunks, nbytes), POISON, dtype=torch.uint8)
     transfer_blocks(layout, whole, ids, direction="gather", skip_blocks=skip)
     pieces = torch.full((chunks, nbytes), POISON, dtype=torch.uint8)
-    moves = PreparedTransfer(layout, ids, direction="gather", skip_blocks=skip)
+    moves = PreparedTransfer(layout, ids.numpy(), direction="gather", skip_blocks=skip)
     for first, count in ((0, 2), (2, 1), (3, 2)):
         moves.launch(pieces[first : first + count], first, count)
     assert torch.equal(pieces, whole)
