@@ -85,14 +85,6 @@ def _open(path: Path) -> ctypes.PyDLL:
     lib.kvf_ring_wake.restype = None
     lib.kvf_ring_release.argtypes = [vp]
     lib.kvf_ring_release.restype = None
-    lib.kvf_elapsed_batch.argtypes = [
-        vp,
-        vp,
-        ctypes.POINTER(vp),
-        u32,
-        ctypes.POINTER(ctypes.c_int64),
-    ]
-    lib.kvf_elapsed_batch.restype = ctypes.c_int
     lib.kvf_live_ring_count.argtypes = []
     lib.kvf_live_ring_count.restype = ctypes.c_int64
     return lib

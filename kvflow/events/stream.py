@@ -19,8 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from itertools import islice
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Protocol
 
@@ -43,8 +42,6 @@ _DEFAULT_STREAMS = 2
 _CUDA_ERROR_INVALID_CONTEXT = 201
 _CUDA_ERROR_NOT_READY = 600
 _REANCHOR_NS = 1_000_000_000
-#: pending events timed per native call when settling a stream
-_SETTLE_BATCH = 256
 _ANCHOR_SPIN_NS = 50_000_000
 
 
@@ -105,9 +102,9 @@ class StreamDriver(Protocol):
         """True when `event`'s last record has completed."""
         ...
 
-    def elapsed_many(self, start: int, ends: Sequence[int]) -> list[int]:
-        """GPU times (ns, may be negative) from completed event `start` to each of `ends`
-        in order, stopping before the first that has not completed."""
+    def elapsed_ns(self, start: int, end: int) -> int | None:
+        """GPU time from completed event `start` to event `end` (may be negative); None
+        while `end` has not completed."""
         ...
 
     def destroy_event(self, event: int) -> None: ...
@@ -133,13 +130,11 @@ class CudaDriver:
         vp, vpp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
         self.launch_ptr = ctypes.cast(lib.cuLaunchHostFunc, vp).value or 0
         self.wait_ptr = ctypes.cast(lib.cuStreamWaitEvent, vp).value or 0
-        # one native call times every completed pending event of a stream (stream_wakers.c)
-        self._elapsed_ptr = ctypes.cast(lib.cuEventElapsedTime, vp).value or 0
-        self._elapsed_batch = load_library().kvf_elapsed_batch
         # PyDLL keeps the GIL: these calls are short and never wait for the GPU.
         fast = ctypes.PyDLL(lib._name)
         self.record: Callable[[int, int], int] = fast.cuEventRecord
         self._query = fast.cuEventQuery
+        self._elapsed = fast.cuEventElapsedTime
         self._stream_ctx = lib.cuStreamGetCtx
         self._get_ctx = lib.cuCtxGetCurrent
         self._push = _first(lib, "cuCtxPushCurrent_v2", "cuCtxPushCurrent")
@@ -152,6 +147,7 @@ class CudaDriver:
         for fn, args in (
             (fast.cuEventRecord, [vp, vp]),
             (self._query, [vp]),
+            (self._elapsed, [ctypes.POINTER(ctypes.c_float), vp, vp]),
             (self._stream_ctx, [vp, vpp]),
             (self._get_ctx, [vpp]),
             (self._push, [vp]),
@@ -200,13 +196,13 @@ class CudaDriver:
         self._check(rc, "cuEventQuery")
         return True
 
-    def elapsed_many(self, start: int, ends: Sequence[int]) -> list[int]:
-        n = len(ends)
-        out = (ctypes.c_int64 * n)()
-        done = self._elapsed_batch(self._elapsed_ptr, start, (ctypes.c_void_p * n)(*ends), n, out)
-        if done < 0:
-            self._check(-done, "cuEventElapsedTime")
-        return out[:done]
+    def elapsed_ns(self, start: int, end: int) -> int | None:
+        ms = ctypes.c_float()
+        rc = self._elapsed(ctypes.byref(ms), start, end)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return None
+        self._check(rc, "cuEventElapsedTime")
+        return round(ms.value * 1e6)
 
     def destroy_event(self, event: int) -> None:
         self._event_destroy(event)
@@ -265,10 +261,10 @@ class _Clock:
             self.host_ns = self._pin(self.spare)
             self.anchor, self.spare = self.spare, self.anchor
 
-    def to_host(self, events: Sequence[int]) -> list[int]:
-        """Host-clock times of `events` in order, up to the first not yet completed."""
-        base = self.host_ns
-        return [base + elapsed for elapsed in self._driver.elapsed_many(self.anchor, events)]
+    def to_host(self, event: int) -> int | None:
+        """`event`'s time on the host clock; None while it has not completed."""
+        elapsed = self._driver.elapsed_ns(self.anchor, event)
+        return None if elapsed is None else self.host_ns + elapsed
 
 
 class _Lane:
@@ -482,15 +478,13 @@ class NativeStreamStamper:
                     )
                     clock.renew()
                     while fifo:
-                        batch = [e for e, _ in islice(fifo, _SETTLE_BATCH)]
-                        stamps = clock.to_host(batch)
-                        for ts in stamps:
-                            cuda_event, event = fifo.popleft()
-                            event.ts_ns = ts
-                            lane.pool.append(cuda_event)
-                            out.append(event)
-                        if len(stamps) < len(batch):
+                        ts = clock.to_host(fifo[0][0])
+                        if ts is None:
                             break
+                        cuda_event, event = fifo.popleft()
+                        event.ts_ns = ts
+                        lane.pool.append(cuda_event)
+                        out.append(event)
                     if fifo and not lane.side:
                         lane.side = driver.create_stream()
                 finally:

@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -133,19 +132,13 @@ class FakeCuda:
         with self._lock:
             return self._times.get(event) is not None
 
-    def elapsed_many(self, start: int, ends: Sequence[int]) -> list[int]:
+    def elapsed_ns(self, start: int, end: int) -> int | None:
         if self.broken:
             raise RuntimeError("cuEventElapsedTime failed: FAKE_ILLEGAL_ADDRESS (700)")
-        out = []
         with self._lock:
-            a = self._times[start]
-            assert a is not None
-            for end in ends:
-                b = self._times[end]
-                if b is None:
-                    break
-                out.append(b - a)
-        return out
+            a, b = self._times[start], self._times[end]
+        assert a is not None
+        return None if b is None else b - a
 
     def destroy_event(self, event: int) -> None:
         pass
@@ -202,46 +195,6 @@ def test_helper_build_is_cached_by_source_hash(tmp_path: Path) -> None:
     edited.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
     second = native.build_library(edited, directory=tmp_path)
     assert second != first and second.exists()
-
-
-_ELAPSED = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p
-)
-
-
-@needs_cc
-def test_helper_times_pending_events_up_to_the_first_unfinished() -> None:
-    """kvf_elapsed_batch: ns per event in order, rounded, stopping at NOT_READY or an error."""
-    times_ms = {0x10: 0.0015, 0x20: -0.0004, 0x30: None, 0x40: 2.0}
-    failing = {0x50: 700}
-
-    def elapsed(ms: Any, start: int | None, end: int | None) -> int:
-        assert start == 0x1
-        if end in failing:
-            return failing[end]
-        value = times_ms[end or 0]
-        if value is None:
-            return 600  # CUDA_ERROR_NOT_READY
-        ms[0] = value
-        return 0
-
-    fn = _ELAPSED(elapsed)
-    batch = native.load_library().kvf_elapsed_batch
-
-    def run(events: list[int]) -> tuple[int, list[int]]:
-        out = (ctypes.c_int64 * len(events))()
-        done = batch(
-            ctypes.cast(fn, ctypes.c_void_p),
-            0x1,
-            (ctypes.c_void_p * len(events))(*events),
-            len(events),
-            out,
-        )
-        return done, out[: max(done, 0)]
-
-    assert run([0x10, 0x20]) == (2, [1500, -400])
-    assert run([0x10, 0x30, 0x40]) == (1, [1500])
-    assert run([0x40, 0x50]) == (-700, [])
 
 
 @needs_cc

@@ -159,32 +159,3 @@ void kvf_ring_release(kvf_ring *ring) { kvf_ring_unref(ring); }
 int64_t kvf_live_ring_count(void) {
     return atomic_load_explicit(&kvf_live_rings, memory_order_relaxed);
 }
-
-/* cuEventElapsedTime(float *ms, CUevent start, CUevent end): CUresult. */
-typedef int (*kvf_elapsed_fn)(float *ms, void *start, void *end);
-
-#define KVF_CUDA_ERROR_NOT_READY 600
-
-/*
- * Times of a stream's pending events, oldest first, in one call: for each of
- * events[0..n) in order, nanoseconds since `anchor` into out_ns, stopping at the
- * first that has not completed. Returns how many completed, or -CUresult on an
- * error. The dispatcher calls it without the GIL, instead of one Python-level
- * driver call per event.
- */
-int kvf_elapsed_batch(kvf_elapsed_fn elapsed, void *anchor, void *const *events, uint32_t n,
-                      int64_t *out_ns) {
-    for (uint32_t i = 0; i < n; i++) {
-        float ms = 0.0f;
-        int rc = elapsed(&ms, anchor, events[i]);
-        if (rc == KVF_CUDA_ERROR_NOT_READY) {
-            return (int)i;
-        }
-        if (rc != 0) {
-            return -rc;
-        }
-        double ns = (double)ms * 1e6;
-        out_ns[i] = (int64_t)(ns >= 0.0 ? ns + 0.5 : ns - 0.5);
-    }
-    return (int)n;
-}
