@@ -26,7 +26,6 @@ KERNEL_SOURCE = "block_transfer.cu"
 KERNEL_GENERAL = "kvf_block_transfer"
 KERNEL_LINEAR = "kvf_block_transfer_linear"  # same template, every group contiguous
 _ARG_TYPES = [np.uintp] * 6 + [np.uint32, np.uint32]
-_prepared: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -95,9 +94,7 @@ def device_plan(
         assert index is not None
         name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
         function = get_function(index, KERNEL_SOURCE, name, tuning.options())
-        if id(function) not in _prepared:
-            function.prepare(_ARG_TYPES)
-            _prepared.add(id(function))
+        function.prepare(_ARG_TYPES)  # idempotent; runs once per cached plan
         found = DevicePlan(plan, table, function)
         layout.plan_cache[key] = found
     assert isinstance(found, DevicePlan)

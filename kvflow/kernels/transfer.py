@@ -150,7 +150,7 @@ class PreparedTransfer:
 def transfer_blocks(
     layout: KVLayout,
     staging: torch.Tensor,
-    block_ids: torch.Tensor,
+    block_ids: torch.Tensor | np.ndarray,
     *,
     direction: Direction,
     skip_blocks: torch.Tensor | Sequence[int] | None = None,
