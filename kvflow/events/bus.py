@@ -172,7 +172,9 @@ class EventBus:
         self._backlog = subscriber_backlog or capacity
         self._lock = threading.Lock()
         self._queue: list[Event] = []
-        self._reserved: Counter[EventType] = Counter()
+        # Stream events reserved and not yet stamped, per type (indexed by EventType value:
+        # a list index is cheaper than a Counter key on the GPU launch path).
+        self._reserved = [0] * (max(EventType) + 1)
         self._n_reserved = 0
         self._accepting = enabled
         self._started = False
@@ -299,10 +301,9 @@ class EventBus:
         lock = self._lock  # acquire/release, not `with`: this is the GPU launch path
         lock.acquire()
         try:
-            if not self._accepting:
-                return False
-            if len(self._queue) >= self._limit:
-                self._dropped[etype] += 1
+            if len(self._queue) >= self._limit:  # the limit is 0 once the bus stops accepting
+                if self._accepting:
+                    self._dropped[etype] += 1
                 return False
             self._reserved[etype] += 1
             self._n_reserved += 1
@@ -316,13 +317,16 @@ class EventBus:
         with self._lock:
             self._reserved[etype] -= 1
             self._n_reserved -= 1
-            self._limit += 1
+            if self._accepting:
+                self._limit += 1
             self._dropped[etype] += 1
 
     def _admit_stamped(self, events: list[Event]) -> None:
         """Move stamped stream events (already reserved) into the queue."""
         with self._lock:
-            self._reserved.subtract(map(_type_of, events))
+            reserved = self._reserved
+            for event in events:
+                reserved[event.type] -= 1
             self._n_reserved -= len(events)
             if self._accepting:
                 self._limit += len(events)
@@ -454,7 +458,7 @@ class EventBus:
         """Snapshot the accounting; exact once the bus is idle (see BusStats)."""
         with self._lock:
             queued = Counter(map(_type_of, self._queue))
-            queued.update(+self._reserved)
+            queued.update({EventType(i): n for i, n in enumerate(self._reserved) if n})
             depth = len(self._queue) + self._n_reserved
             oldest = self._queue[0].ts_ns if self._queue else None
             dropped = dict(self._dropped)

@@ -1,30 +1,40 @@
-"""Build and load the stream-waker C helper: compiled once with the system C compiler, cached on disk.
+"""Build and load the stream-event C extension: compiled once with the system C compiler, cached on disk.
 
-The shared object is named by a hash of its source, compiler and flags, so an
-edited source or another compiler builds a new one and a stale one is never
-loaded; a file lock makes concurrent first uses (threads or processes) build it once.
+The extension (`_kvflow_stream`) is csrc/stream_lanes.c, the launching thread's
+side of GPU stream events, linked with csrc/stream_wakers.c, the native waker
+ring. It needs the Python headers of the running interpreter. The shared object
+is named by a hash of its sources, the compiler, the flags and the interpreter's
+ABI, so an edited source or another compiler builds a new one and a stale one is
+never loaded; a file lock makes concurrent first uses (threads or processes) build it once.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
+import sysconfig
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 from filelock import FileLock
 
-SOURCE = Path(__file__).with_name("csrc") / "stream_wakers.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "stream_wakers.c", CSRC / "stream_lanes.c")
+HEADERS = (CSRC / "stream_wakers.h",)
+MODULE = "_kvflow_stream"
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 _load_lock = threading.Lock()
 
 
 class NativeBuildError(RuntimeError):
-    """The C helper could not be built (no compiler, or the compiler failed)."""
+    """The C extension could not be built (no compiler or headers, or the compiler failed)."""
 
 
 def cache_dir() -> Path:
@@ -44,15 +54,32 @@ def find_compiler() -> str | None:
     return None
 
 
-def build_library(source: Path = SOURCE, *, directory: Path | None = None) -> Path:
-    """Compile `source` into a cached shared object (or find the cached one) and return its path."""
+def python_include() -> Path:
+    """The running interpreter's C header directory (holding Python.h)."""
+    return Path(sysconfig.get_paths()["include"])
+
+
+def build_library(sources: Sequence[Path] = SOURCES, *, directory: Path | None = None) -> Path:
+    """Compile `sources` into a cached extension module (or find the cached one); return its path."""
     compiler = find_compiler()
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC, or install gcc)")
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, compiler.encode(), *map(str.encode, CFLAGS)]))
+    include = python_include()
+    if not (include / "Python.h").exists():
+        raise NativeBuildError(
+            f"the Python headers are missing ({include}/Python.h): install your "
+            "distribution's python3-dev (or python3-devel) package"
+        )
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    parts = [p.read_bytes() for p in (*sources, *HEADERS)]
+    key = hashlib.sha256(
+        b"\0".join(
+            [*parts, compiler.encode(), str(include).encode(), suffix.encode()]
+            + [f.encode() for f in CFLAGS]
+        )
+    )
     directory = cache_dir() if directory is None else directory
-    target = directory / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    target = directory / f"{MODULE}-{key.hexdigest()[:16]}{suffix}"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -60,7 +87,7 @@ def build_library(source: Path = SOURCE, *, directory: Path | None = None) -> Pa
         if target.exists():
             return target
         partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        cmd = [compiler, *CFLAGS, "-o", str(partial), str(source)]
+        cmd = [compiler, *CFLAGS, f"-I{include}", "-o", str(partial), *map(str, sources)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
@@ -70,27 +97,19 @@ def build_library(source: Path = SOURCE, *, directory: Path | None = None) -> Pa
 
 
 @functools.cache
-def _open(path: Path) -> ctypes.PyDLL:
-    # PyDLL keeps the GIL across calls: every entry point is short and never waits on the
-    # GPU, and no call hands the GIL to another thread (see docs/STREAM_EVENTS.md).
-    lib = ctypes.PyDLL(str(path))
-    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
-    lib.kvf_ring_create.argtypes = [u32, ctypes.c_int, vp, vp]
-    lib.kvf_ring_create.restype = vp
-    lib.kvf_ring_arm.argtypes = [vp, u32, vp, vp]
-    lib.kvf_ring_arm.restype = ctypes.c_int
-    lib.kvf_ring_drain.argtypes = [vp, ctypes.POINTER(u32), u32]
-    lib.kvf_ring_drain.restype = u32
-    lib.kvf_ring_wake.argtypes = [vp]
-    lib.kvf_ring_wake.restype = None
-    lib.kvf_ring_release.argtypes = [vp]
-    lib.kvf_ring_release.restype = None
-    lib.kvf_live_ring_count.argtypes = []
-    lib.kvf_live_ring_count.restype = ctypes.c_int64
-    return lib
+def _import(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
-def load_library() -> ctypes.PyDLL:
-    """Build (first use) and load the helper, with argument types set. Raises NativeBuildError."""
+def load_library(path: Path | None = None) -> ModuleType:
+    """Build (first use) and import the extension, or import the one at `path`.
+
+    Raises NativeBuildError when it cannot be built.
+    """
     with _load_lock:
-        return _open(build_library())
+        return _import(build_library() if path is None else path)

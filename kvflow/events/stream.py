@@ -1,14 +1,14 @@
 """GPU stream events: timed by CUDA events on their stream, delivered through native wakers.
 
 `NativeStreamStamper` is the bus's `StreamStamper`. On the launching thread,
-`enqueue` reserves room on the bus and a CUDA event, and records that event on
-the stream: the GPU writes its own timestamp when the stream gets there, and the
-stream never waits for the host. On the dispatcher, `collect` turns completed
-events' GPU times into `time.monotonic_ns` values and, for a stream whose oldest
-event is still pending, arms a native waker (csrc/stream_wakers.c) on a side
-stream that waits for it; the waker writes the bus's eventfd without the GIL.
-docs/STREAM_EVENTS.md has the design, the measurements behind it, and how the
-C helper is built and found.
+`enqueue` (C: csrc/stream_lanes.c) reserves room on the bus and a CUDA event,
+and records that event on the stream: the GPU writes its own timestamp when the
+stream gets there, and the stream never waits for the host. On the dispatcher,
+`collect` turns completed events' GPU times into `time.monotonic_ns` values and,
+for a stream whose oldest event is still pending, arms a native waker
+(csrc/stream_wakers.c) on a side stream that waits for it; the waker writes the
+bus's eventfd without the GIL. docs/STREAM_EVENTS.md has the design, the
+measurements behind it, and how the C extension is built and found.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Protocol
@@ -39,8 +38,9 @@ MAX_STREAMS = 1024
 #: Handles of the default streams (legacy NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
 #: they name the calling thread's current context, so their lanes are keyed by context too.
 _DEFAULT_STREAMS = 2
-_CUDA_ERROR_INVALID_CONTEXT = 201
 _CUDA_ERROR_NOT_READY = 600
+#: Outcomes of the C extension's enqueue_lane (a positive value is a refused record's CUresult).
+_RECORDED, _DROPPED, _NO_EVENT = 0, -1, -3
 _REANCHOR_NS = 1_000_000_000
 _ANCHOR_SPIN_NS = 50_000_000
 
@@ -72,10 +72,15 @@ class StreamDriver(Protocol):
     Handles are ints. Methods other than `record` raise RuntimeError on a CUDA error.
     """
 
-    #: Addresses of functions with cuLaunchHostFunc's and cuStreamWaitEvent's signatures.
+    #: Addresses of functions with the signatures of cuLaunchHostFunc, cuStreamWaitEvent,
+    #: cuEventRecord (the launching thread's only driver call), cuCtxPushCurrent and
+    #: cuCtxPopCurrent: the C extension calls them directly.
     launch_ptr: int
     wait_ptr: int
-    #: cuEventRecord(event, stream) -> CUresult: the launching thread's only driver call.
+    record_ptr: int
+    push_ptr: int
+    pop_ptr: int
+    #: cuEventRecord(event, stream) -> CUresult, callable from Python (the clock's anchors).
     record: Callable[[int, int], int]
 
     def stream_context(self, stream: int) -> int:
@@ -130,6 +135,7 @@ class CudaDriver:
         vp, vpp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
         self.launch_ptr = ctypes.cast(lib.cuLaunchHostFunc, vp).value or 0
         self.wait_ptr = ctypes.cast(lib.cuStreamWaitEvent, vp).value or 0
+        self.record_ptr = ctypes.cast(lib.cuEventRecord, vp).value or 0
         # PyDLL keeps the GIL: these calls are short and never wait for the GPU.
         fast = ctypes.PyDLL(lib._name)
         self.record: Callable[[int, int], int] = fast.cuEventRecord
@@ -139,6 +145,8 @@ class CudaDriver:
         self._get_ctx = lib.cuCtxGetCurrent
         self._push = _first(lib, "cuCtxPushCurrent_v2", "cuCtxPushCurrent")
         self._pop = _first(lib, "cuCtxPopCurrent_v2", "cuCtxPopCurrent")
+        self.push_ptr = ctypes.cast(self._push, vp).value or 0
+        self.pop_ptr = ctypes.cast(self._pop, vp).value or 0
         self._event_create = lib.cuEventCreate
         self._stream_create = lib.cuStreamCreate
         self._event_destroy = _first(lib, "cuEventDestroy_v2", "cuEventDestroy")
@@ -268,19 +276,15 @@ class _Clock:
 
 
 class _Lane:
-    """One stream's pending events, in record order, and whether its waker is armed."""
+    """What the dispatcher keeps of one stream: its key, context, event pool and side stream."""
 
-    __slots__ = ("armed", "ctx", "fifo", "lock", "pool", "retired", "side", "waker")
+    __slots__ = ("ctx", "key", "pool", "side")
 
-    def __init__(self, ctx: int, waker: int, pool: list[int]) -> None:
+    def __init__(self, key: int | tuple[int, int], ctx: int, pool: int) -> None:
+        self.key = key
         self.ctx = ctx
-        self.waker = waker
         self.pool = pool
-        self.fifo: deque[tuple[int, Event]] = deque()
-        self.lock = threading.Lock()
-        self.armed = False
         self.side = 0
-        self.retired = False
 
 
 class NativeStreamStamper:
@@ -288,9 +292,14 @@ class NativeStreamStamper:
 
     At most `slots` events (default: the bus capacity, at most MAX_SLOTS) wait for
     their stream at once; an event finding none free is dropped and counted like
-    any other drop. `enqueue` costs a bus reservation, one cuEventRecord and, when
-    its stream has no waker armed, an eventfd write.
+    any other drop. `enqueue` is the C extension's: a bus reservation, one
+    cuEventRecord and, when its stream has no waker armed, an eventfd write.
     """
+
+    #: Record `event`'s CUDA event on `stream`; False = dropped (bus full or no slot).
+    #: Raises TypeError/ValueError for something that is no CUDA stream, and RuntimeError
+    #: when CUDA refuses the record (the event then counts as dropped).
+    enqueue: Callable[[Any, Event], bool]
 
     def __init__(
         self,
@@ -305,158 +314,131 @@ class NativeStreamStamper:
             raise ValueError(f"slots must be an integer in [1, {MAX_SLOTS}], got {slots!r}")
         if not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be an integer >= 1, got {max_streams!r}")
-        self._lib = load_library()
-        ring = self._lib.kvf_ring_create(
-            max_streams, bus.wake_fd, driver.launch_ptr, driver.wait_ptr
-        )
-        if not ring:
-            raise OSError(f"kvf_ring_create({max_streams}) failed (out of memory or bad wake fd)")
-        self._ring: int = ring
         self._bus = bus
-        self._wake = self._lib.kvf_ring_wake
         self._driver = driver
-        self._record = driver.record
         self.slots = n
         self.max_streams = max_streams
         self._events_made = 0
-        self._lanes: dict[int | tuple[int, int], _Lane] = {}
-        self._by_waker: list[_Lane | None] = [None] * max_streams
-        self._free_wakers = list(range(max_streams - 1, -1, -1))
-        self._pools: dict[int, list[int]] = {}
+        # Stream key -> lane index, read by the C enqueue: an int key is a CUstream; the
+        # default streams are keyed (handle, context) and always resolved here.
+        self._keys: dict[int | tuple[int, int], int] = {}
+        self._lanes: dict[int, _Lane] = {}
+        self._free_lanes = list(range(max_streams - 1, -1, -1))
+        self._pools: dict[int, int] = {}
         self._clocks: dict[int, _Clock] = {}
         self._setup_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._drained = (ctypes.c_uint32 * max_streams)()
-        self._wake_pending = False
         self._closed = False
         self._failure_logged = False
+        self._table = load_library().LaneTable(
+            max_streams,
+            bus.wake_fd,
+            driver.record_ptr,
+            driver.push_ptr,
+            driver.pop_ptr,
+            driver.launch_ptr,
+            driver.wait_ptr,
+            self._keys,
+            bus.try_reserve,
+            bus.release_reservation,
+            self._enqueue_slow,
+        )
+        self.enqueue = self._table.enqueue
 
-    # -- launching thread -------------------------------------------------------------
+    # -- launching thread: what the C enqueue hands back ------------------------------
 
-    def enqueue(self, stream: Any, event: Event) -> bool:
-        """Record `event`'s CUDA event on `stream`; False = dropped (bus full or no slot).
-
-        Raises TypeError/ValueError for something that is no CUDA stream, and
-        RuntimeError when CUDA refuses the record (the event then counts as dropped).
-        """
-        key: int | tuple[int, int]
-        handle: Any
-        if type(stream) is int and stream > _DEFAULT_STREAMS:
-            handle = key = stream
-        else:
-            handle = getattr(stream, "cuda_stream", None)  # torch, checked inline: hot path
-            if type(handle) is not int or handle < 0:
-                handle = stream_handle(stream)
-            key = handle if handle > _DEFAULT_STREAMS else (handle, self._driver.current_context())
-        lane = self._lanes.get(key) or self._lane_for(key, handle)
-        etype = event.type
-        bus = self._bus
-        if not bus.try_reserve(etype):
-            return False
-        try:
-            cuda_event = lane.pool.pop()
-        except IndexError:
-            try:
-                cuda_event = self._new_event(lane)
-            except RuntimeError:
-                bus.release_reservation(etype)
-                raise
-            if not cuda_event:
-                bus.release_reservation(etype)
-                return False
-        lock = lane.lock
-        lock.acquire()
-        while lane.retired:  # pruned meanwhile: its successor shares the context's pool
-            lock.release()
-            lane = self._lane_for(key, handle)
-            lock = lane.lock
-            lock.acquire()
-        try:
-            rc = self._record(cuda_event, handle)
-            if rc == _CUDA_ERROR_INVALID_CONTEXT:
-                rc = self._record_in_context(lane.ctx, cuda_event, handle)
-            if rc:
-                lane.pool.append(cuda_event)
-                bus.release_reservation(etype)
+    def _enqueue_slow(self, stream: Any, event: Event, code: int) -> bool:
+        """Finish an enqueue the C side could not: find or open the stream's lane, add a
+        CUDA event to an empty pool, or report a refused record."""
+        handle = stream_handle(stream)
+        while True:
+            if code > 0:
                 raise RuntimeError(
                     f"cuEventRecord on stream {handle:#x} failed: "
-                    f"{self._driver.error_name(rc)}; {etype.name} counted as dropped"
+                    f"{self._driver.error_name(code)}; {event.type.name} counted as dropped"
                 )
-            lane.fifo.append((cuda_event, event))
-            # Without an armed waker on this stream, ask the dispatcher to look.
-            if not lane.armed and not self._wake_pending:
-                self._wake_pending = True
-                self._wake(self._ring)
-        finally:
-            lock.release()
-        return True
+            key = handle if handle > _DEFAULT_STREAMS else (handle, self._driver.current_context())
+            index = self._keys.get(key)
+            if index is None:
+                index = self._open_lane(key, handle)
+            elif code == _NO_EVENT:
+                try:
+                    added = self._add_event(self._lanes[index])
+                except RuntimeError:
+                    self._count_drop(event)
+                    raise
+                if not added:  # every slot is in flight
+                    self._count_drop(event)
+                    return False
+            code = self._table.enqueue_lane(index, handle, event)
+            if code == _RECORDED:
+                return True
+            if code == _DROPPED:
+                return False
 
-    def _record_in_context(self, ctx: int, cuda_event: int, handle: int) -> int:
-        """Record again with the stream's context current (a thread that never used CUDA)."""
-        self._driver.push_context(ctx)
-        try:
-            return self._record(cuda_event, handle)
-        finally:
-            self._driver.pop_context()
+    def _count_drop(self, event: Event) -> None:
+        """Count `event` as dropped on the bus, as if it had found no room there."""
+        if self._bus.try_reserve(event.type):
+            self._bus.release_reservation(event.type)
 
-    def _lane_for(self, key: int | tuple[int, int], handle: int) -> _Lane:
+    def _open_lane(self, key: int | tuple[int, int], handle: int) -> int:
         with self._setup_lock:
-            lane = self._lanes.get(key)
-            if lane is not None:
-                return lane
+            index = self._keys.get(key)
+            if index is not None:
+                return index
             ctx = key[1] if isinstance(key, tuple) else self._driver.stream_context(handle)
             if not ctx:
                 raise ValueError(
                     f"stream {handle:#x} is no CUDA stream of a live context "
                     "(or, for a default stream, no context is current on this thread)"
                 )
-            if not self._free_wakers:
+            if not self._free_lanes:
                 self._prune_locked()
-            if not self._free_wakers:
+            if not self._free_lanes:
                 raise RuntimeError(
                     f"more than {self.max_streams} CUDA streams have stream events in flight"
                 )
-            lane = _Lane(ctx, self._free_wakers.pop(), self._pools.setdefault(ctx, []))
-            self._by_waker[lane.waker] = lane
-            self._lanes[key] = lane
-            return lane
+            pool = self._pools.get(ctx)
+            if pool is None:
+                pool = self._pools[ctx] = self._table.add_pool()
+            index = self._free_lanes.pop()
+            self._lanes[index] = _Lane(key, ctx, pool)
+            self._table.open_lane(index, key, ctx, pool)
+            return index
 
-    def _new_event(self, lane: _Lane) -> int:
-        """A new CUDA event for `lane`'s context, or 0 once `slots` events exist."""
+    def _add_event(self, lane: _Lane) -> bool:
+        """Create a CUDA event in `lane`'s context for its pool; False once `slots` exist."""
         with self._setup_lock:
             if self._events_made >= self.slots:
-                return 0
+                return False
             self._events_made += 1
         driver = self._driver
         try:
             driver.push_context(lane.ctx)
             try:
-                return driver.create_event()
+                cuda_event = driver.create_event()
             finally:
                 driver.pop_context()
         except RuntimeError:
             with self._setup_lock:
                 self._events_made -= 1
             raise
+        self._table.give(lane.pool, cuda_event)
+        return True
 
     # -- dispatcher ---------------------------------------------------------------------
 
     def collect(self) -> list[Event]:
         """Return the events whose stream reached them since the last call, in time order."""
         stamped: list[Event] = []
+        table = self._table
         with self._lock:
             if self._closed:
                 return stamped
-            self._wake_pending = False
-            n = self._lib.kvf_ring_drain(self._ring, self._drained, self.max_streams)
-            for i in range(n):
-                lane = self._by_waker[self._drained[i]]
-                assert lane is not None
-                with lane.lock:
-                    lane.armed = False
-            for lane in list(self._lanes.values()):
-                if lane.fifo:
-                    self._settle(lane, stamped)
+            table.drain()  # disarms the lanes whose waker ran
+            for index, lane in list(self._lanes.items()):
+                if table.pending(index):
+                    self._settle(index, lane, stamped)
             if len(self._lanes) > self.max_streams // 2:
                 with self._setup_lock:
                     self._prune_locked()
@@ -464,63 +446,53 @@ class NativeStreamStamper:
             stamped.sort(key=_ts_of)
         return stamped
 
-    def _settle(self, lane: _Lane, out: list[Event]) -> None:
+    def _settle(self, index: int, lane: _Lane, out: list[Event]) -> None:
         """Move `lane`'s completed events to `out`; unless its waker is still armed, arm it
         on the first pending one (one armed waker per lane keeps the C log bounded)."""
-        driver = self._driver
-        with lane.lock:
-            fifo = lane.fifo
+        driver, table = self._driver, self._table
+        try:
+            driver.push_context(lane.ctx)
             try:
-                driver.push_context(lane.ctx)
-                try:
-                    clock = self._clocks.get(lane.ctx) or self._clocks.setdefault(
-                        lane.ctx, _Clock(driver)
-                    )
-                    clock.renew()
-                    while fifo:
-                        ts = clock.to_host(fifo[0][0])
-                        if ts is None:
-                            break
-                        cuda_event, event = fifo.popleft()
-                        event.ts_ns = ts
-                        lane.pool.append(cuda_event)
-                        out.append(event)
-                    if fifo and not lane.side:
-                        lane.side = driver.create_stream()
-                finally:
-                    driver.pop_context()
-            except RuntimeError as exc:
-                self._give_up(lane, out, exc)
-                return
-            if not fifo or lane.armed:
-                return
-            rc = self._lib.kvf_ring_arm(self._ring, lane.waker, lane.side, fifo[0][0])
-            if rc:
-                self._give_up(lane, out, RuntimeError(f"arming a waker failed: {rc}"))
-                return
-            lane.armed = True
+                clock = self._clocks.get(lane.ctx) or self._clocks.setdefault(
+                    lane.ctx, _Clock(driver)
+                )
+                clock.renew()
+                while cuda_event := table.head(index):
+                    ts = clock.to_host(cuda_event)
+                    if ts is None:
+                        break
+                    out.append(table.pop(index, ts))
+                waiting = table.pending(index)
+                if waiting and not lane.side:
+                    lane.side = driver.create_stream()
+            finally:
+                driver.pop_context()
+        except RuntimeError as exc:
+            self._give_up(index, out, exc)
+            return
+        if not waiting or table.armed(index):
+            return
+        rc = table.arm(index, lane.side)
+        if rc:
+            self._give_up(index, out, RuntimeError(f"arming a waker failed: {rc}"))
 
-    def _give_up(self, lane: _Lane, out: list[Event], exc: Exception) -> None:
-        """CUDA failed for `lane` (a broken context): deliver its events stamped now."""
+    def _give_up(self, index: int, out: list[Event], exc: Exception) -> None:
+        """CUDA failed for a lane (a broken context): deliver its events stamped now."""
         if not self._failure_logged:
             self._failure_logged = True
             _log.warning("stream events fall back to host stamps: %s", exc)
         now = _monotonic_ns()
-        while lane.fifo:
-            _, event = lane.fifo.popleft()
-            event.ts_ns = now
-            out.append(event)
+        table = self._table
+        while table.head(index):
+            out.append(table.pop(index, now))
 
     def _prune_locked(self) -> None:
         """Forget idle lanes so streams that come and go do not pile up (hold _setup_lock)."""
-        for key, lane in list(self._lanes.items()):
-            with lane.lock:
-                if lane.armed or lane.fifo:
-                    continue
-                lane.retired = True
-            del self._lanes[key]
-            self._by_waker[lane.waker] = None
-            self._free_wakers.append(lane.waker)
+        for index, lane in list(self._lanes.items()):
+            if not self._table.close_lane(index, lane.key):
+                continue
+            del self._lanes[index]
+            self._free_lanes.append(index)
             if lane.side:
                 self._driver.destroy_stream(lane.side)
 
@@ -528,7 +500,7 @@ class NativeStreamStamper:
 
     def pending(self) -> int:
         """Events recorded on streams and not collected yet."""
-        return sum(len(lane.fifo) for lane in list(self._lanes.values()))
+        return int(self._table.pending(-1))
 
     def close(self) -> None:
         """Stop collecting. CUDA resources and the ring are released when this object goes."""
@@ -536,24 +508,19 @@ class NativeStreamStamper:
             self._closed = True
 
     def __del__(self) -> None:
-        # Wakers still queued on a side stream hold their own reference to the ring, so
-        # the C side frees it after the last has run; CUDA defers destroying a stream or
-        # event that queued work still uses.
-        ring = getattr(self, "_ring", 0)
-        if not ring:
+        # Wakers still queued on a side stream hold their own reference to the C ring, so it
+        # is freed after the last has run; CUDA defers destroying a stream or event that
+        # queued work still uses.
+        table = getattr(self, "_table", None)
+        if table is None:
             return
-        self._ring = 0
-        self._lib.kvf_ring_release(ring)
         driver = self._driver
         try:
+            for cuda_event in table.take_all():
+                driver.destroy_event(cuda_event)
             for lane in self._lanes.values():
                 if lane.side:
                     driver.destroy_stream(lane.side)
-                for cuda_event, _ in lane.fifo:
-                    driver.destroy_event(cuda_event)
-            for pool in self._pools.values():
-                for cuda_event in pool:
-                    driver.destroy_event(cuda_event)
             for clock in self._clocks.values():
                 driver.destroy_event(clock.anchor)
                 driver.destroy_event(clock.spare)

@@ -26,6 +26,9 @@ needs_cc = pytest.mark.skipif(native.find_compiler() is None, reason="no C compi
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_PUSH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_POP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 BAD_STREAM = 0xBAD0
 
 
@@ -53,9 +56,15 @@ class FakeCuda:
         self._held: set[int] = set()
         self._times: dict[int, int | None] = {}
         self._ids = itertools.count(0x100000, 0x10)
-        self._callbacks = (_LAUNCH(self._launch), _WAIT(self._wait))
-        self.launch_ptr = ctypes.cast(self._callbacks[0], ctypes.c_void_p).value or 0
-        self.wait_ptr = ctypes.cast(self._callbacks[1], ctypes.c_void_p).value or 0
+        self._callbacks = (
+            _LAUNCH(self._launch),
+            _WAIT(self._wait),
+            _RECORD(self._record),
+            _PUSH(lambda ctx: self.push_context(ctx or 0) or 0),
+            _POP(lambda out: self.pop_context() or 0),
+        )
+        ptrs = [ctypes.cast(c, ctypes.c_void_p).value or 0 for c in self._callbacks]
+        self.launch_ptr, self.wait_ptr, self.record_ptr, self.push_ptr, self.pop_ptr = ptrs
         self.record = self._record
 
     # the simulated GPU
@@ -90,14 +99,14 @@ class FakeCuda:
             self._held.discard(stream)
             self._pump()
 
-    def _record(self, event: int, stream: int) -> int:
+    def _record(self, event: int | None, stream: int | None) -> int:
         if self.fail_record:
             return self.fail_record
         if self.needs_context and not self.pushed:
             return 201
         with self._lock:
-            self._times[event] = None
-        return self._enqueue(stream, ("record", event, 0))
+            self._times[event or 0] = None
+        return self._enqueue(stream, ("record", event or 0, 0))
 
     def _wait(self, stream: int | None, event: int | None, flags: int) -> int:
         return self._enqueue(stream, ("wait", event or 0, 0))
@@ -151,7 +160,7 @@ class FakeCuda:
 
 
 def _live_rings() -> int:
-    return int(native.load_library().kvf_live_ring_count())
+    return int(native.load_library().live_rings())
 
 
 def _bus_with_fake(
@@ -172,15 +181,18 @@ def _bus_with_fake(
 
 @needs_cc
 def test_helper_compiles_with_warnings_as_errors(tmp_path: Path) -> None:
-    """The C source builds with -Wall -Wextra -Werror (and -Wpedantic) into a loadable library."""
+    """The C sources build with -Wall -Wextra -Werror into an importable extension; the
+    Python-free waker ring also builds with -Wpedantic."""
     assert {"-Wall", "-Wextra", "-Werror"} <= set(native.CFLAGS)
     built = native.build_library(directory=tmp_path)
+    module = native.load_library(built)
+    assert module.LaneTable and module.live_rings() >= 0
     lib = ctypes.CDLL(str(built))
     assert lib.kvf_wake and lib.kvf_ring_arm and lib.kvf_ring_drain
     compiler = native.find_compiler()
     assert compiler is not None
     out = tmp_path / "pedantic.so"
-    cmd = f"{compiler} {' '.join(native.CFLAGS)} -Wpedantic -o {out} {native.SOURCE}"
+    cmd = f"{compiler} {' '.join(native.CFLAGS)} -Wpedantic -o {out} {native.SOURCES[0]}"
     assert os.system(cmd) == 0
 
 
@@ -191,9 +203,10 @@ def test_helper_build_is_cached_by_source_hash(tmp_path: Path) -> None:
     mtime = first.stat().st_mtime_ns
     assert native.build_library(directory=tmp_path) == first
     assert first.stat().st_mtime_ns == mtime
-    edited = tmp_path / "stream_wakers.c"
-    edited.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
-    second = native.build_library(edited, directory=tmp_path)
+    edited = tmp_path / "stream_lanes.c"
+    edited.write_text(native.SOURCES[1].read_text() + "\n/* edited */\n")
+    (tmp_path / "stream_wakers.h").write_text(native.HEADERS[0].read_text())
+    second = native.build_library((native.SOURCES[0], edited), directory=tmp_path)
     assert second != first and second.exists()
 
 
@@ -203,7 +216,7 @@ def test_helper_build_failure_names_the_compiler_error(tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int f(void) { return undefined_name; }\n")
     with pytest.raises(native.NativeBuildError, match="undefined_name"):
-        native.build_library(broken, directory=tmp_path)
+        native.build_library((broken,), directory=tmp_path)
     assert not list(tmp_path.glob("*.so"))
 
 

@@ -28,19 +28,14 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-/* cuLaunchHostFunc(CUstream, CUhostFn, void *) and cuStreamWaitEvent(CUstream, CUevent,
- * unsigned): both return a CUresult, 0 = success. */
-typedef int (*kvf_launch_fn)(void *stream, void (*fn)(void *), void *user_data);
-typedef int (*kvf_wait_fn)(void *stream, void *event, unsigned int flags);
-
-struct kvf_ring;
+#include "stream_wakers.h"
 
 typedef struct kvf_slot {
     struct kvf_ring *ring;
     uint32_t index;
 } kvf_slot;
 
-typedef struct kvf_ring {
+struct kvf_ring {
     _Atomic int64_t refs;
     _Atomic uint64_t head; /* next log position a waker claims */
     uint64_t tail;         /* next log position the (single) drainer reads */
@@ -50,7 +45,7 @@ typedef struct kvf_ring {
     kvf_wait_fn wait;
     _Atomic uint32_t *log; /* slot index + 1 per run waker; 0 = empty */
     kvf_slot *slots;
-} kvf_ring;
+};
 
 static _Atomic int64_t kvf_live_rings;
 
@@ -65,8 +60,8 @@ static void kvf_ring_unref(kvf_ring *ring) {
     atomic_fetch_sub_explicit(&kvf_live_rings, 1, memory_order_relaxed);
 }
 
-/* Write the bus's eventfd. Also called from Python (through ctypes.PyDLL, keeping the GIL,
- * so a launching thread hands the GIL to no one just to wake the dispatcher). */
+/* Write the bus's eventfd. Also called by the launching thread (stream_lanes.c), which keeps
+ * the GIL, so it hands the GIL to no one just to wake the dispatcher. */
 void kvf_ring_wake(kvf_ring *ring) {
     const uint64_t one = 1;
     while (write(ring->wake_fd, &one, sizeof one) < 0 && errno == EINTR) {
