@@ -30,7 +30,7 @@ from kvflow.core.keys import KeyCache, ObjectKey
 from kvflow.core.l1 import L1Cache, WritePlan
 from kvflow.core.observability import Observability
 from kvflow.core.ops import Op
-from kvflow.core.transfer import CpuMover, CudaMover, Mover, rows_of
+from kvflow.core.transfer import CpuMover, CudaMover, Mover
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
 
@@ -47,6 +47,13 @@ def _check_salt(cache_salt: Any) -> str | None:
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise InvalidRequestError(f"cache_salt must be a string or None, got {cache_salt!r}")
     return cache_salt
+
+
+def _rows_of(table: np.ndarray, rows: list[int]) -> np.ndarray:
+    """table[rows] for ascending rows: a view when they are one contiguous run."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        return table[rows[0] : rows[-1] + 1]
+    return table[np.asarray(rows, dtype=np.intp)]
 
 
 def _check_world(world_size: Any, rank: Any = 0) -> None:
@@ -103,23 +110,17 @@ class CacheEngine:
             raise InvalidRequestError(f"block_ids: {exc}") from None
         return ids.reshape(n_chunks, bpc)
 
-    def _request_table(
+    def _request_chunks(
         self, inst: Instance, token_ids: Any, block_ids: Any, request_id: Any, cache_salt: Any
-    ) -> tuple[np.ndarray, np.ndarray, str | None]:
-        """A store/retrieve request checked: its block table, tokens and cache salt."""
+    ) -> tuple[np.ndarray, list[ObjectKey]]:
+        """A store/retrieve request's validated block table and its chunks' L1 keys."""
         _check_str("request_id", request_id)
         salt = _check_salt(cache_salt)
         tokens = as_int32_array(token_ids, "token_ids")
         table = self._block_table(inst, block_ids, len(tokens) // self.chunk_size)
-        return table, tokens, salt
-
-    def _chunk_keys(
-        self, inst: Instance, tokens: np.ndarray, request_id: str, salt: str | None
-    ) -> list[ObjectKey]:
-        """The L1 keys of a request's full chunks (hashed incrementally per request)."""
         model, world, rank = inst.model_rank
         hashes = self._keys.hashes(tokens, request_id)
-        return [ObjectKey(h, model, world, rank, salt) for h in hashes]
+        return table, [ObjectKey(h, model, world, rank, salt) for h in hashes]
 
     def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
         self.bus.publish(Event(etype, 0, session_id, None, attrs))
@@ -312,11 +313,9 @@ class CacheEngine:
         with inst.lock:
             op = Op(self.bus, EventType.STORE_START, request_id, attrs)
             with self._transfer(inst, op, tokens=0, bytes=0):
-                table, tokens, salt = self._request_table(
+                table, keys = self._request_chunks(
                     inst, token_ids, block_ids, request_id, cache_salt
                 )
-                inst.mover.begin_store(table)  # a GPU starts gathering while we hash and plan
-                keys = self._chunk_keys(inst, tokens, request_id, salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
                 evictions_told = False
                 try:
@@ -326,7 +325,7 @@ class CacheEngine:
                             f"{inst.chunk_nbytes} bytes"
                         )
                     rows = [i for i, _ in plan.new]
-                    inst.mover.store(rows, self.l1.views([o for _, o in plan.new]))
+                    inst.mover.store(_rows_of(table, rows), self.l1.views([o for _, o in plan.new]))
                     result = {
                         "tokens": len(rows) * self.chunk_size,
                         "bytes": len(rows) * inst.chunk_nbytes,
@@ -382,10 +381,10 @@ class CacheEngine:
                         f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
                         f"({inst.block_size}) of instance {inst.instance_id!r}"
                     )
-                table, tokens, salt = self._request_table(
+                table, keys = self._request_chunks(
                     inst, token_ids, block_ids, request_id, cache_salt
                 )
-                objs = self.l1.pin_prefix(self._chunk_keys(inst, tokens, request_id, salt))
+                objs = self.l1.pin_prefix(keys)
                 try:
                     result = self._scatter(inst, objs, table, skip // inst.block_size)
                     op.end(inst.mover.retrieve_stream, **result)
@@ -416,7 +415,9 @@ class CacheEngine:
                 rows.append(c)
                 skips.append(s)
         if rows:
-            inst.mover.retrieve(self.l1.views([objs[c] for c in rows]), rows_of(table, rows), skips)
+            inst.mover.retrieve(
+                self.l1.views([objs[c] for c in rows]), _rows_of(table, rows), skips
+            )
         hit = len(objs) * self.chunk_size
         written = sum(bpc - s for s in skips) * inst.block_size
         return {

@@ -22,31 +22,15 @@ MAX_GROUP = 8
 MAX_STAGES = 4
 
 
-def rows_of(table: np.ndarray, rows: Sequence[int]) -> np.ndarray:
-    """table[rows] for ascending rows: a view when they are one contiguous run."""
-    if rows and rows[-1] - rows[0] == len(rows) - 1:
-        return table[rows[0] : rows[-1] + 1]
-    return table[np.asarray(rows, dtype=np.intp)]
-
-
 class Mover(Protocol):
-    """Copies chunks for one instance; enqueue then `wait()` (CPU movers finish at once).
-
-    A store comes in two calls: `begin_store` with the request's whole block table,
-    before the engine knows which chunks L1 lacks (a GPU mover starts gathering the
-    first ones meanwhile), then `store` with the rows to write and their L1 bytes.
-    """
+    """Copies chunks for one instance; enqueue then `wait()` (CPU movers finish at once)."""
 
     #: the stream each direction's last step runs on, for END events (None = host)
     store_stream: Any
     retrieve_stream: Any
 
-    def begin_store(self, block_ids: np.ndarray) -> None:
-        """Take the request's block table (row c = chunk c's blocks) for the next `store`."""
-        ...
-
-    def store(self, rows: Sequence[int], dsts: Sequence[torch.Tensor]) -> None:
-        """Enqueue: the blocks of chunk rows[i] of the begun table -> dsts[i] (uint8 L1 bytes)."""
+    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+        """Enqueue: chunk c's blocks (row c of block_ids) -> dsts[c] (uint8 L1 bytes)."""
         ...
 
     def retrieve(
@@ -70,17 +54,9 @@ class CpuMover:
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
-        self._table = np.empty((0, 0), dtype=np.int32)
 
-    def begin_store(self, block_ids: np.ndarray) -> None:
-        self._table = block_ids
-
-    def store(self, rows: Sequence[int], dsts: Sequence[torch.Tensor]) -> None:
-        if not rows:
-            return
-        moves = PreparedTransfer(
-            self.layout, rows_of(self._table, rows), direction="gather", backend="cpu"
-        )
+    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+        moves = PreparedTransfer(self.layout, block_ids, direction="gather", backend="cpu")
         for c, dst in enumerate(dsts):
             moves.launch(dst.view(1, -1), c, 1)
 
@@ -122,11 +98,6 @@ class CudaMover:
         self._filled = [torch.cuda.Event() for _ in range(self.stages)]
         self._drained = [torch.cuda.Event() for _ in range(self.stages)]
         self._caller_ready = torch.cuda.Event()
-        # the begun store: its table, the gather over all of it, and how many of its
-        # first chunks that gather already put in stage 0
-        self._table = np.empty((0, 0), dtype=np.int32)
-        self._gather: PreparedTransfer | None = None
-        self._early = 0
 
     def _ring(self) -> torch.Tensor:
         if self._staging is None:
@@ -140,42 +111,20 @@ class CudaMover:
         self._caller_ready.record(torch.cuda.current_stream(self.device))
         stream.torch.wait_event(self._caller_ready)
 
-    def begin_store(self, block_ids: np.ndarray) -> None:
-        """Gather the first group of chunks into stage 0 now: usually every chunk of a
-        store is new, and the gather then overlaps the engine's key hashing and L1 plan."""
+    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         ring = self._ring()
-        ks = self.kernel_stream
-        self._table = block_ids
-        self._gather = PreparedTransfer(
+        ks, cs = self.kernel_stream, self.copy_stream
+        moves = PreparedTransfer(
             self.layout, block_ids, direction="gather", backend="cuda", stream=ks
         )
         self._after_caller(ks)
-        self._early = min(self.group, len(block_ids))
-        self._gather.launch(ring[0][: self._early], 0, self._early)
-
-    def store(self, rows: Sequence[int], dsts: Sequence[torch.Tensor]) -> None:
-        ring = self._ring()
-        ks, cs = self.kernel_stream, self.copy_stream
-        moves, first, early = self._gather, 0, 0
-        if moves is None:
-            raise RuntimeError("CudaMover.store without begin_store")
-        self._gather = None
-        if rows and rows[-1] - rows[0] == len(rows) - 1:  # one run: gather at its offset
-            first = rows[0]
-            early = self._early if first == 0 else 0
-        elif rows:
-            moves = PreparedTransfer(
-                self.layout, rows_of(self._table, rows), direction="gather", backend="cuda",
-                stream=ks,
-            )  # fmt: skip
         for j, start in enumerate(range(0, len(dsts), self.group)):
             s = j % self.stages
             stop = min(start + self.group, len(dsts))
             stage = ring[s][: stop - start]
             if j >= self.stages:
                 ks.torch.wait_event(self._drained[s])
-            if j or stop > early:  # stage 0 may hold this group already
-                moves.launch(stage, first + start, stop - start)
+            moves.launch(stage, start, stop - start)
             self._filled[s].record(ks.torch)
             cs.torch.wait_event(self._filled[s])
             with torch.cuda.stream(cs.torch):
