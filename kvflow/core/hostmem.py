@@ -2,9 +2,15 @@
 
 Pinning is slow per call, so L1 grows in large segments and carves objects out of
 them (see `kvflow.core.l1`); this module only owns the memory and hands out views.
+Segments are ordinary host allocations page-locked with `cudaHostRegister`, not
+torch's pinned-memory allocator: torch records a CUDA event for every asynchronous
+copy touching memory of that allocator and polls them all at its next allocation,
+which cost each store or retrieve up to 0.3 ms of host time (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -14,16 +20,36 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def _pin(segment: torch.Tensor) -> None:
+    """Page-lock `segment`'s memory for asynchronous copies (cudaHostRegister)."""
+    cudart = torch.cuda.cudart()
+    rc = cudart.cudaHostRegister(segment.data_ptr(), segment.numel(), 0)
+    if rc != cudart.cudaError.success:
+        raise MemoryError(f"cudaHostRegister of {segment.numel()} bytes failed: {rc}")
+
+
+def _unpin_all(pointers: list[int]) -> None:
+    """Undo `_pin` for every registered segment start in `pointers`, and forget them."""
+    while pointers:
+        torch.cuda.cudart().cudaHostUnregister(pointers.pop())
+
+
 class HostPool:
     """Byte segments of host memory; views into them are L1 objects' storage."""
 
     def __init__(self, *, pinned: bool | None = None) -> None:
         self.pinned = cuda_present() if pinned is None else pinned
         self._segments: list[torch.Tensor] = []
+        self._registered: list[int] = []
+        # unpin when the pool goes without release(), while its segments are still alive
+        weakref.finalize(self, _unpin_all, self._registered)
 
     def add_segment(self, nbytes: int) -> int:
         """Allocate a new segment of `nbytes`; returns its index."""
-        seg = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        seg = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pinned:
+            _pin(seg)
+            self._registered.append(seg.data_ptr())
         self._segments.append(seg)
         return len(self._segments) - 1
 
@@ -32,5 +58,7 @@ class HostPool:
         return self._segments[segment][offset : offset + nbytes]
 
     def release(self) -> None:
-        """Drop every segment (the memory returns when no view is left)."""
+        """Unpin and drop every segment (a view still held elsewhere keeps its bytes,
+        no longer pinned, until it goes)."""
+        _unpin_all(self._registered)
         self._segments.clear()
