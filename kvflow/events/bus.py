@@ -312,6 +312,12 @@ class EventBus:
         finally:
             lock.release()
 
+    def count_drop(self, etype: EventType) -> None:
+        """Count one stream event dropped before it could reserve (e.g. no CUDA event free)."""
+        with self._lock:
+            if self._accepting:
+                self._dropped[etype] += 1
+
     def release_reservation(self, etype: EventType) -> None:
         """Give back a reservation whose enqueue failed; it is counted as a drop."""
         with self._lock:

@@ -365,21 +365,16 @@ class NativeStreamStamper:
                 try:
                     added = self._add_event(self._lanes[index])
                 except RuntimeError:
-                    self._count_drop(event)
+                    self._bus.count_drop(event.type)
                     raise
                 if not added:  # every slot is in flight
-                    self._count_drop(event)
+                    self._bus.count_drop(event.type)
                     return False
             code = self._table.enqueue_lane(index, handle, event)
             if code == _RECORDED:
                 return True
             if code == _DROPPED:
                 return False
-
-    def _count_drop(self, event: Event) -> None:
-        """Count `event` as dropped on the bus, as if it had found no room there."""
-        if self._bus.try_reserve(event.type):
-            self._bus.release_reservation(event.type)
 
     def _open_lane(self, key: int | tuple[int, int], handle: int) -> int:
         with self._setup_lock:

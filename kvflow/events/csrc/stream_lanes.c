@@ -315,6 +315,16 @@ static PyObject *LaneTable_give(LaneTable *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Append `value` to `list` as a Python int; -1 with an exception set on failure. */
+static int append_int(PyObject *list, PyObject *value) {
+    if (value == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(list, value);
+    Py_DECREF(value);
+    return rc;
+}
+
 static PyObject *LaneTable_drain(LaneTable *self, PyObject *Py_UNUSED(ignored)) {
     uint32_t batch[256];
     PyObject *out = PyList_New(0);
@@ -326,13 +336,10 @@ static PyObject *LaneTable_drain(LaneTable *self, PyObject *Py_UNUSED(ignored)) 
     do {
         n = kvf_ring_drain(self->ring, batch, 256);
         for (uint32_t i = 0; i < n; i++) {
-            PyObject *index = PyLong_FromUnsignedLong(batch[i]);
-            if (index == NULL || PyList_Append(out, index) < 0) {
-                Py_XDECREF(index);
+            if (append_int(out, PyLong_FromUnsignedLong(batch[i])) < 0) {
                 Py_DECREF(out);
                 return NULL;
             }
-            Py_DECREF(index);
             self->lanes[batch[i]].armed = 0;
         }
     } while (n == 256);
@@ -424,11 +431,6 @@ static PyObject *LaneTable_arm(LaneTable *self, PyObject *args) {
     return PyLong_FromLong(rc);
 }
 
-static PyObject *LaneTable_wake(LaneTable *self, PyObject *Py_UNUSED(ignored)) {
-    kvf_ring_wake(self->ring);
-    Py_RETURN_NONE;
-}
-
 /* Every CUDA event the table holds, pooled or queued; queued bus events are let go. */
 static PyObject *LaneTable_take_all(LaneTable *self, PyObject *Py_UNUSED(ignored)) {
     PyObject *out = PyList_New(0);
@@ -438,26 +440,20 @@ static PyObject *LaneTable_take_all(LaneTable *self, PyObject *Py_UNUSED(ignored
     for (Py_ssize_t p = 0; p < self->n_pools; p++) {
         kvf_pool *pool = &self->pools[p];
         while (pool->len) {
-            PyObject *item = PyLong_FromVoidPtr(pool->items[pool->len - 1]);
-            if (item == NULL || PyList_Append(out, item) < 0) {
-                Py_XDECREF(item);
+            if (append_int(out, PyLong_FromVoidPtr(pool->items[pool->len - 1])) < 0) {
                 Py_DECREF(out);
                 return NULL;
             }
-            Py_DECREF(item);
             pool->len--;
         }
     }
     for (Py_ssize_t i = 0; i < self->n_lanes; i++) {
         kvf_lane *lane = &self->lanes[i];
         while (lane->count) {
-            PyObject *item = PyLong_FromVoidPtr(lane->cuda_events[lane->head]);
-            if (item == NULL || PyList_Append(out, item) < 0) {
-                Py_XDECREF(item);
+            if (append_int(out, PyLong_FromVoidPtr(lane->cuda_events[lane->head])) < 0) {
                 Py_DECREF(out);
                 return NULL;
             }
-            Py_DECREF(item);
             Py_DECREF(lane->events[lane->head]);
             lane->head = (lane->head + 1) % lane->cap;
             lane->count--;
@@ -579,7 +575,6 @@ static PyMethodDef LaneTable_methods[] = {
     {"armed", (PyCFunction)LaneTable_armed, METH_O, "armed(lane) -> bool"},
     {"arm", (PyCFunction)LaneTable_arm, METH_VARARGS,
      "arm(lane, side_stream) -> int: arm the lane's waker on its oldest pending event."},
-    {"wake", (PyCFunction)LaneTable_wake, METH_NOARGS, "wake(): write the bus's eventfd."},
     {"take_all", (PyCFunction)LaneTable_take_all, METH_NOARGS,
      "take_all() -> list[int]: every CUDA event held, for destruction; pending events are let go."},
     {NULL, NULL, 0, NULL},
