@@ -19,7 +19,7 @@ step() {
   echo "=== $name rc=$rc"
   [ "$rc" -eq 0 ] || status=1
 }
-step gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_engine_gpu.py tests/core/test_server_gpu.py tests/e2e/test_server_reuse.py tests/events/test_stream_gpu.py tests/kernels/test_kernel_gpu.py 
+step gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests
 step gpu_e2e 90 python3 benchmarks/gpu_e2e.py --json "$out/gpu_e2e.json"
 step bench_engine 150 python3 benchmarks/bench_engine.py --reps 5 --json "$out/bench_engine.json"
 exit $status

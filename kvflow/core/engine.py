@@ -30,6 +30,7 @@ from kvflow.core.keys import KeyCache, ObjectKey
 from kvflow.core.l1 import L1Cache, WritePlan
 from kvflow.core.observability import Observability
 from kvflow.core.ops import Op
+from kvflow.core.request import RequestIds
 from kvflow.core.transfer import CpuMover, CudaMover, Mover
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
@@ -93,34 +94,27 @@ class CacheEngine:
             raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
         return inst
 
-    def _block_table(self, inst: Instance, block_ids: Any, n_chunks: int) -> np.ndarray:
-        """Rows of the first n_chunks chunks' block ids, validated against the layout."""
-        ids = as_int32_array(block_ids, "block_ids")
-        bpc = inst.blocks_per_chunk
-        need = n_chunks * bpc
-        if len(ids) < need:
-            raise InvalidRequestError(
-                f"block_ids has {len(ids)} blocks ({len(ids) * inst.block_size} tokens) but the "
-                f"{n_chunks} full chunk(s) of token_ids need {need} blocks of {inst.block_size}"
-            )
-        ids = ids[:need]
-        try:
-            inst.layout.validate_block_ids(ids)
-        except ValueError as exc:
-            raise InvalidRequestError(f"block_ids: {exc}") from None
-        return ids.reshape(n_chunks, bpc)
-
-    def _request_chunks(
+    def _request_ids(
         self, inst: Instance, token_ids: Any, block_ids: Any, request_id: Any, cache_salt: Any
-    ) -> tuple[np.ndarray, list[ObjectKey]]:
-        """A store/retrieve request's validated block table and its chunks' L1 keys."""
+    ) -> RequestIds:
+        """A store/retrieve request's ids, after the checks that need no conversion."""
         _check_str("request_id", request_id)
-        salt = _check_salt(cache_salt)
-        tokens = as_int32_array(token_ids, "token_ids")
-        table = self._block_table(inst, block_ids, len(tokens) // self.chunk_size)
+        _check_salt(cache_salt)
+        return RequestIds(
+            token_ids, block_ids, chunk_size=self.chunk_size, layout=inst.layout,
+            blocks_per_chunk=inst.blocks_per_chunk,
+        )  # fmt: skip
+
+    def _chunk_keys(
+        self, inst: Instance, ids: RequestIds, n_chunks: int, request_id: str,
+        cache_salt: str | None,
+    ) -> list[ObjectKey]:  # fmt: skip
+        """L1 keys of the first n_chunks chunks, converting their ids first (hashed once
+        per session, then cached)."""
+        ids.convert(n_chunks)
         model, world, rank = inst.model_rank
-        hashes = self._keys.hashes(tokens, request_id)
-        return table, [ObjectKey(h, model, world, rank, salt) for h in hashes]
+        hashes = self._keys.hashes(ids.tokens[: n_chunks * self.chunk_size], request_id)
+        return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes]
 
     def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
         self.bus.publish(Event(etype, 0, session_id, None, attrs))
@@ -313,9 +307,12 @@ class CacheEngine:
         with inst.lock:
             op = Op(self.bus, EventType.STORE_START, request_id, attrs)
             with self._transfer(inst, op, tokens=0, bytes=0):
-                table, keys = self._request_chunks(
-                    inst, token_ids, block_ids, request_id, cache_salt
-                )
+                ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
+                # the first chunks are converted, planned and enqueued before the rest, so
+                # their copies run while the host does that work for the others
+                n_chunks = ids.n_chunks
+                head = min(n_chunks, inst.mover.head_chunks)
+                keys = self._chunk_keys(inst, ids, head, request_id, cache_salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
                 evictions_told = False
                 try:
@@ -324,11 +321,15 @@ class CacheEngine:
                             f"L1 is full of objects being read; no room for a chunk of "
                             f"{inst.chunk_nbytes} bytes"
                         )
-                    rows = [i for i, _ in plan.new]
-                    inst.mover.store(_rows_of(table, rows), self.l1.views([o for _, o in plan.new]))
+                    self._enqueue_store(inst, ids.table, plan.new)
+                    if head < n_chunks and plan.covered == head:
+                        keys = self._chunk_keys(inst, ids, n_chunks, request_id, cache_salt)
+                        queued = len(plan.new)
+                        self.l1.extend_write(plan, keys, inst.chunk_nbytes)
+                        self._enqueue_store(inst, ids.table, plan.new[queued:])
                     result = {
-                        "tokens": len(rows) * self.chunk_size,
-                        "bytes": len(rows) * inst.chunk_nbytes,
+                        "tokens": len(plan.new) * self.chunk_size,
+                        "bytes": len(plan.new) * inst.chunk_nbytes,
                     }
                     self._publish_evictions(plan, request_id)  # events once the GPU is busy
                     evictions_told = True
@@ -346,6 +347,14 @@ class CacheEngine:
                 EventType.L1_WRITE, request_id, {"chunks": len(plan.new), "bytes": result["bytes"]}
             )
         return plan.covered * self.chunk_size
+
+    def _enqueue_store(
+        self, inst: Instance, table: np.ndarray, new: Sequence[tuple[int, Any]]
+    ) -> None:
+        """Enqueue the copies of planned (chunk index, L1 object) pairs into L1."""
+        if new:
+            rows = [i for i, _ in new]
+            inst.mover.store(_rows_of(table, rows), self.l1.views([o for _, o in new]))
 
     # -- retrieve ----------------------------------------------------------------------------
 
@@ -381,12 +390,11 @@ class CacheEngine:
                         f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
                         f"({inst.block_size}) of instance {inst.instance_id!r}"
                     )
-                table, keys = self._request_chunks(
-                    inst, token_ids, block_ids, request_id, cache_salt
-                )
+                ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
+                keys = self._chunk_keys(inst, ids, ids.n_chunks, request_id, cache_salt)
                 objs = self.l1.pin_prefix(keys)
                 try:
-                    result = self._scatter(inst, objs, table, skip // inst.block_size)
+                    result = self._scatter(inst, objs, ids.table, skip // inst.block_size)
                     op.end(inst.mover.retrieve_stream, **result)
                     inst.mover.wait()
                 except BaseException:

@@ -1,8 +1,9 @@
 """L1 bookkeeping: which objects exist, their bytes, pins, LRU order, eviction.
 
 No bytes move here (the engine copies through `view`). A store is two-phase:
-`prepare_write` allocates invisible objects, then `commit` publishes them or
-`abort` frees them, so a failed store leaves nothing visible. Objects pinned by a
+`prepare_write` (and `extend_write`, for a plan made in steps) allocates invisible
+objects, then `commit` publishes them or `abort` frees them, so a failed store
+leaves nothing visible. Objects pinned by a
 reader are never evicted. Recency is refreshed in reverse chunk order, so a
 prefix's tail is evicted before its head (a lost head makes the tail useless).
 """
@@ -172,13 +173,32 @@ class L1Cache:
         Stops at the first key no eviction can make room for; keys after it are
         not covered (they would be unreachable by a prefix lookup anyway).
         """
-        plan = WritePlan(keys=keys, covered=0)
+        plan = WritePlan(keys=(), covered=0)
+        self.extend_write(plan, keys, nbytes)
+        return plan
+
+    def extend_write(self, plan: WritePlan, keys: Sequence[Hashable], nbytes: int) -> None:
+        """Continue `plan` over `keys`, which start with the keys it has planned.
+
+        A store plans its first chunks, starts copying them, then plans the rest:
+        the result is the same plan as one `prepare_write` of all keys. Nothing is
+        added once a key found no room.
+        """
+        start = len(plan.keys)
+        # chunk keys are chained, so the last planned key standing for the prefix suffices
+        if len(keys) < start or (start and keys[start - 1] != plan.keys[start - 1]):
+            raise ValueError("extend_write needs keys that start with the plan's keys")
+        complete = plan.covered == start
+        plan.keys = keys
+        if not complete:
+            return
         with self._lock:
             present = [obj for key in keys if (obj := self._index.get(key)) is not None]
             for obj in present:  # protect this request's own prefix from eviction
                 obj.pins += 1
             try:
-                for i, key in enumerate(keys):
+                for i in range(start, len(keys)):
+                    key = keys[i]
                     if key in self._index:
                         plan.covered = i + 1
                         continue
@@ -193,7 +213,6 @@ class L1Cache:
             finally:
                 for obj in present:
                     obj.pins -= 1
-        return plan
 
     def commit(self, plan: WritePlan) -> None:
         """Make the plan's new objects visible and refresh the covered prefix's recency."""

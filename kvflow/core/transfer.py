@@ -13,7 +13,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvflow.kernels import KVLayout, PreparedTransfer, TransferStream, new_transfer_stream
+from kvflow.kernels import (
+    IdBuffer,
+    KVLayout,
+    PreparedTransfer,
+    TransferStream,
+    new_transfer_stream,
+)
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
@@ -23,11 +29,17 @@ MAX_STAGES = 4
 
 
 class Mover(Protocol):
-    """Copies chunks for one instance; enqueue then `wait()` (CPU movers finish at once)."""
+    """Copies chunks for one instance; enqueue then `wait()` (CPU movers finish at once).
+
+    An op may enqueue in several calls before its `wait()` (a store enqueues its first
+    chunks, then plans the rest while they copy); the calls share one pipeline.
+    """
 
     #: the stream each direction's last step runs on, for END events (None = host)
     store_stream: Any
     retrieve_stream: Any
+    #: chunks (>= 1) a store enqueues on their own before the host prepares the rest
+    head_chunks: int
 
     def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         """Enqueue: chunk c's blocks (row c of block_ids) -> dsts[c] (uint8 L1 bytes)."""
@@ -51,6 +63,7 @@ class CpuMover:
 
     store_stream: Any = None
     retrieve_stream: Any = None
+    head_chunks = 1  # nothing overlaps here, but both movers share the engine's store path
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
@@ -82,7 +95,8 @@ class CudaMover:
     Chunks go in groups of `group` (one kernel launch each); group j uses stage
     j % stages, so kernels for later groups run while earlier groups' host copies
     drain. Events order each stage's reuse on the GPU: the host only enqueues,
-    then waits once.
+    then waits once. Groups are counted across an op's enqueue calls until `wait()`,
+    so a second call continues the ring where the first left it.
     """
 
     def __init__(self, layout: KVLayout, chunk_nbytes: int) -> None:
@@ -90,6 +104,7 @@ class CudaMover:
         self.device = layout.device
         self.chunk_nbytes = chunk_nbytes
         self.group, self.stages = pipeline_shape(chunk_nbytes)
+        self.head_chunks = self.group
         self.kernel_stream: TransferStream = new_transfer_stream(self.device)
         self.copy_stream: TransferStream = new_transfer_stream(self.device)
         self.store_stream = self.copy_stream
@@ -98,6 +113,8 @@ class CudaMover:
         self._filled = [torch.cuda.Event() for _ in range(self.stages)]
         self._drained = [torch.cuda.Event() for _ in range(self.stages)]
         self._caller_ready = torch.cuda.Event()
+        self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
+        self._ids = IdBuffer(self.device)  # every op's block ids; reset once it has finished
 
     def _ring(self) -> torch.Tensor:
         if self._staging is None:
@@ -107,23 +124,33 @@ class CudaMover:
         return self._staging
 
     def _after_caller(self, stream: TransferStream) -> None:
-        """Order our first step after the caller's pending work on its current stream."""
+        """Order an op's first step after the caller's pending work on its current stream."""
+        if self._groups:
+            return
         self._caller_ready.record(torch.cuda.current_stream(self.device))
         stream.torch.wait_event(self._caller_ready)
+
+    def _next_stage(self, stream: TransferStream) -> int:
+        """The ring slot for the op's next group, once `stream` waits for its last reader."""
+        j = self._groups
+        self._groups += 1
+        s = j % self.stages
+        if j >= self.stages:
+            stream.torch.wait_event(self._drained[s])
+        return s
 
     def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
         moves = PreparedTransfer(
-            self.layout, block_ids, direction="gather", backend="cuda", stream=ks
-        )
+            self.layout, block_ids, direction="gather", backend="cuda", stream=ks,
+            id_buffer=self._ids,
+        )  # fmt: skip
         self._after_caller(ks)
-        for j, start in enumerate(range(0, len(dsts), self.group)):
-            s = j % self.stages
+        for start in range(0, len(dsts), self.group):
+            s = self._next_stage(ks)
             stop = min(start + self.group, len(dsts))
             stage = ring[s][: stop - start]
-            if j >= self.stages:
-                ks.torch.wait_event(self._drained[s])
             moves.launch(stage, start, stop - start)
             self._filled[s].record(ks.torch)
             cs.torch.wait_event(self._filled[s])
@@ -140,11 +167,9 @@ class CudaMover:
         self._after_caller(cs)
         moves: PreparedTransfer | None = None
         pending: tuple[int, int, int] | None = None
-        for j, start in enumerate(range(0, len(srcs), self.group)):
-            s = j % self.stages
+        for start in range(0, len(srcs), self.group):
+            s = self._next_stage(cs)
             stop = min(start + self.group, len(srcs))
-            if j >= self.stages:
-                cs.torch.wait_event(self._drained[s])
             with torch.cuda.stream(cs.torch):
                 for i in range(stop - start):
                     ring[s][i].copy_(srcs[start + i], non_blocking=True)
@@ -152,7 +177,7 @@ class CudaMover:
             if moves is None:  # ids checked and uploaded while the first copies run
                 moves = PreparedTransfer(
                     self.layout, block_ids, direction="scatter", skip_blocks=skip_blocks,
-                    backend="cuda", stream=self.kernel_stream,
+                    backend="cuda", stream=self.kernel_stream, id_buffer=self._ids,
                 )  # fmt: skip
             # the previous group's scatter goes after this group's copies are queued,
             # so the copy engine has work even if a launch blocks the host a while
@@ -172,8 +197,10 @@ class CudaMover:
         self._drained[s].record(ks.torch)
 
     def wait(self) -> None:
+        self._groups = 0
         self.kernel_stream.synchronize()
         self.copy_stream.synchronize()
+        self._ids.reset()  # every launch that read the ids has run
 
     def close(self) -> None:
         self.wait()

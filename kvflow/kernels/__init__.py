@@ -5,6 +5,7 @@ backend loads lazily on first use.
 """
 
 from kvflow.kernels.formats import KVFormat, detect_format
+from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import SUPPORTED_DTYPES, KVLayout, LayerGroup, StrideDesc
 from kvflow.kernels.loader import cuda_available
 from kvflow.kernels.streams import TransferStream, default_transfer_stream, new_transfer_stream
@@ -12,6 +13,7 @@ from kvflow.kernels.transfer import PreparedTransfer, transfer_blocks
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "IdBuffer",
     "KVFormat",
     "KVLayout",
     "LayerGroup",

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import KVLayout
 from kvflow.kernels.loader import DEFAULT_OPTIONS, active_context, cuda_available, get_function
 from kvflow.kernels.plan import (
@@ -118,10 +119,11 @@ class UploadedTransfer:
     """A request's block ids resident on the device, launched in chunk ranges.
 
     The ids (int32) and skip counts go up in one pinned, asynchronous copy on the
-    launch stream when it is made; the kernel and plan are looked up once per staging
-    alignment, so each `launch` costs pointer arithmetic and one driver call. With
-    stream=None the work runs on the device's transfer stream, ordered after and
-    before torch's current stream.
+    launch stream when it is made, through `id_buffer` when given (its owner resets it
+    only after this transfer's launches have run) or else a fresh pinned tensor; the
+    kernel and plan are looked up once per staging alignment, so each `launch` costs
+    pointer arithmetic and one driver call. With stream=None the work runs on the
+    device's transfer stream, ordered after and before torch's current stream.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class UploadedTransfer:
         *,
         gather: bool,
         stream: TransferStream | None = None,
+        id_buffer: IdBuffer | None = None,
         max_vector_bytes: int = 16,
         tuning: KernelTuning = DEFAULT_TUNING,
     ) -> None:
@@ -145,10 +148,18 @@ class UploadedTransfer:
         self._stream = stream or default_transfer_stream(self._index)
         if self._ordered:
             self._stream.torch.wait_stream(torch.cuda.current_stream(layout.device))
-        host = np.concatenate([block_ids.reshape(-1), skip_blocks]).astype(np.int32)
-        pinned = torch.from_numpy(host).pin_memory()
-        with torch.cuda.stream(self._stream.torch):
-            self._ids = pinned.to(layout.device, non_blocking=True)
+        if id_buffer is not None:
+            if id_buffer.device != layout.device:
+                raise ValueError(
+                    f"id_buffer is on {id_buffer.device} but the cache is on {layout.device}"
+                )
+            self._ids_ptr = id_buffer.upload((block_ids, skip_blocks), self._stream)
+        else:
+            host = np.concatenate([block_ids.reshape(-1), skip_blocks]).astype(np.int32)
+            pinned = torch.from_numpy(host).pin_memory()
+            with torch.cuda.stream(self._stream.torch):
+                self._ids = pinned.to(layout.device, non_blocking=True)  # kept while we live
+            self._ids_ptr = self._ids.data_ptr()
         self._kernels: dict[int, tuple[TransferPlan, Any, int]] = {}
 
     def _kernel(self, alignment: int) -> tuple[TransferPlan, Any, int]:
@@ -186,7 +197,7 @@ class UploadedTransfer:
         if self._ordered:
             current = torch.cuda.current_stream(self.layout.device)
             stream.torch.wait_stream(current)
-        ids = self._ids.data_ptr()
+        ids = self._ids_ptr
         per_chunk = self.per_chunk
         with active_context(self._index):
             function.prepared_async_call(

@@ -17,6 +17,7 @@ from kvflow.kernels.reference import transfer_reference
 
 if TYPE_CHECKING:
     from kvflow.kernels.cuda_backend import UploadedTransfer
+    from kvflow.kernels.idbuffer import IdBuffer
     from kvflow.kernels.streams import TransferStream
 
 Direction = Literal["gather", "scatter"]
@@ -95,7 +96,8 @@ class PreparedTransfer:
     further checks on the ids or uploads, so a pipeline of chunk groups pays the set-up once.
 
     The cuda backend is asynchronous on ``stream``; with stream=None it is ordered after,
-    and before, work on torch's current stream.
+    and before, work on torch's current stream. It uploads the ids through ``id_buffer``
+    when given (see `IdBuffer`; the cpu backend has nothing to upload).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class PreparedTransfer:
         skip_blocks: torch.Tensor | Sequence[int] | None = None,
         backend: Backend = "auto",
         stream: TransferStream | None = None,
+        id_buffer: IdBuffer | None = None,
     ) -> None:
         if backend not in ("auto", "cuda", "cpu"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu'; got {backend!r}")
@@ -121,7 +124,9 @@ class PreparedTransfer:
         if backend == "cuda" or (backend == "auto" and layout.device.type == "cuda"):
             from kvflow.kernels.cuda_backend import UploadedTransfer
 
-            self._device = UploadedTransfer(layout, ids, skip, gather=self.gather, stream=stream)
+            self._device = UploadedTransfer(
+                layout, ids, skip, gather=self.gather, stream=stream, id_buffer=id_buffer
+            )
 
     def launch(self, staging: torch.Tensor, first: int = 0, count: int | None = None) -> None:
         """Move chunks [first, first + count) (default: from `first` to the end) to/from

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvflow.core import transfer
+from kvflow.core.hostmem import HostPool
 from kvflow.core.testing import block_bytes, events_of, pairs, small_engine
 from kvflow.events import EventType
-from kvflow.kernels import KVFormat, cuda_available
+from kvflow.kernels import KVFormat, KVLayout, PreparedTransfer, cuda_available
 from kvflow.kernels.testing import make_kv_caches
 
 pytestmark = [
@@ -71,3 +72,30 @@ def test_cuda_store_groups_chunks_around_the_staging_ring(
         block_bytes(src, kw, list(range(n, 2 * n))), block_bytes(src, kw, list(range(n)))
     )
     engine.close()
+
+
+def test_one_op_enqueued_in_several_calls_continues_the_staging_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three store calls before one wait (1 + 3 + 3 chunks through 2 stages) gather exactly
+    what one call would: each call's groups take the ring slots after the previous call's."""
+    monkeypatch.setattr(transfer, "STAGING_BUDGET_BYTES", 1)  # one chunk per stage, 2 stages
+    caches, kw = make_kv_caches("vllm_flashinfer", num_blocks=64, block_size=BLOCK, num_layers=3,
+                                device="cuda", generator=torch.Generator().manual_seed(8))  # fmt: skip
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    per_chunk = CHUNK // BLOCK
+    nbytes = layout.chunk_nbytes(CHUNK)
+    mover = transfer.CudaMover(layout, nbytes)
+    assert (mover.group, mover.stages, mover.head_chunks) == (1, 2, 1)
+    ids = np.random.default_rng(1).permutation(64)[: 7 * per_chunk].reshape(7, per_chunk)
+    pool = HostPool()  # pinned like L1 (torch's pinned allocator must not outlive the streams)
+    segment = pool.add_segment(7 * nbytes)
+    dsts = [pool.view(segment, c * nbytes, nbytes) for c in range(7)]
+    for a, b in ((0, 1), (1, 4), (4, 7)):
+        mover.store(ids[a:b], dsts[a:b])
+    mover.wait()
+    want = torch.empty((7, nbytes), dtype=torch.uint8, device="cuda")
+    PreparedTransfer(layout, ids, direction="gather", backend="cpu").launch(want)
+    assert all(torch.equal(d, w) for d, w in zip(dsts, want.cpu(), strict=True))
+    mover.close()
+    pool.release()

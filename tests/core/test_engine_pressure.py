@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvflow.core.engine import CacheEngine
-from kvflow.core.errors import CapacityError
+from kvflow.core.errors import CapacityError, TransferError
 from kvflow.core.testing import CHUNK, block_bytes, caches, events_of, pairs, small_engine
 
 BLOCKS = [0, 1, 2, 3]  # two chunks
@@ -135,4 +135,43 @@ def test_concurrent_instances_store_and_retrieve_while_lookups_run() -> None:
     for kv, kw in made:
         assert torch.equal(block_bytes(kv, kw, [4, 5, 6, 7]), block_bytes(kv, kw, BLOCKS))
     assert len(list(pairs(events_of(recorder, engine)))) > 80
+    engine.close()
+
+
+def test_a_store_keeps_the_chunks_that_fit_when_room_runs_out_in_its_later_chunks() -> None:
+    """Room for one more chunk than the first: the store covers two of three and says so."""
+    engine, recorder = small_engine(l1_bytes=2 * _chunk_bytes())
+    kv, kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("a", kv, model_name="m", **kw)
+    x = np.arange(3 * CHUNK, dtype=np.int32)
+    assert engine.store("a", x, [0, 1, 2, 3, 4, 5], request_id="x") == 2 * CHUNK
+    assert engine.lookup(x, model_name="m") == 2 * CHUNK
+    ends = [e.attrs for _, e in pairs(events_of(recorder, engine)) if e.type.name == "STORE_END"]
+    assert ends[-1]["tokens"] == 2 * CHUNK and ends[-1]["ok"] is True
+    engine.close()
+
+
+def test_a_failure_after_the_first_chunks_are_queued_leaves_nothing_visible() -> None:
+    """The store's second enqueue fails: the first chunks' objects vanish too, END says why."""
+    engine, recorder = small_engine()
+    kv, kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("a", kv, model_name="m", **kw)
+    mover = engine._instance("a").mover
+    real, calls = mover.store, []
+
+    def second_call_fails(block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+        calls.append(len(dsts))
+        if len(calls) == 2:
+            raise RuntimeError("copy engine fault")
+        real(block_ids, dsts)
+
+    mover.store = second_call_fails  # type: ignore[method-assign]
+    x = np.arange(3 * CHUNK, dtype=np.int32)
+    with pytest.raises(TransferError, match="copy engine fault"):
+        engine.store("a", x, [0, 1, 2, 3, 4, 5], request_id="x")
+    assert calls == [1, 2]  # the first chunk alone, then the other two
+    assert engine.lookup(x, model_name="m") == 0
+    assert engine.l1_stats()["usage_bytes"] == 0 and engine.l1_stats()["writing"] == 0
+    ends = [e.attrs for _, e in pairs(events_of(recorder, engine)) if e.type.name == "STORE_END"]
+    assert ends[-1]["ok"] is False and ends[-1]["error"] == "transfer_failed"
     engine.close()

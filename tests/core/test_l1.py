@@ -130,3 +130,41 @@ def test_capacity_below_one_aligned_unit_is_rejected() -> None:
     """A capacity too small for any object is a construction error."""
     with pytest.raises(ValueError, match="capacity"):
         L1Cache(10)
+
+
+def test_a_plan_made_in_steps_matches_one_plan_of_all_keys() -> None:
+    """prepare_write of a head, then extend_write: the same objects, one commit."""
+    l1 = make_l1(4)
+    store(l1, ["a1"])
+    plan = l1.prepare_write(["a0"], ALIGN)
+    l1.extend_write(plan, ["a0", "a1", "a2"], ALIGN)
+    assert plan.covered == 3 and [i for i, _ in plan.new] == [0, 2]
+    assert list(plan.keys) == ["a0", "a1", "a2"]
+    assert l1.count_prefix([["a0"]]) == 0  # still invisible
+    l1.commit(plan)
+    assert l1.count_prefix([["a0"], ["a1"], ["a2"]]) == 3
+
+
+def test_extending_protects_the_whole_request_and_stops_where_room_ends() -> None:
+    """The rest of a request never evicts its own present chunks; past no room, nothing is added."""
+    l1 = make_l1(3)
+    store(l1, ["a1"])
+    store(l1, ["z"])
+    plan = l1.prepare_write(["a0"], ALIGN)  # takes the last free slot
+    l1.extend_write(plan, ["a0", "a1", "a2", "a3"], ALIGN)  # a2 evicts z; a1 is protected
+    assert plan.covered == 3 and [i for i, _ in plan.new] == [0, 2]
+    assert plan.evicted_chunks == 1 and l1.count_prefix([["z"]]) == 0
+    l1.extend_write(plan, ["a0", "a1", "a2", "a3", "a4"], ALIGN)  # already short: a no-op
+    assert plan.covered == 3 and len(plan.new) == 2
+    l1.abort(plan)
+    assert l1.count_prefix([["a1"]]) == 1 and l1.stats()["writing"] == 0
+
+
+def test_extend_write_refuses_keys_that_do_not_continue_the_plan() -> None:
+    l1 = make_l1(4)
+    plan = l1.prepare_write(["a0", "a1"], ALIGN)
+    with pytest.raises(ValueError, match="start with the plan's keys"):
+        l1.extend_write(plan, ["b0", "b1", "b2"], ALIGN)
+    with pytest.raises(ValueError, match="start with the plan's keys"):
+        l1.extend_write(plan, ["a0"], ALIGN)
+    l1.abort(plan)
