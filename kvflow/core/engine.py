@@ -109,9 +109,9 @@ class CacheEngine:
         self, inst: Instance, ids: RequestIds, n_chunks: int, request_id: str,
         cache_salt: str | None,
     ) -> list[ObjectKey]:  # fmt: skip
-        """L1 keys of the first n_chunks chunks, converting their ids first (hashed once
-        per session, then cached)."""
-        ids.convert(n_chunks)
+        """L1 keys of the first n_chunks chunks, converting their token ids first (hashed
+        once per session, then cached)."""
+        ids.convert_tokens(n_chunks)
         model, world, rank = inst.model_rank
         hashes = self._keys.hashes(ids.tokens[: n_chunks * self.chunk_size], request_id)
         return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes]
@@ -312,6 +312,7 @@ class CacheEngine:
                 # their copies run while the host does that work for the others
                 n_chunks = ids.n_chunks
                 head = min(n_chunks, inst.mover.head_chunks)
+                ids.convert(head)
                 keys = self._chunk_keys(inst, ids, head, request_id, cache_salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
                 evictions_told = False
@@ -323,6 +324,7 @@ class CacheEngine:
                         )
                     self._enqueue_store(inst, ids.table, plan.new)
                     if head < n_chunks and plan.covered == head:
+                        ids.convert(n_chunks)
                         keys = self._chunk_keys(inst, ids, n_chunks, request_id, cache_salt)
                         queued = len(plan.new)
                         self.l1.extend_write(plan, keys, inst.chunk_nbytes)
@@ -394,7 +396,8 @@ class CacheEngine:
                 keys = self._chunk_keys(inst, ids, ids.n_chunks, request_id, cache_salt)
                 objs = self.l1.pin_prefix(keys)
                 try:
-                    result = self._scatter(inst, objs, ids.table, skip // inst.block_size)
+                    result = self._scatter(inst, objs, ids, skip // inst.block_size)
+                    ids.convert_blocks(ids.n_chunks)  # checked even when nothing was copied
                     op.end(inst.mover.retrieve_stream, **result)
                     inst.mover.wait()
                 except BaseException:
@@ -411,9 +414,13 @@ class CacheEngine:
         return int(result["hit_tokens"])
 
     def _scatter(
-        self, inst: Instance, objs: Sequence[Any], table: np.ndarray, skip_blocks: int
+        self, inst: Instance, objs: Sequence[Any], ids: RequestIds, skip_blocks: int
     ) -> dict[str, Any]:
-        """Enqueue the copies of the hit chunks not wholly skipped; returns END attrs."""
+        """Enqueue the copies of the hit chunks not wholly skipped; returns END attrs.
+
+        The block ids are converted and checked, all of them, when the mover asks for
+        them: after its first host copies are queued, before it writes any block.
+        """
         bpc = inst.blocks_per_chunk
         rows: list[int] = []
         skips: list[int] = []
@@ -422,10 +429,12 @@ class CacheEngine:
             if s < bpc:
                 rows.append(c)
                 skips.append(s)
+        def block_rows() -> np.ndarray:
+            ids.convert_blocks(ids.n_chunks)
+            return _rows_of(ids.table, rows)
+
         if rows:
-            inst.mover.retrieve(
-                self.l1.views([objs[c] for c in rows]), _rows_of(table, rows), skips
-            )
+            inst.mover.retrieve(self.l1.views([objs[c] for c in rows]), block_rows, skips)
         hit = len(objs) * self.chunk_size
         written = sum(bpc - s for s in skips) * inst.block_size
         return {

@@ -7,6 +7,7 @@ their copies, and converts the rest while those run (`kvflow.core.engine`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,12 +29,43 @@ def _length(values: Any, what: str) -> int:
         ) from None
 
 
-class RequestIds:
-    """Token ids and the block table of a request's full chunks, filled by `convert`.
+class _Ids:
+    """One id array of a request, converted into `out` a range of chunks at a time."""
 
-    `tokens[: n * chunk_size]` and `table[:n]` are valid once `convert(n)` returned.
-    The block count is checked at construction; every id (the partial chunk's too)
-    has been checked once the last chunk is converted.
+    def __init__(
+        self, values: Any, what: str, per_chunk: int, n_chunks: int,
+        check: Callable[[np.ndarray], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.values = values
+        self.what = what
+        self.per_chunk = per_chunk
+        self.n_chunks = n_chunks
+        self.check = check
+        self.out = np.empty(n_chunks * per_chunk, dtype=INT32_LE)
+        self.done = 0  # chunks converted
+        self.complete = False  # every id, the partial chunk's too, converted and checked
+
+    def upto(self, n_chunks: int) -> None:
+        if self.complete or (n_chunks <= self.done and n_chunks < self.n_chunks):
+            return
+        pc = self.per_chunk
+        a, b = self.done, min(n_chunks, self.n_chunks)
+        last = b == self.n_chunks
+        ids = as_int32_array(_part(self.values, a * pc, b * pc, last), self.what)
+        ids = ids[: (b - a) * pc]
+        if self.check is not None:
+            self.check(ids)
+        self.out[a * pc : b * pc] = ids
+        self.done = b
+        self.complete = last
+
+
+class RequestIds:
+    """Token ids and the block table of a request's full chunks, converted on demand.
+
+    `tokens[: n * chunk_size]` is valid once `convert_tokens(n)` (or `convert(n)`)
+    returned, `table[:n]` once `convert_blocks(n)` did. The block count is checked at
+    construction; reaching the last chunk (even of none) also checks the ids after it.
     """
 
     def __init__(
@@ -50,35 +82,31 @@ class RequestIds:
                 f"block_ids has {n_blocks} blocks ({n_blocks * bs} tokens) but the "
                 f"{self.n_chunks} full chunk(s) of token_ids need {need} blocks of {bs}"
             )
-        self._token_ids = token_ids
-        self._block_ids = block_ids
-        self._chunk_size = chunk_size
-        self._per_chunk = blocks_per_chunk
         self._layout = layout
-        self.tokens = np.empty(self.n_chunks * chunk_size, dtype=INT32_LE)
-        self.table = np.empty((self.n_chunks, blocks_per_chunk), dtype=INT32_LE)
-        self.converted = 0
-        self._complete = False
+        self._tokens = _Ids(token_ids, "token_ids", chunk_size, self.n_chunks)
+        self._blocks = _Ids(block_ids, "block_ids", blocks_per_chunk, self.n_chunks,
+                            self._check_blocks)  # fmt: skip
+        self.tokens = self._tokens.out
+        self.table = self._blocks.out.reshape(self.n_chunks, blocks_per_chunk)
 
-    def convert(self, n_chunks: int) -> None:
-        """Convert and check the ids of chunks [converted, n_chunks); reaching the last
-        chunk (even of none) also checks the ids after it."""
-        if self._complete or (n_chunks <= self.converted and n_chunks < self.n_chunks):
-            return
-        cs, bpc = self._chunk_size, self._per_chunk
-        a, b = self.converted, n_chunks
-        last = b >= self.n_chunks
-        tokens = as_int32_array(_part(self._token_ids, a * cs, b * cs, last), "token_ids")
-        blocks = as_int32_array(_part(self._block_ids, a * bpc, b * bpc, last), "block_ids")
-        rows = blocks[: (b - a) * bpc]
+    def _check_blocks(self, ids: np.ndarray) -> None:
         try:
-            self._layout.validate_block_ids(rows)
+            self._layout.validate_block_ids(ids)
         except ValueError as exc:
             raise InvalidRequestError(f"block_ids: {exc}") from None
-        self.tokens[a * cs : b * cs] = tokens[: (b - a) * cs]
-        self.table[a:b] = rows.reshape(b - a, bpc)
-        self.converted = b
-        self._complete = last
+
+    def convert_tokens(self, n_chunks: int) -> None:
+        """Convert and check the token ids of the first n_chunks chunks."""
+        self._tokens.upto(n_chunks)
+
+    def convert_blocks(self, n_chunks: int) -> None:
+        """Convert and check the block ids of the first n_chunks chunks."""
+        self._blocks.upto(n_chunks)
+
+    def convert(self, n_chunks: int) -> None:
+        """Both, tokens first."""
+        self._tokens.upto(n_chunks)
+        self._blocks.upto(n_chunks)
 
 
 def _part(values: Any, start: int, stop: int, to_end: bool) -> Any:

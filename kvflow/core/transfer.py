@@ -7,7 +7,7 @@ kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +26,9 @@ STAGING_BUDGET_BYTES = 256 << 20
 #: Most chunks moved by one kernel launch, and most stages in the staging ring.
 MAX_GROUP = 8
 MAX_STAGES = 4
+
+#: a retrieve's block ids, as a function the mover calls once its first copies are queued
+BlockRows = Callable[[], np.ndarray]
 
 
 class Mover(Protocol):
@@ -46,9 +49,14 @@ class Mover(Protocol):
         ...
 
     def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: np.ndarray, skip_blocks: Sequence[int]
+        self, srcs: Sequence[torch.Tensor], block_ids: BlockRows, skip_blocks: Sequence[int]
     ) -> None:
-        """Enqueue: srcs[c] -> chunk c's blocks, leaving its first skip_blocks[c] untouched."""
+        """Enqueue: srcs[c] -> chunk c's blocks, leaving its first skip_blocks[c] untouched.
+
+        `block_ids()` gives the rows (row c: chunk c's blocks); it is called once, after
+        the first host copies are queued and before any block is written, so converting
+        and checking the ids overlaps those copies and a bad id writes nothing.
+        """
         ...
 
     def wait(self) -> None:
@@ -74,10 +82,10 @@ class CpuMover:
             moves.launch(dst.view(1, -1), c, 1)
 
     def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: np.ndarray, skip_blocks: Sequence[int]
+        self, srcs: Sequence[torch.Tensor], block_ids: BlockRows, skip_blocks: Sequence[int]
     ) -> None:
         moves = PreparedTransfer(
-            self.layout, block_ids, direction="scatter", skip_blocks=skip_blocks, backend="cpu"
+            self.layout, block_ids(), direction="scatter", skip_blocks=skip_blocks, backend="cpu"
         )
         for c, src in enumerate(srcs):
             moves.launch(src.view(1, -1), c, 1)
@@ -160,7 +168,7 @@ class CudaMover:
             self._drained[s].record(cs.torch)
 
     def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: np.ndarray, skip_blocks: Sequence[int]
+        self, srcs: Sequence[torch.Tensor], block_ids: BlockRows, skip_blocks: Sequence[int]
     ) -> None:
         ring = self._ring()
         cs = self.copy_stream
@@ -174,9 +182,9 @@ class CudaMover:
                 for i in range(stop - start):
                     ring[s][i].copy_(srcs[start + i], non_blocking=True)
             self._filled[s].record(cs.torch)
-            if moves is None:  # ids checked and uploaded while the first copies run
+            if moves is None:  # ids converted, checked, uploaded while the first copies run
                 moves = PreparedTransfer(
-                    self.layout, block_ids, direction="scatter", skip_blocks=skip_blocks,
+                    self.layout, block_ids(), direction="scatter", skip_blocks=skip_blocks,
                     backend="cuda", stream=self.kernel_stream, id_buffer=self._ids,
                 )  # fmt: skip
             # the previous group's scatter goes after this group's copies are queued,

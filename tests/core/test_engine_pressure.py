@@ -13,6 +13,7 @@ import torch
 from kvflow.core.engine import CacheEngine
 from kvflow.core.errors import CapacityError, TransferError
 from kvflow.core.testing import CHUNK, block_bytes, caches, events_of, pairs, small_engine
+from kvflow.core.transfer import BlockRows
 
 BLOCKS = [0, 1, 2, 3]  # two chunks
 
@@ -34,7 +35,7 @@ def _gate_retrieve(
     real = mover.retrieve
     entered, release = threading.Event(), threading.Event()
 
-    def gated(srcs: Sequence[torch.Tensor], block_ids: torch.Tensor, skips: Sequence[int]) -> None:
+    def gated(srcs: Sequence[torch.Tensor], block_ids: BlockRows, skips: Sequence[int]) -> None:
         entered.set()
         assert release.wait(10)
         real(srcs, block_ids, skips)

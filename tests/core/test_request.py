@@ -8,7 +8,7 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.request import RequestIds
-from kvflow.core.testing import BLOCK, CHUNK, caches, small_engine
+from kvflow.core.testing import BLOCK, CHUNK, block_bytes, caches, small_engine
 from kvflow.kernels import KVLayout
 
 PER_CHUNK = CHUNK // BLOCK
@@ -32,10 +32,11 @@ def test_converting_in_steps_gives_the_whole_request(kind: str) -> None:
     ids = _ids(as_kind(tokens), as_kind(blocks))
     assert ids.n_chunks == 3
     ids.convert(1)
-    assert ids.converted == 1 and ids.tokens[:CHUNK].tolist() == tokens[:CHUNK]
+    assert ids.tokens[:CHUNK].tolist() == tokens[:CHUNK] and ids.table[0].tolist() == blocks[:2]
     ids.convert(1)  # already done
-    ids.convert(3)
+    ids.convert_tokens(3)
     assert ids.tokens.tolist() == tokens[: 3 * CHUNK]
+    ids.convert_blocks(3)
     assert ids.table.tolist() == [blocks[0:2], blocks[2:4], blocks[4:6]]
 
 
@@ -48,8 +49,9 @@ def test_bad_ids_are_found_in_the_range_that_holds_them() -> None:
         ids.convert(2)
     ids = _ids([*range(2 * CHUNK), "x"], [0, 1, 2, 3])
     ids.convert(1)
+    ids.convert_blocks(2)  # the block ids are fine
     with pytest.raises(InvalidRequestError, match="token_ids must hold integers"):
-        ids.convert(2)
+        ids.convert_tokens(2)
     with pytest.raises(InvalidRequestError, match="block_ids must hold integers"):
         _ids(np.arange(CHUNK - 1), [1.5]).convert(0)  # no full chunk: still every id checked
 
@@ -78,4 +80,21 @@ def test_a_store_with_a_bad_id_in_its_later_chunks_leaves_nothing_in_l1() -> Non
     assert engine.lookup(tokens, model_name="m") == 0
     assert engine.l1_stats()["usage_bytes"] == 0 and engine.l1_stats()["writing"] == 0
     assert engine.store("a", tokens, [0, 1, 2, 3, 4, 5], request_id="q") == 3 * CHUNK
+    engine.close()
+
+
+def test_a_retrieve_with_a_bad_block_id_writes_no_block() -> None:
+    """Block ids are checked before the first block is written, with or without hits."""
+    engine, _ = small_engine()
+    kv, kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("a", kv, model_name="m", **kw)
+    tokens = np.arange(2 * CHUNK, dtype=np.int32)
+    engine.store("a", tokens, [0, 1, 2, 3], request_id="w")
+    before = block_bytes(kv, kw, [4, 5, 6])
+    with pytest.raises(InvalidRequestError, match="block id 99 out of range"):
+        engine.retrieve("a", tokens, [4, 5, 6, 99], request_id="r")
+    assert torch.equal(block_bytes(kv, kw, [4, 5, 6]), before)
+    with pytest.raises(InvalidRequestError, match="block id 99 out of range"):
+        engine.retrieve("a", tokens + 1, [4, 5, 6, 99], request_id="miss")  # nothing to copy
+    assert engine.retrieve("a", tokens, [4, 5, 6, 7], request_id="r") == 2 * CHUNK
     engine.close()
