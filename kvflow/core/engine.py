@@ -308,12 +308,13 @@ class CacheEngine:
             op = Op(self.bus, EventType.STORE_START, request_id, attrs)
             with self._transfer(inst, op, tokens=0, bytes=0):
                 ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
-                # the first chunks are converted, planned and enqueued before the rest, so
-                # their copies run while the host does that work for the others
+                # chunks go in waves: the first group is converted, hashed, planned and
+                # enqueued alone, then each wave doubles the chunks done, so a wave's host
+                # work runs while the copies of the (as many) chunks before it drain
                 n_chunks = ids.n_chunks
-                head = min(n_chunks, inst.mover.head_chunks)
-                ids.convert(head)
-                keys = self._chunk_keys(inst, ids, head, request_id, cache_salt)
+                stop = min(n_chunks, inst.mover.head_chunks)
+                ids.convert(stop)
+                keys = self._chunk_keys(inst, ids, stop, request_id, cache_salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
                 evictions_told = False
                 try:
@@ -322,13 +323,16 @@ class CacheEngine:
                             f"L1 is full of objects being read; no room for a chunk of "
                             f"{inst.chunk_nbytes} bytes"
                         )
-                    self._enqueue_store(inst, ids.table, plan.new)
-                    if head < n_chunks and plan.covered == head:
-                        ids.convert(n_chunks)
-                        keys = self._chunk_keys(inst, ids, n_chunks, request_id, cache_salt)
-                        queued = len(plan.new)
-                        self.l1.extend_write(plan, keys, inst.chunk_nbytes)
+                    queued = 0
+                    while True:
                         self._enqueue_store(inst, ids.table, plan.new[queued:])
+                        queued = len(plan.new)
+                        if stop == n_chunks or plan.covered < stop:
+                            break
+                        stop = min(n_chunks, 2 * stop)
+                        ids.convert(stop)
+                        keys = self._chunk_keys(inst, ids, stop, request_id, cache_salt)
+                        self.l1.extend_write(plan, keys, inst.chunk_nbytes)
                     result = {
                         "tokens": len(plan.new) * self.chunk_size,
                         "bytes": len(plan.new) * inst.chunk_nbytes,

@@ -152,27 +152,34 @@ def test_a_store_keeps_the_chunks_that_fit_when_room_runs_out_in_its_later_chunk
     engine.close()
 
 
-def test_a_failure_after_the_first_chunks_are_queued_leaves_nothing_visible() -> None:
-    """The store's second enqueue fails: the first chunks' objects vanish too, END says why."""
+def test_a_store_enqueues_waves_that_double_and_a_late_failure_leaves_nothing_visible() -> None:
+    """7 chunks go as waves of 1, 1, 2, 3 (chunks done: 1, 2, 4, 7); when the third wave's
+    enqueue fails, the earlier waves' objects vanish too and END says why."""
     engine, recorder = small_engine()
     kv, kw = caches("vllm_flash_attn", seed=1)
     engine.register_kv_caches("a", kv, model_name="m", **kw)
     mover = engine._instance("a").mover
     real, calls = mover.store, []
+    fail_at = [0]
 
-    def second_call_fails(block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+    def recorded(block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
         calls.append(len(dsts))
-        if len(calls) == 2:
+        if len(calls) == fail_at[0]:
             raise RuntimeError("copy engine fault")
         real(block_ids, dsts)
 
-    mover.store = second_call_fails  # type: ignore[method-assign]
-    x = np.arange(3 * CHUNK, dtype=np.int32)
+    mover.store = recorded  # type: ignore[method-assign]
+    x = np.arange(7 * CHUNK, dtype=np.int32)
+    blocks = list(range(14))
+    assert engine.store("a", x, blocks, request_id="x") == 7 * CHUNK
+    assert calls == [1, 1, 2, 3]
+    calls.clear()
+    fail_at[0] = 3
     with pytest.raises(TransferError, match="copy engine fault"):
-        engine.store("a", x, [0, 1, 2, 3, 4, 5], request_id="x")
-    assert calls == [1, 2]  # the first chunk alone, then the other two
-    assert engine.lookup(x, model_name="m") == 0
-    assert engine.l1_stats()["usage_bytes"] == 0 and engine.l1_stats()["writing"] == 0
+        engine.store("a", x + 1, blocks, request_id="y")
+    assert calls == [1, 1, 2]
+    assert engine.lookup(x + 1, model_name="m") == 0
+    assert engine.l1_stats()["writing"] == 0 and engine.l1_stats()["objects"] == 7
     ends = [e.attrs for _, e in pairs(events_of(recorder, engine)) if e.type.name == "STORE_END"]
-    assert ends[-1]["ok"] is False and ends[-1]["error"] == "transfer_failed"
+    assert [e["ok"] for e in ends] == [True, False] and ends[-1]["error"] == "transfer_failed"
     engine.close()
