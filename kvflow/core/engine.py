@@ -57,6 +57,20 @@ def _rows_of(table: np.ndarray, rows: list[int]) -> np.ndarray:
     return table[np.asarray(rows, dtype=np.intp)]
 
 
+def _requested_tokens(token_ids: Any) -> int:
+    """The request's token count for START events (0 when it has no length: refused later)."""
+    return len(token_ids) if hasattr(token_ids, "__len__") else 0
+
+
+def _transfer_attrs(inst: Instance, token_ids: Any) -> dict[str, Any]:
+    """A store's or retrieve's START attrs."""
+    return {
+        "instance_id": inst.instance_id,
+        "model_name": inst.model_name,
+        "tokens": _requested_tokens(token_ids),
+    }
+
+
 def _check_world(world_size: Any, rank: Any = 0) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidRequestError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -259,7 +273,7 @@ class CacheEngine:
         request_id: str | None = None,
     ) -> int:
         """Tokens of the longest prefix of full chunks that every rank has in L1."""
-        n_req = len(token_ids) if hasattr(token_ids, "__len__") else 0
+        n_req = _requested_tokens(token_ids)
         attrs = {"model_name": model_name, "tokens": n_req}
         op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
         result: dict[str, Any] = {"requested_tokens": n_req, "hit_tokens": 0}
@@ -301,8 +315,7 @@ class CacheEngine:
         first chunk L1 had no room for.
         """
         inst = self._instance(instance_id)
-        n_req = len(token_ids) if hasattr(token_ids, "__len__") else 0
-        attrs = {"instance_id": inst.instance_id, "model_name": inst.model_name, "tokens": n_req}
+        attrs = _transfer_attrs(inst, token_ids)
         result: dict[str, Any] = {}
         with inst.lock:
             op = Op(self.bus, EventType.STORE_START, request_id, attrs)
@@ -380,8 +393,7 @@ class CacheEngine:
         token 0); the first `skip_first_n_tokens` (whole blocks) are not written.
         """
         inst = self._instance(instance_id)
-        n_req = len(token_ids) if hasattr(token_ids, "__len__") else 0
-        attrs = {"instance_id": inst.instance_id, "model_name": inst.model_name, "tokens": n_req}
+        attrs = _transfer_attrs(inst, token_ids)
         result: dict[str, Any] = {}
         with inst.lock:
             op = Op(self.bus, EventType.RETRIEVE_START, request_id, attrs)

@@ -31,14 +31,19 @@ class GatedEngine(CacheEngine):
         return super().store(*args, **kwargs)
 
 
-def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
-    """request_stop while a store runs: the store still completes and replies; then all stops."""
+def _serve_gated() -> tuple[GatedEngine, KVFlowServer, threading.Thread, list[torch.Tensor]]:
+    """A server over a GatedEngine, serving on a thread, and a shared-memory KV cache."""
     config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
     engine = GatedEngine(config)
     server = KVFlowServer(config, engine=engine)
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
-    kv = [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)]
+    return engine, server, serving, [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)]
+
+
+def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
+    """request_stop while a store runs: the store still completes and replies; then all stops."""
+    engine, server, serving, kv = _serve_gated()
     results: list[object] = []
     with KVFlowClient(server.endpoint, timeout_s=20) as client:
         client.register_kv_caches("inst", kv, model_name="m")
@@ -67,12 +72,7 @@ def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
 
 def test_second_stop_request_stops_waiting_for_a_stuck_transfer() -> None:
     """A second request_stop (a second SIGINT) ends the loop although a store never finishes."""
-    config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
-    engine = GatedEngine(config)
-    server = KVFlowServer(config, engine=engine)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    kv = [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)]
+    engine, server, serving, kv = _serve_gated()
     errors: list[BaseException] = []
     with KVFlowClient(server.endpoint, timeout_s=3) as client:
         client.register_kv_caches("stuck", kv, model_name="m")
