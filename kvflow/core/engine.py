@@ -409,11 +409,27 @@ class CacheEngine:
                         f"({inst.block_size}) of instance {inst.instance_id!r}"
                     )
                 ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
-                keys = self._chunk_keys(inst, ids, ids.n_chunks, request_id, cache_salt)
-                objs = self.l1.pin_prefix(keys)
+                # in waves like a store: the first group's keys are hashed and its copies
+                # started before the rest of the request is hashed and looked up
+                n_chunks = ids.n_chunks
+                stop = min(n_chunks, inst.mover.head_chunks)
+                objs = self.l1.pin_prefix(self._chunk_keys(inst, ids, stop, request_id, cache_salt))
                 try:
-                    result = self._scatter(inst, objs, ids, skip // inst.block_size)
-                    ids.convert_blocks(ids.n_chunks)  # checked even when nothing was copied
+                    chunks, tokens = self._scatter(inst, objs, 0, ids, skip // inst.block_size)
+                    while len(objs) == stop < n_chunks:
+                        stop = min(n_chunks, 2 * stop)
+                        keys = self._chunk_keys(inst, ids, stop, request_id, cache_salt)
+                        first = len(objs)
+                        objs.extend(self.l1.pin_prefix(keys[first:]))
+                        more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
+                        chunks, tokens = chunks + more[0], tokens + more[1]
+                    ids.convert_blocks(n_chunks)  # checked even when nothing was copied
+                    result = {
+                        "tokens": tokens,
+                        "bytes": chunks * inst.chunk_nbytes,
+                        "hit_tokens": len(objs) * self.chunk_size,
+                        "chunks": chunks,
+                    }
                     op.end(inst.mover.retrieve_stream, **result)
                     inst.mover.wait()
                 except BaseException:
@@ -430,35 +446,30 @@ class CacheEngine:
         return int(result["hit_tokens"])
 
     def _scatter(
-        self, inst: Instance, objs: Sequence[Any], ids: RequestIds, skip_blocks: int
-    ) -> dict[str, Any]:
-        """Enqueue the copies of the hit chunks not wholly skipped; returns END attrs.
+        self, inst: Instance, objs: Sequence[Any], first: int, ids: RequestIds, skip_blocks: int
+    ) -> tuple[int, int]:
+        """Enqueue the copies of hit chunks [first, len(objs)) not wholly skipped; returns
+        (chunks enqueued, tokens they write).
 
-        The block ids are converted and checked, all of them, when the mover asks for
-        them: after its first host copies are queued, before it writes any block.
+        The block ids are converted and checked, all of them, when the mover first asks
+        for them: after its first host copies are queued, before it writes any block.
         """
         bpc = inst.blocks_per_chunk
         rows: list[int] = []
         skips: list[int] = []
-        for c in range(len(objs)):
+        for c in range(first, len(objs)):
             s = min(max(skip_blocks - c * bpc, 0), bpc)
             if s < bpc:
                 rows.append(c)
                 skips.append(s)
+
         def block_rows() -> np.ndarray:
             ids.convert_blocks(ids.n_chunks)
             return _rows_of(ids.table, rows)
 
         if rows:
             inst.mover.retrieve(self.l1.views([objs[c] for c in rows]), block_rows, skips)
-        hit = len(objs) * self.chunk_size
-        written = sum(bpc - s for s in skips) * inst.block_size
-        return {
-            "tokens": written,
-            "bytes": len(rows) * inst.chunk_nbytes,
-            "hit_tokens": hit,
-            "chunks": len(rows),
-        }
+        return len(rows), sum(bpc - s for s in skips) * inst.block_size
 
     # -- sessions and allocations ------------------------------------------------------------
 

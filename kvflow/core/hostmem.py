@@ -40,6 +40,7 @@ class HostPool:
     def __init__(self, *, pinned: bool | None = None) -> None:
         self.pinned = cuda_present() if pinned is None else pinned
         self._segments: list[torch.Tensor] = []
+        self._bases: list[int] = []  # each segment's address, for copies by address
         self._registered: list[int] = []
         # unpin when the pool goes without release(), while its segments are still alive
         weakref.finalize(self, _unpin_all, self._registered)
@@ -51,14 +52,21 @@ class HostPool:
             _pin(seg)
             self._registered.append(seg.data_ptr())
         self._segments.append(seg)
+        self._bases.append(seg.data_ptr())
         return len(self._segments) - 1
 
     def view(self, segment: int, offset: int, nbytes: int) -> torch.Tensor:
         """The uint8 bytes [offset, offset + nbytes) of a segment (shares memory)."""
         return self._segments[segment][offset : offset + nbytes]
 
+    def address(self, segment: int, offset: int) -> int:
+        """The host address of byte `offset` of a segment (what `view(...).data_ptr()`
+        gives, without making a tensor: a driver copy needs only this)."""
+        return self._bases[segment] + offset
+
     def release(self) -> None:
         """Unpin and drop every segment (a view still held elsewhere keeps its bytes,
         no longer pinned, until it goes)."""
         _unpin_all(self._registered)
         self._segments.clear()
+        self._bases.clear()

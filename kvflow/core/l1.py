@@ -317,7 +317,8 @@ class L1Cache:
 
 class ObjectViews(Sequence[torch.Tensor]):
     """`L1Cache.view` of each object, made on access, so a store's copies start before the
-    views of its later chunks exist (a view costs microseconds; a request has dozens)."""
+    views of its later chunks exist (a view costs microseconds; a request has dozens).
+    `address` gives an object's bytes by address, for movers that copy through the driver."""
 
     def __init__(self, l1: L1Cache, objs: Sequence[L1Object]) -> None:
         self._l1 = l1
@@ -334,3 +335,10 @@ class ObjectViews(Sequence[torch.Tensor]):
         if isinstance(index, slice):
             return ObjectViews(self._l1, self._objs[index])
         return self._l1.view(self._objs[index])
+
+    def address(self, index: int, nbytes: int) -> int:
+        """Host address of object `index`'s bytes; ValueError unless it holds `nbytes`."""
+        obj = self._objs[index]
+        if obj.nbytes != nbytes:
+            raise ValueError(f"L1 object {index} holds {obj.nbytes} bytes, not {nbytes}")
+        return self._l1.pool.address(obj.segment, obj.offset)

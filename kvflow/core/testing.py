@@ -20,6 +20,25 @@ CHUNK = 8  # two blocks per chunk
 GIB = 1 << 30
 
 
+class TensorChunks:
+    """Host tensors as a mover's `HostChunks`, so tests drive a mover without an L1."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._tensors[index]
+
+    def address(self, index: int, nbytes: int) -> int:
+        tensor = self._tensors[index]
+        if tensor.nbytes != nbytes or not tensor.is_contiguous():
+            raise ValueError(f"chunk {index} is not {nbytes} contiguous bytes")
+        return int(tensor.data_ptr())
+
+
 def small_engine(
     *, l1_bytes: int = 1 << 20, chunk_size: int = CHUNK
 ) -> tuple[CacheEngine, RecordingSubscriber]:

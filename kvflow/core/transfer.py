@@ -18,17 +18,36 @@ from kvflow.kernels import (
     KVLayout,
     PreparedTransfer,
     TransferStream,
+    current_stream_handle,
     new_transfer_stream,
 )
+from kvflow.kernels.driver import DriverEvent, copy_async
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
 #: Most chunks moved by one kernel launch, and most stages in the staging ring.
 MAX_GROUP = 8
 MAX_STAGES = 4
+#: Bytes a store's first wave covers: ~0.3 ms of host copy, about what the host takes to
+#: prepare the next wave; fewer would idle the copy engine, more delay its first copy.
+HEAD_BYTES = 16 << 20
 
 #: a retrieve's block ids, as a function the mover calls once its first copies are queued
 BlockRows = Callable[[], np.ndarray]
+
+
+class HostChunks(Protocol):
+    """An op's L1 chunks, one per chunk it moves: as tensors (CPU movers) or addresses."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Chunk `index`'s bytes (uint8, 1-D)."""
+        ...
+
+    def address(self, index: int, nbytes: int) -> int:
+        """Chunk `index`'s page-locked host address; ValueError unless it holds `nbytes`."""
+        ...
 
 
 class Mover(Protocol):
@@ -44,13 +63,11 @@ class Mover(Protocol):
     #: chunks (>= 1) a store enqueues on their own before the host prepares the rest
     head_chunks: int
 
-    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+    def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
         """Enqueue: chunk c's blocks (row c of block_ids) -> dsts[c] (uint8 L1 bytes)."""
         ...
 
-    def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: BlockRows, skip_blocks: Sequence[int]
-    ) -> None:
+    def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
         """Enqueue: srcs[c] -> chunk c's blocks, leaving its first skip_blocks[c] untouched.
 
         `block_ids()` gives the rows (row c: chunk c's blocks); it is called once, after
@@ -76,19 +93,17 @@ class CpuMover:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
 
-    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+    def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
         moves = PreparedTransfer(self.layout, block_ids, direction="gather", backend="cpu")
-        for c, dst in enumerate(dsts):
-            moves.launch(dst.view(1, -1), c, 1)
+        for c in range(len(dsts)):
+            moves.launch(dsts[c].view(1, -1), c, 1)
 
-    def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: BlockRows, skip_blocks: Sequence[int]
-    ) -> None:
+    def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
         moves = PreparedTransfer(
             self.layout, block_ids(), direction="scatter", skip_blocks=skip_blocks, backend="cpu"
         )
-        for c, src in enumerate(srcs):
-            moves.launch(src.view(1, -1), c, 1)
+        for c in range(len(srcs)):
+            moves.launch(srcs[c].view(1, -1), c, 1)
 
     def wait(self) -> None:
         return None
@@ -104,23 +119,28 @@ class CudaMover:
     j % stages, so kernels for later groups run while earlier groups' host copies
     drain. Events order each stage's reuse on the GPU: the host only enqueues,
     then waits once. Groups are counted across an op's enqueue calls until `wait()`,
-    so a second call continues the ring where the first left it.
+    so a second call continues the ring where the first left it. Copies and events go
+    straight to the driver (`kvflow.kernels.driver`): torch's stream contexts cost
+    more host time per op than the rest of the enqueueing.
     """
 
     def __init__(self, layout: KVLayout, chunk_nbytes: int) -> None:
         self.layout = layout
         self.device = layout.device
+        assert self.device.index is not None
+        self._index = self.device.index
         self.chunk_nbytes = chunk_nbytes
         self.group, self.stages = pipeline_shape(chunk_nbytes)
-        self.head_chunks = self.group
+        self.head_chunks = min(self.group, max(1, -(-HEAD_BYTES // max(chunk_nbytes, 1))))
         self.kernel_stream: TransferStream = new_transfer_stream(self.device)
         self.copy_stream: TransferStream = new_transfer_stream(self.device)
         self.store_stream = self.copy_stream
         self.retrieve_stream = self.kernel_stream
         self._staging: torch.Tensor | None = None
-        self._filled = [torch.cuda.Event() for _ in range(self.stages)]
-        self._drained = [torch.cuda.Event() for _ in range(self.stages)]
-        self._caller_ready = torch.cuda.Event()
+        ks = self.kernel_stream.handle
+        self._filled = [DriverEvent(ks) for _ in range(self.stages)]
+        self._drained = [DriverEvent(ks) for _ in range(self.stages)]
+        self._caller_ready = DriverEvent(ks)
         self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
         self._ids = IdBuffer(self.device)  # every op's block ids; reset once it has finished
 
@@ -135,8 +155,8 @@ class CudaMover:
         """Order an op's first step after the caller's pending work on its current stream."""
         if self._groups:
             return
-        self._caller_ready.record(torch.cuda.current_stream(self.device))
-        stream.torch.wait_event(self._caller_ready)
+        self._caller_ready.record(current_stream_handle(self._index))
+        self._caller_ready.wait_on(stream.handle)
 
     def _next_stage(self, stream: TransferStream) -> int:
         """The ring slot for the op's next group, once `stream` waits for its last reader."""
@@ -144,12 +164,13 @@ class CudaMover:
         self._groups += 1
         s = j % self.stages
         if j >= self.stages:
-            stream.torch.wait_event(self._drained[s])
+            self._drained[s].wait_on(stream.handle)
         return s
 
-    def store(self, block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+    def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
         ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
+        cb = self.chunk_nbytes
         moves = PreparedTransfer(
             self.layout, block_ids, direction="gather", backend="cuda", stream=ks,
             id_buffer=self._ids,
@@ -160,28 +181,27 @@ class CudaMover:
             stop = min(start + self.group, len(dsts))
             stage = ring[s][: stop - start]
             moves.launch(stage, start, stop - start)
-            self._filled[s].record(ks.torch)
-            cs.torch.wait_event(self._filled[s])
-            with torch.cuda.stream(cs.torch):
-                for i in range(stop - start):
-                    dsts[start + i].copy_(stage[i], non_blocking=True)
-            self._drained[s].record(cs.torch)
+            self._filled[s].record(ks.handle)
+            self._filled[s].wait_on(cs.handle)
+            base = stage.data_ptr()
+            for i in range(stop - start):
+                copy_async(dsts.address(start + i, cb), base + i * cb, cb, cs.handle)
+            self._drained[s].record(cs.handle)
 
-    def retrieve(
-        self, srcs: Sequence[torch.Tensor], block_ids: BlockRows, skip_blocks: Sequence[int]
-    ) -> None:
+    def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
         ring = self._ring()
         cs = self.copy_stream
+        cb = self.chunk_nbytes
         self._after_caller(cs)
         moves: PreparedTransfer | None = None
         pending: tuple[int, int, int] | None = None
         for start in range(0, len(srcs), self.group):
             s = self._next_stage(cs)
             stop = min(start + self.group, len(srcs))
-            with torch.cuda.stream(cs.torch):
-                for i in range(stop - start):
-                    ring[s][i].copy_(srcs[start + i], non_blocking=True)
-            self._filled[s].record(cs.torch)
+            base = ring[s].data_ptr()
+            for i in range(stop - start):
+                copy_async(base + i * cb, srcs.address(start + i, cb), cb, cs.handle)
+            self._filled[s].record(cs.handle)
             if moves is None:  # ids converted, checked, uploaded while the first copies run
                 moves = PreparedTransfer(
                     self.layout, block_ids(), direction="scatter", skip_blocks=skip_blocks,
@@ -200,9 +220,9 @@ class CudaMover:
     ) -> None:
         """Scatter the group in stage `s` once its copies landed; mark the stage drained."""
         ks = self.kernel_stream
-        ks.torch.wait_event(self._filled[s])
+        self._filled[s].wait_on(ks.handle)
         moves.launch(ring[s][: stop - start], start, stop - start)
-        self._drained[s].record(ks.torch)
+        self._drained[s].record(ks.handle)
 
     def wait(self) -> None:
         self._groups = 0

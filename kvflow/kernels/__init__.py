@@ -8,7 +8,12 @@ from kvflow.kernels.formats import KVFormat, detect_format
 from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import SUPPORTED_DTYPES, KVLayout, LayerGroup, StrideDesc
 from kvflow.kernels.loader import cuda_available
-from kvflow.kernels.streams import TransferStream, default_transfer_stream, new_transfer_stream
+from kvflow.kernels.streams import (
+    TransferStream,
+    current_stream_handle,
+    default_transfer_stream,
+    new_transfer_stream,
+)
 from kvflow.kernels.transfer import PreparedTransfer, transfer_blocks
 
 __all__ = [
@@ -21,6 +26,7 @@ __all__ = [
     "StrideDesc",
     "TransferStream",
     "cuda_available",
+    "current_stream_handle",
     "default_transfer_stream",
     "detect_format",
     "new_transfer_stream",

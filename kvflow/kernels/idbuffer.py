@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvflow.kernels.loader import active_context
+from kvflow.kernels.driver import copy_async
 from kvflow.kernels.streams import TransferStream
 
 #: int32 slots a new buffer starts with (64 KiB; a request of 16k blocks fits)
@@ -22,9 +22,9 @@ DEFAULT_SLOTS = 1 << 14
 class IdBuffer:
     """Bump-allocated int32 ids: pinned on the host, resident on one CUDA device.
 
-    `upload` copies with the driver (pycuda), so torch records nothing per copy. A
-    request that does not fit gets a larger pair of buffers; the old pair is kept
-    until `reset()`, since work already queued may still read it.
+    `upload` copies through the driver (`kvflow.kernels.driver`), so torch records
+    nothing per copy. A request that does not fit gets a larger pair of buffers; the
+    old pair is kept until `reset()`, since work already queued may still read it.
     """
 
     def __init__(self, device: torch.device, slots: int = DEFAULT_SLOTS) -> None:
@@ -55,11 +55,8 @@ class IdBuffer:
             at += part.size
         self._used = at
         if n:
-            import pycuda.driver as drv
-
-            assert self.device.index is not None
-            with active_context(self.device.index):
-                drv.memcpy_htod_async(dev + 4 * start, self._host_np[start:at], stream.pycuda)
+            host = self._host.data_ptr()
+            copy_async(dev + 4 * start, host + 4 * start, 4 * n, stream.handle)
         return dev + 4 * start
 
     def reset(self) -> None:

@@ -57,6 +57,12 @@ def new_transfer_stream(device: torch.device | str | int) -> TransferStream:
     return TransferStream(handle, stream, torch.cuda.ExternalStream(handle, device=dev), dev)
 
 
+def current_stream_handle(device_index: int) -> int:
+    """The raw CUstream of torch's current stream on a device: what
+    `torch.cuda.current_stream(device).cuda_stream` gives, at a tenth of its host cost."""
+    return int(torch._C._cuda_getCurrentRawStream(device_index))
+
+
 def default_transfer_stream(device: torch.device | str | int) -> TransferStream:
     """The per-device stream ``transfer_blocks`` uses when given none (created once)."""
     index = _device_index(device)

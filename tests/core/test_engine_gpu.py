@@ -8,7 +8,7 @@ import torch
 
 from kvflow.core import transfer
 from kvflow.core.hostmem import HostPool
-from kvflow.core.testing import block_bytes, events_of, pairs, small_engine
+from kvflow.core.testing import TensorChunks, block_bytes, events_of, pairs, small_engine
 from kvflow.events import EventType
 from kvflow.kernels import KVFormat, KVLayout, PreparedTransfer, cuda_available
 from kvflow.kernels.testing import make_kv_caches
@@ -92,7 +92,7 @@ def test_one_op_enqueued_in_several_calls_continues_the_staging_ring(
     segment = pool.add_segment(7 * nbytes)
     dsts = [pool.view(segment, c * nbytes, nbytes) for c in range(7)]
     for a, b in ((0, 1), (1, 4), (4, 7)):
-        mover.store(ids[a:b], dsts[a:b])
+        mover.store(ids[a:b], TensorChunks(dsts[a:b]))
     mover.wait()
     want = torch.empty((7, nbytes), dtype=torch.uint8, device="cuda")
     PreparedTransfer(layout, ids, direction="gather", backend="cpu").launch(want)

@@ -13,7 +13,7 @@ import torch
 from kvflow.core.engine import CacheEngine
 from kvflow.core.errors import CapacityError, TransferError
 from kvflow.core.testing import CHUNK, block_bytes, caches, events_of, pairs, small_engine
-from kvflow.core.transfer import BlockRows
+from kvflow.core.transfer import BlockRows, HostChunks
 
 BLOCKS = [0, 1, 2, 3]  # two chunks
 
@@ -28,16 +28,20 @@ def _chunk_bytes() -> int:
 
 
 def _gate_retrieve(
-    engine: CacheEngine, instance_id: str
+    engine: CacheEngine, instance_id: str, wave: int
 ) -> tuple[threading.Event, threading.Event]:
-    """Make the instance's retrieve wait (after pinning its objects) until released."""
+    """Make the instance's retrieve wait, at its `wave`-th enqueue (a retrieve pins and
+    enqueues its chunks in waves: 1, 1, 2, ... here), until released."""
     mover = engine._instance(instance_id).mover
     real = mover.retrieve
     entered, release = threading.Event(), threading.Event()
+    calls = [0]
 
-    def gated(srcs: Sequence[torch.Tensor], block_ids: BlockRows, skips: Sequence[int]) -> None:
-        entered.set()
-        assert release.wait(10)
+    def gated(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:
+        calls[0] += 1
+        if calls[0] == wave:
+            entered.set()
+            assert release.wait(10)
         real(srcs, block_ids, skips)
 
     mover.retrieve = gated  # type: ignore[method-assign]
@@ -54,7 +58,7 @@ def test_eviction_under_pressure_never_evicts_an_object_being_read() -> None:
     x = np.arange(2 * CHUNK, dtype=np.int32)
     engine.store("writer", x, BLOCKS, request_id="x")
     want = block_bytes(src, kw, BLOCKS)
-    entered, release = _gate_retrieve(engine, "reader")
+    entered, release = _gate_retrieve(engine, "reader", wave=2)  # both chunks pinned
     result: list[int] = []
     reader = threading.Thread(
         target=lambda: result.append(engine.retrieve("reader", x, [8, 9, 10, 11], request_id="r"))
@@ -86,7 +90,7 @@ def test_a_store_finding_every_object_pinned_fails_with_capacity_error() -> None
     engine.register_kv_caches("reader", kv, model_name="m", **kw)
     x = np.arange(2 * CHUNK, dtype=np.int32)
     engine.store("writer", x, BLOCKS, request_id="x")
-    entered, release = _gate_retrieve(engine, "reader")
+    entered, release = _gate_retrieve(engine, "reader", wave=2)  # both chunks pinned
     reader = threading.Thread(
         target=engine.retrieve, args=("reader", x, BLOCKS), kwargs={"request_id": "r"}
     )
@@ -162,7 +166,7 @@ def test_a_store_enqueues_waves_that_double_and_a_late_failure_leaves_nothing_vi
     real, calls = mover.store, []
     fail_at = [0]
 
-    def recorded(block_ids: np.ndarray, dsts: Sequence[torch.Tensor]) -> None:
+    def recorded(block_ids: np.ndarray, dsts: HostChunks) -> None:
         calls.append(len(dsts))
         if len(calls) == fail_at[0]:
             raise RuntimeError("copy engine fault")
@@ -182,4 +186,49 @@ def test_a_store_enqueues_waves_that_double_and_a_late_failure_leaves_nothing_vi
     assert engine.l1_stats()["writing"] == 0 and engine.l1_stats()["objects"] == 7
     ends = [e.attrs for _, e in pairs(events_of(recorder, engine)) if e.type.name == "STORE_END"]
     assert [e["ok"] for e in ends] == [True, False] and ends[-1]["error"] == "transfer_failed"
+    engine.close()
+
+
+def test_a_retrieve_pins_and_enqueues_in_waves_and_stops_at_the_first_miss() -> None:
+    """A 7-chunk hit prefix goes as waves of 1, 1, 2, 3 with every byte right; with chunk 3
+    missing, the third wave moves chunk 2 alone and the hit is 3 chunks. A skip that covers
+    a whole wave's chunks counts them as hits without moving them. Nothing stays pinned."""
+    engine, recorder = small_engine(l1_bytes=32 * _chunk_bytes())
+    src, kw = caches("vllm_flash_attn", seed=1, num_blocks=28)
+    dst, _ = caches("vllm_flash_attn", seed=2, num_blocks=28)
+    engine.register_kv_caches("writer", src, model_name="m", **kw)
+    engine.register_kv_caches("reader", dst, model_name="m", **kw)
+    mover = engine._instance("reader").mover
+    real, calls = mover.retrieve, []
+
+    def recorded(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:
+        calls.append(len(srcs))
+        real(srcs, block_ids, skips)
+
+    mover.retrieve = recorded  # type: ignore[method-assign]
+    x = np.arange(7 * CHUNK, dtype=np.int32)
+    blocks = list(range(14))
+    engine.store("writer", x, blocks, request_id="x")
+    out = list(range(14, 28))
+    assert engine.retrieve("reader", x, out, request_id="r") == 7 * CHUNK
+    assert calls == [1, 1, 2, 3]
+    assert torch.equal(block_bytes(dst, kw, out), block_bytes(src, kw, blocks))
+
+    calls.clear()
+    y = x + 1
+    engine.store("writer", y[: 3 * CHUNK], blocks[:6], request_id="y")  # chunks 0-2 of y
+    assert engine.retrieve("reader", y, out, request_id="r2") == 3 * CHUNK
+    assert calls == [1, 1, 1]
+
+    calls.clear()
+    skip = 2 * CHUNK  # waves 1 and 2 are wholly skipped: hits, no copies
+    assert engine.retrieve("reader", x, out, request_id="r3", skip_first_n_tokens=skip) == 7 * CHUNK
+    assert calls == [2, 3]
+    objects = engine.l1_stats()["objects"]
+    assert engine.l1.drop_where(lambda key: True) == objects  # none left pinned
+    ends = [e.attrs for _, e in pairs(events_of(recorder, engine)) if e.type.name == "RETRIEVE_END"]
+    assert [(e["hit_tokens"], e["bytes"]) for e in ends] == [
+        (7 * CHUNK, 7 * _chunk_bytes()), (3 * CHUNK, 3 * _chunk_bytes()),
+        (7 * CHUNK, 5 * _chunk_bytes()),
+    ]  # fmt: skip
     engine.close()

@@ -109,6 +109,19 @@ def test_bytes_round_trip_and_segments_grow_within_capacity() -> None:
     assert stats["reserved_bytes"] == 4 * ALIGN and stats["usage_bytes"] == 3 * ALIGN
 
 
+def test_object_addresses_are_their_views_addresses_and_sizes_are_checked() -> None:
+    """Movers copy by address: each object's address is where its view's bytes start, in
+    whichever segment it lives; asking for another size is an error, not a wild copy."""
+    l1 = make_l1(4, segment_bytes=2 * ALIGN)
+    store(l1, ["a", "b", "c"])
+    objs = l1.pin_prefix(["a", "b", "c"])
+    views = l1.views(objs)
+    assert [views.address(i, ALIGN) for i in range(3)] == [l1.view(o).data_ptr() for o in objs]
+    with pytest.raises(ValueError, match=f"holds {ALIGN} bytes, not {2 * ALIGN}"):
+        views.address(0, 2 * ALIGN)
+    l1.unpin(objs)
+
+
 def test_freed_extents_coalesce_for_a_larger_object() -> None:
     """Two adjacent freed objects make room for one object of twice the size."""
     l1 = make_l1(2)
