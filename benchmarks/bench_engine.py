@@ -1,14 +1,15 @@
 """CacheEngine store/retrieve throughput vs a pinned memcpy of the same bytes, obs on vs off.
 
 Per case (format, realistic model shape, page size) it checks a round trip bit for
-bit, then times, interleaved: a contiguous pinned D2H and H2D copy of one op's bytes
-(the ceiling), and `store` (fresh tokens every time, so every chunk is written and L1
-evicts) and `retrieve` (the same hit prefix every time) on two engines sharing the
-cache: observability off, and on (metrics with a Prometheus endpoint, L0 sampling 1%,
-logging, GPU-stamped END events). Wall-clock per call, median of the repetitions; each
-engine's subscribers drain between samples (untimed), so one engine's deferred event
-work is not charged to the other. A block of back-to-back ops per engine then measures
-the sustained on/off ratio with all of that work inside it.
+bit, then times, interleaved, the engines' order alternating per repetition: a
+contiguous pinned D2H and H2D copy of one op's bytes (the ceiling), and `store` (fresh
+tokens every time, so every chunk is written and L1 evicts) and `retrieve` (the same
+hit prefix every time) on two engines sharing the cache: observability off, and on
+(metrics with a Prometheus endpoint, L0 sampling 1%, logging, GPU-stamped END events).
+Wall-clock per call, median of the repetitions; each engine's subscribers drain between
+samples (untimed), so one engine's deferred event work is not charged to the other. A
+block of back-to-back ops per engine then measures the sustained on/off ratio with all
+of that work inside it.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
             "d2h": _timed(lambda: host.copy_(dev, non_blocking=True), device),
             "h2d": _timed(lambda: dev.copy_(host, non_blocking=True), device),
         }
-        for mode, engine in engines.items():
+        # engines alternate which goes first, so neither always follows the ceiling copies
+        for mode, engine in list(engines.items())[:: 1 if rep % 2 == 0 else -1]:
             rid = f"{mode}{rep}"
             sample[f"store_{mode}"] = _timed(
                 lambda e=engine, t=fresh, r=rid: e.store("bench", t, src, request_id=r), device

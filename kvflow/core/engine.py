@@ -350,6 +350,7 @@ class CacheEngine:
                         "tokens": len(plan.new) * self.chunk_size,
                         "bytes": len(plan.new) * inst.chunk_nbytes,
                     }
+                    inst.mover.flush()
                     self._publish_evictions(plan, request_id)  # events once the GPU is busy
                     evictions_told = True
                     op.end(inst.mover.store_stream, **result)
@@ -424,6 +425,7 @@ class CacheEngine:
                         more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
                         chunks, tokens = chunks + more[0], tokens + more[1]
                     ids.convert_blocks(n_chunks)  # checked even when nothing was copied
+                    inst.mover.flush()
                     result = {
                         "tokens": tokens,
                         "bytes": chunks * inst.chunk_nbytes,

@@ -7,6 +7,7 @@ kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_st
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -72,12 +73,21 @@ class Mover(Protocol):
 
         `block_ids()` gives the rows (row c: chunk c's blocks); it is called once, after
         the first host copies are queued and before any block is written, so converting
-        and checking the ids overlaps those copies and a bad id writes nothing.
+        and checking the ids overlaps those copies and a bad id writes nothing. A CUDA
+        mover holds scatters back until their staging is needed again or `flush()`.
         """
         ...
 
+    def flush(self) -> None:
+        """Queue every step the op still holds back (a retrieve's later scatters), so the
+        op's last step is on its stream; call once its enqueueing is done, before END."""
+        ...
+
     def wait(self) -> None:
-        """Block until everything enqueued has finished (raises the transfer's error)."""
+        """Block until everything queued has finished (raises the transfer's error).
+
+        Steps held back and not flushed are dropped: an op that failed midway writes
+        nothing more."""
         ...
 
     def close(self) -> None: ...
@@ -105,6 +115,9 @@ class CpuMover:
         for c in range(len(srcs)):
             moves.launch(srcs[c].view(1, -1), c, 1)
 
+    def flush(self) -> None:
+        return None
+
     def wait(self) -> None:
         return None
 
@@ -118,7 +131,9 @@ class CudaMover:
     Chunks go in groups of `group` (one kernel launch each); group j uses stage
     j % stages, so kernels for later groups run while earlier groups' host copies
     drain. Events order each stage's reuse on the GPU: the host only enqueues,
-    then waits once. Groups are counted across an op's enqueue calls until `wait()`,
+    then waits once. A retrieve's scatters are held back until their stage is needed
+    again (or `flush()`), so a ring of host copies is queued before the host spends
+    time on the block ids. Groups are counted across an op's enqueue calls until `wait()`,
     so a second call continues the ring where the first left it. Copies and events go
     straight to the driver (`kvflow.kernels.driver`): torch's stream contexts cost
     more host time per op than the rest of the enqueueing.
@@ -142,6 +157,8 @@ class CudaMover:
         self._drained = [DriverEvent(ks) for _ in range(self.stages)]
         self._caller_ready = DriverEvent(ks)
         self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
+        # retrieve groups whose scatter is held back: (group, call, stage, start, stop)
+        self._held: deque[tuple[int, _RetrieveCall, int, int, int]] = deque()
         self._ids = IdBuffer(self.device)  # every op's block ids; reset once it has finished
 
     def _ring(self) -> torch.Tensor:
@@ -164,6 +181,7 @@ class CudaMover:
         self._groups += 1
         s = j % self.stages
         if j >= self.stages:
+            self._scatter_through(j - self.stages)  # a held retrieve scatter drains it
             self._drained[s].wait_on(stream.handle)
         return s
 
@@ -189,12 +207,14 @@ class CudaMover:
             self._drained[s].record(cs.handle)
 
     def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
+        """Queue the host copies now, holding each group's scatter back until its stage is
+        needed again or `flush()`: the block ids are asked for at the first scatter, so
+        their conversion runs while up to a full ring of copies is in flight."""
         ring = self._ring()
         cs = self.copy_stream
         cb = self.chunk_nbytes
         self._after_caller(cs)
-        moves: PreparedTransfer | None = None
-        pending: tuple[int, int, int] | None = None
+        call = _RetrieveCall(block_ids, skip_blocks)
         for start in range(0, len(srcs), self.group):
             s = self._next_stage(cs)
             stop = min(start + self.group, len(srcs))
@@ -202,29 +222,24 @@ class CudaMover:
             for i in range(stop - start):
                 copy_async(base + i * cb, srcs.address(start + i, cb), cb, cs.handle)
             self._filled[s].record(cs.handle)
-            if moves is None:  # ids converted, checked, uploaded while the first copies run
-                moves = PreparedTransfer(
-                    self.layout, block_ids(), direction="scatter", skip_blocks=skip_blocks,
-                    backend="cuda", stream=self.kernel_stream, id_buffer=self._ids,
-                )  # fmt: skip
-            # the previous group's scatter goes after this group's copies are queued,
-            # so the copy engine has work even if a launch blocks the host a while
-            if pending is not None:
-                self._scatter(moves, ring, *pending)
-            pending = (s, start, stop)
-        if moves is not None and pending is not None:
-            self._scatter(moves, ring, *pending)
+            self._held.append((self._groups - 1, call, s, start, stop))
 
-    def _scatter(
-        self, moves: PreparedTransfer, ring: torch.Tensor, s: int, start: int, stop: int
-    ) -> None:
-        """Scatter the group in stage `s` once its copies landed; mark the stage drained."""
+    def _scatter_through(self, group: int) -> None:
+        """Queue the held-back scatters of groups up to `group`, oldest first."""
         ks = self.kernel_stream
-        self._filled[s].wait_on(ks.handle)
-        moves.launch(ring[s][: stop - start], start, stop - start)
-        self._drained[s].record(ks.handle)
+        while self._held and self._held[0][0] <= group:
+            _, call, s, start, stop = self._held[0]
+            moves = call.moves(self.layout, ks, self._ids)
+            self._held.popleft()
+            self._filled[s].wait_on(ks.handle)
+            moves.launch(self._ring()[s][: stop - start], start, stop - start)
+            self._drained[s].record(ks.handle)
+
+    def flush(self) -> None:
+        self._scatter_through(self._groups)
 
     def wait(self) -> None:
+        self._held.clear()  # not flushed: the op failed, its blocks stay untouched
         self._groups = 0
         self.kernel_stream.synchronize()
         self.copy_stream.synchronize()
@@ -233,6 +248,24 @@ class CudaMover:
     def close(self) -> None:
         self.wait()
         self._staging = None
+
+
+class _RetrieveCall:
+    """One retrieve call's scatter side: its block ids, converted and uploaded when its
+    first held-back scatter is queued."""
+
+    def __init__(self, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
+        self._block_ids = block_ids
+        self._skip_blocks = skip_blocks
+        self._moves: PreparedTransfer | None = None
+
+    def moves(self, layout: KVLayout, stream: TransferStream, ids: IdBuffer) -> PreparedTransfer:
+        if self._moves is None:
+            self._moves = PreparedTransfer(
+                layout, self._block_ids(), direction="scatter", skip_blocks=self._skip_blocks,
+                backend="cuda", stream=stream, id_buffer=ids,
+            )  # fmt: skip
+        return self._moves
 
 
 def pipeline_shape(chunk_nbytes: int) -> tuple[int, int]:

@@ -99,3 +99,41 @@ def test_one_op_enqueued_in_several_calls_continues_the_staging_ring(
     assert all(torch.equal(d, w) for d, w in zip(dsts, want.cpu(), strict=True))
     mover.close()
     pool.release()
+
+
+def test_a_retrieve_failing_in_a_later_wave_writes_no_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first wave's host copies are queued and its scatter held back; when the second
+    wave fails, the held scatter is dropped: no block changes, END reports the failure,
+    and the next retrieve (ring and id buffer reset) is bit-exact."""
+    monkeypatch.setattr(transfer, "HEAD_BYTES", 1)  # waves of 1, 1, 2 chunks
+    engine, recorder = small_engine(l1_bytes=64 << 20, chunk_size=CHUNK)
+    n = 4 * CHUNK // BLOCK
+    gen = torch.Generator().manual_seed(5)
+    src, kw = make_kv_caches("vllm_flash_attn", num_blocks=2 * n, block_size=BLOCK,
+                             device="cuda", generator=gen)  # fmt: skip
+    engine.register_kv_caches("a", src, model_name="m", **kw)
+    tokens = np.arange(4 * CHUNK, dtype=np.int32)
+    assert engine.store("a", tokens, list(range(n)), request_id="w") == 4 * CHUNK
+    out = list(range(n, 2 * n))
+    before = block_bytes(src, kw, out)
+    real, calls = engine.l1.pin_prefix, [0]
+
+    def failing(keys: list[object]) -> list[object]:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("lookup fault")
+        return real(keys)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.l1, "pin_prefix", failing)
+    with pytest.raises(Exception, match="lookup fault"):
+        engine.retrieve("a", tokens, out, request_id="r")
+    torch.cuda.synchronize()
+    assert calls[0] == 2 and torch.equal(block_bytes(src, kw, out), before)
+    monkeypatch.setattr(engine.l1, "pin_prefix", real)
+    assert engine.retrieve("a", tokens, out, request_id="r2") == 4 * CHUNK
+    assert torch.equal(block_bytes(src, kw, out), block_bytes(src, kw, list(range(n))))
+    ends = [e.attrs for _, e in pairs(events_of(recorder, engine))]
+    assert [e["ok"] for e in ends] == [True, False, True]
+    engine.close()
