@@ -6,8 +6,10 @@ contiguous pinned D2H and H2D copy of one op's bytes (the ceiling), and `store` 
 tokens every time, so every chunk is written and L1 evicts) and `retrieve` (the same
 hit prefix every time) on two engines sharing the cache: observability off, and on
 (metrics with a Prometheus endpoint, L0 sampling 1%, logging, GPU-stamped END events).
-Wall-clock per call, median of the repetitions; each engine's subscribers drain between
-samples (untimed), so one engine's deferred event work is not charged to the other. A
+Wall-clock per call: GB/s from the median time, ratios as the median of per-repetition
+ratios (each op against the copy timed in its repetition); each engine's subscribers
+drain between samples (untimed), so one engine's deferred event work is not charged to
+the other. A
 block of back-to-back ops per engine then measures the sustained on/off ratio with all
 of that work inside it.
 """
@@ -183,16 +185,22 @@ def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
     for engine in engines.values():
         engine.close()
     gbps = {k: op_bytes / statistics.median(v) / 1e9 for k, v in times.items()}
+
+    def paired(slow: str, fast: str) -> float:
+        """Median over repetitions of time[fast] / time[slow], both timed in that
+        repetition, so a drift of the machine's speed between repetitions cancels."""
+        return statistics.median(f / s for f, s in zip(times[fast], times[slow], strict=True))
+
     return {
         "case": case.name,
         "format": case.fmt.value,
         "chunk_mib": layout.chunk_nbytes(case.chunk) / 2**20,
         "op_mib": op_bytes / 2**20,
         "gbps": gbps,
-        "store_vs_copy": gbps["store_off"] / gbps["d2h"],
-        "retrieve_vs_copy": gbps["retrieve_off"] / gbps["h2d"],
-        "store_on_off": gbps["store_on"] / gbps["store_off"],
-        "retrieve_on_off": gbps["retrieve_on"] / gbps["retrieve_off"],
+        "store_vs_copy": paired("store_off", "d2h"),
+        "retrieve_vs_copy": paired("retrieve_off", "h2d"),
+        "store_on_off": paired("store_on", "store_off"),
+        "retrieve_on_off": paired("retrieve_on", "retrieve_off"),
         "sustained_on_off": block["off"] / block["on"],
         "open_ops": tally.open_ops(),
         "ops_seen": sum(t.ops for t in tally.snapshot().values()),
@@ -246,7 +254,10 @@ def main() -> None:
         if use_cuda:
             torch.cuda.empty_cache()
     where = torch.cuda.get_device_name() if use_cuda else "CPU (no pinned memory)"
-    print(f"device: {where}; GB/s = bytes moved per op / median wall time per op")
+    print(
+        f"device: {where}; GB/s = bytes moved per op / median wall time per op; ratios = "
+        "median of per-repetition ratios"
+    )
     print_table(rows)
     if args.json:
         with open(args.json, "w") as fh:
