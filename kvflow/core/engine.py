@@ -466,7 +466,7 @@ class CacheEngine:
                 skips.append(s)
 
         def block_rows() -> np.ndarray:
-            ids.convert_blocks(ids.n_chunks)
+            ids.check_distinct(skip_blocks)  # converts and checks every block id
             return _rows_of(ids.table, rows)
 
         if rows:

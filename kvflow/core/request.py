@@ -88,6 +88,7 @@ class RequestIds:
                             self._check_blocks)  # fmt: skip
         self.tokens = self._tokens.out
         self.table = self._blocks.out.reshape(self.n_chunks, blocks_per_chunk)
+        self._distinct = False  # check_distinct passed
 
     def _check_blocks(self, ids: np.ndarray) -> None:
         try:
@@ -107,6 +108,24 @@ class RequestIds:
         """Both, tokens first."""
         self._tokens.upto(n_chunks)
         self._blocks.upto(n_chunks)
+
+    def check_distinct(self, skip_blocks: int) -> None:
+        """InvalidRequestError if the full chunks' blocks after the first `skip_blocks`
+        repeat an id: a retrieve writing them would write one block twice. Checked over
+        the whole table at once (the first call), since a retrieve writes it in waves."""
+        if self._distinct:
+            return
+        self._blocks.upto(self.n_chunks)
+        written = self._blocks.out[skip_blocks:]
+        seen = np.zeros(self._layout.num_blocks, dtype=np.bool_)  # a mask: unique is slower
+        seen[written] = True
+        if int(np.count_nonzero(seen)) != written.size:
+            values, counts = np.unique(written, return_counts=True)
+            raise InvalidRequestError(
+                f"block_ids repeat block {int(values[counts > 1][0])}, which a retrieve "
+                "would write twice"
+            )
+        self._distinct = True
 
 
 def _part(values: Any, start: int, stop: int, to_end: bool) -> Any:

@@ -98,3 +98,25 @@ def test_a_retrieve_with_a_bad_block_id_writes_no_block() -> None:
         engine.retrieve("a", tokens + 1, [4, 5, 6, 99], request_id="miss")  # nothing to copy
     assert engine.retrieve("a", tokens, [4, 5, 6, 7], request_id="r") == 2 * CHUNK
     engine.close()
+
+
+def test_a_retrieve_repeating_a_block_across_its_waves_writes_no_block() -> None:
+    """Chunk 0 (first wave) and chunk 1 (second wave) share block 5: each wave alone is
+    fine, so the whole table is checked before any block is written. A repeat inside
+    the skipped prefix writes nothing twice and is accepted."""
+    engine, _ = small_engine()
+    kv, kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("a", kv, model_name="m", **kw)
+    tokens = np.arange(2 * CHUNK, dtype=np.int32)
+    engine.store("a", tokens, [0, 1, 2, 3], request_id="w")
+    before = block_bytes(kv, kw, [4, 5, 6])
+    with pytest.raises(InvalidRequestError, match="repeat block 5, which a retrieve"):
+        engine.retrieve("a", tokens, [4, 5, 5, 6], request_id="r")
+    assert torch.equal(block_bytes(kv, kw, [4, 5, 6]), before)
+    skip = BLOCK  # the first 4 is skipped: 4 (once), 6 and 7 are written
+    assert (
+        engine.retrieve("a", tokens, [4, 4, 6, 7], request_id="s", skip_first_n_tokens=skip)
+        == 2 * CHUNK
+    )
+    assert torch.equal(block_bytes(kv, kw, [6, 7]), block_bytes(kv, kw, [2, 3]))
+    engine.close()
