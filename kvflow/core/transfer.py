@@ -22,7 +22,7 @@ from kvflow.kernels import (
     current_stream_handle,
     new_transfer_stream,
 )
-from kvflow.kernels.driver import DriverEvent, copy_async
+from kvflow.kernels.driver import CurrentContext, DriverEvent, copy_async, stream_context
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
@@ -133,10 +133,11 @@ class CudaMover:
     drain. Events order each stage's reuse on the GPU: the host only enqueues,
     then waits once. A retrieve's scatters are held back until their stage is needed
     again (or `flush()`), so a ring of host copies is queued before the host spends
-    time on the block ids. Groups are counted across an op's enqueue calls until `wait()`,
-    so a second call continues the ring where the first left it. Copies and events go
-    straight to the driver (`kvflow.kernels.driver`): torch's stream contexts cost
-    more host time per op than the rest of the enqueueing.
+    time on the block ids. Groups are counted across an op's enqueue calls until
+    `wait()`, so a second call continues the ring where the first left it. Copies and
+    events go straight to the driver (`kvflow.kernels.driver`), under the device's
+    context whichever one the calling thread has current: torch's stream contexts
+    cost more host time per op than the rest of the enqueueing.
     """
 
     def __init__(self, layout: KVLayout, chunk_nbytes: int) -> None:
@@ -153,6 +154,7 @@ class CudaMover:
         self.retrieve_stream = self.kernel_stream
         self._staging: torch.Tensor | None = None
         ks = self.kernel_stream.handle
+        self._context = stream_context(ks)  # made current around each enqueueing call
         self._filled = [DriverEvent(ks) for _ in range(self.stages)]
         self._drained = [DriverEvent(ks) for _ in range(self.stages)]
         self._caller_ready = DriverEvent(ks)
@@ -186,6 +188,10 @@ class CudaMover:
         return s
 
     def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
+        with CurrentContext(self._context):
+            self._store(block_ids, dsts)
+
+    def _store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
         ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
         cb = self.chunk_nbytes
@@ -207,6 +213,10 @@ class CudaMover:
             self._drained[s].record(cs.handle)
 
     def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
+        with CurrentContext(self._context):
+            self._retrieve(srcs, block_ids, skip_blocks)
+
+    def _retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
         """Queue the host copies now, holding each group's scatter back until its stage is
         needed again or `flush()`: the block ids are asked for at the first scatter, so
         their conversion runs while up to a full ring of copies is in flight."""
@@ -236,7 +246,8 @@ class CudaMover:
             self._drained[s].record(ks.handle)
 
     def flush(self) -> None:
-        self._scatter_through(self._groups)
+        with CurrentContext(self._context):
+            self._scatter_through(self._groups)
 
     def wait(self) -> None:
         self._held.clear()  # not flushed: the op failed, its blocks stay untouched

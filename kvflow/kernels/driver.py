@@ -32,6 +32,7 @@ class _Lib:
         self.event_create = lib.cuEventCreate
         self.event_destroy = lib.cuEventDestroy_v2
         self.stream_ctx = lib.cuStreamGetCtx
+        self.get_ctx = lib.cuCtxGetCurrent
         self.set_ctx = lib.cuCtxSetCurrent
         self.push_ctx = lib.cuCtxPushCurrent_v2
         self.pop_ctx = lib.cuCtxPopCurrent_v2
@@ -43,6 +44,7 @@ class _Lib:
             (self.event_create, [vpp, ctypes.c_uint]),
             (self.event_destroy, [vp]),
             (self.stream_ctx, [vp, vpp]),
+            (self.get_ctx, [vpp]),
             (self.set_ctx, [vp]),
             (self.push_ctx, [vp]),
             (self.pop_ctx, [vpp]),
@@ -82,10 +84,35 @@ def _call(what: str, context: int, fn: Callable[..., int], *args: object) -> Non
         raise _driver().fail(rc, what)
 
 
-def _stream_context(stream: int) -> int:
+def stream_context(stream: int) -> int:
     """The context a (non-default) stream belongs to; 0 when the driver cannot say."""
     ctx = ctypes.c_void_p()
     return 0 if _driver().stream_ctx(stream, ctypes.byref(ctx)) else ctx.value or 0
+
+
+class CurrentContext:
+    """`with CurrentContext(ctx):` runs a block of driver calls with `ctx` current,
+    pushing it only when the thread has another context (or none) current: a process
+    driving several GPUs may call in with any device's context current."""
+
+    __slots__ = ("_context", "_pushed")
+
+    def __init__(self, context: int) -> None:
+        self._context = context
+        self._pushed = False
+
+    def __enter__(self) -> None:
+        lib = _driver()
+        current = ctypes.c_void_p()
+        lib.get_ctx(ctypes.byref(current))
+        if current.value != self._context:
+            _call("cuCtxPushCurrent", 0, lib.push_ctx, self._context)
+            self._pushed = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed:
+            self._pushed = False
+            _driver().pop_ctx(ctypes.byref(ctypes.c_void_p()))
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -94,7 +121,7 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     lib = _driver()
     rc = lib.copy(dst, src, nbytes, stream)
     if rc == _CUDA_ERROR_INVALID_CONTEXT:
-        _call("cuMemcpyAsync", _stream_context(stream), lib.copy, dst, src, nbytes, stream)
+        _call("cuMemcpyAsync", stream_context(stream), lib.copy, dst, src, nbytes, stream)
     elif rc:
         raise lib.fail(rc, "cuMemcpyAsync")
 
@@ -106,7 +133,7 @@ class DriverEvent:
     def __init__(self, stream: int) -> None:
         """Create the event in the context of `stream` (a created stream)."""
         lib = _driver()
-        self.context = _stream_context(stream)
+        self.context = stream_context(stream)
         if not self.context:
             raise RuntimeError(f"CUDA stream {stream:#x} has no context")
         handle = ctypes.c_void_p()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow.kernels import cuda_available, current_stream_handle, new_transfer_stream
-from kvflow.kernels.driver import DriverEvent, copy_async
+from kvflow.kernels.driver import CurrentContext, DriverEvent, copy_async, stream_context
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,6 +87,29 @@ def test_a_fresh_thread_records_on_the_default_stream_and_copies() -> None:
     thread.join()
     stream.synchronize()
     assert errors == []
+    assert torch.equal(a, b)
+
+
+def test_current_context_runs_a_block_under_the_stream_context_over_another_one() -> None:
+    """With another context current (as in a process driving several GPUs), driver calls
+    inside CurrentContext run in the stream's context; the other one is current after."""
+    import pycuda.driver as drv
+
+    stream = new_transfer_stream("cuda")
+    a = torch.arange(1 << 16, dtype=torch.int32, device="cuda")
+    b = torch.empty_like(a)
+    event = DriverEvent(stream.handle)
+    other = drv.Device(0).make_context()  # a second context, now current
+    try:
+        with CurrentContext(stream_context(stream.handle)):
+            event.record(0)  # the stream's context's default stream
+            event.wait_on(stream.handle)
+            copy_async(b.data_ptr(), a.data_ptr(), a.numel() * 4, stream.handle)
+        assert drv.Context.get_current().handle == other.handle
+    finally:
+        other.pop()
+        other.detach()
+    stream.synchronize()
     assert torch.equal(a, b)
 
 
