@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
+from kvflow.core.engine import CacheEngine
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.request import RequestIds
 from kvflow.core.testing import BLOCK, CHUNK, block_bytes, caches, small_engine
@@ -83,13 +86,19 @@ def test_a_store_with_a_bad_id_in_its_later_chunks_leaves_nothing_in_l1() -> Non
     engine.close()
 
 
-def test_a_retrieve_with_a_bad_block_id_writes_no_block() -> None:
-    """Block ids are checked before the first block is written, with or without hits."""
+def _two_chunks_stored() -> tuple[CacheEngine, Any, dict[str, Any], np.ndarray]:
+    """An engine with instance "a" whose blocks 0-3 hold two stored chunks of `tokens`."""
     engine, _ = small_engine()
     kv, kw = caches("vllm_flash_attn", seed=1)
     engine.register_kv_caches("a", kv, model_name="m", **kw)
     tokens = np.arange(2 * CHUNK, dtype=np.int32)
     engine.store("a", tokens, [0, 1, 2, 3], request_id="w")
+    return engine, kv, kw, tokens
+
+
+def test_a_retrieve_with_a_bad_block_id_writes_no_block() -> None:
+    """Block ids are checked before the first block is written, with or without hits."""
+    engine, kv, kw, tokens = _two_chunks_stored()
     before = block_bytes(kv, kw, [4, 5, 6])
     with pytest.raises(InvalidRequestError, match="block id 99 out of range"):
         engine.retrieve("a", tokens, [4, 5, 6, 99], request_id="r")
@@ -104,11 +113,7 @@ def test_a_retrieve_repeating_a_block_across_its_waves_writes_no_block() -> None
     """Chunk 0 (first wave) and chunk 1 (second wave) share block 5: each wave alone is
     fine, so the whole table is checked before any block is written. A repeat inside
     the skipped prefix writes nothing twice and is accepted."""
-    engine, _ = small_engine()
-    kv, kw = caches("vllm_flash_attn", seed=1)
-    engine.register_kv_caches("a", kv, model_name="m", **kw)
-    tokens = np.arange(2 * CHUNK, dtype=np.int32)
-    engine.store("a", tokens, [0, 1, 2, 3], request_id="w")
+    engine, kv, kw, tokens = _two_chunks_stored()
     before = block_bytes(kv, kw, [4, 5, 6])
     with pytest.raises(InvalidRequestError, match="repeat block 5, which a retrieve"):
         engine.retrieve("a", tokens, [4, 5, 5, 6], request_id="r")
