@@ -153,6 +153,7 @@ class CudaMover:
         self.store_stream = self.copy_stream
         self.retrieve_stream = self.kernel_stream
         self._staging: torch.Tensor | None = None
+        self._stage_views: list[torch.Tensor] = []
         ks = self.kernel_stream.handle
         self._context = stream_context(ks)  # made current around each enqueueing call
         self._filled = [DriverEvent(ks) for _ in range(self.stages)]
@@ -163,12 +164,15 @@ class CudaMover:
         self._held: deque[tuple[int, _RetrieveCall, int, int, int]] = deque()
         self._ids = IdBuffer(self.device)  # every op's block ids; reset once it has finished
 
-    def _ring(self) -> torch.Tensor:
+    def _stage(self, s: int, n: int) -> torch.Tensor:
+        """The first n chunk rows of stage s (views made once: indexing costs ~5 us)."""
         if self._staging is None:
             self._staging = torch.empty(
                 (self.stages, self.group, self.chunk_nbytes), dtype=torch.uint8, device=self.device
             )
-        return self._staging
+            self._stage_views = list(self._staging)
+        stage = self._stage_views[s]
+        return stage if n == self.group else stage[:n]
 
     def _after_caller(self, stream: TransferStream) -> None:
         """Order an op's first step after the caller's pending work on its current stream."""
@@ -192,7 +196,6 @@ class CudaMover:
             self._store(block_ids, dsts)
 
     def _store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
-        ring = self._ring()
         ks, cs = self.kernel_stream, self.copy_stream
         cb = self.chunk_nbytes
         moves = PreparedTransfer(
@@ -203,7 +206,7 @@ class CudaMover:
         for start in range(0, len(dsts), self.group):
             s = self._next_stage(ks)
             stop = min(start + self.group, len(dsts))
-            stage = ring[s][: stop - start]
+            stage = self._stage(s, stop - start)
             moves.launch(stage, start, stop - start)
             self._filled[s].record(ks.handle)
             self._filled[s].wait_on(cs.handle)
@@ -220,7 +223,6 @@ class CudaMover:
         """Queue the host copies now, holding each group's scatter back until its stage is
         needed again or `flush()`: the block ids are asked for at the first scatter, so
         their conversion runs while up to a full ring of copies is in flight."""
-        ring = self._ring()
         cs = self.copy_stream
         cb = self.chunk_nbytes
         self._after_caller(cs)
@@ -228,7 +230,7 @@ class CudaMover:
         for start in range(0, len(srcs), self.group):
             s = self._next_stage(cs)
             stop = min(start + self.group, len(srcs))
-            base = ring[s].data_ptr()
+            base = self._stage(s, stop - start).data_ptr()
             for i in range(stop - start):
                 copy_async(base + i * cb, srcs.address(start + i, cb), cb, cs.handle)
             self._filled[s].record(cs.handle)
@@ -242,7 +244,7 @@ class CudaMover:
             moves = call.moves(self.layout, ks, self._ids)
             self._held.popleft()
             self._filled[s].wait_on(ks.handle)
-            moves.launch(self._ring()[s][: stop - start], start, stop - start)
+            moves.launch(self._stage(s, stop - start), start, stop - start)
             self._drained[s].record(ks.handle)
 
     def flush(self) -> None:
@@ -259,6 +261,7 @@ class CudaMover:
     def close(self) -> None:
         self.wait()
         self._staging = None
+        self._stage_views = []
 
 
 class _RetrieveCall:

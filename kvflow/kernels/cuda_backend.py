@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvflow.kernels.driver import CurrentContext
 from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import KVLayout
-from kvflow.kernels.loader import DEFAULT_OPTIONS, active_context, cuda_available, get_function
+from kvflow.kernels.loader import DEFAULT_OPTIONS, cuda_available, get_function, primary_context
 from kvflow.kernels.plan import (
     DEFAULT_ITERS,
     DEFAULT_LANE_BYTES,
@@ -139,6 +140,7 @@ class UploadedTransfer:
         tuning: KernelTuning = DEFAULT_TUNING,
     ) -> None:
         self._index = _check_device(layout, stream)
+        self._context = int(primary_context(self._index).handle)
         self.layout = layout
         self.num_chunks, self.per_chunk = (int(n) for n in block_ids.shape)
         self.gather = gather
@@ -199,19 +201,21 @@ class UploadedTransfer:
             stream.torch.wait_stream(current)
         ids = self._ids_ptr
         per_chunk = self.per_chunk
-        with active_context(self._index):
+        # plain ints: the prepared launch packs them by its argument format; the
+        # primary context is pushed only when the thread has another (or none) current
+        with CurrentContext(self._context):
             function.prepared_async_call(
                 ((num_tiles + WARPS_PER_CTA - 1) // WARPS_PER_CTA, 1),
                 (THREADS_PER_CTA, 1, 1),
                 stream.pycuda,
-                np.uintp(table),
-                np.uintp(table + plan.groups_offset),
-                np.uintp(table + plan.entries_offset),
-                np.uintp(ids + 4 * first * per_chunk),
-                np.uintp(ids + 4 * (self.num_chunks * per_chunk + first)),
-                np.uintp(staging.data_ptr()),
-                np.uint32(num_tiles),
-                np.uint32(1 if self.gather else 0),
+                table,
+                table + plan.groups_offset,
+                table + plan.entries_offset,
+                ids + 4 * first * per_chunk,
+                ids + 4 * (self.num_chunks * per_chunk + first),
+                staging.data_ptr(),
+                num_tiles,
+                1 if self.gather else 0,
             )
         if self._ordered:
             current.wait_stream(stream.torch)
