@@ -133,7 +133,7 @@ class CudaMover:
     drain. Events order each stage's reuse on the GPU: the host only enqueues,
     then waits once. A retrieve's scatters are held back until their stage is needed
     again (or `flush()`), so a ring of host copies is queued before the host spends
-    time on the block ids. Groups are counted across an op's enqueue calls until
+    time on the block ids; its last group is scattered chunk by chunk as each lands. Groups are counted across an op's enqueue calls until
     `wait()`, so a second call continues the ring where the first left it. Copies and
     events go straight to the driver (`kvflow.kernels.driver`), under the device's
     context whichever one the calling thread has current: torch's stream contexts
@@ -156,7 +156,9 @@ class CudaMover:
         self._stage_views: list[torch.Tensor] = []
         ks = self.kernel_stream.handle
         self._context = stream_context(ks)  # made current around each enqueueing call
-        self._filled = [DriverEvent(ks) for _ in range(self.stages)]
+        self._gathered = [DriverEvent(ks) for _ in range(self.stages)]  # a store's gather
+        # a retrieve's host copy of chunk i into stage s has landed
+        self._landed = [[DriverEvent(ks) for _ in range(self.group)] for _ in range(self.stages)]
         self._drained = [DriverEvent(ks) for _ in range(self.stages)]
         self._caller_ready = DriverEvent(ks)
         self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
@@ -208,8 +210,8 @@ class CudaMover:
             stop = min(start + self.group, len(dsts))
             stage = self._stage(s, stop - start)
             moves.launch(stage, start, stop - start)
-            self._filled[s].record(ks.handle)
-            self._filled[s].wait_on(cs.handle)
+            self._gathered[s].record(ks.handle)
+            self._gathered[s].wait_on(cs.handle)
             base = stage.data_ptr()
             for i in range(stop - start):
                 copy_async(dsts.address(start + i, cb), base + i * cb, cb, cs.handle)
@@ -233,23 +235,35 @@ class CudaMover:
             base = self._stage(s, stop - start).data_ptr()
             for i in range(stop - start):
                 copy_async(base + i * cb, srcs.address(start + i, cb), cb, cs.handle)
-            self._filled[s].record(cs.handle)
+                # each chunk's landing is marked, so the op's last group can be
+                # scattered chunk by chunk (see flush)
+                self._landed[s][i].record(cs.handle)
             self._held.append((self._groups - 1, call, s, start, stop))
 
-    def _scatter_through(self, group: int) -> None:
-        """Queue the held-back scatters of groups up to `group`, oldest first."""
+    def _scatter_through(self, group: int, *, by_chunk: bool = False) -> None:
+        """Queue the held-back scatters of groups up to `group`, oldest first: one launch
+        per group once all its chunks landed, or (by_chunk) one per chunk as it lands."""
         ks = self.kernel_stream
         while self._held and self._held[0][0] <= group:
             _, call, s, start, stop = self._held[0]
             moves = call.moves(self.layout, ks, self._ids)
             self._held.popleft()
-            self._filled[s].wait_on(ks.handle)
-            moves.launch(self._stage(s, stop - start), start, stop - start)
+            stage = self._stage(s, stop - start)
+            if by_chunk:
+                for i in range(stop - start):
+                    self._landed[s][i].wait_on(ks.handle)
+                    moves.launch(stage[i : i + 1], start + i, 1)
+            else:
+                self._landed[s][stop - start - 1].wait_on(ks.handle)
+                moves.launch(stage, start, stop - start)
             self._drained[s].record(ks.handle)
 
     def flush(self) -> None:
+        """Queue the held scatters; the op's last group goes chunk by chunk, so after its
+        last host copy only one chunk's scatter remains (not a whole group's)."""
         with CurrentContext(self._context):
-            self._scatter_through(self._groups)
+            self._scatter_through(self._groups - 2)
+            self._scatter_through(self._groups - 1, by_chunk=True)
 
     def wait(self) -> None:
         self._held.clear()  # not flushed: the op failed, its blocks stay untouched
