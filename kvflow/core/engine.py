@@ -120,15 +120,15 @@ class CacheEngine:
         )  # fmt: skip
 
     def _chunk_keys(
-        self, inst: Instance, ids: RequestIds, n_chunks: int, request_id: str,
+        self, inst: Instance, ids: RequestIds, first: int, stop: int, request_id: str,
         cache_salt: str | None,
     ) -> list[ObjectKey]:  # fmt: skip
-        """L1 keys of the first n_chunks chunks, converting their token ids first (hashed
-        once per session, then cached)."""
-        ids.convert_tokens(n_chunks)
+        """L1 keys of chunks [first, stop), converting their token ids first (chained
+        hashes of the whole prefix, computed once per session, then cached)."""
+        ids.convert_tokens(stop)
         model, world, rank = inst.model_rank
-        hashes = self._keys.hashes(ids.tokens[: n_chunks * self.chunk_size], request_id)
-        return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes]
+        hashes = self._keys.hashes(ids.tokens[: stop * self.chunk_size], request_id)
+        return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes[first:]]
 
     def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
         self.bus.publish(Event(etype, 0, session_id, None, attrs))
@@ -327,7 +327,7 @@ class CacheEngine:
                 n_chunks = ids.n_chunks
                 stop = min(n_chunks, inst.mover.head_chunks)
                 ids.convert(stop)
-                keys = self._chunk_keys(inst, ids, stop, request_id, cache_salt)
+                keys = self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
                 evictions_told = False
                 try:
@@ -342,10 +342,10 @@ class CacheEngine:
                         queued = len(plan.new)
                         if stop == n_chunks or plan.covered < stop:
                             break
-                        stop = min(n_chunks, 2 * stop)
+                        first, stop = stop, min(n_chunks, 2 * stop)
                         ids.convert(stop)
-                        keys = self._chunk_keys(inst, ids, stop, request_id, cache_salt)
-                        self.l1.extend_write(plan, keys, inst.chunk_nbytes)
+                        keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
+                        self.l1.extend_write(plan, [*plan.keys, *keys], inst.chunk_nbytes)
                     result = {
                         "tokens": len(plan.new) * self.chunk_size,
                         "bytes": len(plan.new) * inst.chunk_nbytes,
@@ -414,14 +414,15 @@ class CacheEngine:
                 # started before the rest of the request is hashed and looked up
                 n_chunks = ids.n_chunks
                 stop = min(n_chunks, inst.mover.head_chunks)
-                objs = self.l1.pin_prefix(self._chunk_keys(inst, ids, stop, request_id, cache_salt))
+                objs = self.l1.pin_prefix(
+                    self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
+                )
                 try:
                     chunks, tokens = self._scatter(inst, objs, 0, ids, skip // inst.block_size)
                     while len(objs) == stop < n_chunks:
-                        stop = min(n_chunks, 2 * stop)
-                        keys = self._chunk_keys(inst, ids, stop, request_id, cache_salt)
-                        first = len(objs)
-                        objs.extend(self.l1.pin_prefix(keys[first:]))
+                        first, stop = stop, min(n_chunks, 2 * stop)
+                        keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
+                        objs.extend(self.l1.pin_prefix(keys))
                         more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
                         chunks, tokens = chunks + more[0], tokens + more[1]
                     ids.convert_blocks(n_chunks)  # checked even when nothing was copied

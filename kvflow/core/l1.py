@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -315,10 +315,10 @@ class L1Cache:
             self.pool.release()
 
 
-class ObjectViews(Sequence[torch.Tensor]):
-    """`L1Cache.view` of each object, made on access, so a store's copies start before the
-    views of its later chunks exist (a view costs microseconds; a request has dozens).
-    `address` gives an object's bytes by address, for movers that copy through the driver."""
+class ObjectViews:
+    """An op's L1 objects as a mover's `HostChunks`: `L1Cache.view` of each, made on
+    access (a view costs microseconds; a request has dozens), or its address, for
+    movers that copy through the driver and need no view."""
 
     def __init__(self, l1: L1Cache, objs: Sequence[L1Object]) -> None:
         self._l1 = l1
@@ -327,13 +327,7 @@ class ObjectViews(Sequence[torch.Tensor]):
     def __len__(self) -> int:
         return len(self._objs)
 
-    @overload
-    def __getitem__(self, index: int) -> torch.Tensor: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
-    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
-        if isinstance(index, slice):
-            return ObjectViews(self._l1, self._objs[index])
+    def __getitem__(self, index: int) -> torch.Tensor:
         return self._l1.view(self._objs[index])
 
     def address(self, index: int, nbytes: int) -> int:

@@ -116,14 +116,10 @@ class RequestIds:
         if self._distinct:
             return
         self._blocks.upto(self.n_chunks)
-        written = self._blocks.out[skip_blocks:]
-        seen = np.zeros(self._layout.num_blocks, dtype=np.bool_)  # a mask: unique is slower
-        seen[written] = True
-        if int(np.count_nonzero(seen)) != written.size:
-            values, counts = np.unique(written, return_counts=True)
+        repeated = self._layout.repeated_block(self._blocks.out[skip_blocks:])
+        if repeated is not None:
             raise InvalidRequestError(
-                f"block_ids repeat block {int(values[counts > 1][0])}, which a retrieve "
-                "would write twice"
+                f"block_ids repeat block {repeated}, which a retrieve would write twice"
             )
         self._distinct = True
 

@@ -133,11 +133,12 @@ class CudaMover:
     drain. Events order each stage's reuse on the GPU: the host only enqueues,
     then waits once. A retrieve's scatters are held back until their stage is needed
     again (or `flush()`), so a ring of host copies is queued before the host spends
-    time on the block ids; its last group is scattered chunk by chunk as each lands. Groups are counted across an op's enqueue calls until
-    `wait()`, so a second call continues the ring where the first left it. Copies and
-    events go straight to the driver (`kvflow.kernels.driver`), under the device's
-    context whichever one the calling thread has current: torch's stream contexts
-    cost more host time per op than the rest of the enqueueing.
+    time on the block ids; its last group is scattered chunk by chunk as each lands.
+    Groups are counted across an op's enqueue calls until `wait()`, so a second call
+    continues the ring where the first left it. Copies and events go straight to the
+    driver (`kvflow.kernels.driver`), under the device's context whichever one the
+    calling thread has current: torch's stream contexts cost more host time per op
+    than the rest of the enqueueing.
     """
 
     def __init__(self, layout: KVLayout, chunk_nbytes: int) -> None:
@@ -152,8 +153,7 @@ class CudaMover:
         self.copy_stream: TransferStream = new_transfer_stream(self.device)
         self.store_stream = self.copy_stream
         self.retrieve_stream = self.kernel_stream
-        self._staging: torch.Tensor | None = None
-        self._stage_views: list[torch.Tensor] = []
+        self._stage_views: list[torch.Tensor] = []  # the staging ring, one view per stage
         ks = self.kernel_stream.handle
         self._context = stream_context(ks)  # made current around each enqueueing call
         self._gathered = [DriverEvent(ks) for _ in range(self.stages)]  # a store's gather
@@ -168,11 +168,9 @@ class CudaMover:
 
     def _stage(self, s: int, n: int) -> torch.Tensor:
         """The first n chunk rows of stage s (views made once: indexing costs ~5 us)."""
-        if self._staging is None:
-            self._staging = torch.empty(
-                (self.stages, self.group, self.chunk_nbytes), dtype=torch.uint8, device=self.device
-            )
-            self._stage_views = list(self._staging)
+        if not self._stage_views:
+            ring = (self.stages, self.group, self.chunk_nbytes)
+            self._stage_views = list(torch.empty(ring, dtype=torch.uint8, device=self.device))
         stage = self._stage_views[s]
         return stage if n == self.group else stage[:n]
 
@@ -274,7 +272,6 @@ class CudaMover:
 
     def close(self) -> None:
         self.wait()
-        self._staging = None
         self._stage_views = []
 
 

@@ -145,15 +145,11 @@ class DriverEvent:
     def record(self, stream: int) -> None:
         """Mark the point `stream` has reached; stream 0 is the event's context's default
         stream, whichever context the thread has current."""
-        lib = _driver()
         if stream:
-            _call("cuEventRecord", self.context, lib.record, self.handle, stream)
+            _call("cuEventRecord", self.context, _driver().record, self.handle, stream)
             return
-        _call("cuCtxPushCurrent", 0, lib.push_ctx, self.context)
-        try:
-            _call("cuEventRecord", 0, lib.record, self.handle, 0)
-        finally:
-            lib.pop_ctx(ctypes.byref(ctypes.c_void_p()))
+        with CurrentContext(self.context):
+            _call("cuEventRecord", 0, _driver().record, self.handle, 0)
 
     def wait_on(self, stream: int) -> None:
         """Make `stream` wait (on the GPU) until the recorded point has passed."""

@@ -157,3 +157,12 @@ def test_validate_block_ids_takes_numpy_arrays_alike() -> None:
         layout.validate_block_ids(np.array([[0.0, 1.0]]))
     with pytest.raises(ValueError, match=r"torch\.Tensor or numpy array; got list"):
         layout.validate_block_ids([[0, 1]])  # type: ignore[arg-type]
+
+
+def test_repeated_block_names_the_smallest_repeated_id() -> None:
+    """The repeat check scatter and a retrieve's whole table share: None when distinct."""
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_blocks=8)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    assert layout.repeated_block(np.array([3, 0, 7, 1], dtype=np.int32)) is None
+    assert layout.repeated_block(np.array([5, 2, 5, 2, 6], dtype=np.int64)) == 2
+    assert layout.repeated_block(np.empty(0, dtype=np.int32)) is None
