@@ -23,6 +23,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvflow tests benchmarks
+	$(VENV)/bin/ruff format --check kvflow tests benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -64,7 +64,9 @@ class ObservabilityConfig:
             )
         if self.otlp_protocol not in OTLP_PROTOCOLS:
             allowed = ", ".join(OTLP_PROTOCOLS)
-            raise ValueError(f"--otlp-protocol must be one of {allowed}, got {self.otlp_protocol!r}")
+            raise ValueError(
+                f"--otlp-protocol must be one of {allowed}, got {self.otlp_protocol!r}"
+            )
         if not self.tracing_ttl_s > 0:
             raise ValueError(f"--tracing-ttl-s must be > 0, got {self.tracing_ttl_s!r}")
         if not self.export_interval_s > 0:

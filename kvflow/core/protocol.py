@@ -24,7 +24,6 @@ PROTOCOL_VERSION = 1
 WIRE_DTYPE = INT32_LE
 
 
-
 # -- KV cache descriptions (registration) ----------------------------------------
 
 

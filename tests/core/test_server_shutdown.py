@@ -38,7 +38,12 @@ def _serve_gated() -> tuple[GatedEngine, KVFlowServer, threading.Thread, list[to
     server = KVFlowServer(config, engine=engine)
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
-    return engine, server, serving, [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)]
+    return (
+        engine,
+        server,
+        serving,
+        [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)],
+    )
 
 
 def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
