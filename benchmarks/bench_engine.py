@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
-from kvflow.core.engine import CacheEngine
-from kvflow.core.tally import OpTally
+from kvflow.core.demo.tally import OpTally
+from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.testing import block_bytes
 from kvflow.events import EventType
 from kvflow.kernels import KVFormat, KVLayout, cuda_available

@@ -6,10 +6,10 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "server": ("kvflow.core.server_cli", "run a kvflow server"),
-    "status": ("kvflow.core.server_cli", "print a running server's status"),
-    "demo": ("kvflow.core.demo", "run an in-process engine on a synthetic workload"),
-    "bench": ("kvflow.core.bench_cli", "run a benchmark from benchmarks/"),
+    "server": ("kvflow.core.server.cli", "run a kvflow server"),
+    "status": ("kvflow.core.server.cli", "print a running server's status"),
+    "demo": ("kvflow.core.demo.app", "run an in-process engine on a synthetic workload"),
+    "bench": ("kvflow.core.demo.bench", "run a benchmark from benchmarks/"),
 }
 
 

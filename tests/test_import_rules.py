@@ -16,26 +16,70 @@ ALLOWED = {
     "kernels": set(),
 }
 
+#: room of kvflow.core -> the rooms of kvflow.core its modules must not import
+CORE_FORBIDDEN = {
+    "engine": {"server", "demo"},
+    "tiers": {"engine", "server", "demo"},
+    "server": {"demo"},
+}
 
-def _kvflow_imports(path: Path) -> set[str]:
-    """The kvflow sub-packages a module imports (`kvflow.X...` -> X)."""
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a module imports (`import a.b`, `from a.b import c`)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        names = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "kvflow" and len(parts) > 1:
-                found.add(parts[1])
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
+
+
+def _kvflow_packages(path: Path) -> set[str]:
+    """The kvflow sub-packages a module imports (`kvflow.X...` -> X)."""
+    return {
+        name.split(".")[1]
+        for name in _imported_modules(path)
+        if name.startswith("kvflow.") and name.split(".")[1] != "__version__"
+    }
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_package_imports_only_what_it_may(package: str) -> None:
     """events import nothing of kvflow; subscribers only events; kernels nothing of servers or events."""
-    for path in sorted((ROOT / package).rglob("*.py")):
-        extra = _kvflow_imports(path) - ALLOWED[package] - {package}
+    for path in _modules(package):
+        extra = _kvflow_packages(path) - ALLOWED[package] - {package}
         assert not extra, f"{path.relative_to(ROOT.parent)} imports kvflow.{sorted(extra)}"
+
+
+@pytest.mark.parametrize("room", sorted(CORE_FORBIDDEN))
+def test_core_room_keeps_out_of_the_rooms_above_it(room: str) -> None:
+    """The engine never imports the server or the demo; tiers none of the three; the server not the demo."""
+    assert (ROOT / "core" / room).is_dir(), f"kvflow/core/{room} is missing"
+    for path in _modules(f"core/{room}"):
+        rooms = {
+            name.split(".")[2]
+            for name in _imported_modules(path)
+            if name.startswith("kvflow.core.") and len(name.split(".")) > 2
+        }
+        bad = rooms & CORE_FORBIDDEN[room]
+        assert not bad, f"{path.relative_to(ROOT.parent)} imports kvflow.core.{sorted(bad)}"
+
+
+def test_nothing_in_the_package_imports_test_helpers() -> None:
+    """No module under kvflow/ imports the project's tests (tests/support and the like)."""
+    for path in sorted(ROOT.rglob("*.py")):
+        bad = {n for n in _imported_modules(path) if n == "tests" or n.startswith("tests.")}
+        assert not bad, f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}"
+
+
+def test_every_package_explains_itself() -> None:
+    """Each folder of the package has an __init__.py whose docstring says what it holds."""
+    for init in [ROOT / "__init__.py", *sorted(ROOT.rglob("*/__init__.py"))]:
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(ROOT.parent)} has no docstring"

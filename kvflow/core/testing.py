@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
-from kvflow.core.engine import CacheEngine
+from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.events import END_TO_START, START_TO_END, Event, EventBus, EventType
 from kvflow.events.testing import RecordingSubscriber
 from kvflow.kernels import KVLayout, transfer_blocks

@@ -1,0 +1,569 @@
+"""The in-process cache engine (SPEC section 4): registration, keys, L1, transfers, events.
+
+Thread-safe: lookup/status may run while stores and retrieves of different
+instances run on other threads; one instance's transfers are serialised by its
+lock. Every operation is observed through START/END event pairs on the bus.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvflow.core.arrays import as_int32_array
+from kvflow.core.config import ServerConfig
+from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
+from kvflow.core.engine.keys import KeyCache, ObjectKey
+from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
+from kvflow.core.engine.observability import Observability
+from kvflow.core.engine.ops import Op
+from kvflow.core.engine.request import RequestIds
+from kvflow.core.errors import (
+    AlreadyRegisteredError,
+    CapacityError,
+    InvalidRequestError,
+    KVFlowError,
+    TransferError,
+    UnknownInstanceError,
+)
+from kvflow.core.tiers.l1 import L1Cache, WritePlan
+from kvflow.events import BlockAllocation, Event, EventBus, EventType
+from kvflow.kernels import KVLayout, cuda_available
+
+GIB = 1 << 30
+
+
+def _check_str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _check_salt(cache_salt: Any) -> str | None:
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidRequestError(f"cache_salt must be a string or None, got {cache_salt!r}")
+    return cache_salt
+
+
+def _rows_of(table: np.ndarray, rows: list[int]) -> np.ndarray:
+    """table[rows] for ascending rows: a view when they are one contiguous run."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        return table[rows[0] : rows[-1] + 1]
+    return table[np.asarray(rows, dtype=np.intp)]
+
+
+def _requested_tokens(token_ids: Any) -> int:
+    """The request's token count for START events (0 when it has no length: refused later)."""
+    return len(token_ids) if hasattr(token_ids, "__len__") else 0
+
+
+def _transfer_attrs(inst: Instance, token_ids: Any) -> dict[str, Any]:
+    """A store's or retrieve's START attrs."""
+    return {
+        "instance_id": inst.instance_id,
+        "model_name": inst.model_name,
+        "tokens": _requested_tokens(token_ids),
+    }
+
+
+def _check_world(world_size: Any, rank: Any = 0) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidRequestError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+
+
+class CacheEngine:
+    """Registration, keys, L1 and transfers behind the SPEC section 4 methods.
+
+    Builds its event bus and subscribers from `config.observability` unless `bus`
+    is given; a given bus is used as is (the caller starts and stops it).
+    """
+
+    def __init__(self, config: ServerConfig | None = None, *, bus: EventBus | None = None):
+        self.config = config if config is not None else ServerConfig()
+        self.chunk_size = self.config.chunk_size
+        self.l1 = L1Cache(int(self.config.l1_size_gb * GIB))
+        self._keys = KeyCache(self.chunk_size)
+        self._lock = threading.Lock()
+        self._instances: dict[str, Instance] = {}
+        self._layouts: dict[ModelRank, LayoutDesc] = {}
+        self._closed = False
+        self._obs = Observability(self.config.observability, bus, l1_stats=self.l1_stats)
+        self.bus = self._obs.bus
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _instance(self, instance_id: Any) -> Instance:
+        with self._lock:
+            if self._closed:
+                raise KVFlowError("the cache engine is closed")
+            inst = self._instances.get(instance_id)
+        if inst is None:
+            raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
+        return inst
+
+    def _request_ids(
+        self, inst: Instance, token_ids: Any, block_ids: Any, request_id: Any, cache_salt: Any
+    ) -> RequestIds:
+        """A store/retrieve request's ids, after the checks that need no conversion."""
+        _check_str("request_id", request_id)
+        _check_salt(cache_salt)
+        return RequestIds(
+            token_ids, block_ids, chunk_size=self.chunk_size, layout=inst.layout,
+            blocks_per_chunk=inst.blocks_per_chunk,
+        )  # fmt: skip
+
+    def _chunk_keys(
+        self, inst: Instance, ids: RequestIds, first: int, stop: int, request_id: str,
+        cache_salt: str | None,
+    ) -> list[ObjectKey]:  # fmt: skip
+        """L1 keys of chunks [first, stop), converting their token ids first (chained
+        hashes of the whole prefix, computed once per session, then cached)."""
+        ids.convert_tokens(stop)
+        model, world, rank = inst.model_rank
+        hashes = self._keys.hashes(ids.tokens[: stop * self.chunk_size], request_id)
+        return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes[first:]]
+
+    def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
+        self.bus.publish(Event(etype, 0, session_id, None, attrs))
+
+    def _publish_evictions(self, plan: WritePlan, session_id: str | None) -> None:
+        if plan.evicted_chunks:
+            self._publish(
+                EventType.L1_EVICT,
+                session_id,
+                {"chunks": plan.evicted_chunks, "bytes": plan.evicted_bytes},
+            )
+
+    @staticmethod
+    def _quiesce(inst: Instance) -> None:
+        """After a failure: let enqueued copies finish before their memory is reused."""
+        with contextlib.suppress(Exception):
+            inst.mover.wait()
+
+    @contextlib.contextmanager
+    def _transfer(self, inst: Instance, op: Op, **failed: Any) -> Iterator[None]:
+        """Run an op's body; on any error wait for its streams, publish a failed END, re-raise.
+
+        `failed` are the END attrs of a failure. Errors that are not kvflow's own
+        (a failing copy) become TransferError.
+        """
+        try:
+            yield
+        except BaseException as exc:
+            self._quiesce(inst)
+            if isinstance(exc, KVFlowError) or not isinstance(exc, Exception):
+                op.fail(exc, **failed)
+                raise
+            err = TransferError(f"transfer for instance {inst.instance_id!r} failed: {exc}")
+            op.fail(err, **failed)
+            raise err from exc
+
+    # -- registration ------------------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        instance_id: str,
+        kv_caches: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        rank: int = 0,
+        block_size: int | None = None,
+        kv_format: str | None = None,
+    ) -> None:
+        """Register an instance's KV tensors; the layout is detected (or `kv_format`)."""
+        _check_str("instance_id", instance_id)
+        _check_str("model_name", model_name)
+        _check_world(world_size, rank)
+        with self._lock:
+            if instance_id in self._instances:
+                raise AlreadyRegisteredError(f"instance {instance_id!r} is already registered")
+        try:
+            layout = KVLayout.from_kv_caches(kv_caches, block_size=block_size, kv_format=kv_format)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"kv_caches of instance {instance_id!r}: {exc}") from None
+        if self.chunk_size % layout.block_size:
+            raise InvalidRequestError(
+                f"chunk_size {self.chunk_size} is not a multiple of the block_size "
+                f"{layout.block_size} of instance {instance_id!r}"
+            )
+        desc: LayoutDesc = tuple(
+            (tuple(shape), dtype) for shape, dtype in layout.layout_desc(self.chunk_size)
+        )
+        nbytes = layout.chunk_nbytes(self.chunk_size)
+        if nbytes > self.l1.capacity_bytes:
+            raise CapacityError(
+                f"one chunk of instance {instance_id!r} takes {nbytes} bytes, more than the whole "
+                f"L1 capacity ({self.l1.capacity_bytes} bytes); raise --l1-size-gb"
+            )
+        mover = self._make_mover(layout, nbytes)
+        inst = Instance(
+            instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes, mover
+        )
+        try:
+            self._add_instance(inst)
+        except BaseException:
+            mover.close()
+            raise
+        self._publish(EventType.REGISTER, None, inst.event_attrs())
+
+    def _make_mover(self, layout: KVLayout, chunk_nbytes: int) -> Mover:
+        if layout.device.type == "cpu":
+            return CpuMover(layout)
+        if layout.device.type == "cuda" and cuda_available():
+            return CudaMover(layout, chunk_nbytes)
+        raise InvalidRequestError(
+            f"KV caches on {layout.device} are not supported here (CUDA caches need pycuda "
+            "and a visible GPU; otherwise use CPU tensors)"
+        )
+
+    def _add_instance(self, inst: Instance) -> None:
+        """Record the instance and its (model, world, rank) layout desc, atomically."""
+        key = inst.model_rank
+        with self._lock:
+            if self._closed:
+                raise KVFlowError("the cache engine is closed")
+            if inst.instance_id in self._instances:
+                raise AlreadyRegisteredError(f"instance {inst.instance_id!r} is already registered")
+            known = self._layouts.get(key)
+            if known is not None and known != inst.layout_desc:
+                users = [i.instance_id for i in self._instances.values() if i.model_rank == key]
+                if users:
+                    raise InvalidRequestError(
+                        f"model {key[0]!r} world_size {key[1]} rank {key[2]} is registered by "
+                        f"{users} with chunk layout {known}; instance {inst.instance_id!r} has "
+                        f"{inst.layout_desc} (use a different model_name)"
+                    )
+                # nobody uses the old layout any more: its objects are unreadable, drop them
+                self.l1.drop_where(lambda k: (k.model_name, k.world_size, k.rank) == key)
+            self._layouts[key] = inst.layout_desc
+            self._instances[inst.instance_id] = inst
+
+    def unregister(self, instance_id: str) -> None:
+        """Forget an instance after its in-flight transfer; its L1 objects stay cached."""
+        with self._lock:
+            inst = self._instances.pop(instance_id, None)
+        if inst is None:
+            raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
+        with inst.lock:
+            inst.mover.close()
+        self._publish(EventType.UNREGISTER, None, inst.event_attrs())
+
+    def layout_desc(self, model_name: str, world_size: int = 1, rank: int = 0) -> LayoutDesc | None:
+        """The chunk layout recorded for (model, world, rank), or None if never registered."""
+        with self._lock:
+            return self._layouts.get((model_name, world_size, rank))
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> int:
+        """Tokens of the longest prefix of full chunks that every rank has in L1."""
+        n_req = _requested_tokens(token_ids)
+        attrs = {"model_name": model_name, "tokens": n_req}
+        op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
+        result: dict[str, Any] = {"requested_tokens": n_req, "hit_tokens": 0}
+        try:
+            if self._closed:
+                raise KVFlowError("the cache engine is closed")
+            _check_str("model_name", model_name)
+            _check_world(world_size)
+            salt = _check_salt(cache_salt)
+            if request_id is not None:
+                _check_str("request_id", request_id)
+            tokens = as_int32_array(token_ids, "token_ids")
+            hashes = self._keys.hashes(tokens, request_id)
+            # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
+            ranks = range(world_size)
+            chunks = ([(h, model_name, world_size, r, salt) for r in ranks] for h in hashes)
+            hit = self.l1.count_prefix(chunks) * self.chunk_size
+        except BaseException as exc:
+            op.fail(exc, **result)
+            raise
+        op.end(requested_tokens=n_req, hit_tokens=hit)
+        return hit
+
+    # -- store ------------------------------------------------------------------------------
+
+    def store(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy the full chunks missing from L1 into it; returns tokens of the request in L1.
+
+        The result counts, from token 0, the chunks now in L1 (written by this call,
+        already there, or being written by a concurrent store); it stops at the
+        first chunk L1 had no room for.
+        """
+        inst = self._instance(instance_id)
+        attrs = _transfer_attrs(inst, token_ids)
+        result: dict[str, Any] = {}
+        with inst.lock:
+            op = Op(self.bus, EventType.STORE_START, request_id, attrs)
+            with self._transfer(inst, op, tokens=0, bytes=0):
+                ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
+                # chunks go in waves: the first group is converted, hashed, planned and
+                # enqueued alone, then each wave doubles the chunks done, so a wave's host
+                # work runs while the copies of the (as many) chunks before it drain
+                n_chunks = ids.n_chunks
+                stop = min(n_chunks, inst.mover.head_chunks)
+                ids.convert(stop)
+                keys = self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
+                plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
+                evictions_told = False
+                try:
+                    if keys and not plan.covered:
+                        raise CapacityError(
+                            f"L1 is full of objects being read; no room for a chunk of "
+                            f"{inst.chunk_nbytes} bytes"
+                        )
+                    queued = 0
+                    while True:
+                        self._enqueue_store(inst, ids.table, plan.new[queued:])
+                        queued = len(plan.new)
+                        if stop == n_chunks or plan.covered < stop:
+                            break
+                        first, stop = stop, min(n_chunks, 2 * stop)
+                        ids.convert(stop)
+                        keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
+                        self.l1.extend_write(plan, [*plan.keys, *keys], inst.chunk_nbytes)
+                    result = {
+                        "tokens": len(plan.new) * self.chunk_size,
+                        "bytes": len(plan.new) * inst.chunk_nbytes,
+                    }
+                    inst.mover.flush()
+                    self._publish_evictions(plan, request_id)  # events once the GPU is busy
+                    evictions_told = True
+                    op.end(inst.mover.store_stream, **result)
+                    inst.mover.wait()
+                except BaseException:
+                    self._quiesce(inst)
+                    self.l1.abort(plan)
+                    if not evictions_told:
+                        self._publish_evictions(plan, request_id)
+                    raise
+                self.l1.commit(plan)
+        if plan.new:
+            self._publish(
+                EventType.L1_WRITE, request_id, {"chunks": len(plan.new), "bytes": result["bytes"]}
+            )
+        return plan.covered * self.chunk_size
+
+    def _enqueue_store(
+        self, inst: Instance, table: np.ndarray, new: Sequence[tuple[int, Any]]
+    ) -> None:
+        """Enqueue the copies of planned (chunk index, L1 object) pairs into L1."""
+        if new:
+            rows = [i for i, _ in new]
+            inst.mover.store(_rows_of(table, rows), self.l1.views([o for _, o in new]))
+
+    # -- retrieve ----------------------------------------------------------------------------
+
+    def retrieve(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        skip_first_n_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy the consecutive L1 hits from chunk 0 into the request's blocks.
+
+        Returns the hit prefix in tokens (the tokens now valid in the blocks from
+        token 0); the first `skip_first_n_tokens` (whole blocks) are not written.
+        """
+        inst = self._instance(instance_id)
+        attrs = _transfer_attrs(inst, token_ids)
+        result: dict[str, Any] = {}
+        with inst.lock:
+            op = Op(self.bus, EventType.RETRIEVE_START, request_id, attrs)
+            with self._transfer(inst, op, tokens=0, bytes=0, hit_tokens=0):
+                skip = skip_first_n_tokens
+                if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+                    raise InvalidRequestError(
+                        f"skip_first_n_tokens must be an integer >= 0, got {skip!r}"
+                    )
+                if skip % inst.block_size:
+                    raise InvalidRequestError(
+                        f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
+                        f"({inst.block_size}) of instance {inst.instance_id!r}"
+                    )
+                ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
+                # in waves like a store: the first group's keys are hashed and its copies
+                # started before the rest of the request is hashed and looked up
+                n_chunks = ids.n_chunks
+                stop = min(n_chunks, inst.mover.head_chunks)
+                objs = self.l1.pin_prefix(
+                    self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
+                )
+                try:
+                    chunks, tokens = self._scatter(inst, objs, 0, ids, skip // inst.block_size)
+                    while len(objs) == stop < n_chunks:
+                        first, stop = stop, min(n_chunks, 2 * stop)
+                        keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
+                        objs.extend(self.l1.pin_prefix(keys))
+                        more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
+                        chunks, tokens = chunks + more[0], tokens + more[1]
+                    ids.convert_blocks(n_chunks)  # checked even when nothing was copied
+                    inst.mover.flush()
+                    result = {
+                        "tokens": tokens,
+                        "bytes": chunks * inst.chunk_nbytes,
+                        "hit_tokens": len(objs) * self.chunk_size,
+                        "chunks": chunks,
+                    }
+                    op.end(inst.mover.retrieve_stream, **result)
+                    inst.mover.wait()
+                except BaseException:
+                    self._quiesce(inst)
+                    raise
+                finally:
+                    self.l1.unpin(objs)
+        if result["chunks"]:
+            self._publish(
+                EventType.L1_READ,
+                request_id,
+                {"chunks": result["chunks"], "bytes": result["bytes"]},
+            )
+        return int(result["hit_tokens"])
+
+    def _scatter(
+        self, inst: Instance, objs: Sequence[Any], first: int, ids: RequestIds, skip_blocks: int
+    ) -> tuple[int, int]:
+        """Enqueue the copies of hit chunks [first, len(objs)) not wholly skipped; returns
+        (chunks enqueued, tokens they write).
+
+        The block ids are converted and checked, all of them, when the mover first asks
+        for them: after its first host copies are queued, before it writes any block.
+        """
+        bpc = inst.blocks_per_chunk
+        rows: list[int] = []
+        skips: list[int] = []
+        for c in range(first, len(objs)):
+            s = min(max(skip_blocks - c * bpc, 0), bpc)
+            if s < bpc:
+                rows.append(c)
+                skips.append(s)
+
+        def block_rows() -> np.ndarray:
+            ids.check_distinct(skip_blocks)  # converts and checks every block id
+            return _rows_of(ids.table, rows)
+
+        if rows:
+            inst.mover.retrieve(self.l1.views([objs[c] for c in rows]), block_rows, skips)
+        return len(rows), sum(bpc - s for s in skips) * inst.block_size
+
+    # -- sessions and allocations ------------------------------------------------------------
+
+    def end_session(self, request_id: str) -> None:
+        """The request finished: drop its key chain and publish END_SESSION."""
+        _check_str("request_id", request_id)
+        if self._closed:
+            raise KVFlowError("the cache engine is closed")
+        self._keys.drop(request_id)
+        self._publish(EventType.END_SESSION, request_id, {})
+
+    def report_block_allocations(
+        self, instance_id: str, records: Sequence[BlockAllocation]
+    ) -> None:
+        """Publish the engine's new block allocations (BLOCK_ALLOCATION, SPEC section 7)."""
+        inst = self._instance(instance_id)
+        if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
+            raise InvalidRequestError(
+                f"records must be a sequence of BlockAllocation, got {type(records).__name__}"
+            )
+        checked: list[BlockAllocation] = []
+        for i, rec in enumerate(records):
+            if not isinstance(rec, Sequence) or len(rec) != 3:
+                raise InvalidRequestError(
+                    f"records[{i}] must be BlockAllocation(req_id, new_block_ids, new_token_ids)"
+                )
+            req_id, block_ids, token_ids = rec
+            if not isinstance(req_id, str) or not req_id:
+                raise InvalidRequestError(f"records[{i}].req_id must be a non-empty string")
+            for name, seq in (("new_block_ids", block_ids), ("new_token_ids", token_ids)):
+                if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
+                    raise InvalidRequestError(f"records[{i}].{name} must be a sequence of ints")
+            checked.append(rec if isinstance(rec, BlockAllocation) else BlockAllocation(*rec))
+        attrs = {
+            "instance_id": inst.instance_id,
+            "model_name": inst.model_name,
+            "block_size": inst.block_size,
+            "records": tuple(checked),
+        }
+        self._publish(EventType.BLOCK_ALLOCATION, None, attrs)
+
+    # -- introspection and shutdown ------------------------------------------------------------
+
+    def l1_stats(self) -> dict[str, int]:
+        """L1 usage, capacity, objects and evictions (what the L1 gauges read)."""
+        return self.l1.stats()
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot: instances, L1, bus accounting, config."""
+        with self._lock:
+            instances = {i: inst.describe() for i, inst in self._instances.items()}
+            closed = self._closed
+        stats = self.bus.stats()
+        return {
+            "closed": closed,
+            "chunk_size": self.chunk_size,
+            "instances": instances,
+            "l1": self.l1.stats(),
+            "bus": {
+                "published": stats.total_published,
+                "delivered": stats.total_delivered,
+                "dropped": stats.total_dropped,
+                "dropped_by_type": {t.label: n for t, n in stats.dropped.items() if n},
+                "queue_depth": stats.queue_depth,
+                "oldest_lag_ns": stats.oldest_lag_ns,
+                "capacity": stats.capacity,
+                "subscriber_errors": dict(stats.subscriber_errors),
+            },
+            "config": dataclasses.asdict(self.config),
+        }
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Unregister everything, stop the bus and flush exporters (idempotent).
+
+        Returns True when the event pipeline shut down cleanly.
+        """
+        with self._lock:
+            if self._closed:
+                return self._obs.clean
+            self._closed = True
+            instances = list(self._instances.values())
+            self._instances.clear()
+        for inst in instances:
+            with inst.lock:
+                inst.mover.close()
+        ok = self._obs.close(timeout)
+        self.l1.close()
+        return ok
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,304 @@
+"""`kvflow server` and `kvflow status`: flags, TOML config file, environment, signals.
+
+Precedence for every setting: command-line flag, then `--config` file, then the
+KVFLOW_<FLAG> environment variable, then the default. Any invalid value exits
+with status 2 and one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tomllib
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, NoReturn
+
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.subscribers import LoggingSetup, configure_logging
+
+ENV_PREFIX = "KVFLOW_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One setting: its flag, the config field it fills, and how to read it."""
+
+    flag: str
+    field: str
+    section: str  # "server" or "observability"
+    kind: type
+    help: str
+    invert: bool = False  # a --disable-X switch sets field X to False
+
+    @property
+    def key(self) -> str:
+        """The name in a TOML config file."""
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper()
+
+
+_S, _O = "server", "observability"
+OPTIONS = (
+    _Option("--host", "host", _S, str, "interface to listen on (default 127.0.0.1)"),
+    _Option("--port", "port", _S, int, "TCP port for clients (default 5555; 0 picks a free one)"),
+    _Option("--chunk-size", "chunk_size", _S, int, "tokens per stored chunk (default 256)"),
+    _Option("--l1-size-gb", "l1_size_gb", _S, float, "L1 (CPU memory) capacity in GB (default 4)"),
+    _Option(
+        "--heartbeat-timeout-s",
+        "heartbeat_timeout_s",
+        _S,
+        float,
+        "unregister a client's instances after this long without hearing from it (default 30)",
+    ),
+    _Option(
+        "--max-message-mb",
+        "max_message_mb",
+        _S,
+        float,
+        "largest request accepted, in MiB (default 64); twice this drops the connection",
+    ),
+    _Option(
+        "--disable-observability",
+        "enabled",
+        _O,
+        bool,
+        "publish no events at all (no metrics, logs or traces)",
+        invert=True,
+    ),
+    _Option("--disable-metrics", "metrics_enabled", _O, bool, "no metrics", invert=True),
+    _Option("--disable-logging", "logging_enabled", _O, bool, "no event logs", invert=True),
+    _Option(
+        "--enable-tracing", "tracing_enabled", _O, bool, "export spans (needs --otlp-endpoint)"
+    ),
+    _Option("--otlp-endpoint", "otlp_endpoint", _O, str, "OTLP collector URL for traces"),
+    _Option("--otlp-protocol", "otlp_protocol", _O, str, "OTLP transport: grpc or http"),
+    _Option(
+        "--prometheus-host", "prometheus_host", _O, str, "metrics endpoint host (default 127.0.0.1)"
+    ),
+    _Option(
+        "--prometheus-port", "prometheus_port", _O, int, "metrics endpoint port (9464; 0 = off)"
+    ),
+    _Option(
+        "--event-bus-capacity",
+        "event_bus_capacity",
+        _O,
+        int,
+        "events held before new ones are dropped (default 10000)",
+    ),
+    _Option(
+        "--l0-sample-rate",
+        "l0_sample_rate",
+        _O,
+        float,
+        "fraction of GPU blocks whose lifecycle is tracked, in [0, 1] (default 0.01)",
+    ),
+    _Option("--sample-seed", "sample_seed", _O, int, "seed of the block sampler (default 0)"),
+    _Option("--log-level", "log_level", _O, str, "debug, info, warning, error or critical"),
+    _Option("--log-format", "log_format", _O, str, "json or console (default json)"),
+    _Option(
+        "--tracing-ttl-s",
+        "tracing_ttl_s",
+        _O,
+        float,
+        "drop an unfinished span after this many seconds (default 300)",
+    ),
+    _Option(
+        "--export-interval-s",
+        "export_interval_s",
+        _O,
+        float,
+        "seconds between metric exports (default 5)",
+    ),
+)
+_BY_KEY = {opt.key: opt for opt in OPTIONS}
+
+
+class UsageError(Exception):
+    """A bad setting; its message is the one line printed before exiting with status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvflow server",
+        description="Run the kvflow KV-cache server: engines connect with KVFlowClient.",
+        epilog=(
+            "Settings also come from a TOML file (--config; keys are the flag names with"
+            " '_' for '-', e.g. l1_size_gb = 8, disable_metrics = true) and from"
+            " environment variables KVFLOW_<KEY> (e.g. KVFLOW_PORT=6000). Flags win over"
+            " the file, the file over the environment. SIGINT/SIGTERM stop the server"
+            " after in-flight transfers finish; a second signal stops waiting."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file of settings")
+    for opt in OPTIONS:
+        if opt.kind is bool:
+            parser.add_argument(opt.flag, action="store_true", help=opt.help)
+        else:
+            metavar = {int: "N", float: "X", str: "TEXT"}[opt.kind]
+            parser.add_argument(opt.flag, type=opt.kind, metavar=metavar, help=opt.help)
+    return parser
+
+
+def _from_text(opt: _Option, text: str, source: str) -> Any:
+    """Read an environment variable's value for `opt`."""
+    if opt.kind is bool:
+        low = text.strip().lower()
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise UsageError(f"{source} ({opt.flag}) must be one of {'/'.join(_TRUE + _FALSE)}")
+    try:
+        return opt.kind(text)
+    except ValueError:
+        raise UsageError(
+            f"{source} ({opt.flag}): invalid {opt.kind.__name__} value {text!r}"
+        ) from None
+
+
+def _from_toml(opt: _Option, value: Any, source: str) -> Any:
+    """Check a config file value's type for `opt` (ints are accepted where floats are)."""
+    ok = isinstance(value, opt.kind) and not (opt.kind is int and isinstance(value, bool))
+    if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise UsageError(
+            f"{source}: {opt.key} ({opt.flag}) must be a {opt.kind.__name__}, got {value!r}"
+        )
+    return value
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise UsageError(f"--config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path}: not valid TOML: {exc}") from None
+    values = {}
+    for key, value in data.items():
+        opt = _BY_KEY.get(key.replace("-", "_"))
+        if opt is None:
+            raise UsageError(f"--config {path}: unknown setting {key!r}")
+        values[opt.key] = _from_toml(opt, value, f"--config {path}")
+    return values
+
+
+def resolve(argv: list[str], environ: dict[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig `argv` and the environment describe; UsageError if anything is bad."""
+    args = vars(build_parser().parse_args(argv))
+    env = os.environ if environ is None else environ
+    path = args.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
+    from_file = _read_config_file(path) if path else {}
+    fields: dict[str, dict[str, Any]] = {_S: {}, _O: {}}
+    for opt in OPTIONS:
+        if opt.key in args:
+            value = args[opt.key]
+        elif opt.key in from_file:
+            value = from_file[opt.key]
+        elif opt.env in env:
+            value = _from_text(opt, env[opt.env], opt.env)
+        else:
+            continue
+        if opt.invert:
+            if not value:
+                continue  # `disable_x = false` means: keep the default
+            value = False
+        fields[opt.section][opt.field] = value
+    try:
+        observability = ObservabilityConfig(**fields[_O])
+        return ServerConfig(**fields[_S], observability=observability)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _configure_logging(config: ObservabilityConfig) -> LoggingSetup | None:
+    """Render the server's own logs like the event logs.
+
+    With event logs on, the engine's pipeline installs that rendering; otherwise
+    the server installs it here, so its lines never come out in another format.
+    """
+    if config.enabled and config.logging_enabled:
+        return None
+    return configure_logging(config.log_level, config.log_format)
+
+
+def _serve(config: ServerConfig) -> int:
+    from kvflow.core.server.server import KVFlowServer
+
+    logging_setup = _configure_logging(config.observability)
+    try:
+        server = KVFlowServer(config)
+    except OSError as exc:
+        print(f"kvflow server: error: {exc}", file=sys.stderr)
+        if logging_setup is not None:
+            logging_setup.close()
+        return 1
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        server.request_stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.serve_forever()
+    finally:
+        if logging_setup is not None:
+            logging_setup.close()
+    return 0
+
+
+def _status(argv: list[str]) -> int:
+    parser = _Parser(prog="kvflow status", description="Print a running kvflow server's status.")
+    parser.add_argument(
+        "--endpoint", default="tcp://127.0.0.1:5555", help="the server (tcp://HOST:PORT)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=5.0, metavar="X", help="seconds to wait (default 5)"
+    )
+    args = parser.parse_args(argv)
+    from kvflow.core.errors import KVFlowError
+    from kvflow.core.server.client import KVFlowClient
+
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s!r}")
+    try:
+        client = KVFlowClient(args.endpoint, timeout_s=args.timeout_s)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
+    try:
+        status = client.status()
+    except KVFlowError as exc:
+        print(f"kvflow status: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(json.dumps(status, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Run `kvflow server ...` or `kvflow status ...`; returns the exit status."""
+    try:
+        if command == "status":
+            return _status(argv)
+        return _serve(resolve(argv))
+    except UsageError as exc:
+        print(f"kvflow {command}: error: {exc}", file=sys.stderr)
+        return 2

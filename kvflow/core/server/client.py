@@ -1,0 +1,370 @@
+"""KVFlowClient: the SPEC section 4 methods, served by a remote kvflow server over ZMQ.
+
+Each calling thread gets its own DEALER socket, so threads never wait on each
+other's requests and the client is safe to share. A call that times out throws
+its socket away, so a late reply (or a request still queued) cannot leak into a
+later call. After the first registration a background thread heartbeats, so the
+server keeps this client's instances until it closes or its process dies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvflow.core.arrays import as_int32_array
+from kvflow.core.errors import (
+    ERRORS_BY_CODE,
+    InvalidRequestError,
+    KVFlowError,
+    ProtocolError,
+    RequestTimeoutError,
+)
+from kvflow.core.server.protocol import (
+    AllocationRecord,
+    CudaIpcMemory,
+    Done,
+    EndSession,
+    Failed,
+    Heartbeat,
+    Lookup,
+    Register,
+    Registered,
+    Reply,
+    ReportAllocations,
+    Request,
+    Retrieve,
+    Status,
+    StatusResult,
+    Store,
+    Unregister,
+    decode_reply,
+    encode_request,
+)
+from kvflow.core.server.sharing import describe_kv_caches
+
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _int_list(values: Any, where: str) -> list[int]:
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    try:
+        return list(map(operator.index, values))
+    except TypeError:
+        raise InvalidRequestError(f"{where} must be a sequence of integers") from None
+
+
+class KVFlowClient:
+    """A connection to `kvflow server` at `endpoint` (e.g. "tcp://127.0.0.1:5555").
+
+    Every call waits at most `timeout_s` for its reply, then raises
+    RequestTimeoutError; server-side errors are raised as the same kvflow error
+    class the engine raised.
+    """
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 30.0) -> None:
+        if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
+            raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self.client_id = uuid.uuid4().hex
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._ids = itertools.count(1)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._sockets: set[zmq.Socket[Any]] = set()
+        self._events: dict[str, tuple[Any, int]] = {}
+        self._heartbeat: threading.Thread | None = None
+        self._heartbeat_interval = 0.0
+        self._stopping = threading.Event()
+        self._closed = False
+
+    # -- transport ------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] | None = getattr(self._local, "socket", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            # No ZMQ_IMMEDIATE: with it, a reply that arrives just before the server
+            # closes the connection (a graceful stop) is dropped unread. A request
+            # queued for a server that is down dies with its socket on timeout.
+            sock.sndtimeo = int(self.timeout_s * 1000)
+            sock.connect(self.endpoint)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    raise KVFlowError("the client is closed")
+                self._sockets.add(sock)
+            self._local.socket = sock
+        return sock
+
+    def _discard_socket(self, sock: zmq.Socket[Any]) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+        sock.close(0)
+        self._local.socket = None
+
+    def _call(
+        self, request: Request, payloads: Sequence[np.ndarray] = (), timeout_s: float | None = None
+    ) -> Reply:
+        """Send one request and wait for its reply; raise the server's error if it failed."""
+        if self._closed:
+            raise KVFlowError("the client is closed")
+        request.id = next(self._ids)
+        request.client = self.client_id
+        frames = encode_request(request, payloads)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        op = type(request).__name__
+        sock = self._socket()
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            self._discard_socket(sock)
+            raise RequestTimeoutError(
+                f"could not send {op} to the kvflow server at {self.endpoint} within"
+                f" {timeout:g} s (is it running?)"
+            ) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
+                self._discard_socket(sock)
+                raise RequestTimeoutError(
+                    f"no reply to {op} from the kvflow server at {self.endpoint} within"
+                    f" {timeout:g} s (is it running?)"
+                )
+            reply = decode_reply(sock.recv())
+            if reply.id == request.id:
+                break
+        self._local.server_ns = reply.server_ns
+        if isinstance(reply, Failed):
+            raise ERRORS_BY_CODE.get(reply.code, KVFlowError)(reply.message)
+        return reply
+
+    @property
+    def last_server_time_s(self) -> float:
+        """Server-side handling time of this thread's last completed call, in seconds."""
+        return float(getattr(self._local, "server_ns", 0)) / 1e9
+
+    def _done(self, request: Request, payloads: Sequence[np.ndarray] = ()) -> int | None:
+        reply = self._call(request, payloads)
+        if not isinstance(reply, Done):
+            raise ProtocolError(
+                f"unexpected {type(reply).__name__} reply to a {type(request).__name__}"
+            )
+        return reply.value
+
+    def _count(self, request: Request, payloads: Sequence[np.ndarray]) -> int:
+        value = self._done(request, payloads)
+        if value is None:
+            raise ProtocolError(f"the server returned no count for a {type(request).__name__}")
+        return value
+
+    # -- the SPEC section 4 methods -------------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        instance_id: str,
+        kv_caches: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        rank: int = 0,
+        block_size: int | None = None,
+        kv_format: str | None = None,
+    ) -> None:
+        """Share `kv_caches` with the server (shared memory or CUDA IPC) and register them."""
+        desc = describe_kv_caches(kv_caches)
+        event, event_handle = None, None
+        device = next(
+            (t.memory.device_index for t in desc.tensors if isinstance(t.memory, CudaIpcMemory)),
+            None,
+        )
+        if device is not None:
+            import torch
+
+            from kvflow.core.server.ipc import make_interprocess_event
+
+            with torch.cuda.device(device):
+                event = make_interprocess_event()
+                event.record(torch.cuda.current_stream(device))
+                event_handle = bytes(event.ipc_handle())
+        request = Register(
+            instance_id=instance_id,
+            kv_caches=desc,
+            model_name=model_name,
+            world_size=world_size,
+            rank=rank,
+            block_size=block_size,
+            kv_format=kv_format,
+            event_handle=event_handle,
+        )
+        reply = self._call(request)
+        if not isinstance(reply, Registered):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
+        if event is not None and device is not None:
+            with self._lock:
+                self._events[instance_id] = (event, device)
+        self._start_heartbeat(reply.heartbeat_interval_s)
+
+    def lookup(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> int:
+        """Tokens of the longest chunk prefix the server holds for every rank."""
+        tokens = as_int32_array(token_ids, "token_ids")
+        request = Lookup(
+            model_name=model_name,
+            world_size=world_size,
+            cache_salt=cache_salt,
+            request_id=request_id,
+        )
+        return self._count(request, (tokens,))
+
+    def store(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Store the request's full chunks from its blocks; returns the tokens now stored."""
+        tokens = as_int32_array(token_ids, "token_ids")
+        blocks = as_int32_array(block_ids, "block_ids")
+        with self._lock:
+            entry = self._events.get(instance_id)
+        if entry is not None:  # mark "KV written up to here" on the engine's stream
+            import torch
+
+            event, device = entry
+            event.record(torch.cuda.current_stream(device))
+        request = Store(instance_id=instance_id, request_id=request_id, cache_salt=cache_salt)
+        return self._count(request, (tokens, blocks))
+
+    def retrieve(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        skip_first_n_tokens: int = 0,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy stored chunks into the request's blocks; returns the hit prefix in tokens."""
+        tokens = as_int32_array(token_ids, "token_ids")
+        blocks = as_int32_array(block_ids, "block_ids")
+        request = Retrieve(
+            instance_id=instance_id,
+            request_id=request_id,
+            skip_first_n_tokens=skip_first_n_tokens,
+            cache_salt=cache_salt,
+        )
+        return self._count(request, (tokens, blocks))
+
+    def end_session(self, request_id: str) -> None:
+        """The request finished."""
+        self._done(EndSession(request_id=request_id))
+
+    def report_block_allocations(self, instance_id: str, records: Sequence[Any]) -> None:
+        """Report the engine's new block allocations (`kvflow.events.BlockAllocation`s)."""
+        if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
+            raise InvalidRequestError(
+                f"records must be a sequence of BlockAllocation, got {type(records).__name__}"
+            )
+        wire = []
+        for i, rec in enumerate(records):
+            if not isinstance(rec, Sequence) or len(rec) != 3:
+                raise InvalidRequestError(
+                    f"records[{i}] must be BlockAllocation(req_id, new_block_ids, new_token_ids)"
+                )
+            req_id, block_ids, token_ids = rec
+            wire.append(
+                AllocationRecord(
+                    req_id,
+                    _int_list(block_ids, f"records[{i}].new_block_ids"),
+                    _int_list(token_ids, f"records[{i}].new_token_ids"),
+                )
+            )
+        self._done(ReportAllocations(instance_id=instance_id, records=wire))
+
+    def unregister(self, instance_id: str) -> None:
+        """Unregister an instance (after its queued transfers finish on the server)."""
+        self._done(Unregister(instance_id=instance_id))
+        with self._lock:
+            self._events.pop(instance_id, None)
+
+    def status(self) -> dict[str, Any]:
+        """The server's status: engine (instances, L1, bus) and server (clients, counters)."""
+        reply = self._call(Status())
+        if not isinstance(reply, StatusResult):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Status")
+        return reply.status
+
+    # -- heartbeat and shutdown ------------------------------------------------------------------
+
+    def _start_heartbeat(self, interval_s: float) -> None:
+        with self._lock:
+            self._heartbeat_interval = (
+                min(self._heartbeat_interval, interval_s)
+                if self._heartbeat_interval
+                else interval_s
+            )
+            if self._heartbeat is not None or self._closed:
+                return
+            self._heartbeat = threading.Thread(
+                target=self._heartbeat_loop, name="kvflow-client-heartbeat", daemon=True
+            )
+        self._heartbeat.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self._heartbeat_interval):
+            try:
+                self._call(Heartbeat(), timeout_s=max(self._heartbeat_interval, 0.5))
+            except KVFlowError:
+                continue  # the server is busy or restarting: keep trying
+
+    def close(self) -> None:
+        """Stop heartbeating and close every socket (call once other threads' calls returned).
+
+        The server reaps this client's still-registered instances after its
+        heartbeat timeout; unregister them first to release them at once.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            heartbeat = self._heartbeat
+        self._stopping.set()
+        if heartbeat is not None:
+            heartbeat.join()
+        with self._lock:
+            sockets, self._sockets = self._sockets, set()
+        for sock in sockets:
+            sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> KVFlowClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

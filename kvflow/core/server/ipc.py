@@ -1,0 +1,127 @@
+"""CUDA IPC: share GPU KV tensors and the engine's "KV written" event across processes.
+
+The client exports the IPC handle of each tensor's allocation base (PyCUDA
+`mem_get_ipc_handle`) plus the tensor's byte offset in it; the server opens each
+handle once per registration and views it as a torch tensor. The engine's
+interprocess CUDA event is recorded by the client before every store and waited
+on by the server, so a store never reads KV the engine has not finished writing.
+PyCUDA is imported lazily: CPU-only installs never need it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvflow.core.errors import InvalidRequestError
+from kvflow.core.server.protocol import CudaIpcMemory
+from kvflow.kernels.loader import active_context, pycuda_importable
+
+_lock = threading.Lock()
+#: IPC handle -> its open mapping, while any tensor views it (a handle opens once per process).
+_mappings: weakref.WeakValueDictionary[bytes, _CudaBytes] = weakref.WeakValueDictionary()
+
+
+@contextmanager
+def _driver_on(index: int) -> Iterator[Any]:
+    """pycuda.driver with the device's primary context (torch's) current; a clear error
+    when PyCUDA is missing."""
+    if not pycuda_importable():
+        raise InvalidRequestError(
+            "sharing GPU tensors with a kvflow server needs PyCUDA (pip install 'kvflow[cuda]')"
+        )
+    import pycuda.driver as drv
+
+    with active_context(index):
+        yield drv
+
+
+def device_uuid(index: int) -> str:
+    """The stable identity of a visible GPU (indices differ between processes)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index_of(uuid: str) -> int:
+    """This process's index of the GPU with `uuid`; InvalidRequestError if it is not visible."""
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise InvalidRequestError(f"GPU {uuid} is not visible to the kvflow server")
+
+
+def cuda_ipc_memory_of(tensor: torch.Tensor) -> CudaIpcMemory:
+    """Describe a GPU tensor's memory: its allocation's IPC handle and its byte offset."""
+    index = tensor.device.index if tensor.device.index is not None else 0
+    ptr = tensor.data_ptr()
+    with _driver_on(index) as drv:
+        try:
+            base, size = drv.mem_get_address_range(ptr)
+            handle = bytes(drv.mem_get_ipc_handle(base))
+        except drv.Error as exc:
+            raise InvalidRequestError(
+                f"cannot export a CUDA IPC handle for a tensor on cuda:{index} ({exc}); its"
+                " memory must come from cudaMalloc (not expandable segments or a"
+                " cudaMallocAsync pool)"
+            ) from None
+    return CudaIpcMemory(
+        handle=handle,
+        offset=ptr - int(base),
+        alloc_size=int(size),
+        device_uuid=device_uuid(index),
+        device_index=index,
+    )
+
+
+class _CudaBytes:
+    """A `__cuda_array_interface__` view of raw device bytes that keeps the IPC mapping open."""
+
+    def __init__(self, ptr: int, nbytes: int, mapping: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+        self._mapping = mapping
+
+
+def open_cuda_ipc(memory: CudaIpcMemory) -> torch.Tensor:
+    """The whole allocation `memory` lives in, as a uint8 tensor on this process's GPU.
+
+    Each handle is opened once; while any tensor views its mapping, opening it
+    again reuses that mapping. The mapping closes when the last view is freed.
+    """
+    index = device_index_of(memory.device_uuid)
+    with _lock:
+        holder = _mappings.get(memory.handle)
+    if holder is None:
+        with _driver_on(index) as drv:
+            try:
+                mapping = drv.IPCMemoryHandle(  # PyCUDA accepts only a bytearray
+                    bytearray(memory.handle), drv.ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS
+                )
+            except Exception as exc:  # PyCUDA raises its own LogicError/RuntimeError
+                raise InvalidRequestError(f"cannot open CUDA IPC memory handle: {exc}") from None
+        holder = _CudaBytes(int(mapping), memory.alloc_size, mapping)
+        with _lock:
+            _mappings[memory.handle] = holder
+    return torch.as_tensor(holder, device=f"cuda:{index}")
+
+
+def make_interprocess_event() -> torch.cuda.Event:
+    """The event a client records after the engine writes KV (shared with the server)."""
+    return torch.cuda.Event(interprocess=True)
+
+
+def open_interprocess_event(handle: bytes, device: int) -> torch.cuda.Event:
+    """Open a client's interprocess event in the server."""
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+    except Exception as exc:  # torch raises RuntimeError for a bad handle
+        raise InvalidRequestError(f"cannot open the engine's CUDA IPC event: {exc}") from None

@@ -1,0 +1,491 @@
+"""KVFlowServer: a CacheEngine behind a ZMQ ROUTER socket (SPEC section 8).
+
+The main loop owns the socket: it decodes every request, answers cheap ones
+(lookup, status, heartbeat, sessions, allocations, registration) itself, and
+hands store/retrieve/unregister to the instance's own worker thread, so one
+instance's transfers run in order while different instances run in parallel.
+Workers send replies back through an inproc socket the main loop forwards.
+Clients that stop heartbeating have their instances reaped; `request_stop`
+finishes in-flight work, then closes the engine (bus and exporters).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvflow.core.config import ServerConfig
+from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.errors import (
+    AlreadyRegisteredError,
+    KVFlowError,
+    ProtocolError,
+    UnknownInstanceError,
+)
+from kvflow.core.server.protocol import (
+    PROTOCOL_VERSION,
+    Done,
+    EndSession,
+    Failed,
+    Heartbeat,
+    Lookup,
+    Register,
+    Registered,
+    Reply,
+    ReportAllocations,
+    Request,
+    Retrieve,
+    Status,
+    StatusResult,
+    Store,
+    Unregister,
+    decode_request,
+    encode_reply,
+    peek_id,
+)
+from kvflow.core.server.sharing import OpenedKVCaches, open_kv_caches
+from kvflow.events import BlockAllocation
+
+log = logging.getLogger("kvflow.server")
+
+_TICK_S = 0.1
+_MAX_FRAMES = 8
+_BATCH = 64
+_REMEMBER_REAPED = 1024
+_FORCED_CLOSE_S = 5.0
+
+#: A worker job: computes the reply for one queued request.
+Job = Callable[[], Reply]
+
+
+def _failed(request_id: int, exc: BaseException, started_ns: int) -> Failed:
+    if isinstance(exc, KVFlowError):
+        code, message = exc.code, str(exc)
+    else:
+        log.exception("internal error while serving a request")
+        code, message = KVFlowError.code, f"internal server error: {type(exc).__name__}: {exc}"
+    return Failed(id=request_id, code=code, message=message, server_ns=_since(started_ns))
+
+
+def _since(started_ns: int) -> int:
+    return time.perf_counter_ns() - started_ns
+
+
+class _Worker:
+    """One instance's ordered job queue and the thread that drains it."""
+
+    def __init__(self, ctx: zmq.Context[Any], results: str, instance_id: str) -> None:
+        self._ctx = ctx
+        self._results = results
+        self._jobs: queue.SimpleQueue[tuple[bytes | None, Job] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvflow-worker-{instance_id}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, identity: bytes | None, job: Job) -> None:
+        """Queue `job`; its reply goes to `identity` (None: nobody waits for it)."""
+        self._jobs.put((identity, job))
+
+    def finish(self) -> None:
+        """Stop after the jobs already queued."""
+        self._jobs.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.linger = 1000
+        push.sndtimeo = 1000  # only blocks once the main loop is gone (a forced stop)
+        push.connect(self._results)
+        try:
+            while (item := self._jobs.get()) is not None:
+                identity, job = item
+                reply = job()
+                if identity is not None:
+                    try:
+                        push.send_multipart([identity, encode_reply(reply)])
+                    except zmq.Again:
+                        log.warning("reply dropped: the server stopped without waiting for it")
+        finally:
+            push.close()
+
+
+@dataclass
+class _Registration:
+    """What the server holds for one registered instance."""
+
+    instance_id: str
+    client: str
+    opened: OpenedKVCaches
+    worker: _Worker
+    event: Any = None
+    registered_at: float = field(default_factory=time.monotonic)
+
+
+class KVFlowServer:
+    """Serves a CacheEngine over ZMQ; see the module docstring for the threading model.
+
+    Binds at construction (port 0 picks a free port; `endpoint` tells which).
+    `serve_forever` blocks until `request_stop` (thread- and signal-safe), then
+    closes the engine, also one passed in as `engine`.
+    """
+
+    def __init__(self, config: ServerConfig | None = None, *, engine: CacheEngine | None = None):
+        self.config = config if config is not None else ServerConfig()
+        self._max_bytes = int(self.config.max_message_mb * (1 << 20))
+        self._heartbeat_timeout = float(self.config.heartbeat_timeout_s)
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.linger = 1000
+        # Frames up to twice the limit get an error reply; ZMQ drops larger ones (and the peer).
+        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
+        port = "*" if self.config.port == 0 else str(self.config.port)
+        try:
+            self._router.bind(f"tcp://{self.config.host}:{port}")
+        except zmq.ZMQError as exc:
+            self._router.close(0)
+            self._ctx.term()
+            raise OSError(
+                f"cannot listen on {self.config.host}:{self.config.port}: {exc}"
+            ) from None
+        self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._results_addr = f"inproc://kvflow-results-{id(self):x}"
+        self._results = self._ctx.socket(zmq.PULL)
+        self._results.bind(self._results_addr)
+        try:
+            self.engine = engine if engine is not None else CacheEngine(self.config)
+        except BaseException:
+            self._results.close(0)
+            self._router.close(0)
+            self._ctx.term()
+            raise
+        self._registrations: dict[str, _Registration] = {}
+        self._workers: list[_Worker] = []
+        self._last_seen: dict[str, float] = {}
+        self._reaped_ids: OrderedDict[str, None] = OrderedDict()
+        self._next_reap = 0.0
+        self._stop = threading.Event()
+        self._force = threading.Event()
+        self._started = time.monotonic()
+        self._served = 0
+        self._errors = 0
+        self._errors_lock = threading.Lock()
+        self._reaped = 0
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the loop to finish in-flight work and stop; a second call stops waiting for it."""
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        """Run the main loop until `request_stop`, then shut down gracefully."""
+        log.info("kvflow server listening on %s (protocol %d)", self.endpoint, PROTOCOL_VERSION)
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._results, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(int(_TICK_S * 1000)))
+                if self._results in ready:
+                    self._forward_results()
+                if self._router in ready:
+                    self._serve_batch()
+                if time.monotonic() >= self._next_reap:
+                    self._next_reap = time.monotonic() + _TICK_S
+                    self._reap()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Finish queued worker jobs (forwarding their replies), then close the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        log.info("kvflow server stopping: finishing in-flight work")
+        workers = self._workers
+        for reg in self._registrations.values():
+            reg.worker.finish()
+        while any(w.alive for w in workers) and not self._force.is_set():
+            if self._results.poll(int(_TICK_S * 1000)):
+                self._forward_results()
+        self._forward_results()
+        busy = sum(w.alive for w in workers)
+        if busy:  # a second stop request: do not wait for stuck transfers any longer
+            log.warning("kvflow server: not waiting for %d busy instance worker(s)", busy)
+            closed: list[bool] = []
+            closer = threading.Thread(
+                target=lambda: closed.append(self.engine.close()), daemon=True
+            )
+            closer.start()
+            closer.join(_FORCED_CLOSE_S)
+            clean = bool(closed and closed[0])
+        else:
+            clean = self.engine.close()
+        self._registrations.clear()
+        self._results.close(0)
+        self._router.close()
+        if not busy:  # busy workers still hold sockets; the process is exiting anyway
+            self._ctx.term()
+        log.info("kvflow server stopped (event pipeline %s)", "clean" if clean else "NOT clean")
+
+    def close(self) -> None:
+        """Release everything without serving (for a server that never ran)."""
+        self._stop.set()
+        self._shutdown()
+
+    # -- request handling ------------------------------------------------------------------
+
+    def _forward_results(self) -> None:
+        while True:
+            try:
+                frames = self._results.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._send(frames)
+
+    def _send(self, frames: Sequence[Any]) -> None:
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:  # the peer is gone or its queue is full: the reply is dropped
+            log.debug("reply to a gone client dropped")
+
+    def _serve_batch(self) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            reply = self._serve(identity, frames[1:])
+            if reply is not None:
+                self._send([identity, encode_reply(reply)])
+
+    def _serve(self, identity: bytes, frames: Sequence[zmq.Frame]) -> Reply | None:
+        """Handle one request; returns its reply, or None when a worker will send it."""
+        started = time.perf_counter_ns()
+        self._served += 1
+        header = frames[0].buffer if frames else b""
+        request_id = peek_id(header)
+        try:
+            if len(frames) > _MAX_FRAMES:
+                raise ProtocolError(f"message has {len(frames)} frames, at most {_MAX_FRAMES}")
+            size = sum(len(f) for f in frames)
+            if size > self._max_bytes:
+                raise ProtocolError(
+                    f"message of {size} bytes exceeds the server's limit of {self._max_bytes}"
+                    " bytes (--max-message-mb)"
+                )
+            request, arrays = decode_request([f.buffer for f in frames])
+            self._last_seen[request.client] = time.monotonic()
+            return self._dispatch(identity, request, arrays, started)
+        except Exception as exc:
+            self._count_error()
+            return _failed(request_id, exc, started)
+
+    def _dispatch(
+        self, identity: bytes, request: Request, arrays: tuple[np.ndarray, ...], started: int
+    ) -> Reply | None:
+        engine = self.engine
+        rid = request.id
+        match request:
+            case Lookup():
+                hit = engine.lookup(
+                    arrays[0],
+                    model_name=request.model_name,
+                    world_size=request.world_size,
+                    cache_salt=request.cache_salt,
+                    request_id=request.request_id,
+                )
+                return Done(id=rid, value=hit, server_ns=_since(started))
+            case Store() | Retrieve():
+                reg = self._registration(request.instance_id)
+                reg.worker.submit(identity, self._transfer_job(reg, request, arrays, started))
+                return None
+            case Heartbeat():
+                return Done(id=rid, server_ns=_since(started))
+            case Status():
+                return StatusResult(id=rid, status=self.status(), server_ns=_since(started))
+            case Register():
+                interval = self._register(request)
+                return Registered(id=rid, heartbeat_interval_s=interval, server_ns=_since(started))
+            case Unregister():
+                reg = self._registration(request.instance_id)
+                self._retire(reg, identity, rid, started)
+                return None
+            case EndSession():
+                engine.end_session(request.request_id)
+                return Done(id=rid, server_ns=_since(started))
+            case ReportAllocations():
+                records = [
+                    BlockAllocation(r.req_id, r.block_ids, r.token_ids) for r in request.records
+                ]
+                engine.report_block_allocations(request.instance_id, records)
+                return Done(id=rid, server_ns=_since(started))
+        raise ProtocolError(f"unsupported request {type(request).__name__}")
+
+    def _count_error(self) -> None:
+        with self._errors_lock:
+            self._errors += 1
+
+    def _registration(self, instance_id: str) -> _Registration:
+        reg = self._registrations.get(instance_id)
+        if reg is None:
+            why = (
+                f" (reaped: its client was silent for over {self._heartbeat_timeout:g} s)"
+                if instance_id in self._reaped_ids
+                else ""
+            )
+            raise UnknownInstanceError(f"instance {instance_id!r} is not registered{why}")
+        return reg
+
+    def _transfer_job(
+        self,
+        reg: _Registration,
+        request: Store | Retrieve,
+        arrays: tuple[np.ndarray, ...],
+        started: int,
+    ) -> Job:
+        tokens, blocks = arrays
+
+        def run() -> Reply:
+            try:
+                if isinstance(request, Store):
+                    if reg.event is not None:  # the engine's KV writes must be done first
+                        reg.event.synchronize()
+                    value = self.engine.store(
+                        reg.instance_id,
+                        tokens,
+                        blocks,
+                        request_id=request.request_id,
+                        cache_salt=request.cache_salt,
+                    )
+                else:
+                    value = self.engine.retrieve(
+                        reg.instance_id,
+                        tokens,
+                        blocks,
+                        request_id=request.request_id,
+                        skip_first_n_tokens=request.skip_first_n_tokens,
+                        cache_salt=request.cache_salt,
+                    )
+            except Exception as exc:
+                self._count_error()
+                return _failed(request.id, exc, started)
+            return Done(id=request.id, value=value, server_ns=_since(started))
+
+        return run
+
+    # -- registration and reaping -------------------------------------------------------------
+
+    def _register(self, request: Register) -> float:
+        """Map the described tensors, register them with the engine, start the worker."""
+        if request.instance_id in self._registrations:
+            raise AlreadyRegisteredError(f"instance {request.instance_id!r} is already registered")
+        opened = open_kv_caches(request.kv_caches)
+        event = None
+        if request.event_handle is not None and opened.cuda_device is not None:
+            from kvflow.core.server.ipc import open_interprocess_event
+
+            event = open_interprocess_event(request.event_handle, opened.cuda_device)
+        self.engine.register_kv_caches(
+            request.instance_id,
+            opened.kv_caches,
+            model_name=request.model_name,
+            world_size=request.world_size,
+            rank=request.rank,
+            block_size=request.block_size,
+            kv_format=request.kv_format,
+        )
+        worker = _Worker(self._ctx, self._results_addr, request.instance_id)
+        self._reaped_ids.pop(request.instance_id, None)
+        self._workers = [w for w in self._workers if w.alive] + [worker]
+        self._registrations[request.instance_id] = _Registration(
+            request.instance_id, request.client, opened, worker, event
+        )
+        log.info(
+            "registered instance %r of model %r (rank %d/%d) for client %s",
+            request.instance_id,
+            request.model_name,
+            request.rank,
+            request.world_size,
+            request.client or "?",
+        )
+        return self._heartbeat_timeout / 4
+
+    def _retire(
+        self, reg: _Registration, identity: bytes | None, request_id: int, started: int
+    ) -> None:
+        """Unregister `reg` on its worker after its queued transfers, then stop the worker."""
+        del self._registrations[reg.instance_id]
+
+        def run() -> Reply:
+            try:
+                self.engine.unregister(reg.instance_id)
+            except Exception as exc:
+                self._count_error()
+                return _failed(request_id, exc, started)
+            return Done(id=request_id, server_ns=_since(started))
+
+        reg.worker.submit(identity, run)
+        reg.worker.finish()
+
+    def _reap(self) -> None:
+        """Unregister the instances of clients silent for longer than the heartbeat timeout."""
+        now = time.monotonic()
+        limit = now - self._heartbeat_timeout
+        for reg in list(self._registrations.values()):
+            if self._last_seen.get(reg.client, now) < limit:
+                log.warning(
+                    "reaping instance %r: client %s silent for over %.1f s",
+                    reg.instance_id,
+                    reg.client or "?",
+                    self._heartbeat_timeout,
+                )
+                self._reaped += 1
+                self._reaped_ids[reg.instance_id] = None
+                while len(self._reaped_ids) > _REMEMBER_REAPED:
+                    self._reaped_ids.popitem(last=False)
+                self._retire(reg, None, 0, time.perf_counter_ns())
+        owners = {reg.client for reg in self._registrations.values()}
+        for client, seen in list(self._last_seen.items()):
+            if seen < limit and client not in owners:
+                del self._last_seen[client]
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The engine's status plus the server's own: endpoint, clients, instances, counters."""
+        status = self.engine.status()
+        now = time.monotonic()
+        status["server"] = {
+            "endpoint": self.endpoint,
+            "protocol_version": PROTOCOL_VERSION,
+            "uptime_s": round(now - self._started, 3),
+            "heartbeat_timeout_s": self._heartbeat_timeout,
+            "max_message_bytes": self._max_bytes,
+            "requests": self._served,
+            "errors": self._errors,
+            "reaped_instances": self._reaped,
+            "instances": {
+                iid: {"client": reg.client, "registered_s_ago": round(now - reg.registered_at, 3)}
+                for iid, reg in self._registrations.items()
+            },
+            "clients": {c: round(now - seen, 3) for c, seen in self._last_seen.items()},
+        }
+        return status

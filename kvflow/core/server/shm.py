@@ -1,0 +1,129 @@
+"""CPU tensors in POSIX shared memory, so a kvflow server process can map an engine's KV.
+
+`empty_shared` creates a segment under /dev/shm and returns a tensor viewing it;
+`shared_memory_of` describes any view of such a tensor (segment name + byte
+offset) and `map_shared` maps a described segment in the server. A segment's
+name is unlinked when the creating process frees its last view (or exits);
+mappings already open elsewhere stay valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import mmap
+import os
+import re
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from kvflow.core.errors import InvalidRequestError
+from kvflow.core.server.protocol import ShmMemory
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "kvflow-"
+# Only names empty_shared can produce: no path separators, no other programs' segments.
+_NAME_RE = re.compile(r"^kvflow-[0-9]+-[0-9]+-[0-9a-f]{8}$")
+
+_counter = itertools.count()
+_lock = threading.Lock()
+#: mmap base address -> (segment name, segment size) for segments this process created.
+_segments: dict[int, tuple[str, int]] = {}
+
+
+def empty_shared(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor backed by a new POSIX shared-memory segment."""
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise ValueError(f"shape must be non-negative integers, got {shape!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(dims) * itemsize
+    size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    name = f"{SEGMENT_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        segment = mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    raw = torch.frombuffer(segment, dtype=torch.uint8)  # keeps `segment` alive
+    base = raw.data_ptr()
+    with _lock:
+        _segments[base] = (name, size)
+    weakref.finalize(segment, _release, base, path)
+    return raw[:nbytes].view(dtype).view(dims)
+
+
+def _release(base: int, path: str) -> None:
+    """Forget a segment whose last view died, and unlink its name."""
+    with _lock:
+        _segments.pop(base, None)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def is_shared(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` views memory created by `empty_shared` in this process."""
+    return shared_memory_of(tensor) is not None
+
+
+def shared_memory_of(tensor: torch.Tensor) -> ShmMemory | None:
+    """The segment and byte offset `tensor` views, or None if it is not in shared memory."""
+    if tensor.device.type != "cpu":
+        return None
+    base = tensor.untyped_storage().data_ptr()
+    with _lock:
+        entry = _segments.get(base)
+    if entry is None:
+        return None
+    name, size = entry
+    return ShmMemory(name=name, size=size, offset=tensor.data_ptr() - base)
+
+
+def map_shared(memory: ShmMemory) -> torch.Tensor:
+    """Map a described segment (server side) as a uint8 tensor of the whole segment.
+
+    The mapping lives as long as the returned tensor or any view of it. Raises
+    InvalidRequestError for a name empty_shared could not have made, a segment
+    that no longer exists, or a size that differs from the description.
+    """
+    if not _NAME_RE.match(memory.name):
+        raise InvalidRequestError(
+            f"shared-memory segment name {memory.name!r} was not made by kvflow.core.empty_shared"
+        )
+    path = os.path.join(SHM_DIR, memory.name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise InvalidRequestError(
+            f"shared-memory segment {memory.name!r} does not exist (freed by its owner?)"
+        ) from None
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"cannot open shared-memory segment {memory.name!r}: {exc.strerror}"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != memory.size:
+            raise InvalidRequestError(
+                f"shared-memory segment {memory.name!r} has {size} bytes, described as {memory.size}"
+            )
+        segment = mmap.mmap(fd, size)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"cannot map shared-memory segment {memory.name!r}: {exc}"
+        ) from None
+    finally:
+        os.close(fd)
+    return torch.frombuffer(segment, dtype=torch.uint8)

@@ -1,0 +1,338 @@
+"""L1 bookkeeping: which objects exist, their bytes, pins, LRU order, eviction.
+
+No bytes move here (the engine copies through `view`). A store is two-phase:
+`prepare_write` (and `extend_write`, for a plan made in steps) allocates invisible
+objects, then `commit` publishes them or `abort` frees them, so a failed store
+leaves nothing visible. Objects pinned by a
+reader are never evicted. Recency is refreshed in reverse chunk order, so a
+prefix's tail is evicted before its head (a lost head makes the tail useless).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvflow.core.tiers.hostmem import HostPool
+
+ALIGN = 256
+DEFAULT_SEGMENT_BYTES = 1 << 30
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class L1Object:
+    """One chunk's storage: where it lives, whether it is readable, who reads it."""
+
+    __slots__ = ("key", "nbytes", "offset", "pins", "ready", "segment", "size")
+
+    def __init__(self, key: Hashable, segment: int, offset: int, nbytes: int, size: int):
+        self.key = key
+        self.segment = segment
+        self.offset = offset
+        self.nbytes = nbytes
+        self.size = size  # aligned bytes reserved
+        self.ready = False
+        self.pins = 0
+
+
+class _FreeList:
+    """First-fit free extents of one segment, coalesced on free."""
+
+    def __init__(self, size: int) -> None:
+        self.starts = [0]
+        self.sizes = [size]
+
+    def alloc(self, n: int) -> int | None:
+        for i, size in enumerate(self.sizes):
+            if size >= n:
+                start = self.starts[i]
+                if size == n:
+                    del self.starts[i], self.sizes[i]
+                else:
+                    self.starts[i] += n
+                    self.sizes[i] -= n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
+            i -= 1
+            self.sizes[i] += n
+        else:
+            self.starts.insert(i, start)
+            self.sizes.insert(i, n)
+        if i + 1 < len(self.starts) and self.starts[i] + self.sizes[i] == self.starts[i + 1]:
+            self.sizes[i] += self.sizes[i + 1]
+            del self.starts[i + 1], self.sizes[i + 1]
+
+
+@dataclass
+class WritePlan:
+    """Result of `prepare_write`: which keys are covered and which objects to fill.
+
+    `covered` keys (a prefix of the requested ones) are present, being written by
+    another store, or newly allocated in `new` as (index in keys, object).
+    """
+
+    keys: Sequence[Hashable]
+    covered: int
+    new: list[tuple[int, L1Object]] = field(default_factory=list)
+    evicted_chunks: int = 0
+    evicted_bytes: int = 0
+
+
+class L1Cache:
+    """Thread-safe L1 index over a byte budget of host memory."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        pool: HostPool | None = None,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        if capacity_bytes < ALIGN:
+            raise ValueError(f"L1 capacity must be at least {ALIGN} bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.segment_bytes = segment_bytes
+        self.pool = pool if pool is not None else HostPool()
+        self._lock = threading.Lock()
+        self._index: dict[Hashable, L1Object] = {}
+        self._lru: OrderedDict[Hashable, L1Object] = OrderedDict()  # ready objects only
+        self._free: list[_FreeList] = []
+        self._reserved = 0  # bytes of segments allocated
+        self._usage = 0
+        self._writing = 0
+        self.evicted_chunks = 0
+        self.evicted_bytes = 0
+
+    # -- allocation ---------------------------------------------------------------
+
+    def _alloc(self, key: Hashable, nbytes: int, plan: WritePlan) -> L1Object | None:
+        size = _align(nbytes)
+        for seg, free in enumerate(self._free):
+            off = free.alloc(size)
+            if off is not None:
+                return L1Object(key, seg, off, nbytes, size)
+        room = self.capacity_bytes - self._reserved
+        if room >= size:
+            seg_size = max(size, min(self.segment_bytes, room))
+            seg = self.pool.add_segment(seg_size)
+            free = _FreeList(seg_size)
+            self._free.append(free)
+            self._reserved += seg_size
+            off = free.alloc(size)
+            assert off is not None
+            return L1Object(key, seg, off, nbytes, size)
+        while True:
+            victim = self._evict_one()
+            if victim is None:
+                return None
+            plan.evicted_chunks += 1
+            plan.evicted_bytes += victim.nbytes
+            off = self._free[victim.segment].alloc(size)
+            if off is not None:
+                return L1Object(key, victim.segment, off, nbytes, size)
+
+    def _evict_one(self) -> L1Object | None:
+        for key, obj in self._lru.items():
+            if obj.pins == 0:
+                del self._lru[key]
+                self._remove(obj)
+                self.evicted_chunks += 1
+                self.evicted_bytes += obj.nbytes
+                return obj
+        return None
+
+    def _remove(self, obj: L1Object) -> None:
+        del self._index[obj.key]
+        self._free[obj.segment].free(obj.offset, obj.size)
+        self._usage -= obj.size
+
+    def _touch(self, objs: Sequence[L1Object]) -> None:
+        lru = self._lru
+        for obj in reversed(objs):
+            if obj.ready:
+                lru.move_to_end(obj.key)
+
+    # -- two-phase write ---------------------------------------------------------
+
+    def prepare_write(self, keys: Sequence[Hashable], nbytes: int) -> WritePlan:
+        """Allocate invisible objects for the keys not present, in order, evicting LRU.
+
+        Stops at the first key no eviction can make room for; keys after it are
+        not covered (they would be unreachable by a prefix lookup anyway).
+        """
+        plan = WritePlan(keys=(), covered=0)
+        self.extend_write(plan, keys, nbytes)
+        return plan
+
+    def extend_write(self, plan: WritePlan, keys: Sequence[Hashable], nbytes: int) -> None:
+        """Continue `plan` over `keys`, which start with the keys it has planned.
+
+        A store plans its first chunks, starts copying them, then plans the rest:
+        the result is the same plan as one `prepare_write` of all keys. Nothing is
+        added once a key found no room.
+        """
+        start = len(plan.keys)
+        # chunk keys are chained, so the last planned key standing for the prefix suffices
+        if len(keys) < start or (start and keys[start - 1] != plan.keys[start - 1]):
+            raise ValueError("extend_write needs keys that start with the plan's keys")
+        complete = plan.covered == start
+        plan.keys = keys
+        if not complete:
+            return
+        with self._lock:
+            present = [obj for key in keys if (obj := self._index.get(key)) is not None]
+            for obj in present:  # protect this request's own prefix from eviction
+                obj.pins += 1
+            try:
+                for i in range(start, len(keys)):
+                    key = keys[i]
+                    if key in self._index:
+                        plan.covered = i + 1
+                        continue
+                    obj = self._alloc(key, nbytes, plan)
+                    if obj is None:
+                        break
+                    self._index[key] = obj
+                    self._usage += obj.size
+                    self._writing += 1
+                    plan.new.append((i, obj))
+                    plan.covered = i + 1
+            finally:
+                for obj in present:
+                    obj.pins -= 1
+
+    def commit(self, plan: WritePlan) -> None:
+        """Make the plan's new objects visible and refresh the covered prefix's recency."""
+        with self._lock:
+            for _, obj in plan.new:
+                obj.ready = True
+                self._lru[obj.key] = obj
+                self._writing -= 1
+            covered = [o for k in plan.keys[: plan.covered] if (o := self._index.get(k))]
+            self._touch(covered)
+
+    def abort(self, plan: WritePlan) -> None:
+        """Free the plan's new objects; none of them was ever visible."""
+        with self._lock:
+            for _, obj in plan.new:
+                if not obj.ready and self._index.get(obj.key) is obj:
+                    self._remove(obj)
+                    self._writing -= 1
+
+    # -- reading -------------------------------------------------------------------
+
+    def pin_prefix(self, keys: Sequence[Hashable]) -> list[L1Object]:
+        """Pin the longest prefix of keys whose objects are readable; unpin() after use."""
+        with self._lock:
+            out: list[L1Object] = []
+            for key in keys:
+                obj = self._index.get(key)
+                if obj is None or not obj.ready:
+                    break
+                obj.pins += 1
+                out.append(obj)
+            self._touch(out)
+            return out
+
+    def unpin(self, objs: Sequence[L1Object]) -> None:
+        with self._lock:
+            for obj in objs:
+                obj.pins -= 1
+
+    def count_prefix(self, chunk_keys: Iterable[Sequence[Hashable]]) -> int:
+        """Consecutive chunks from 0 whose every key (one per rank) is readable."""
+        get = self._index.get
+        with self._lock:
+            hits: list[L1Object] = []
+            n = 0
+            for keys in chunk_keys:
+                if len(keys) == 1:  # one rank: the common case, kept free of per-chunk lists
+                    obj = get(keys[0])
+                    if obj is None or not obj.ready:
+                        break
+                    hits.append(obj)
+                else:
+                    objs = [get(k) for k in keys]
+                    if not all(o is not None and o.ready for o in objs):
+                        break
+                    hits.extend(o for o in objs if o is not None)
+                n += 1
+            self._touch(hits)
+            return n
+
+    def view(self, obj: L1Object) -> torch.Tensor:
+        """The object's bytes (uint8, 1-D). Valid while the object is pinned or being written."""
+        return self.pool.view(obj.segment, obj.offset, obj.nbytes)
+
+    def views(self, objs: Sequence[L1Object]) -> ObjectViews:
+        """The objects' bytes as a lazy sequence: each view is made when a mover reaches it."""
+        return ObjectViews(self, objs)
+
+    # -- maintenance -----------------------------------------------------------------
+
+    def drop_where(self, predicate: Callable[[Any], bool]) -> int:
+        """Remove every readable, unpinned object whose key matches; returns how many."""
+        with self._lock:
+            doomed = [o for k, o in self._lru.items() if o.pins == 0 and predicate(k)]
+            for obj in doomed:
+                del self._lru[obj.key]
+                self._remove(obj)
+            return len(doomed)
+
+    def stats(self) -> dict[str, int]:
+        """usage/capacity/objects (readable)/writing/evictions/host bytes reserved."""
+        with self._lock:
+            return {
+                "usage_bytes": self._usage,
+                "capacity_bytes": self.capacity_bytes,
+                "objects": len(self._lru),
+                "writing": self._writing,
+                "evicted_chunks": self.evicted_chunks,
+                "evicted_bytes": self.evicted_bytes,
+                "reserved_bytes": self._reserved,
+            }
+
+    def close(self) -> None:
+        """Forget every object and release the host memory."""
+        with self._lock:
+            self._index.clear()
+            self._lru.clear()
+            self._free.clear()
+            self._reserved = self._usage = self._writing = 0
+            self.pool.release()
+
+
+class ObjectViews:
+    """An op's L1 objects as a mover's `HostChunks`: `L1Cache.view` of each, made on
+    access (a view costs microseconds; a request has dozens), or its address, for
+    movers that copy through the driver and need no view."""
+
+    def __init__(self, l1: L1Cache, objs: Sequence[L1Object]) -> None:
+        self._l1 = l1
+        self._objs = objs
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._l1.view(self._objs[index])
+
+    def address(self, index: int, nbytes: int) -> int:
+        """Host address of object `index`'s bytes; ValueError unless it holds `nbytes`."""
+        obj = self._objs[index]
+        if obj.nbytes != nbytes:
+            raise ValueError(f"L1 object {index} holds {obj.nbytes} bytes, not {nbytes}")
+        return self._l1.pool.address(obj.segment, obj.offset)

@@ -1,0 +1,411 @@
+"""A real `kvflow server` process and clients in other processes sharing CPU KV caches.
+
+One server subprocess serves the whole module (short heartbeat timeout, 1 MiB
+message limit); clients are this test process and short-lived child processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.errors import (
+    AlreadyRegisteredError,
+    InvalidRequestError,
+    ProtocolError,
+    RequestTimeoutError,
+    UnknownInstanceError,
+)
+from kvflow.core.server.protocol import (
+    PROTOCOL_VERSION,
+    Failed,
+    KVCachesDesc,
+    Register,
+    TensorDesc,
+    decode_reply,
+    encode_request,
+)
+from kvflow.core.server.shm import shared_memory_of
+
+NL, NB, BS, NH, HS = 2, 64, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
+CHUNK = 256
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+class ServerProcess:
+    """`python -m kvflow.cli server` on a free port; collects its log lines."""
+
+    def __init__(self, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--log-format"]
+        cmd += ["console", "--l1-size-gb", "0.25", *flags]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.endpoint = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._ready.wait(60):
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = re.search(r"listening on (tcp://\S+)", line)
+            if match:
+                self.endpoint = match.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess(
+        "--disable-observability",
+        "--heartbeat-timeout-s",
+        str(HEARTBEAT_TIMEOUT_S),
+        "--max-message-mb",
+        "1",
+    )
+    yield srv
+    assert srv.stop() == 0, "".join(srv.lines)
+    assert any("kvflow server stopped" in line for line in srv.lines)
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[KVFlowClient]:
+    with KVFlowClient(server.endpoint, timeout_s=20) as c:
+        yield c
+
+
+def _kv(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    kv = [empty_shared((2, NB, BS, NH, HS), torch.bfloat16) for _ in range(NL)]
+    for t in kv:
+        t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+    return kv
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(32000), k=n)
+
+
+def _instance(name: str) -> str:
+    return f"{name}-{os.getpid()}-{random.randrange(1 << 30)}"
+
+
+def test_round_trip_is_bit_exact_into_other_blocks(client: KVFlowClient) -> None:
+    """Store from blocks 0..31, look up, retrieve into blocks 32..63: the bytes match."""
+    kv = _kv(1)
+    iid = _instance("rt")
+    client.register_kv_caches(iid, kv, model_name="rt-model")
+    tokens = _tokens(2 * CHUNK + 100, seed=1)  # two full chunks and a partial one
+    assert client.lookup(tokens, model_name="rt-model") == 0
+    assert client.store(iid, tokens, list(range(32)), request_id="r1") == 2 * CHUNK
+    assert client.lookup(tokens, model_name="rt-model") == 2 * CHUNK
+    dst = list(range(32, 64))
+    assert client.retrieve(iid, tokens, dst, request_id="r2") == 2 * CHUNK
+    for layer in kv:
+        assert torch.equal(layer[:, 32:64], layer[:, 0:32])
+    client.end_session("r1")
+    client.unregister(iid)
+    with pytest.raises(UnknownInstanceError):
+        client.store(iid, tokens, list(range(32)), request_id="r3")
+
+
+def test_retrieve_skips_whole_blocks_and_rejects_unaligned_skips(client: KVFlowClient) -> None:
+    """skip_first_n_tokens leaves its blocks untouched; a non-multiple of block_size is refused."""
+    kv = _kv(2)
+    iid = _instance("skip")
+    client.register_kv_caches(iid, kv, model_name="skip-model")
+    tokens = _tokens(CHUNK, seed=2)
+    client.store(iid, tokens, list(range(16)), request_id="s1")
+    before = [layer[:, 16:18].clone() for layer in kv]
+    hit = client.retrieve(iid, tokens, list(range(16, 32)), request_id="s2", skip_first_n_tokens=32)
+    assert hit == CHUNK
+    for layer, old in zip(kv, before, strict=True):
+        assert torch.equal(layer[:, 16:18], old)  # the two skipped blocks
+        assert torch.equal(layer[:, 18:32], layer[:, 2:16])
+    with pytest.raises(InvalidRequestError, match="multiple of the block_size"):
+        client.retrieve(iid, tokens, list(range(16)), request_id="s3", skip_first_n_tokens=5)
+    client.unregister(iid)
+
+
+def test_pair_and_single_tensor_layouts_round_trip(client: KVFlowClient) -> None:
+    """sglang_mha (K list, V list) and vllm_cross_layer (one tensor) register and copy exactly."""
+    k = [empty_shared((NB * BS, NH, HS), torch.float16) for _ in range(NL)]
+    v = [empty_shared((NB * BS, NH, HS), torch.float16) for _ in range(NL)]
+    for t in k + v:
+        t.copy_(torch.randn(t.shape).half())
+    cross = empty_shared((NB, NL, 2, BS, NH, HS), torch.float32)
+    cross.copy_(torch.randn(cross.shape))
+    tokens = _tokens(CHUNK, seed=3)
+    for name, kv in (("sgl", (k, v)), ("cross", cross)):
+        iid = _instance(name)
+        client.register_kv_caches(iid, kv, model_name=f"{name}-model", block_size=BS)
+        assert client.store(iid, tokens, list(range(16)), request_id=name) == CHUNK
+        assert client.retrieve(iid, tokens, list(range(40, 56)), request_id=name) == CHUNK
+        client.unregister(iid)
+    for t in k + v:
+        assert torch.equal(t[40 * BS : 56 * BS], t[0 : 16 * BS])
+    assert torch.equal(cross[40:56], cross[0:16])
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from kvflow.core import KVFlowClient, empty_shared
+    endpoint, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    client = KVFlowClient(endpoint, timeout_s=30)
+    gen = torch.Generator().manual_seed(rank)
+    kv = [empty_shared((2, 64, 16, 2, 8), torch.float16) for _ in range(2)]
+    for t in kv:
+        t.copy_(torch.randn(t.shape, generator=gen).half())
+    iid = f"tp-{mode}-rank{rank}"
+    client.register_kv_caches(iid, kv, model_name="tp-" + mode, world_size=2, rank=rank)
+    if mode == "hang":
+        print("registered", flush=True)
+        sys.stdin.read()
+    tokens = list(range(1000, 1512))
+    n = client.store(iid, tokens, list(range(32)), request_id=f"req{rank}")
+    if rank == 0:
+        client.store(iid, list(range(5000, 5256)), list(range(16)), request_id="only0")
+    got = client.retrieve(iid, tokens, list(range(32, 64)), request_id=f"back{rank}")
+    same = all(torch.equal(t[:, 32:64], t[:, 0:32]) for t in kv)
+    client.unregister(iid)
+    client.close()
+    print("ok", n, got, same, flush=True)
+    """
+)
+
+
+def _child(endpoint: str, rank: int, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD, endpoint, str(rank), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_two_client_processes_share_a_world(server: ServerProcess, client: KVFlowClient) -> None:
+    """Two engine processes (ranks 0 and 1 of world 2) store at once; a hit needs both ranks."""
+    children = [_child(server.endpoint, rank, "tp") for rank in (0, 1)]
+    outputs = [child.communicate(timeout=120) for child in children]
+    for child, (out, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err
+        assert out.split() == ["ok", "512", "512", "True"], out + err
+    assert client.lookup(list(range(1000, 1512)), model_name="tp-tp", world_size=2) == 512
+    # only rank 0 stored this prefix: not a hit for the world of two
+    assert client.lookup(list(range(5000, 5256)), model_name="tp-tp", world_size=2) == 0
+    assert client.lookup(list(range(5000, 5256)), model_name="tp-tp", world_size=1) == 0
+
+
+def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) -> None:
+    """A client process killed mid-session loses its instances after the heartbeat timeout."""
+    child = _child(server.endpoint, 0, "hang")
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "registered"
+        assert "tp-hang-rank0" in client.status()["server"]["instances"]
+        time.sleep(HEARTBEAT_TIMEOUT_S * 0.8)  # heartbeats keep it alive meanwhile
+        assert "tp-hang-rank0" in client.status()["server"]["instances"]
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S * 4
+        while "tp-hang-rank0" in client.status()["server"]["instances"]:
+            assert time.monotonic() < deadline, "instance was not reaped"
+            time.sleep(0.1)
+        status = client.status()
+        assert "tp-hang-rank0" not in status["instances"]
+        assert status["server"]["reaped_instances"] >= 1
+        with pytest.raises(UnknownInstanceError, match="reaped"):
+            client.store("tp-hang-rank0", list(range(CHUNK)), list(range(16)), request_id="x")
+    finally:
+        child.kill()
+        child.wait(10)
+        for path in glob.glob(f"/dev/shm/kvflow-{child.pid}-*"):
+            os.unlink(path)  # SIGKILL left them: nobody else will
+
+
+# -- hostile input ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def raw(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+def _reply(sock: zmq.Socket[bytes], timeout_s: float = 10) -> object:
+    assert sock.poll(int(timeout_s * 1000)), "no reply"
+    return decode_reply(sock.recv())
+
+
+def test_malformed_frames_get_protocol_error_replies(raw: zmq.Socket[bytes]) -> None:
+    """Garbage, unknown ops, wrong payload counts and versions each get one error reply."""
+    for frames, match in (
+        ([b"\xc1\xc1"], "malformed"),
+        ([msgspec.msgpack.encode({"op": "teleport", "v": PROTOCOL_VERSION, "id": 9})], "malformed"),
+        ([msgspec.msgpack.encode({"op": "status", "v": PROTOCOL_VERSION}), b"xx"], "payload"),
+        ([msgspec.msgpack.encode({"op": "status", "v": PROTOCOL_VERSION + 7, "id": 3})], "version"),
+        ([b""] * 20, "frames"),
+    ):
+        raw.send_multipart(frames)
+        reply = _reply(raw)
+        assert isinstance(reply, Failed) and reply.code == ProtocolError.code
+        assert match in reply.message
+
+
+def test_fuzzed_messages_never_stop_the_server(
+    raw: zmq.Socket[bytes], client: KVFlowClient
+) -> None:
+    """Hundreds of random multipart messages each get an error reply; the server keeps serving."""
+    rng = random.Random(7)
+    n = 300
+    for _ in range(n):
+        frames = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.randrange(1, 4))]
+        raw.send_multipart(frames)
+    replies = [_reply(raw) for _ in range(n)]
+    assert all(isinstance(r, Failed) and r.code == ProtocolError.code for r in replies)
+    assert client.status()["server"]["errors"] >= n
+
+
+def test_register_descriptions_outside_their_memory_are_refused(
+    raw: zmq.Socket[bytes], client: KVFlowClient
+) -> None:
+    """A hostile description (too large, wrong dtype, foreign segment) gets invalid_argument."""
+    seg = empty_shared((1024,), torch.float16)
+    mem = shared_memory_of(seg)
+    assert mem is not None
+    bad = [
+        TensorDesc("float16", (2, 64, 16, 2, 8), (32768, 512, 16, 8, 1), mem),  # past the end
+        TensorDesc("float64", (16,), (1,), mem),
+        TensorDesc("float16", (16,), (1,), msgspec.structs.replace(mem, name="../../etc/passwd")),
+    ]
+    for tdesc in bad:
+        request = Register(
+            instance_id=_instance("hostile"),
+            kv_caches=KVCachesDesc(kind="list", tensors=[tdesc]),
+            model_name="hostile",
+        )
+        raw.send_multipart(encode_request(request))
+        reply = _reply(raw)
+        assert isinstance(reply, Failed) and reply.code == InvalidRequestError.code, reply
+    assert not any(i.startswith("hostile") for i in client.status()["server"]["instances"])
+
+
+def test_bad_arguments_get_clear_errors_and_nothing_half_written(client: KVFlowClient) -> None:
+    """Unknown instance, out-of-range blocks, mismatched K/V shapes: errors; no partial store."""
+    kv = _kv(4)
+    iid = _instance("bad")
+    client.register_kv_caches(iid, kv, model_name="bad-model")
+    with pytest.raises(AlreadyRegisteredError):
+        client.register_kv_caches(iid, kv, model_name="bad-model")
+    tokens = _tokens(2 * CHUNK, seed=4)
+    with pytest.raises(UnknownInstanceError, match="nope"):
+        client.store("nope", tokens, list(range(32)), request_id="x")
+    blocks = [*range(16), NB + 5, *range(17, 32)]  # chunk 1 has a bad block
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        client.store(iid, tokens, blocks, request_id="x")
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        client.store(iid, tokens, [-1, *range(1, 32)], request_id="x")
+    assert client.lookup(tokens, model_name="bad-model") == 0  # nothing half-written is visible
+    k = [empty_shared((NB * BS, NH, HS), torch.float16)]
+    v = [empty_shared((NB * BS, NH, HS * 2), torch.float16)]
+    with pytest.raises(InvalidRequestError):
+        client.register_kv_caches(_instance("kv-mismatch"), (k, v), model_name="m")
+    with pytest.raises(InvalidRequestError, match="world_size"):
+        client.lookup(tokens, model_name="bad-model", world_size=0)
+    client.unregister(iid)
+
+
+def test_oversized_messages(server: ServerProcess, client: KVFlowClient) -> None:
+    """Over the limit: an error reply; over twice the limit: dropped, and the server goes on."""
+    with pytest.raises(ProtocolError, match="exceeds the server's limit"):
+        client.lookup(np.zeros(300_000, dtype=np.int32), model_name="big")  # 1.2 MB > 1 MiB
+    with (
+        KVFlowClient(server.endpoint, timeout_s=1.5) as short,
+        pytest.raises(RequestTimeoutError, match="no reply"),
+    ):
+        short.lookup(np.zeros(600_000, dtype=np.int32), model_name="big")  # 2.4 MB
+    assert client.lookup([1, 2, 3], model_name="big") == 0
+
+
+def test_client_threads_share_one_client(client: KVFlowClient) -> None:
+    """Several threads call one client at once; each gets its own answers."""
+    kv = _kv(5)
+    iid = _instance("threads")
+    client.register_kv_caches(iid, kv, model_name="thr-model")
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            tokens = _tokens(CHUNK, seed=100 + i)
+            for _ in range(5):
+                assert client.lookup([i], model_name="thr-model") == 0
+            assert (
+                client.store(iid, tokens, list(range(i * 16, i * 16 + 16)), request_id=f"t{i}")
+                == CHUNK
+            )
+            assert client.lookup(tokens, model_name="thr-model") == CHUNK
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    client.unregister(iid)
+
+
+def test_status_command_prints_the_running_servers_status(server: ServerProcess) -> None:
+    """`kvflow status --endpoint` prints the server's status as JSON; a dead endpoint exits 1."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "status", "--endpoint", server.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    status = msgspec.json.decode(done.stdout)
+    assert status["server"]["endpoint"] == server.endpoint
+    assert status["server"]["protocol_version"] == PROTOCOL_VERSION
+    assert "l1" in status
+
+
+def test_no_server_is_a_timeout_naming_the_endpoint() -> None:
+    """Calling a server that is not there fails after timeout_s, naming the endpoint."""
+    with (
+        KVFlowClient("tcp://127.0.0.1:9", timeout_s=0.3) as c,
+        pytest.raises(RequestTimeoutError, match=r"127\.0\.0\.1:9\b"),
+    ):
+        c.status()

@@ -1,0 +1,100 @@
+"""KVFlowServer in-process: a stop request finishes in-flight transfers, then closes the engine."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.errors import RequestTimeoutError
+from kvflow.core.server.server import KVFlowServer
+
+CHUNK = 256
+
+
+class GatedEngine(CacheEngine):
+    """A CacheEngine whose stores wait for `gate`, so a test can hold one in flight."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        super().__init__(config)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def store(self, *args: Any, **kwargs: Any) -> int:
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().store(*args, **kwargs)
+
+
+def _serve_gated() -> tuple[GatedEngine, KVFlowServer, threading.Thread, list[torch.Tensor]]:
+    """A server over a GatedEngine, serving on a thread, and a shared-memory KV cache."""
+    config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
+    engine = GatedEngine(config)
+    server = KVFlowServer(config, engine=engine)
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    return (
+        engine,
+        server,
+        serving,
+        [empty_shared((2, 32, 16, 2, 8), torch.float16) for _ in range(2)],
+    )
+
+
+def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
+    """request_stop while a store runs: the store still completes and replies; then all stops."""
+    engine, server, serving, kv = _serve_gated()
+    results: list[object] = []
+    with KVFlowClient(server.endpoint, timeout_s=20) as client:
+        client.register_kv_caches("inst", kv, model_name="m")
+        store = threading.Thread(
+            target=lambda: results.append(
+                client.store("inst", list(range(CHUNK)), list(range(16)), request_id="r")
+            )
+        )
+        store.start()
+        assert engine.entered.wait(20)
+        server.request_stop()
+        serving.join(0.5)
+        assert serving.is_alive()  # still waiting for the store
+        with (
+            KVFlowClient(server.endpoint, timeout_s=0.3) as late,
+            pytest.raises(RequestTimeoutError),
+        ):
+            late.status()  # a stopping server takes no new requests
+        engine.gate.set()
+        store.join(20)
+        serving.join(20)
+    assert results == [CHUNK]
+    assert not serving.is_alive()
+    assert engine.status()["closed"] is True
+
+
+def test_second_stop_request_stops_waiting_for_a_stuck_transfer() -> None:
+    """A second request_stop (a second SIGINT) ends the loop although a store never finishes."""
+    engine, server, serving, kv = _serve_gated()
+    errors: list[BaseException] = []
+    with KVFlowClient(server.endpoint, timeout_s=3) as client:
+        client.register_kv_caches("stuck", kv, model_name="m")
+
+        def store() -> None:
+            try:
+                client.store("stuck", list(range(CHUNK)), list(range(16)), request_id="r")
+            except BaseException as exc:
+                errors.append(exc)
+
+        storing = threading.Thread(target=store)
+        storing.start()
+        assert engine.entered.wait(20)
+        server.request_stop()
+        server.request_stop()
+        serving.join(10)
+        assert not serving.is_alive()
+        storing.join(10)
+        engine.gate.set()  # let the abandoned worker thread end
+    assert len(errors) == 1 and isinstance(errors[0], RequestTimeoutError)
