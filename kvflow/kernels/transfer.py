@@ -92,6 +92,7 @@ class PreparedTransfer:
     """One request's block ids, checked once and (CUDA) uploaded once, then launched
     in pieces: `launch(staging, first, count)` moves chunks [first, first + count) with no
     further checks on the ids or uploads, so a pipeline of chunk groups pays the set-up once.
+    `trusted` and `launch_trusted` skip the checks for callers that made them already.
 
     The cuda backend is asynchronous on ``stream``; with stream=None it is ordered after,
     and before, work on torch's current stream. It uploads the ids through ``id_buffer``
@@ -112,8 +113,48 @@ class PreparedTransfer:
         if backend not in ("auto", "cuda", "cpu"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu'; got {backend!r}")
         ids, skip = check_transfer_ids(layout, block_ids, skip_blocks, direction)
+        self._setup(layout, ids, skip, direction == "gather", backend, stream, id_buffer)
+
+    @classmethod
+    def trusted(
+        cls,
+        layout: KVLayout,
+        block_ids: np.ndarray,
+        skip_blocks: np.ndarray | Sequence[int] | None = None,
+        *,
+        gather: bool,
+        backend: Literal["cuda", "cpu"],
+        stream: TransferStream | None = None,
+        id_buffer: IdBuffer | None = None,
+    ) -> PreparedTransfer:
+        """A transfer of ids its caller has already checked, with no check here.
+
+        For callers that validate at their own boundary (the cache engine's request
+        conversion checks every id once): `block_ids` is an integer numpy array
+        [chunks, blocks_per_chunk] of in-range ids, with no id repeated among the blocks
+        a scatter writes; `skip_blocks` counts lie in [0, blocks_per_chunk]. Launch it
+        with `launch_trusted`. Anything else is undefined behaviour on the GPU.
+        """
+        if skip_blocks is None:
+            skip = np.zeros(block_ids.shape[0], dtype=np.int64)
+        else:
+            skip = np.asarray(skip_blocks, dtype=np.int64)
+        self = cls.__new__(cls)
+        self._setup(layout, block_ids, skip, gather, backend, stream, id_buffer)
+        return self
+
+    def _setup(
+        self,
+        layout: KVLayout,
+        ids: np.ndarray,
+        skip: np.ndarray,
+        gather: bool,
+        backend: Backend,
+        stream: TransferStream | None,
+        id_buffer: IdBuffer | None,
+    ) -> None:
         self.layout = layout
-        self.gather = direction == "gather"
+        self.gather = gather
         self.stream = stream
         self.num_chunks, self.per_chunk = (int(n) for n in ids.shape)
         self.chunk_nbytes = layout.chunk_nbytes(self.per_chunk * layout.block_size)
@@ -123,7 +164,7 @@ class PreparedTransfer:
             from kvflow.kernels.cuda_backend import UploadedTransfer
 
             self._device = UploadedTransfer(
-                layout, ids, skip, gather=self.gather, stream=stream, id_buffer=id_buffer
+                layout, ids, skip, gather=gather, stream=stream, id_buffer=id_buffer
             )
 
     def launch(self, staging: torch.Tensor, first: int = 0, count: int | None = None) -> None:
@@ -138,10 +179,15 @@ class PreparedTransfer:
             staging, count, self.chunk_nbytes,
             f"{self.per_chunk} blocks of {self.layout.block_size} tokens",
         )  # fmt: skip
+        self.launch_trusted(staging, first, count)
+
+    def launch_trusted(self, staging: torch.Tensor, first: int, count: int) -> None:
+        """`launch` without its checks: for callers that size `staging` themselves (a
+        contiguous uint8 [count, chunk_nbytes] tensor) and stay within the chunks."""
         if self._device is not None:
             self._device.launch(staging, first, count)
             return
-        ids = torch.from_numpy(self._ids[first : first + count])
+        ids = torch.from_numpy(self._ids[first : first + count]).long()
         skip = torch.from_numpy(self._skip[first : first + count])
         if self.stream is not None and self.layout.device.type == "cuda":
             with torch.cuda.stream(self.stream.torch):

@@ -55,7 +55,9 @@ class Mover(Protocol):
     """Copies chunks for one instance; enqueue then `wait()` (CPU movers finish at once).
 
     An op may enqueue in several calls before its `wait()` (a store enqueues its first
-    chunks, then plans the rest while they copy); the calls share one pipeline.
+    chunks, then plans the rest while they copy); the calls share one pipeline. Block ids
+    arrive checked by the engine's request conversion (`RequestIds`), so movers launch
+    through the kernels' trusted path (`PreparedTransfer.trusted`): each id is checked once.
     """
 
     #: the stream each direction's last step runs on, for END events (None = host)
@@ -104,16 +106,16 @@ class CpuMover:
         self.layout = layout
 
     def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
-        moves = PreparedTransfer(self.layout, block_ids, direction="gather", backend="cpu")
+        moves = PreparedTransfer.trusted(self.layout, block_ids, gather=True, backend="cpu")
         for c in range(len(dsts)):
-            moves.launch(dsts[c].view(1, -1), c, 1)
+            moves.launch_trusted(dsts[c].view(1, -1), c, 1)
 
     def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
-        moves = PreparedTransfer(
-            self.layout, block_ids(), direction="scatter", skip_blocks=skip_blocks, backend="cpu"
+        moves = PreparedTransfer.trusted(
+            self.layout, block_ids(), skip_blocks, gather=False, backend="cpu"
         )
         for c in range(len(srcs)):
-            moves.launch(srcs[c].view(1, -1), c, 1)
+            moves.launch_trusted(srcs[c].view(1, -1), c, 1)
 
     def flush(self) -> None:
         return None
@@ -198,16 +200,15 @@ class CudaMover:
     def _store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
         ks, cs = self.kernel_stream, self.copy_stream
         cb = self.chunk_nbytes
-        moves = PreparedTransfer(
-            self.layout, block_ids, direction="gather", backend="cuda", stream=ks,
-            id_buffer=self._ids,
-        )  # fmt: skip
+        moves = PreparedTransfer.trusted(
+            self.layout, block_ids, gather=True, backend="cuda", stream=ks, id_buffer=self._ids
+        )
         self._after_caller(ks)
         for start in range(0, len(dsts), self.group):
             s = self._next_stage(ks)
             stop = min(start + self.group, len(dsts))
             stage = self._stage(s, stop - start)
-            moves.launch(stage, start, stop - start)
+            moves.launch_trusted(stage, start, stop - start)
             self._gathered[s].record(ks.handle)
             self._gathered[s].wait_on(cs.handle)
             base = stage.data_ptr()
@@ -250,10 +251,10 @@ class CudaMover:
             if by_chunk:
                 for i in range(stop - start):
                     self._landed[s][i].wait_on(ks.handle)
-                    moves.launch(stage[i : i + 1], start + i, 1)
+                    moves.launch_trusted(stage[i : i + 1], start + i, 1)
             else:
                 self._landed[s][stop - start - 1].wait_on(ks.handle)
-                moves.launch(stage, start, stop - start)
+                moves.launch_trusted(stage, start, stop - start)
             self._drained[s].record(ks.handle)
 
     def flush(self) -> None:
@@ -286,9 +287,9 @@ class _RetrieveCall:
 
     def moves(self, layout: KVLayout, stream: TransferStream, ids: IdBuffer) -> PreparedTransfer:
         if self._moves is None:
-            self._moves = PreparedTransfer(
-                layout, self._block_ids(), direction="scatter", skip_blocks=self._skip_blocks,
-                backend="cuda", stream=stream, id_buffer=ids,
+            self._moves = PreparedTransfer.trusted(
+                layout, self._block_ids(), self._skip_blocks, gather=False, backend="cuda",
+                stream=stream, id_buffer=ids,
             )  # fmt: skip
         return self._moves
 
