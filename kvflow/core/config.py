@@ -20,7 +20,7 @@ def _check_port(flag: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
-    """What the event pipeline publishes and where its output goes (SPEC section 8)."""
+    """What the event pipeline publishes and where its output goes (docs/SERVER.md, Settings)."""
 
     enabled: bool = True
     metrics_enabled: bool = True

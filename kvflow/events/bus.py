@@ -143,7 +143,7 @@ class _Delivery:
 
 
 class EventBus:
-    """Bounded, never-blocking event bus (SPEC section 4).
+    """Bounded, never-blocking event bus (docs/EVENTS.md, The bus).
 
     `capacity` bounds the events admitted but not yet dispatched (including GPU
     events waiting for their stream stamp); `subscriber_backlog` bounds each

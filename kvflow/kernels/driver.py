@@ -1,6 +1,6 @@
 """The few CUDA driver calls a transfer pipeline makes per op, through ctypes.
 
-Measured on the GPU machine (docs/PERFORMANCE.md), torch's way to queue a host copy on
+Measured on the GPU machine (docs/perf-journal.md), torch's way to queue a host copy on
 a side stream costs ~26 us (a stream context then `copy_`) and `current_stream(device)`
 ~10 us; the driver calls behind them cost 1-5 us. A pipeline issues dozens per op
 before and between its copies, so it calls the driver directly with raw handles.

@@ -1,4 +1,4 @@
-"""The six SPEC KV-cache formats and their detection from the registered tensors."""
+"""The six KV-cache formats (docs/KERNELS.md) and their detection from the registered tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 
 class KVFormat(enum.StrEnum):
-    """A named engine KV-cache layout (values are the SPEC names)."""
+    """A named engine KV-cache layout (values are the names in docs/KERNELS.md)."""
 
     VLLM_CROSS_LAYER = "vllm_cross_layer"
     VLLM_FLASH_ATTN = "vllm_flash_attn"
@@ -49,7 +49,7 @@ def _is_tensor_list(obj: Any) -> bool:
 
 
 def detect_format(kv_caches: Any) -> KVFormat:
-    """Recognise the SPEC format of ``kv_caches`` from its nesting and shapes.
+    """Recognise the format of ``kv_caches`` from its nesting and shapes.
 
     A flash-attn/flashinfer list with exactly 2 blocks is ambiguous and raises ValueError
     asking for ``kv_format``; a 3-d list whose dim 1 has size 1 is read as sglang_mla

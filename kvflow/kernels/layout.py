@@ -1,7 +1,7 @@
 """KV layout discovery: per-layer stride descriptors and layer groups from registered tensors.
 
-Every SPEC format is affine, so each (layer, kv) is reduced to a 4-d view
-``[num_blocks, block_size, num_heads, head_size]`` carrying the tensor's real strides.
+Every format (docs/KERNELS.md, KV cache formats) is affine, so each (layer, kv) is reduced
+to a 4-d view ``[num_blocks, block_size, num_heads, head_size]`` carrying the tensor's real strides.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class KVLayout:
             )
 
     def layout_desc(self, chunk_tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """SPEC layout desc: (chunk_shape, dtype) per group, in chunk order."""
+        """The layout desc (docs/ENGINE.md, L1): (chunk_shape, dtype) per group, in chunk order."""
         self.check_chunk_tokens(chunk_tokens)
         return [(g.chunk_shape(chunk_tokens), g.dtype) for g in self.groups]
 

@@ -208,7 +208,7 @@ def transfer_blocks(
 ) -> None:
     """Move whole blocks: "gather" cache -> staging (store), "scatter" staging -> cache.
 
-    Row c of ``staging`` is chunk c in the SPEC L1 chunk layout; block_ids[c] lists its
+    Row c of ``staging`` is chunk c in the L1 chunk layout (docs/ENGINE.md); block_ids[c] lists its
     blocks. The first skip_blocks[c] blocks of chunk c are neither read nor written.
     The cuda backend is asynchronous on ``stream``; with stream=None it is ordered after,
     and before, work on torch's current stream.

@@ -1,4 +1,4 @@
-"""Sampled lifecycle of engine GPU blocks (SPEC section 7).
+"""Sampled lifecycle of engine GPU blocks (docs/METRICS.md, L0 lifecycle).
 
 Each batch decides sampling for every allocated block id at once with the
 vectorised deterministic sampler (one numpy call per instance per batch), so
@@ -272,7 +272,7 @@ class L0LifecycleSubscriber:
     def _allocate(
         self, step: _Alloc, record: tuple[str, Sequence[int], Sequence[int]], js: list[int]
     ) -> None:
-        """Cases 1-5 of SPEC section 7 for the sampled blocks `js` of one record."""
+        """L0 lifecycle rules 1-5 (docs/METRICS.md) for the sampled blocks `js` of one record."""
         req, block_ids, token_ids = record
         ts = step.ts
         bs = step.block_size

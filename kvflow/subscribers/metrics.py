@@ -1,4 +1,4 @@
-"""The SPEC section 6 metric catalogue, recorded from the event stream.
+"""The metric catalogue of docs/METRICS.md, recorded from the event stream.
 
 Durations come from op_id-paired START/END timestamps; counter increments are
 summed per delivered batch and added once per label set; bus self-metrics and

@@ -10,7 +10,7 @@ from typing import Protocol
 
 
 class ObservabilitySettings(Protocol):
-    """What `build_subscribers` reads (SPEC section 8 flags, already validated)."""
+    """What `build_subscribers` reads (docs/SERVER.md, Settings; already validated)."""
 
     @property
     def enabled(self) -> bool: ...

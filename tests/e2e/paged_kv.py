@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-#: The paged layouts covered, by their SPEC names.
+#: The paged layouts covered, by their format names (docs/KERNELS.md).
 LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_cross_layer")
 
 #: How the caches are held: one tensor (cross-layer) or one per layer.

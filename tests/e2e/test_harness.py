@@ -52,7 +52,7 @@ def test_writer_places_each_token_where_the_layout_says(layout: str) -> None:
 
     paged_kv.write_kv(caches, layout, kv, table)
 
-    # Index every token with the SPEC's axis order directly, not through the writer's views.
+    # Index every token in the axis order of docs/KERNELS.md's format table, not the writer's views.
     for layer in range(NUM_LAYERS):
         for half in range(2):
             for pos in range(num_tokens):

@@ -1,4 +1,6 @@
-"""KVFlowClient: the SPEC section 4 methods, served by a remote kvflow server over ZMQ.
+"""KVFlowClient: CacheEngine's methods, served by a remote kvflow server over ZMQ.
+
+The methods are listed in docs/ARCHITECTURE.md (Public API) and specified in docs/ENGINE.md.
 
 Each calling thread gets its own DEALER socket, so threads never wait on each
 other's requests and the client is safe to share. A call that times out throws
@@ -172,7 +174,7 @@ class KVFlowClient:
             raise ProtocolError(f"the server returned no count for a {type(request).__name__}")
         return value
 
-    # -- the SPEC section 4 methods -------------------------------------------------------------
+    # -- the public methods (docs/ARCHITECTURE.md, Public API) ---------------------------------
 
     def register_kv_caches(
         self,

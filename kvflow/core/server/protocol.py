@@ -20,7 +20,7 @@ from kvflow.core.errors import InvalidRequestError, ProtocolError
 
 PROTOCOL_VERSION = 1
 
-#: dtype of every payload array on the wire (SPEC section 3 hashes int32 tokens).
+#: dtype of every payload array on the wire (chunk keys hash int32 tokens: docs/ENGINE.md, Keys).
 WIRE_DTYPE = INT32_LE
 
 

@@ -1,4 +1,4 @@
-"""KVFlowServer: a CacheEngine behind a ZMQ ROUTER socket (SPEC section 8).
+"""KVFlowServer: a CacheEngine behind a ZMQ ROUTER socket (docs/SERVER.md).
 
 The main loop owns the socket: it decodes every request, answers cheap ones
 (lookup, status, heartbeat, sessions, allocations, registration) itself, and

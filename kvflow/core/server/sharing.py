@@ -18,7 +18,7 @@ from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, ShmMemory, TensorDesc
 from kvflow.core.server.shm import map_shared, shared_memory_of
 
-#: The dtypes KV caches may have (SPEC section 2).
+#: The dtypes KV caches may have (docs/KERNELS.md, KV cache formats).
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,

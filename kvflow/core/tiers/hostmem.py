@@ -5,7 +5,7 @@ them (see `kvflow.core.tiers.l1`); this module only owns the memory and hands ou
 Segments are ordinary host allocations page-locked with `cudaHostRegister`, not
 torch's pinned-memory allocator: torch records a CUDA event for every asynchronous
 copy touching memory of that allocator and polls them all at its next allocation,
-which cost each store or retrieve up to 0.3 ms of host time (docs/PERFORMANCE.md).
+which cost each store or retrieve up to 0.3 ms of host time (docs/perf-journal.md).
 """
 
 from __future__ import annotations

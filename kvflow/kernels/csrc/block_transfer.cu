@@ -1,6 +1,6 @@
 // Block-id KV transfer between an engine's paged cache and kvflow's chunk staging buffer.
 //
-// One kernel for every SPEC format, dtype and layer group: the host planner
+// One kernel for every format (docs/KERNELS.md), dtype and layer group: the host planner
 // (kvflow/kernels/plan.py) reduces each (layer, kv) to an affine stride descriptor and
 // each group to a vector width and a vector order, and this kernel only moves bytes.
 //

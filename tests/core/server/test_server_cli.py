@@ -36,7 +36,7 @@ def test_no_settings_gives_the_default_config() -> None:
 
 
 def test_every_flag_reaches_its_field() -> None:
-    """Each SPEC section 8 flag (and the extra ones) sets its config field."""
+    """Each flag of docs/SERVER.md, Settings, sets its config field."""
     config = resolve(
         [
             *("--host", "0.0.0.0", "--port", "6001", "--chunk-size", "512"),

@@ -135,7 +135,7 @@ def test_malformed_kv_caches_are_rejected(kv: object, match: str) -> None:
 
 
 def test_unsupported_dtype_is_rejected() -> None:
-    """Only the SPEC's KV dtypes can be registered."""
+    """Only the KV dtypes of docs/KERNELS.md can be registered."""
     with pytest.raises(InvalidRequestError, match="float64"):
         describe_kv_caches(empty_shared((4,), torch.float64))
 
