@@ -1,4 +1,4 @@
-"""The in-process cache engine (SPEC section 4): registration, keys, L1, transfers, events.
+"""The in-process cache engine (docs/ENGINE.md): registration, keys, L1, transfers, events.
 
 Thread-safe: lookup/status may run while stores and retrieves of different
 instances run on other threads; one instance's transfers are serialised by its
@@ -18,7 +18,7 @@ import numpy as np
 from kvflow.core.arrays import as_int32_array
 from kvflow.core.config import ServerConfig
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
-from kvflow.core.engine.keys import KeyCache, ObjectKey
+from kvflow.core.engine.keys import KeyCache
 from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
 from kvflow.core.engine.ops import Op
@@ -31,7 +31,8 @@ from kvflow.core.errors import (
     TransferError,
     UnknownInstanceError,
 )
-from kvflow.core.tiers.l1 import L1Cache, WritePlan
+from kvflow.core.tiers.base import HostTier, ObjectKey, WritePlan
+from kvflow.core.tiers.l1 import L1Cache
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
 
@@ -79,7 +80,7 @@ def _check_world(world_size: Any, rank: Any = 0) -> None:
 
 
 class CacheEngine:
-    """Registration, keys, L1 and transfers behind the SPEC section 4 methods.
+    """Registration, keys, L1 and transfers behind the public methods (docs/ARCHITECTURE.md).
 
     Builds its event bus and subscribers from `config.observability` unless `bus`
     is given; a given bus is used as is (the caller starts and stops it).
@@ -88,7 +89,8 @@ class CacheEngine:
     def __init__(self, config: ServerConfig | None = None, *, bus: EventBus | None = None):
         self.config = config if config is not None else ServerConfig()
         self.chunk_size = self.config.chunk_size
-        self.l1 = L1Cache(int(self.config.l1_size_gb * GIB))
+        # the engine reaches L1 only through the tier interface (kvflow.core.tiers.base)
+        self.l1: HostTier = L1Cache(int(self.config.l1_size_gb * GIB))
         self._keys = KeyCache(self.chunk_size)
         self._lock = threading.Lock()
         self._instances: dict[str, Instance] = {}
@@ -439,7 +441,7 @@ class CacheEngine:
                     self._quiesce(inst)
                     raise
                 finally:
-                    self.l1.unpin(objs)
+                    self.l1.release(objs)
         if result["chunks"]:
             self._publish(
                 EventType.L1_READ,
@@ -487,7 +489,7 @@ class CacheEngine:
     def report_block_allocations(
         self, instance_id: str, records: Sequence[BlockAllocation]
     ) -> None:
-        """Publish the engine's new block allocations (BLOCK_ALLOCATION, SPEC section 7)."""
+        """Publish the engine's new block allocations (BLOCK_ALLOCATION, docs/EVENTS.md)."""
         inst = self._instance(instance_id)
         if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
             raise InvalidRequestError(

@@ -1,4 +1,4 @@
-"""Chunk keys (SPEC section 3): chained blake3 over full chunks, cached per session.
+"""Chunk keys (docs/ENGINE.md, Keys): chained blake3 over full chunks, cached per session.
 
 H_i = blake3(H_{i-1} || chunk i's tokens as little-endian int32), H_{-1} = KEY_SEED.
 A session's chain is kept so a growing request only hashes its new chunks.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import blake3
 import numpy as np
@@ -17,16 +16,6 @@ import numpy as np
 #: H_{-1}: blake3(b"kvflow/chunk-key/v1"). Published and fixed: changing it invalidates every key.
 KEY_SEED = bytes.fromhex("ab2d09b437b3cabb2a4488c0207473a2d34a4b4c3817dac1a48bf20163f85396")
 KEY_SEED_LABEL = b"kvflow/chunk-key/v1"
-
-
-class ObjectKey(NamedTuple):
-    """Identity of one L1 object: a chunk of one rank of one model's world."""
-
-    chunk_hash: bytes
-    model_name: str
-    world_size: int
-    rank: int
-    cache_salt: str | None
 
 
 def chain_hashes(tokens: np.ndarray, chunk_size: int, prev: bytes = KEY_SEED) -> list[bytes]:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvflow.core.tiers.base import HostChunks
 from kvflow.kernels import (
     IdBuffer,
     KVLayout,
@@ -35,20 +36,6 @@ HEAD_BYTES = 16 << 20
 
 #: a retrieve's block ids, as a function the mover calls once its first copies are queued
 BlockRows = Callable[[], np.ndarray]
-
-
-class HostChunks(Protocol):
-    """An op's L1 chunks, one per chunk it moves: as tensors (CPU movers) or addresses."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        """Chunk `index`'s bytes (uint8, 1-D)."""
-        ...
-
-    def address(self, index: int, nbytes: int) -> int:
-        """Chunk `index`'s page-locked host address; ValueError unless it holds `nbytes`."""
-        ...
 
 
 class Mover(Protocol):

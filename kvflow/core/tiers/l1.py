@@ -1,6 +1,8 @@
-"""L1 bookkeeping: which objects exist, their bytes, pins, LRU order, eviction.
+"""L1, the pinned host-memory tier: which objects exist, their bytes, pins, LRU, eviction.
 
-No bytes move here (the engine copies through `view`). A store is two-phase:
+It implements `HostTier` (`kvflow.core.tiers.base`): movers copy GPU blocks into and out
+of its objects in place, and the generic `StorageTier` calls (contains, store, load, pin)
+copy host bytes and answer at once. A store is two-phase:
 `prepare_write` (and `extend_write`, for a plan made in steps) allocates invisible
 objects, then `commit` publishes them or `abort` frees them, so a failed store
 leaves nothing visible. Objects pinned by a
@@ -14,11 +16,12 @@ import bisect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from kvflow.core.tiers.base import StoreOutcome, WritePlan, check_buffers, completed
 from kvflow.core.tiers.hostmem import HostPool
 
 ALIGN = 256
@@ -76,23 +79,10 @@ class _FreeList:
             del self.starts[i + 1], self.sizes[i + 1]
 
 
-@dataclass
-class WritePlan:
-    """Result of `prepare_write`: which keys are covered and which objects to fill.
-
-    `covered` keys (a prefix of the requested ones) are present, being written by
-    another store, or newly allocated in `new` as (index in keys, object).
-    """
-
-    keys: Sequence[Hashable]
-    covered: int
-    new: list[tuple[int, L1Object]] = field(default_factory=list)
-    evicted_chunks: int = 0
-    evicted_bytes: int = 0
-
-
 class L1Cache:
-    """Thread-safe L1 index over a byte budget of host memory."""
+    """Thread-safe L1 index over a byte budget of host memory (a `HostTier`)."""
+
+    name = "l1"
 
     def __init__(
         self,
@@ -227,7 +217,8 @@ class L1Cache:
     def abort(self, plan: WritePlan) -> None:
         """Free the plan's new objects; none of them was ever visible."""
         with self._lock:
-            for _, obj in plan.new:
+            for _, new in plan.new:
+                obj: L1Object = new
                 if not obj.ready and self._index.get(obj.key) is obj:
                     self._remove(obj)
                     self._writing -= 1
@@ -247,7 +238,8 @@ class L1Cache:
             self._touch(out)
             return out
 
-    def unpin(self, objs: Sequence[L1Object]) -> None:
+    def release(self, objs: Sequence[L1Object]) -> None:
+        """Undo `pin_prefix` for these objects."""
         with self._lock:
             for obj in objs:
                 obj.pins -= 1
@@ -272,6 +264,70 @@ class L1Cache:
                 n += 1
             self._touch(hits)
             return n
+
+    # -- the generic tier calls: host bytes in and out, answered before returning --------
+
+    def contains(self, keys: Sequence[Hashable]) -> Future[list[bool]]:
+        """Which keys have a readable object."""
+        with self._lock:
+            return completed([(o := self._index.get(k)) is not None and o.ready for k in keys])
+
+    def store(self, items: Sequence[tuple[Hashable, torch.Tensor]]) -> Future[StoreOutcome]:
+        """Copy each key's bytes into a new object unless the key is present; a key that
+        finds no room (everything else pinned) counts as failed."""
+        check_buffers([buf for _, buf in items], "items' bytes")
+        stored = present = failed = evicted_chunks = evicted_bytes = 0
+        for key, buf in items:
+            plan = self.prepare_write([key], buf.numel())
+            evicted_chunks += plan.evicted_chunks
+            evicted_bytes += plan.evicted_bytes
+            if not plan.covered:
+                failed += 1
+                continue
+            if not plan.new:
+                present += 1
+                continue
+            try:
+                self.view(plan.new[0][1]).copy_(buf)
+            except BaseException:
+                self.abort(plan)
+                raise
+            self.commit(plan)
+            stored += 1
+        return completed(StoreOutcome(stored, present, failed, evicted_chunks, evicted_bytes))
+
+    def load(self, keys: Sequence[Hashable], dsts: Sequence[torch.Tensor]) -> Future[list[bool]]:
+        """Copy each readable object into its destination (pinned meanwhile); False for a
+        missing key or a destination of another size."""
+        if len(keys) != len(dsts):
+            raise ValueError(f"load needs one destination per key: {len(keys)} keys, {len(dsts)}")
+        check_buffers(dsts, "dsts")
+        landed: list[bool] = []
+        for key, dst in zip(keys, dsts, strict=True):
+            objs = self.pin_prefix([key])
+            try:
+                ok = bool(objs) and objs[0].nbytes == dst.numel()
+                if ok:
+                    dst.copy_(self.view(objs[0]))
+            finally:
+                self.release(objs)
+            landed.append(ok)
+        return completed(landed)
+
+    def pin(self, keys: Sequence[Hashable]) -> int:
+        """Pin the longest readable prefix of keys; returns its length."""
+        return len(self.pin_prefix(keys))
+
+    def unpin(self, keys: Sequence[Hashable]) -> None:
+        """Undo one `pin` of each key."""
+        with self._lock:
+            objs = [self._index.get(key) for key in keys]
+            for key, obj in zip(keys, objs, strict=True):
+                if obj is None or obj.pins < objs.count(obj):
+                    raise ValueError(f"unpin of key {key!r}, which is not pinned")
+            for obj in objs:
+                assert obj is not None
+                obj.pins -= 1
 
     def view(self, obj: L1Object) -> torch.Tensor:
         """The object's bytes (uint8, 1-D). Valid while the object is pinned or being written."""

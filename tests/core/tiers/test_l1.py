@@ -72,12 +72,12 @@ def test_pinned_objects_are_never_evicted() -> None:
     pinned = l1.pin_prefix(["a", "b"])
     plan = l1.prepare_write(["c"], ALIGN)
     assert plan.covered == 0 and plan.new == []
-    l1.unpin(pinned[1:])
+    l1.release(pinned[1:])
     plan = l1.prepare_write(["c"], ALIGN)
     l1.commit(plan)
     assert l1.count_prefix([["a"]]) == 1 and l1.count_prefix([["b"]]) == 0
     assert l1.count_prefix([["c"]]) == 1
-    l1.unpin(pinned[:1])
+    l1.release(pinned[:1])
 
 
 def test_a_store_does_not_evict_its_own_prefix() -> None:
@@ -104,7 +104,7 @@ def test_bytes_round_trip_and_segments_grow_within_capacity() -> None:
     store(l1, ["x", "yy", "zzz"])
     (obj,) = l1.pin_prefix(["yy"])
     assert bool((l1.view(obj) == 2).all())
-    l1.unpin([obj])
+    l1.release([obj])
     stats = l1.stats()
     assert stats["reserved_bytes"] == 4 * ALIGN and stats["usage_bytes"] == 3 * ALIGN
 
@@ -119,7 +119,7 @@ def test_object_addresses_are_their_views_addresses_and_sizes_are_checked() -> N
     assert [views.address(i, ALIGN) for i in range(3)] == [l1.view(o).data_ptr() for o in objs]
     with pytest.raises(ValueError, match=f"holds {ALIGN} bytes, not {2 * ALIGN}"):
         views.address(0, 2 * ALIGN)
-    l1.unpin(objs)
+    l1.release(objs)
 
 
 def test_freed_extents_coalesce_for_a_larger_object() -> None:
