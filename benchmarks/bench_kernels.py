@@ -23,7 +23,7 @@ from kvflow.kernels.cuda_backend import DEFAULT_TUNING, KernelTuning, launch_tra
 from kvflow.kernels.plan import build_plan
 from kvflow.kernels.reference import transfer_reference
 from kvflow.kernels.streams import TransferStream
-from kvflow.kernels.testing import make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
 
 BF16, FP8, INT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8
 

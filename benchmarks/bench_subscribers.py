@@ -23,6 +23,9 @@ from typing import Any
 from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.subscribers import (
@@ -31,9 +34,9 @@ from kvflow.subscribers import (
     MetricsSubscriber,
     TracingSubscriber,
     configure_logging,
+    kvflow_resource,
     make_meter_provider,
 )
-from kvflow.subscribers.testing import SpanCapture
 
 BLOCKS_PER_REQUEST = 64
 BLOCK_SIZE = 16
@@ -203,8 +206,10 @@ def metrics_subscriber() -> tuple[OnEvents, Callable[[], object]]:
 
 
 def tracing_subscriber() -> tuple[OnEvents, Callable[[], object]]:
-    spans = SpanCapture()
-    return TracingSubscriber(spans.provider).on_events, spans.shutdown
+    """Spans exported synchronously into memory, so ending a span includes its export."""
+    provider = TracerProvider(resource=kvflow_resource())
+    provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    return TracingSubscriber(provider).on_events, provider.shutdown
 
 
 def logging_subscriber() -> tuple[OnEvents, Callable[[], object]]:

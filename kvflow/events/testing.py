@@ -1,4 +1,9 @@
-"""Test helpers shipped with the package: recording subscribers for bus tests."""
+"""Public testing utility for users' own tests: a subscriber that records events.
+
+Register a `RecordingSubscriber` on an `EventBus` (or a `CacheEngine`'s bus) to
+assert on exactly what was published, as kvflow's own tests do; it can also fail
+or block on purpose, to test how a bus treats a broken or slow subscriber.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,11 @@ from kvflow.events.types import Event, EventType
 
 
 class RecordingSubscriber:
-    """Keeps every event it receives, in order; optionally typed, failing or blocking."""
+    """Keeps every event it receives, in order; optionally typed, failing or blocking.
+
+    `event_types` limits delivery as any subscriber's does; `fail=True` raises after
+    recording each batch; `gate` makes delivery wait until the event is set.
+    """
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ Typical use (the engine does this)::
 `cfg` is any object with the `ObservabilitySettings` attributes (e.g.
 `kvflow.core.ObservabilityConfig`). Each subscriber can also be built and
 registered alone with an OpenTelemetry provider of the caller's choosing;
-`kvflow.subscribers.testing` has in-memory providers for tests.
+`kvflow.subscribers.testing` has in-memory providers for tests, kvflow's and users'.
 """
 
 from kvflow.subscribers.l0 import L0LifecycleSubscriber

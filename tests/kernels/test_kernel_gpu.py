@@ -25,7 +25,8 @@ from kvflow.kernels import (
 from kvflow.kernels.cuda_backend import DEFAULT_TUNING, KernelTuning, launch_transfer
 from kvflow.kernels.plan import VECTOR_WIDTHS, build_plan
 from kvflow.kernels.reference import transfer_reference
-from kvflow.kernels.testing import flat_tensors, make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
+from tests.support.kernel_reference import flat_tensors
 
 pytestmark = [
     pytest.mark.gpu,

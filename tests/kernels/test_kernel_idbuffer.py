@@ -11,7 +11,7 @@ import torch
 
 from kvflow.kernels import IdBuffer, KVLayout, PreparedTransfer, cuda_available, new_transfer_stream
 from kvflow.kernels.loader import active_context
-from kvflow.kernels.testing import make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
 
 
 def _read(address: int, n: int) -> list[int]:

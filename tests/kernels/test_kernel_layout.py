@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvflow.kernels import KVFormat, KVLayout, detect_format
-from kvflow.kernels.testing import make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
 
 
 @pytest.mark.parametrize("noncontiguous", [False, True])

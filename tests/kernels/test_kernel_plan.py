@@ -33,7 +33,8 @@ from kvflow.kernels.plan import (
     unroll,
 )
 from kvflow.kernels.reference import transfer_reference
-from kvflow.kernels.testing import flat_tensors, make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
+from tests.support.kernel_reference import flat_tensors
 
 
 def test_fast_division_is_exact_below_two_to_the_31() -> None:

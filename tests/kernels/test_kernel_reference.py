@@ -1,4 +1,7 @@
-"""The torch reference transfer, checked against a naive per-block model of the SPEC layouts."""
+"""The torch reference transfer, checked against a naive per-block model of the formats.
+
+The formats' tensor shapes are tabled in docs/KERNELS.md (KV cache formats).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ import pytest
 import torch
 
 from kvflow.kernels import SUPPORTED_DTYPES, KVFormat, KVLayout, PreparedTransfer, transfer_blocks
-from kvflow.kernels.testing import (
+from kvflow.kernels.synthetic import make_kv_caches
+from tests.support.kernel_reference import (
     apply_scatter,
     clone_structure,
     expected_gather,
-    make_kv_caches,
     same_bytes,
 )
 

@@ -14,7 +14,9 @@ import pytest
 from kvflow.core.config import ObservabilityConfig
 from kvflow.events import EventBus
 from kvflow.subscribers import L0LifecycleSubscriber, build_subscribers
-from kvflow.subscribers.testing import EventScript, MetricsCapture, SpanCapture, free_port
+from kvflow.subscribers.testing import MetricsCapture, SpanCapture
+from tests.support.collectors import free_port
+from tests.support.event_script import EventScript
 
 STORE = {"instance_id": "gpu0", "model_name": "llama"}
 

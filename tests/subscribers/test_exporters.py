@@ -11,7 +11,8 @@ from kvflow.core.config import ObservabilityConfig
 from kvflow.events import EventBus, EventType, now_ns
 from kvflow.subscribers import build_subscribers
 from kvflow.subscribers.buckets import BLOCK_SECONDS, OP_SECONDS
-from kvflow.subscribers.testing import EventScript, OTLPReceiver, PrometheusServer, free_port
+from tests.support.collectors import OTLPReceiver, PrometheusServer, free_port
+from tests.support.event_script import EventScript
 
 STORE = {"instance_id": "gpu0", "model_name": "llama"}
 

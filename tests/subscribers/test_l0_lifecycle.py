@@ -1,4 +1,4 @@
-"""L0LifecycleSubscriber: the SPEC section 7 state machine, sampling, and its bounds."""
+"""L0LifecycleSubscriber: the lifecycle rules of docs/METRICS.md, sampling, and its bounds."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ import subprocess
 import sys
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvflow.events import Event, EventType, Sampler
 from kvflow.subscribers import L0LifecycleSubscriber
-from kvflow.subscribers.testing import EventScript, MetricsCapture
+from kvflow.subscribers.testing import MetricsCapture
+from tests.support.event_script import EventScript
 
 LIFETIME = "kvflow.l0.block_lifetime"
 IDLE = "kvflow.l0.block_idle_before_evict"
+REPO = Path(__file__).resolve().parents[2]  # the child imports tests.support from here
 GAP = "kvflow.l0.block_reuse_gap"
 A, B, C = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
 
@@ -37,7 +40,7 @@ def cap(request: pytest.FixtureRequest) -> Iterator[MetricsCapture]:
 
 
 def test_lifecycle_narrative(cap: MetricsCapture) -> None:
-    """One block through every case of SPEC section 7, checking each recorded duration."""
+    """One block through every L0 lifecycle rule (docs/METRICS.md), checking each duration."""
     sub = L0LifecycleSubscriber(cap.provider, sample_rate=1.0, seed=0)
     s = EventScript()
     # t=0  case 1: request a allocates block 10 holding tokens A -> ACTIVE, history [0]
@@ -217,7 +220,8 @@ def test_state_scales_with_the_sample_not_the_ids() -> None:
 _CHILD = """
 import json, random, sys
 from kvflow.subscribers import L0LifecycleSubscriber
-from kvflow.subscribers.testing import EventScript, MetricsCapture
+from kvflow.subscribers.testing import MetricsCapture
+from tests.support.event_script import EventScript
 cap = MetricsCapture()
 sub = L0LifecycleSubscriber(cap.provider, sample_rate=0.1, seed=1234)
 s, rng = EventScript(), random.Random(5)
@@ -234,7 +238,7 @@ def test_sampling_identical_across_processes() -> None:
     for hash_seed in ("1", "98765"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                              text=True, timeout=60, check=True)  # fmt: skip
+                              text=True, timeout=60, check=True, cwd=REPO)  # fmt: skip
         outputs.append(json.loads(proc.stdout))
     assert outputs[0] == outputs[1]
     assert 400 < len(outputs[0]) < 880  # ~10% of 6400 distinct ids

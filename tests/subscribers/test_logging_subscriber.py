@@ -11,7 +11,7 @@ import pytest
 
 from kvflow.events import Event, EventBus, EventType
 from kvflow.subscribers import LoggingSubscriber, configure_logging
-from kvflow.subscribers.testing import EventScript
+from tests.support.event_script import EventScript
 
 STORE = {"instance_id": "gpu0", "model_name": "llama"}
 

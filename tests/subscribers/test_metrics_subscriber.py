@@ -1,4 +1,4 @@
-"""MetricsSubscriber: every metric of the SPEC section 6 catalogue, from events."""
+"""MetricsSubscriber: every metric of the docs/METRICS.md catalogue, from events."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from kvflow.events import Event, EventBus, EventType, now_ns
 from kvflow.subscribers import L0LifecycleSubscriber, MetricsSubscriber
 from kvflow.subscribers.buckets import GB_PER_S, OP_SECONDS, TOKENS
-from kvflow.subscribers.testing import EventScript, MetricsCapture
+from kvflow.subscribers.testing import MetricsCapture
+from tests.support.event_script import EventScript
 
 STORE = {"instance_id": "gpu0", "model_name": "llama"}
 
@@ -258,7 +259,7 @@ def test_slow_subscriber_overflow_is_counted(cap: MetricsCapture) -> None:
 
 
 def test_whole_catalogue_is_emitted(cap: MetricsCapture) -> None:
-    """A mixed workload through a real bus produces every metric of SPEC section 6."""
+    """A mixed workload through a real bus produces every metric of docs/METRICS.md."""
     bus = EventBus()
     bus.register(MetricsSubscriber(cap.provider, bus=bus, l1_stats=lambda: {
         "usage_bytes": 1, "capacity_bytes": 2, "objects": 1}))  # fmt: skip

@@ -27,7 +27,8 @@ from kvflow.subscribers import (
     make_meter_provider,
 )
 from kvflow.subscribers.buckets import BLOCK_SECONDS
-from kvflow.subscribers.testing import EventScript, MetricsCapture
+from kvflow.subscribers.testing import MetricsCapture
+from tests.support.event_script import EventScript
 
 L0_HISTOGRAMS = (
     "kvflow.l0.block_lifetime",
@@ -119,7 +120,7 @@ def test_store_rejects_bad_boundaries_and_is_empty_before_values() -> None:
 
 
 def narrative(sub: L0LifecycleSubscriber) -> None:
-    """Every SPEC section 7 case on two instances, then evictions released and active."""
+    """Each L0 rule of docs/METRICS.md on two instances, then evictions released and active."""
     s = EventScript()
     for inst, offset in (("gpu0", 0.0), ("gpu1", 0.25)):
         at = offset

@@ -7,7 +7,8 @@ from opentelemetry.trace import StatusCode
 
 from kvflow.events import monotonic_to_epoch_ns
 from kvflow.subscribers import TracingSubscriber
-from kvflow.subscribers.testing import EventScript, MetricsCapture, SpanCapture
+from kvflow.subscribers.testing import MetricsCapture, SpanCapture
+from tests.support.event_script import EventScript
 
 STORE = {"instance_id": "gpu0", "model_name": "llama"}
 

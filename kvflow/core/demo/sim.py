@@ -21,7 +21,7 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.engine.keys import chain_hashes
 from kvflow.events import BlockAllocation
 from kvflow.kernels import KVFormat, KVLayout, transfer_blocks
-from kvflow.kernels.testing import make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
 
 
 @dataclass(frozen=True)

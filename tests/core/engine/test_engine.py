@@ -15,8 +15,8 @@ from kvflow.core.errors import (
     InvalidRequestError,
     UnknownInstanceError,
 )
-from kvflow.core.testing import BLOCK, CHUNK, block_bytes, caches, small_engine
 from kvflow.kernels import KVFormat
+from tests.support.engine import BLOCK, CHUNK, block_bytes, caches, small_engine
 
 FORMATS = [f.value for f in KVFormat]
 TOKENS = np.arange(100, 100 + 3 * CHUNK + 3, dtype=np.int32)  # 3 full chunks + a partial one
@@ -231,6 +231,29 @@ def test_request_validation_errors_name_the_problem() -> None:
     with pytest.raises(InvalidRequestError, match="request_id"):
         engine.store("a", TOKENS, SRC_BLOCKS, request_id="")
     assert engine.l1_stats()["objects"] == 0
+    engine.close()
+
+
+def test_each_block_id_is_checked_once_at_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Movers launch through the kernels' trusted path: a round trip runs with the kernels'
+    own id and staging checks made to fail, and bad ids are still refused by the engine."""
+    import kvflow.kernels.transfer as kernel_transfer
+
+    def checked_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the kernels re-checked what the engine had checked")
+
+    monkeypatch.setattr(kernel_transfer, "check_transfer_ids", checked_again)
+    monkeypatch.setattr(kernel_transfer, "check_staging", checked_again)
+    engine, _, (src, src_kw), (dst, dst_kw) = _register_pair("vllm_flash_attn")
+    assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w") == 3 * CHUNK
+    assert engine.retrieve("dst", TOKENS, DST_BLOCKS, request_id="r") == 3 * CHUNK
+    with pytest.raises(InvalidRequestError, match="repeat block 11"):
+        engine.retrieve("dst", TOKENS, [1, 11, 4, 11, 6, 8, 10], request_id="r2")
+    with pytest.raises(InvalidRequestError, match="block_ids"):
+        engine.store("src", TOKENS[: 2 * CHUNK], [5, 2, 9, 10_000], request_id="w2")
+    monkeypatch.undo()  # the comparison below reads blocks through the checked entry point
+    got, want = block_bytes(dst, dst_kw, DST_BLOCKS), block_bytes(src, src_kw, SRC_BLOCKS)
+    assert torch.equal(got[:6], want[:6])
     engine.close()
 
 

@@ -8,10 +8,10 @@ import pytest
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.errors import InvalidRequestError, KVFlowError, TransferError
-from kvflow.core.testing import BLOCK, CHUNK, caches, events_of, of_type, pairs, small_engine
 from kvflow.events import BlockAllocation, EventBus, EventType
 from kvflow.subscribers import build_subscribers
 from kvflow.subscribers.testing import MetricsCapture
+from tests.support.engine import BLOCK, CHUNK, caches, events_of, of_type, pairs, small_engine
 
 TOKENS = np.arange(2 * CHUNK + 1, dtype=np.int32)
 BLOCKS = [3, 1, 4, 0, 5]

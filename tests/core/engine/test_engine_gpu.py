@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kvflow.core.engine import movers
-from kvflow.core.testing import TensorChunks, block_bytes, events_of, pairs, small_engine
 from kvflow.core.tiers.hostmem import HostPool
 from kvflow.events import EventType
 from kvflow.kernels import KVFormat, KVLayout, PreparedTransfer, cuda_available
-from kvflow.kernels.testing import make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
+from tests.support.engine import TensorChunks, block_bytes, events_of, pairs, small_engine
 
 pytestmark = [
     pytest.mark.gpu,

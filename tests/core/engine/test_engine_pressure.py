@@ -13,7 +13,7 @@ import torch
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.engine.movers import BlockRows, HostChunks
 from kvflow.core.errors import CapacityError, TransferError
-from kvflow.core.testing import CHUNK, block_bytes, caches, events_of, pairs, small_engine
+from tests.support.engine import CHUNK, block_bytes, caches, events_of, pairs, small_engine
 
 BLOCKS = [0, 1, 2, 3]  # two chunks
 

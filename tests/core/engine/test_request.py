@@ -11,8 +11,8 @@ import torch
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.engine.request import RequestIds
 from kvflow.core.errors import InvalidRequestError
-from kvflow.core.testing import BLOCK, CHUNK, block_bytes, caches, small_engine
 from kvflow.kernels import KVLayout
+from tests.support.engine import BLOCK, CHUNK, block_bytes, caches, small_engine
 
 PER_CHUNK = CHUNK // BLOCK
 

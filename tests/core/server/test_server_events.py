@@ -11,9 +11,9 @@ import torch
 
 from kvflow.core import KVFlowClient, KVFlowServer, empty_shared
 from kvflow.core.errors import InvalidRequestError, UnknownInstanceError
-from kvflow.core.testing import CHUNK, caches, events_of, of_type, pairs, small_engine
 from kvflow.events import BlockAllocation, EventType
 from kvflow.events.testing import RecordingSubscriber
+from tests.support.engine import CHUNK, caches, events_of, of_type, pairs, small_engine
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
-"""Test helpers shipped with the package: a small engine on a recording bus, block readers
-and START/END pairing checks (the engine tests use them; the server's may too)."""
+"""A small engine on a recording bus, block readers and START/END pairing checks.
+
+The engine and server tests use them to drive a CacheEngine on CPU caches and
+assert on what it moved and published.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.events import END_TO_START, START_TO_END, Event, EventBus, EventType
 from kvflow.events.testing import RecordingSubscriber
 from kvflow.kernels import KVLayout, transfer_blocks
-from kvflow.kernels.testing import make_kv_caches
+from kvflow.kernels.synthetic import make_kv_caches
 
 BLOCK = 4
 CHUNK = 8  # two blocks per chunk
@@ -63,7 +66,7 @@ def caches(fmt: str, seed: int, **kw: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def block_bytes(kv: Any, kwargs: dict[str, Any], block_ids: list[int]) -> torch.Tensor:
-    """Each listed block's bytes (one row per block, SPEC chunk layout of one block)."""
+    """Each listed block's bytes (one row per block, a one-block chunk as laid out in docs/KERNELS.md)."""
     layout = KVLayout.from_kv_caches(kv, **kwargs)
     out = torch.empty((len(block_ids), layout.chunk_nbytes(layout.block_size)), dtype=torch.uint8)
     ids = torch.tensor(block_ids, dtype=torch.int64).view(-1, 1)
@@ -98,4 +101,5 @@ def pairs(events: list[Event]) -> Iterator[tuple[Event, Event]]:
 
 
 def of_type(events: list[Event], etype: EventType) -> list[Event]:
+    """The events of one type, in order."""
     return [e for e in events if e.type == etype]
