@@ -20,6 +20,6 @@ step() {
   [ "$rc" -eq 0 ] || status=1
 }
 step gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests
-step gpu_e2e 90 python3 benchmarks/gpu_e2e.py --json "$out/gpu_e2e.json"
+step gpu_e2e 90 python3 -m tests.e2e.gpu_e2e --json "$out/gpu_e2e.json"
 step bench_engine 150 python3 benchmarks/bench_engine.py --reps 5 --json "$out/bench_engine.json"
 exit $status

@@ -78,6 +78,17 @@ def test_nothing_in_the_package_imports_test_helpers() -> None:
         assert not bad, f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}"
 
 
+def test_benchmarks_import_no_test_module() -> None:
+    """Benchmarks import nothing from tests/ and no testing utility (`kvflow.*.testing`)."""
+    for path in sorted((ROOT.parent / "benchmarks").glob("*.py")):
+        bad = {
+            n
+            for n in _imported_modules(path)
+            if n.split(".")[0] == "tests" or (n.startswith("kvflow.") and "testing" in n.split("."))
+        }
+        assert not bad, f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}"
+
+
 def test_every_package_explains_itself() -> None:
     """Each folder of the package has an __init__.py whose docstring says what it holds."""
     for init in [ROOT / "__init__.py", *sorted(ROOT.rglob("*/__init__.py"))]:

@@ -1,12 +1,12 @@
 """GPU end-to-end: a real transformer continues from KV that went through `kvflow server`.
 
-The CPU e2e scenario (tests/e2e/scenario.py) with CUDA tensors: the tiny Llama and
+The CPU e2e scenario (scenario.py beside this script) with CUDA tensors: the tiny Llama and
 its paged caches live on the GPU, the caches are shared with a `kvflow server`
 subprocess by CUDA IPC, and the server moves blocks with the PyCUDA kernels.
 For every layout x dtype x skip it checks bit-identical KV, exactly equal logits
 and a full recompute, and times the store and retrieve calls. Prints a table;
 exits 1 if any case failed. Run from the repository root:
-    python benchmarks/gpu_e2e.py [--repeat 20] [--json results.json]
+    python -m tests.e2e.gpu_e2e [--repeat 20] [--json results.json]
 """
 
 from __future__ import annotations
@@ -20,16 +20,12 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the scenario lives in the test tree of this checkout
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from kvflow.core import KVFlowClient  # noqa: E402
-from kvflow.kernels import cuda_available  # noqa: E402
-from tests.e2e import paged_kv  # noqa: E402
-from tests.e2e.scenario import (  # noqa: E402
+from kvflow.core import KVFlowClient
+from kvflow.kernels import cuda_available
+from tests.e2e import paged_kv
+from tests.e2e.scenario import (
     BLOCK_SIZE,
     CHUNK_SIZE,
     NUM_BLOCKS,
@@ -37,8 +33,8 @@ from tests.e2e.scenario import (  # noqa: E402
     make_requests,
     run_reuse,
 )
-from tests.e2e.server_proc import running_server  # noqa: E402
-from tests.e2e.tiny_llama import build_model  # noqa: E402
+from tests.e2e.server_proc import running_server
+from tests.e2e.tiny_llama import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SKIPS = (0, 3)
