@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvflow.events import Event, EventBus, EventType
+from kvflow.events.stream import attach_native_stamper
 
 T = EventType
 
@@ -62,7 +63,7 @@ def new_bus(capacity: int = 65536) -> tuple[EventBus, LagRecorder]:
     bus = EventBus(capacity)
     bus.register(rec)
     bus.start()
-    if bus.enable_stream_stamps() is None:
+    if attach_native_stamper(bus) is None:
         raise SystemExit("no native stream stamper: needs CUDA and a C compiler")
     return bus, rec
 

@@ -11,9 +11,10 @@ ROOT = Path(__file__).resolve().parents[1] / "kvflow"
 
 #: package -> the kvflow packages its modules may import (besides itself)
 ALLOWED = {
-    "events": set(),
+    "cuda": set(),
+    "events": {"cuda"},
     "subscribers": {"events"},
-    "kernels": set(),
+    "kernels": {"cuda"},
 }
 
 #: room of kvflow.core -> the rooms of kvflow.core its modules must not import
@@ -51,7 +52,7 @@ def _modules(package: str) -> list[Path]:
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_package_imports_only_what_it_may(package: str) -> None:
-    """events import nothing of kvflow; subscribers only events; kernels nothing of servers or events."""
+    """cuda imports nothing of kvflow; events and kernels only cuda; subscribers only events."""
     for path in _modules(package):
         extra = _kvflow_packages(path) - ALLOWED[package] - {package}
         assert not extra, f"{path.relative_to(ROOT.parent)} imports kvflow.{sorted(extra)}"
@@ -69,6 +70,14 @@ def test_core_room_keeps_out_of_the_rooms_above_it(room: str) -> None:
         }
         bad = rooms & CORE_FORBIDDEN[room]
         assert not bad, f"{path.relative_to(ROOT.parent)} imports kvflow.core.{sorted(bad)}"
+
+
+def test_the_bus_never_imports_the_stream_stamper() -> None:
+    """kvflow/events/bus.py imports no part of kvflow.events.stream, not even lazily:
+    whoever builds a bus attaches the stamper (docs/STREAM_EVENTS.md)."""
+    names = _imported_modules(ROOT / "events" / "bus.py")
+    bad = {n for n in names if n == "kvflow.events.stream" or n.startswith("kvflow.events.stream.")}
+    assert not bad, f"kvflow/events/bus.py imports {sorted(bad)}"
 
 
 def test_nothing_in_the_package_imports_test_helpers() -> None:

@@ -1,6 +1,7 @@
 """The event vocabulary, the bounded bus, and the deterministic sampler.
 
-This package imports nothing else of kvflow: every other package depends on it.
+Of kvflow it imports only `kvflow.cuda` (for GPU stream stamps, in `stream`, which
+the bus itself never imports); every package above it depends on it.
 """
 
 from kvflow.events.bus import EventBus, StreamStamper

@@ -150,6 +150,11 @@ class EventBus:
     subscriber's own queue (defaults to `capacity`); `coalesce_s` is how long the
     dispatcher waits after waking from idle before it takes a batch, once GPU stream
     stamps are in use and the queue is under half full (0 = never waits).
+
+    The bus stamps `publish_on_stream` events on the GPU only once a stream stamper is
+    attached (`attach_stamper`): whoever builds the bus attaches one
+    (`kvflow.events.stream.attach_native_stamper`), since the bus itself never loads
+    CUDA. A bus without a stamper stamps those events at publish, like `publish`.
     """
 
     def __init__(
@@ -261,31 +266,16 @@ class EventBus:
     def publish_on_stream(self, stream: Any, event: Event) -> bool:
         """Publish `event` stamped when `stream` reaches this point.
 
-        The first call with a stream attaches the native stamper (`enable_stream_stamps`).
-        Without CUDA, or for CPU work (`stream` None), the event is stamped now and
-        published like `publish`.
+        Needs an attached stamper; without one, or for CPU work (`stream` None), the
+        event is stamped now and published like `publish`.
         """
         stamper = self._stamper
-        if stamper is None and stream is not None and self._accepting:
-            stamper = self.enable_stream_stamps()
         if stream is None or stamper is None:
             event.ts_ns = 0
             return self.publish(event)
         return stamper.enqueue(stream, event)
 
     # -- hooks for the GPU stamp path -------------------------------------------
-
-    def enable_stream_stamps(self) -> StreamStamper | None:
-        """Attach the native CUDA stream stamper unless a stamper is attached; return it.
-
-        `publish_on_stream` calls this on first use; call it at start-up to pay the
-        one-off C build there. None means no CUDA (or no C compiler): stamps at publish.
-        """
-        if self._stamper is None:
-            from kvflow.events.stream import attach_native_stamper  # ctypes/libcuda on demand
-
-            attach_native_stamper(self)
-        return self._stamper
 
     @property
     def stamper(self) -> StreamStamper | None:

@@ -5,7 +5,8 @@ side of GPU stream events, linked with csrc/stream_wakers.c, the native waker
 ring. It needs the Python headers of the running interpreter. The shared object
 is named by a hash of its sources, the compiler, the flags and the interpreter's
 ABI, so an edited source or another compiler builds a new one and a stale one is
-never loaded; a file lock makes concurrent first uses (threads or processes) build it once.
+never loaded. It lives in the `native` folder of kvflow's build cache (`kvflow.cuda.cache`),
+whose file lock makes concurrent first uses (threads or processes) build it once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from filelock import FileLock
+from kvflow.cuda.cache import build_file, cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "stream_wakers.c", CSRC / "stream_lanes.c")
@@ -35,15 +36,6 @@ _load_lock = threading.Lock()
 
 class NativeBuildError(RuntimeError):
     """The C extension could not be built (no compiler or headers, or the compiler failed)."""
-
-
-def cache_dir() -> Path:
-    """Where built helpers live: $KVFLOW_CACHE_DIR, else $XDG_CACHE_HOME/kvflow, else ~/.cache/kvflow."""
-    root = os.environ.get("KVFLOW_CACHE_DIR")
-    if root:
-        return Path(root) / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "kvflow" / "native"
 
 
 def find_compiler() -> str | None:
@@ -78,22 +70,16 @@ def build_library(sources: Sequence[Path] = SOURCES, *, directory: Path | None =
             + [f.encode() for f in CFLAGS]
         )
     )
-    directory = cache_dir() if directory is None else directory
+    directory = cache_dir("native") if directory is None else directory
     target = directory / f"{MODULE}-{key.hexdigest()[:16]}{suffix}"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{target}.lock"):
-        if target.exists():
-            return target
-        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+
+    def compile_to(partial: Path) -> None:
         cmd = [compiler, *CFLAGS, f"-I{include}", "-o", str(partial), *map(str, sources)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            partial.unlink(missing_ok=True)
             raise NativeBuildError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-        os.replace(partial, target)
-    return target
+
+    return build_file(target, compile_to)
 
 
 @functools.cache

@@ -13,7 +13,6 @@ measurements behind it, and how the C extension is built and found.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Protocol
 
+from kvflow.cuda.driver import cuda_driver
 from kvflow.events.bus import EventBus
 from kvflow.events.native import NativeBuildError, load_library
 from kvflow.events.types import Event
@@ -38,7 +38,6 @@ MAX_STREAMS = 1024
 #: Handles of the default streams (legacy NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
 #: they name the calling thread's current context, so their lanes are keyed by context too.
 _DEFAULT_STREAMS = 2
-_CUDA_ERROR_NOT_READY = 600
 #: Outcomes of the C extension's enqueue_lane (a positive value is a refused record's CUresult).
 _RECORDED, _DROPPED, _NO_EVENT = 0, -1, -3
 _REANCHOR_NS = 1_000_000_000
@@ -67,7 +66,8 @@ def stream_handle(stream: Any) -> int:
 
 
 class StreamDriver(Protocol):
-    """The CUDA driver calls the stamper makes (a fake one drives it in CPU tests).
+    """The CUDA driver calls the stamper makes: `kvflow.cuda.driver.Driver` on a GPU, a
+    fake one in CPU tests.
 
     Handles are ints. Methods other than `record` raise RuntimeError on a CUDA error.
     """
@@ -117,125 +117,6 @@ class StreamDriver(Protocol):
     def destroy_stream(self, stream: int) -> None: ...
 
     def error_name(self, code: int) -> str: ...
-
-
-def _first(lib: ctypes.CDLL, *names: str) -> Any:
-    for name in names:
-        try:
-            return getattr(lib, name)
-        except AttributeError:
-            continue
-    raise AttributeError(f"libcuda lacks {names[0]}")
-
-
-class CudaDriver:
-    """`StreamDriver` over libcuda through ctypes."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, vpp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-        self.launch_ptr = ctypes.cast(lib.cuLaunchHostFunc, vp).value or 0
-        self.wait_ptr = ctypes.cast(lib.cuStreamWaitEvent, vp).value or 0
-        self.record_ptr = ctypes.cast(lib.cuEventRecord, vp).value or 0
-        # PyDLL keeps the GIL: these calls are short and never wait for the GPU.
-        fast = ctypes.PyDLL(lib._name)
-        self.record: Callable[[int, int], int] = fast.cuEventRecord
-        self._query = fast.cuEventQuery
-        self._elapsed = fast.cuEventElapsedTime
-        self._stream_ctx = lib.cuStreamGetCtx
-        self._get_ctx = lib.cuCtxGetCurrent
-        self._push = _first(lib, "cuCtxPushCurrent_v2", "cuCtxPushCurrent")
-        self._pop = _first(lib, "cuCtxPopCurrent_v2", "cuCtxPopCurrent")
-        self.push_ptr = ctypes.cast(self._push, vp).value or 0
-        self.pop_ptr = ctypes.cast(self._pop, vp).value or 0
-        self._event_create = lib.cuEventCreate
-        self._stream_create = lib.cuStreamCreate
-        self._event_destroy = _first(lib, "cuEventDestroy_v2", "cuEventDestroy")
-        self._stream_destroy = _first(lib, "cuStreamDestroy_v2", "cuStreamDestroy")
-        self._error_name = lib.cuGetErrorName
-        for fn, args in (
-            (fast.cuEventRecord, [vp, vp]),
-            (self._query, [vp]),
-            (self._elapsed, [ctypes.POINTER(ctypes.c_float), vp, vp]),
-            (self._stream_ctx, [vp, vpp]),
-            (self._get_ctx, [vpp]),
-            (self._push, [vp]),
-            (self._pop, [vpp]),
-            (self._event_create, [vpp, ctypes.c_uint]),
-            (self._stream_create, [vpp, ctypes.c_uint]),
-            (self._event_destroy, [vp]),
-            (self._stream_destroy, [vp]),
-            (self._error_name, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
-        ):
-            fn.argtypes = args
-            fn.restype = ctypes.c_int
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc:
-            raise RuntimeError(f"{what} failed: {self.error_name(rc)}")
-
-    def stream_context(self, stream: int) -> int:
-        ctx = ctypes.c_void_p()
-        return 0 if self._stream_ctx(stream, ctypes.byref(ctx)) else ctx.value or 0
-
-    def current_context(self) -> int:
-        ctx = ctypes.c_void_p()
-        return 0 if self._get_ctx(ctypes.byref(ctx)) else ctx.value or 0
-
-    def push_context(self, ctx: int) -> None:
-        self._check(self._push(ctx), "cuCtxPushCurrent")
-
-    def pop_context(self) -> None:
-        self._check(self._pop(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
-
-    def create_event(self) -> int:
-        event = ctypes.c_void_p()
-        self._check(self._event_create(ctypes.byref(event), 0), "cuEventCreate")
-        return event.value or 0
-
-    def create_stream(self) -> int:
-        stream = ctypes.c_void_p()
-        self._check(self._stream_create(ctypes.byref(stream), 1), "cuStreamCreate")
-        return stream.value or 0
-
-    def query(self, event: int) -> bool:
-        rc = self._query(event)
-        if rc == _CUDA_ERROR_NOT_READY:
-            return False
-        self._check(rc, "cuEventQuery")
-        return True
-
-    def elapsed_ns(self, start: int, end: int) -> int | None:
-        ms = ctypes.c_float()
-        rc = self._elapsed(ctypes.byref(ms), start, end)
-        if rc == _CUDA_ERROR_NOT_READY:
-            return None
-        self._check(rc, "cuEventElapsedTime")
-        return round(ms.value * 1e6)
-
-    def destroy_event(self, event: int) -> None:
-        self._event_destroy(event)
-
-    def destroy_stream(self, stream: int) -> None:
-        self._stream_destroy(stream)
-
-    def error_name(self, code: int) -> str:
-        name = ctypes.c_char_p()
-        if self._error_name(code, ctypes.byref(name)) or not name.value:
-            return f"CUresult {code}"
-        return f"{name.value.decode()} ({code})"
-
-
-@functools.cache
-def cuda_driver() -> CudaDriver | None:
-    """The CUDA driver when it loads and sees at least one device; None otherwise (cached)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    count = ctypes.c_int(0)
-    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
-        return None
-    return CudaDriver(lib)
 
 
 class _Clock:
@@ -527,9 +408,14 @@ class NativeStreamStamper:
 def attach_native_stamper(bus: EventBus) -> NativeStreamStamper | None:
     """Give `bus` a NativeStreamStamper unless it has a stamper already; None without CUDA.
 
-    Without a GPU this is silent; with one but no working C compiler it logs a
-    warning once and the bus keeps stamping stream events on the CPU at publish.
+    Whoever builds a bus calls this (the bus never imports this module), ideally at
+    start-up: the first call per machine and Python builds the C extension. Without a
+    GPU, or for a bus that takes no events (disabled or stopped), nothing is attached;
+    with a GPU but no working C compiler a warning is logged once. Either way the bus
+    then stamps stream events on the CPU at publish.
     """
+    if not bus.running:
+        return None
     driver = cuda_driver()
     if driver is None:
         return None

@@ -1,7 +1,7 @@
 """Block-id KV transfer kernels (PyCUDA) with a torch CPU reference.
 
-Knows nothing of servers or events. Importing it never needs pycuda or a GPU: the CUDA
-backend loads lazily on first use.
+Knows nothing of servers or events: of kvflow it imports only `kvflow.cuda`. Importing
+it never needs pycuda or a GPU: the CUDA backend loads lazily on first use.
 """
 
 from kvflow.kernels.formats import KVFormat, detect_format

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.kernels.driver import CurrentContext
+from kvflow.cuda.context import CurrentContext, primary_context
 from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import KVLayout
-from kvflow.kernels.loader import DEFAULT_OPTIONS, cuda_available, get_function, primary_context
+from kvflow.kernels.loader import DEFAULT_OPTIONS, cuda_available, get_function
 from kvflow.kernels.plan import (
     DEFAULT_ITERS,
     DEFAULT_LANE_BYTES,
@@ -140,7 +140,7 @@ class UploadedTransfer:
         tuning: KernelTuning = DEFAULT_TUNING,
     ) -> None:
         self._index = _check_device(layout, stream)
-        self._context = int(primary_context(self._index).handle)
+        self._context = primary_context(self._index)
         self.layout = layout
         self.num_chunks, self.per_chunk = (int(n) for n in block_ids.shape)
         self.gather = gather

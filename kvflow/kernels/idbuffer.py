@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvflow.kernels.driver import copy_async
+from kvflow.cuda.enqueue import copy_async
 from kvflow.kernels.streams import TransferStream
 
 #: int32 slots a new buffer starts with (64 KiB; a request of 16k blocks fits)
@@ -22,7 +22,7 @@ DEFAULT_SLOTS = 1 << 14
 class IdBuffer:
     """Bump-allocated int32 ids: pinned on the host, resident on one CUDA device.
 
-    `upload` copies through the driver (`kvflow.kernels.driver`), so torch records
+    `upload` copies through the driver (`kvflow.cuda.enqueue`), so torch records
     nothing per copy. A request that does not fit gets a larger pair of buffers; the
     old pair is kept until `reset()`, since work already queued may still read it.
     """

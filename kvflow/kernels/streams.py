@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import device as TorchDevice
 
-from kvflow.kernels.loader import active_context, cuda_available
-
-_CU_STREAM_NON_BLOCKING = 1  # no implicit synchronisation with the legacy default stream
+from kvflow.cuda.context import pycuda_context
+from kvflow.cuda.driver import CU_STREAM_NON_BLOCKING
+from kvflow.kernels.loader import cuda_available
 
 _default_lock = threading.Lock()
 _default_streams: dict[int, TransferStream] = {}
@@ -29,7 +29,7 @@ class TransferStream:
     def synchronize(self) -> None:
         """Wait for all work on the stream (releases the GIL while waiting)."""
         assert self.device.index is not None
-        with active_context(self.device.index):
+        with pycuda_context(self.device.index):
             self.pycuda.synchronize()
 
 
@@ -50,8 +50,8 @@ def new_transfer_stream(device: torch.device | str | int) -> TransferStream:
     index = _device_index(device)
     import pycuda.driver as drv
 
-    with active_context(index):
-        stream = drv.Stream(_CU_STREAM_NON_BLOCKING)
+    with pycuda_context(index):
+        stream = drv.Stream(CU_STREAM_NON_BLOCKING)
     handle = int(stream.handle)
     dev = torch.device("cuda", index)
     return TransferStream(handle, stream, torch.cuda.ExternalStream(handle, device=dev), dev)

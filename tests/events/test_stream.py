@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvflow.events import Event, EventBus, EventType, native, stream
-from kvflow.events.stream import NativeStreamStamper, stream_handle
+from kvflow.events.stream import NativeStreamStamper, attach_native_stamper, stream_handle
 from kvflow.events.testing import RecordingSubscriber
 
 T = EventType
@@ -220,15 +220,6 @@ def test_helper_build_failure_names_the_compiler_error(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.so"))
 
 
-def test_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """$KVFLOW_CACHE_DIR wins over $XDG_CACHE_HOME."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("KVFLOW_CACHE_DIR", raising=False)
-    assert native.cache_dir() == tmp_path / "xdg" / "kvflow" / "native"
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "kv"))
-    assert native.cache_dir() == tmp_path / "kv" / "native"
-
-
 # -- stream handles and the CPU path ------------------------------------------------------
 
 
@@ -269,26 +260,35 @@ def test_cpu_path_stamps_at_publish() -> None:
     assert bus.stop(5)
 
 
-@pytest.mark.skipif(stream.cuda_driver() is not None, reason="this machine has CUDA")
-def test_without_cuda_a_stream_event_is_stamped_at_publish() -> None:
-    """With no CUDA driver, an event published on a stream handle is stamped now, no stamper."""
+def test_a_bus_without_a_stamper_stamps_stream_events_at_publish() -> None:
+    """With no stamper attached, an event published on a stream handle is stamped now."""
     sub = RecordingSubscriber()
     bus = EventBus(100)
     bus.register(sub)
     bus.start()
     before = time.monotonic_ns()
-    assert bus.publish_on_stream(0x1234, Event(T.RETRIEVE_START, op_id=7))
-    assert bus.enable_stream_stamps() is None
+    assert bus.publish_on_stream(0x1234, Event(T.RETRIEVE_START, ts_ns=1, op_id=7))
+    after = time.monotonic_ns()
     assert bus.flush(5)
     assert [e.op_id for e in sub.events] == [7]
-    assert sub.events[0].ts_ns >= before
+    assert before <= sub.events[0].ts_ns <= after
+    assert bus.stamper is None
     assert bus.stop(5)
 
 
+@pytest.mark.skipif(stream.cuda_driver() is not None, reason="this machine has CUDA")
+def test_without_cuda_nothing_is_attached() -> None:
+    """With no CUDA driver, attach_native_stamper attaches nothing and says so."""
+    bus = EventBus(100)
+    assert attach_native_stamper(bus) is None
+    assert bus.stamper is None
+
+
 def test_disabled_bus_takes_no_stream_event(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A disabled bus refuses stream events without attaching a stamper or counting drops."""
+    """A disabled bus gets no stamper and refuses stream events without counting drops."""
     monkeypatch.setattr(stream, "cuda_driver", FakeCuda)
     bus = EventBus(10, enabled=False)
+    assert attach_native_stamper(bus) is None
     assert not bus.publish_on_stream(5, Event(T.STORE_START))
     assert bus.stamper is None
     assert bus.stats().total_published == 0
@@ -298,17 +298,18 @@ def test_disabled_bus_takes_no_stream_event(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @needs_cc
-def test_first_stream_publish_attaches_the_native_stamper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """publish_on_stream with a stream attaches a NativeStreamStamper once and records on it."""
+def test_attach_native_stamper_attaches_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attach_native_stamper gives the bus a NativeStreamStamper once; stream events then
+    wait on it for their stream."""
     fake = FakeCuda()
     monkeypatch.setattr(stream, "cuda_driver", lambda: fake)
     bus = EventBus(100)
+    stamper = attach_native_stamper(bus)
+    assert isinstance(stamper, NativeStreamStamper) and bus.stamper is stamper
+    assert attach_native_stamper(bus) is stamper
     fake.hold(0x50)
     assert bus.publish_on_stream(SimpleNamespace(handle=0x50), Event(T.STORE_START, op_id=1))
-    stamper = bus.stamper
-    assert isinstance(stamper, NativeStreamStamper)
     assert bus.publish_on_stream(0x50, Event(T.STORE_END, op_id=1))
-    assert bus.enable_stream_stamps() is stamper
     assert stamper.pending() == 2 and bus.stats().pending_stream_events == 2
     fake.release(0x50)
     assert bus.stop(5)

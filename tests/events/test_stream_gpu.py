@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvflow.events import Event, EventBus, EventType
-from kvflow.events.stream import NativeStreamStamper
+from kvflow.events.stream import NativeStreamStamper, attach_native_stamper
 from kvflow.events.testing import RecordingSubscriber
 
 torch = pytest.importorskip("torch")
@@ -43,7 +43,7 @@ def _started_bus(capacity: int = 100_000) -> tuple[EventBus, RecordingSubscriber
     bus = EventBus(capacity)
     bus.register(sub)
     bus.start()
-    assert isinstance(bus.enable_stream_stamps(), NativeStreamStamper)
+    assert isinstance(attach_native_stamper(bus), NativeStreamStamper)
     return bus, sub
 
 
@@ -175,7 +175,7 @@ def test_stress_with_gil_hogs_and_synchronizing_threads() -> None:
     bus = EventBus(4096)
     bus.register(checker)
     bus.start()
-    assert bus.enable_stream_stamps() is not None
+    assert attach_native_stamper(bus) is not None
     n_launchers = 4
     streams = [torch.cuda.Stream() for _ in range(n_launchers)]
     cycles = int(30 * _cycles_per_us())

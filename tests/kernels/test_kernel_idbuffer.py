@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvflow.cuda.context import pycuda_context
 from kvflow.kernels import IdBuffer, KVLayout, PreparedTransfer, cuda_available, new_transfer_stream
-from kvflow.kernels.loader import active_context
 from kvflow.kernels.synthetic import make_kv_caches
 
 
@@ -19,7 +19,7 @@ def _read(address: int, n: int) -> list[int]:
     import pycuda.driver as drv
 
     out = np.empty(n, dtype=np.int32)
-    with active_context(0):
+    with pycuda_context(0):
         drv.memcpy_dtoh(out, address)
     return out.tolist()
 

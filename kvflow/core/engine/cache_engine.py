@@ -220,6 +220,7 @@ class CacheEngine:
         if layout.device.type == "cpu":
             return CpuMover(layout)
         if layout.device.type == "cuda" and cuda_available():
+            self._obs.stamp_on_streams()  # a given bus may have come without a stamper
             return CudaMover(layout, chunk_nbytes)
         raise InvalidRequestError(
             f"KV caches on {layout.device} are not supported here (CUDA caches need pycuda "

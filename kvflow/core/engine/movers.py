@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvflow.core.tiers.base import HostChunks
+from kvflow.cuda import CurrentContext, DriverEvent, copy_async, stream_context
 from kvflow.kernels import (
     IdBuffer,
     KVLayout,
@@ -23,7 +24,6 @@ from kvflow.kernels import (
     current_stream_handle,
     new_transfer_stream,
 )
-from kvflow.kernels.driver import CurrentContext, DriverEvent, copy_async, stream_context
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
@@ -125,7 +125,7 @@ class CudaMover:
     time on the block ids; its last group is scattered chunk by chunk as each lands.
     Groups are counted across an op's enqueue calls until `wait()`, so a second call
     continues the ring where the first left it. Copies and events go straight to the
-    driver (`kvflow.kernels.driver`), under the device's context whichever one the
+    driver (`kvflow.cuda`), under the device's context whichever one the
     calling thread has current: torch's stream contexts cost more host time per op
     than the rest of the enqueueing.
     """

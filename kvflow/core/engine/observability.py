@@ -1,7 +1,8 @@
 """The engine's event pipeline: its bus and subscribers, built from ObservabilityConfig.
 
-The one place the engine wires `kvflow.subscribers`; a bus given by the caller is
-used as is and left for the caller to stop.
+The one place the engine wires `kvflow.subscribers` and attaches the GPU stream
+stamper to its bus; a bus given by the caller is used as is and left for the caller
+to stop (it gets a stamper, if it has none, once the engine moves KV on a GPU).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 from kvflow.core.config import ObservabilityConfig
 from kvflow.events import EventBus
+from kvflow.events.stream import attach_native_stamper
 from kvflow.subscribers import ObservabilityPipeline, build_subscribers
 
 
@@ -31,7 +33,15 @@ class Observability:
             return
         self.bus = EventBus(capacity=config.event_bus_capacity, enabled=config.enabled)
         self.pipeline = build_subscribers(config, bus=self.bus, l1_stats=l1_stats)
+        self.stamp_on_streams()
         self.bus.start()
+
+    def stamp_on_streams(self) -> None:
+        """Attach the native stream stamper to the bus unless it has a stamper, so GPU
+        ops' END events carry the GPU's time (docs/STREAM_EVENTS.md); without CUDA, or
+        on a disabled bus, nothing is attached and those events are stamped at publish."""
+        if self.bus.stamper is None:
+            attach_native_stamper(self.bus)
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop the owned bus (delivering what it holds), flush and close the exporters."""

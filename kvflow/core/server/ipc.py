@@ -20,7 +20,8 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.protocol import CudaIpcMemory
-from kvflow.kernels.loader import active_context, pycuda_importable
+from kvflow.cuda.context import pycuda_context
+from kvflow.kernels.loader import pycuda_importable
 
 _lock = threading.Lock()
 #: IPC handle -> its open mapping, while any tensor views it (a handle opens once per process).
@@ -37,7 +38,7 @@ def _driver_on(index: int) -> Iterator[Any]:
         )
     import pycuda.driver as drv
 
-    with active_context(index):
+    with pycuda_context(index):
         yield drv
 
 

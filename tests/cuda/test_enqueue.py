@@ -1,4 +1,5 @@
-"""Driver calls: async copies in every direction and events ordering streams, from any thread.
+"""kvflow.cuda's per-op driver calls: async copies in every direction, events ordering
+streams, from any thread and under any current context.
 
 Every check needs CUDA and pycuda (the streams are kvflow transfer streams).
 """
@@ -12,8 +13,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from kvflow.cuda import CurrentContext, DriverEvent, copy_async, stream_context
 from kvflow.kernels import cuda_available, current_stream_handle, new_transfer_stream
-from kvflow.kernels.driver import CurrentContext, DriverEvent, copy_async, stream_context
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,7 +126,7 @@ def test_a_copy_past_a_device_allocation_raises_naming_the_call() -> None:
     stream = new_transfer_stream("cuda")
     a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     b = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-    with pytest.raises(RuntimeError, match="cuMemcpyAsync failed: CUDA_ERROR_INVALID_VALUE"):
+    with pytest.raises(RuntimeError, match=r"cuMemcpyAsync failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         copy_async(a.data_ptr(), b.data_ptr(), 1 << 40, stream.handle)
     copy_async(a.data_ptr(), b.data_ptr(), 1 << 20, stream.handle)  # the stream still works
     stream.synchronize()

@@ -1,0 +1,70 @@
+"""The driver calls a transfer pipeline makes per op: async copies and timing-free events.
+
+Measured on the GPU machine (docs/perf-journal.md), torch's way to queue a host copy on
+a side stream costs ~26 us (a stream context then `copy_`) and `current_stream(device)`
+~10 us; the driver calls behind them cost 1-5 us. A pipeline issues dozens per op
+before and between its copies, so it calls the driver directly with raw handles.
+Addresses are unified (UVA): host memory must be page-locked for a copy to overlap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Callable
+
+from kvflow.cuda.context import CurrentContext, stream_context
+from kvflow.cuda.driver import CU_EVENT_DISABLE_TIMING, CUDA_ERROR_INVALID_CONTEXT, libcuda
+
+
+def _call(what: str, context: int, fn: Callable[..., int], *args: object) -> None:
+    """fn(*args); in a thread with no current context (torch makes one current only
+    where it ran CUDA work) `context` is made current and fn tried once more."""
+    rc = fn(*args)
+    if rc == CUDA_ERROR_INVALID_CONTEXT and context and libcuda().cuCtxSetCurrent(context) == 0:
+        rc = fn(*args)
+    if rc:
+        raise libcuda().fail(rc, what)
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue a copy of `nbytes` from address `src` to `dst` (host or device) on `stream`
+    (a created stream, not the legacy default one)."""
+    lib = libcuda()
+    rc = lib.cuMemcpyAsync(dst, src, nbytes, stream)
+    if rc == CUDA_ERROR_INVALID_CONTEXT:
+        _call("cuMemcpyAsync", stream_context(stream), lib.cuMemcpyAsync, dst, src, nbytes, stream)
+    elif rc:
+        raise lib.fail(rc, "cuMemcpyAsync")
+
+
+class DriverEvent:
+    """A CUDA event without timing, recorded and waited on through raw stream handles
+    (any stream of its context, the default stream of a thread included)."""
+
+    def __init__(self, stream: int) -> None:
+        """Create the event in the context of `stream` (a created stream)."""
+        lib = libcuda()
+        self.context = stream_context(stream)
+        if not self.context:
+            raise RuntimeError(f"CUDA stream {stream:#x} has no context")
+        handle = ctypes.c_void_p()
+        _call("cuEventCreate", self.context, lib.cuEventCreate, ctypes.byref(handle),
+              CU_EVENT_DISABLE_TIMING)  # fmt: skip
+        self.handle = handle.value or 0
+        weakref.finalize(self, lib.cuEventDestroy, self.handle)
+
+    def record(self, stream: int) -> None:
+        """Mark the point `stream` has reached; stream 0 is the event's context's default
+        stream, whichever context the thread has current."""
+        if stream:
+            _call("cuEventRecord", self.context, libcuda().cuEventRecord, self.handle, stream)
+            return
+        with CurrentContext(self.context):
+            _call("cuEventRecord", 0, libcuda().cuEventRecord, self.handle, 0)
+
+    def wait_on(self, stream: int) -> None:
+        """Make `stream` wait (on the GPU) until the recorded point has passed."""
+        _call(
+            "cuStreamWaitEvent", self.context, libcuda().cuStreamWaitEvent, stream, self.handle, 0
+        )
