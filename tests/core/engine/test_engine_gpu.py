@@ -9,6 +9,7 @@ import torch
 from kvflow.core.engine import movers
 from kvflow.core.tiers.hostmem import HostPool
 from kvflow.events import EventType
+from kvflow.events.stream import NativeStreamStamper
 from kvflow.kernels import KVFormat, KVLayout, PreparedTransfer, cuda_available
 from kvflow.kernels.synthetic import make_kv_caches
 from tests.support.engine import TensorChunks, block_bytes, events_of, pairs, small_engine
@@ -49,6 +50,17 @@ def test_cuda_round_trip_with_skip_is_bit_exact(fmt: str, monkeypatch: pytest.Mo
     assert [e.attrs["ok"] for _, e in done] == [True, True]
     assert all(e.ts_ns >= s.ts_ns for s, e in done)
     assert [e.type for e in events if e.type == EventType.L1_WRITE]
+    engine.close()
+
+
+def test_a_given_bus_gets_the_stream_stamper_with_the_first_cuda_cache() -> None:
+    """A bus handed to the engine without a stamper gets the native one when the engine
+    makes its first CUDA mover, so GPU ops' END events carry the GPU's time."""
+    engine, _ = small_engine(chunk_size=CHUNK)
+    assert engine.bus.stamper is None
+    kv, kw = make_kv_caches("vllm_flash_attn", block_size=BLOCK, device="cuda")
+    engine.register_kv_caches("a", kv, model_name="m", **kw)
+    assert isinstance(engine.bus.stamper, NativeStreamStamper)
     engine.close()
 
 
