@@ -10,7 +10,7 @@ import pytest
 
 from kvflow.kernels import cuda_available
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_ipc_roundtrip.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_ipc_roundtrip.py"
 
 
 @pytest.mark.gpu
