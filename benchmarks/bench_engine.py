@@ -32,8 +32,8 @@ from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.demo.tally import OpTally
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.events import EventType
-from kvflow.kernels import KVFormat, KVLayout, cuda_available, transfer_blocks
-from kvflow.kernels.synthetic import make_kv_caches
+from kvflow.kernels import KVFormat, KVLayout, cuda_available
+from kvflow.kernels.synthetic import block_bytes, make_kv_caches
 
 BF16 = torch.bfloat16
 
@@ -100,15 +100,6 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _block_bytes(kv: Any, kw: dict[str, Any], block_ids: list[int]) -> torch.Tensor:
-    """Each listed block's bytes, one row per block (gathered by the torch reference)."""
-    layout = KVLayout.from_kv_caches(kv, **kw)
-    out = torch.empty((len(block_ids), layout.chunk_nbytes(layout.block_size)), dtype=torch.uint8)
-    ids = torch.tensor(block_ids, dtype=torch.int64).view(-1, 1)
-    transfer_blocks(layout, out, ids, direction="gather", backend="cpu")
-    return out
-
-
 def _check_round_trip(
     engine: CacheEngine, kv: Any, kw: dict[str, Any], src: list[int], dst: list[int], case: Case
 ) -> None:
@@ -117,7 +108,7 @@ def _check_round_trip(
     engine.store("bench", tokens, src, request_id="check")
     assert engine.retrieve("bench", tokens, dst, request_id="check") == 2 * case.chunk
     n = len(tokens) // case.block
-    if not torch.equal(_block_bytes(kv, kw, src[:n]), _block_bytes(kv, kw, dst[:n])):
+    if not torch.equal(block_bytes(kv, kw, src[:n]), block_bytes(kv, kw, dst[:n])):
         raise AssertionError(f"{case.name}: retrieved blocks differ from the stored ones")
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from kvflow.kernels.formats import KVFormat
+from kvflow.kernels.layout import KVLayout
+from kvflow.kernels.transfer import transfer_blocks
 
 LayerSpec = tuple[int, int, torch.dtype]  # (num_heads, head_size, dtype)
 
@@ -107,3 +109,16 @@ def make_kv_caches(
         values = [tokens_heads(nh, hs, dt) for nh, hs, dt in specs]
         return (keys, values), kwargs
     return [mla(hs, dt, fmt is KVFormat.SGLANG_MLA) for _, hs, dt in specs], kwargs
+
+
+def block_bytes(kv_caches: Any, kwargs: dict[str, Any], block_ids: Sequence[int]) -> torch.Tensor:
+    """Each listed block's bytes, one row per block (a one-block chunk in the L1 chunk layout,
+    docs/KERNELS.md), gathered by the CPU reference: what a round-trip check compares.
+
+    `kwargs` are the caches' registration keywords (as `make_kv_caches` returns them).
+    """
+    layout = KVLayout.from_kv_caches(kv_caches, **kwargs)
+    out = torch.empty((len(block_ids), layout.chunk_nbytes(layout.block_size)), dtype=torch.uint8)
+    ids = torch.tensor(list(block_ids), dtype=torch.int64).view(-1, 1)
+    transfer_blocks(layout, out, ids, direction="gather", backend="cpu")
+    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -11,19 +10,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvflow.core import KVFlowClient
+from tests.support.collectors import free_port
 
 START_TIMEOUT_S = 60.0
 
 
 class ServerFailedError(RuntimeError):
     """The server exited or never answered; the message carries its log."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

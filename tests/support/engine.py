@@ -15,7 +15,7 @@ from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.events import END_TO_START, START_TO_END, Event, EventBus, EventType
 from kvflow.events.testing import RecordingSubscriber
-from kvflow.kernels import KVLayout, transfer_blocks
+from kvflow.kernels.synthetic import block_bytes as block_bytes  # re-exported for the tests
 from kvflow.kernels.synthetic import make_kv_caches
 
 BLOCK = 4
@@ -63,15 +63,6 @@ def caches(fmt: str, seed: int, **kw: Any) -> tuple[Any, dict[str, Any]]:
     kw.setdefault("block_size", BLOCK)
     kw.setdefault("num_blocks", 16)
     return make_kv_caches(fmt, generator=torch.Generator().manual_seed(seed), **kw)
-
-
-def block_bytes(kv: Any, kwargs: dict[str, Any], block_ids: list[int]) -> torch.Tensor:
-    """Each listed block's bytes (one row per block, a one-block chunk as laid out in docs/KERNELS.md)."""
-    layout = KVLayout.from_kv_caches(kv, **kwargs)
-    out = torch.empty((len(block_ids), layout.chunk_nbytes(layout.block_size)), dtype=torch.uint8)
-    ids = torch.tensor(block_ids, dtype=torch.int64).view(-1, 1)
-    transfer_blocks(layout, out, ids, direction="gather", backend="cpu")
-    return out
 
 
 def events_of(recorder: RecordingSubscriber, engine: CacheEngine) -> list[Event]:
