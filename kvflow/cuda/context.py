@@ -51,9 +51,7 @@ class CurrentContext:
 
     def __enter__(self) -> None:
         lib = libcuda()
-        current = ctypes.c_void_p()
-        lib.cuCtxGetCurrent(ctypes.byref(current))
-        if current.value != self._context:
+        if lib.current_context() != self._context:
             lib.push_context(self._context)
             self._pushed = True
 

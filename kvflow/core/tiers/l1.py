@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -322,8 +322,9 @@ class L1Cache:
         """Undo one `pin` of each key."""
         with self._lock:
             objs = [self._index.get(key) for key in keys]
+            wanted = Counter(objs)  # a key listed twice is unpinned twice
             for key, obj in zip(keys, objs, strict=True):
-                if obj is None or obj.pins < objs.count(obj):
+                if obj is None or obj.pins < wanted[obj]:
                     raise ValueError(f"unpin of key {key!r}, which is not pinned")
             for obj in objs:
                 assert obj is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from kvflow.core.tiers.l1 import L1Cache
 
 NBYTES = 1024
 CAPACITY_OBJECTS = 4
+T = TypeVar("T")
 
 
 def _l1() -> StorageTier:
@@ -42,7 +44,7 @@ def payload(i: int, nbytes: int = NBYTES) -> torch.Tensor:
     return torch.full((nbytes,), i % 251, dtype=torch.uint8)
 
 
-def answer(future: Future[object], timeout: float = 10.0) -> object:
+def answer(future: Future[T], timeout: float = 10.0) -> T:
     """The future's result within a bound: the contract says calls never block."""
     assert isinstance(future, Future)
     return future.result(timeout=timeout)
@@ -99,7 +101,7 @@ def test_pinned_objects_survive_eviction_until_unpinned(tier: StorageTier) -> No
     assert outcome == StoreOutcome(failed=1)
     assert answer(tier.contains([key(5)])) == [False]  # nothing half-written is visible
     tier.unpin([key(0), key(1), key(2), key(3)])
-    assert answer(tier.store([(key(5), payload(5))])).stored == 1  # type: ignore[attr-defined]
+    assert answer(tier.store([(key(5), payload(5))])).stored == 1
     with pytest.raises(ValueError, match="not pinned"):
         tier.unpin([key(5)])
 
