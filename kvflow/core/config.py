@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OTLP_PROTOCOLS = ("grpc", "http")
+L2_DISK_SHARDINGS = ("by_gpu",)
 
 
 def _check_port(flag: str, value: int) -> None:
@@ -83,6 +84,16 @@ class ServerConfig:
     l1_size_gb: float = 4.0
     heartbeat_timeout_s: float = 30.0
     max_message_mb: float = 64.0
+    #: L2 on local disk: directories (one or more; empty = no disk tier) and their total size
+    l2_disk_paths: tuple[str, ...] = ()
+    l2_disk_size_gb: float = 64.0
+    l2_disk_sharding: str = "by_gpu"
+    #: open disk objects with O_DIRECT where the filesystem allows it (else buffered I/O)
+    l2_disk_direct_io: bool = False
+    #: keep chunks loaded from L2 in L1 (prefix-continuous ones only); off = L1 only stages them
+    l2_write_back: bool = True
+    #: the longest the request path waits on an L2 tier (a lookup's question, a retrieve's load)
+    l2_timeout_s: float = 2.0
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
@@ -101,3 +112,22 @@ class ServerConfig:
             raise ValueError(
                 f"--max-message-mb must be a number in (0, 2048], got {self.max_message_mb!r}"
             )
+        self._check_l2()
+
+    def _check_l2(self) -> None:
+        paths = self.l2_disk_paths
+        if isinstance(paths, str) or not all(isinstance(p, str) and p for p in paths):
+            raise ValueError(f"--l2-disk must be a list of directory paths, got {paths!r}")
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"--l2-disk lists a path twice: {', '.join(paths)}")
+        if not isinstance(self.l2_disk_size_gb, (int, float)) or not self.l2_disk_size_gb > 0:
+            raise ValueError(
+                f"--l2-disk-size-gb must be a number > 0, got {self.l2_disk_size_gb!r}"
+            )
+        if self.l2_disk_sharding not in L2_DISK_SHARDINGS:
+            allowed = ", ".join(L2_DISK_SHARDINGS)
+            raise ValueError(
+                f"--l2-disk-sharding must be one of {allowed}, got {self.l2_disk_sharding!r}"
+            )
+        if not isinstance(self.l2_timeout_s, (int, float)) or not self.l2_timeout_s > 0:
+            raise ValueError(f"--l2-timeout-s must be a number > 0, got {self.l2_timeout_s!r}")

@@ -32,6 +32,14 @@ class EventType(IntEnum):
     L1_WRITE = 11
     L1_READ = 12
     L1_EVICT = 13
+    L2_STORE_START = 14
+    L2_STORE_END = 15
+    L2_LOAD_START = 16
+    L2_LOAD_END = 17
+    PREFETCH_START = 18
+    PREFETCH_END = 19
+    L2_EVICT = 20
+    WRITE_BACK = 21
 
     @property
     def label(self) -> str:
@@ -45,6 +53,9 @@ START_TO_END: Mapping[EventType, EventType] = MappingProxyType(
         EventType.STORE_START: EventType.STORE_END,
         EventType.RETRIEVE_START: EventType.RETRIEVE_END,
         EventType.LOOKUP_START: EventType.LOOKUP_END,
+        EventType.L2_STORE_START: EventType.L2_STORE_END,
+        EventType.L2_LOAD_START: EventType.L2_LOAD_END,
+        EventType.PREFETCH_START: EventType.PREFETCH_END,
     }
 )
 END_TO_START: Mapping[EventType, EventType] = MappingProxyType(
