@@ -49,6 +49,12 @@ class CapacityError(KVFlowError):
     code = "resource_exhausted"
 
 
+class L2BacklogError(KVFlowError):
+    """Write-through refused chunks: too many bytes already wait for L2 writes."""
+
+    code = "l2_backlog"
+
+
 class RequestTimeoutError(KVFlowError, TimeoutError):
     """The server did not answer in time."""
 
@@ -65,6 +71,7 @@ ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
         ProtocolError,
         TransferError,
         CapacityError,
+        L2BacklogError,
         RequestTimeoutError,
     )
 }

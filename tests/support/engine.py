@@ -6,13 +6,14 @@ assert on what it moved and published.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.tiers.base import StorageTier
 from kvflow.events import END_TO_START, START_TO_END, Event, EventBus, EventType
 from kvflow.events.testing import RecordingSubscriber
 from kvflow.kernels.synthetic import block_bytes as block_bytes  # re-exported for the tests
@@ -43,19 +44,25 @@ class TensorChunks:
 
 
 def small_engine(
-    *, l1_bytes: int = 1 << 20, chunk_size: int = CHUNK
+    *,
+    l1_bytes: int = 1 << 20,
+    chunk_size: int = CHUNK,
+    l2_tiers: Sequence[StorageTier] | None = None,
+    **config: Any,
 ) -> tuple[CacheEngine, RecordingSubscriber]:
-    """An engine with `l1_bytes` of L1 on a started bus that records every event."""
+    """An engine with `l1_bytes` of L1 on a started bus that records every event;
+    `l2_tiers` and further ServerConfig fields (l2_disk_paths, l2_write_back...) as given."""
     bus = EventBus(capacity=100_000)
     recorder = RecordingSubscriber()
     bus.register(recorder)
     bus.start()
-    config = ServerConfig(
+    server_config = ServerConfig(
         chunk_size=chunk_size,
         l1_size_gb=l1_bytes / GIB,
         observability=ObservabilityConfig(prometheus_port=0),
+        **config,
     )
-    return CacheEngine(config, bus=bus), recorder
+    return CacheEngine(server_config, bus=bus, l2_tiers=l2_tiers), recorder
 
 
 def caches(fmt: str, seed: int, **kw: Any) -> tuple[Any, dict[str, Any]]:

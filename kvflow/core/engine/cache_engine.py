@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import torch
 
 from kvflow.core.arrays import as_int32_array
 from kvflow.core.config import ServerConfig
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
+from kvflow.core.engine.loads import Slot
 from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.request import RequestIds
+from kvflow.core.engine.tiering import Tiering
 from kvflow.core.errors import (
     AlreadyRegisteredError,
     CapacityError,
@@ -31,7 +35,7 @@ from kvflow.core.errors import (
     TransferError,
     UnknownInstanceError,
 )
-from kvflow.core.tiers.base import HostTier, ObjectKey, WritePlan
+from kvflow.core.tiers.base import HostTier, ObjectKey, PlacedTier, StorageTier, WritePlan
 from kvflow.core.tiers.l1 import L1Cache
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
@@ -72,6 +76,33 @@ def _transfer_attrs(inst: Instance, token_ids: Any) -> dict[str, Any]:
     }
 
 
+def _desc_nbytes(desc: LayoutDesc) -> int:
+    """Bytes of one chunk object laid out as `desc` (its layer groups back to back)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in desc)
+
+
+def _gpu_count() -> int:
+    """GPUs the disk tier's by_gpu sharding spreads over (a GPU-less host counts one)."""
+    return max(1, torch.cuda.device_count()) if cuda_available() else 1
+
+
+def _build_l2(config: ServerConfig) -> list[StorageTier]:
+    """The L2 tiers the config names, in order (none: L1 only)."""
+    tiers: list[StorageTier] = []
+    if config.l2_disk_paths:
+        from kvflow.core.tiers.disk import DiskTier  # only engines with a disk tier load it
+
+        tiers.append(
+            DiskTier(
+                config.l2_disk_paths,
+                int(config.l2_disk_size_gb * GIB),
+                num_gpus=_gpu_count(),
+                direct_io=config.l2_disk_direct_io,
+            )
+        )
+    return tiers
+
+
 def _check_world(world_size: Any, rank: Any = 0) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidRequestError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -83,21 +114,36 @@ class CacheEngine:
     """Registration, keys, L1 and transfers behind the public methods (docs/ARCHITECTURE.md).
 
     Builds its event bus and subscribers from `config.observability` unless `bus`
-    is given; a given bus is used as is (the caller starts and stops it).
+    is given; a given bus is used as is (the caller starts and stops it). L2 tiers
+    come from the config (`l2_disk_paths`) unless `l2_tiers` are given (the engine
+    closes them either way).
     """
 
-    def __init__(self, config: ServerConfig | None = None, *, bus: EventBus | None = None):
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        *,
+        bus: EventBus | None = None,
+        l2_tiers: Sequence[StorageTier] | None = None,
+    ):
         self.config = config if config is not None else ServerConfig()
         self.chunk_size = self.config.chunk_size
-        # the engine reaches L1 only through the tier interface (kvflow.core.tiers.base)
+        # the engine reaches every tier only through the tier interface (kvflow.core.tiers.base)
         self.l1: HostTier = L1Cache(int(self.config.l1_size_gb * GIB))
         self._keys = KeyCache(self.chunk_size)
         self._lock = threading.Lock()
         self._instances: dict[str, Instance] = {}
         self._layouts: dict[ModelRank, LayoutDesc] = {}
         self._closed = False
+        tiers = list(l2_tiers) if l2_tiers is not None else _build_l2(self.config)
         self._obs = Observability(self.config.observability, bus, l1_stats=self.l1_stats)
         self.bus = self._obs.bus
+        self._tiering: Tiering | None = None
+        if tiers:
+            self._tiering = Tiering(
+                self.l1, tiers, self.bus, chunk_size=self.chunk_size,
+                write_back=self.config.l2_write_back, timeout_s=self.config.l2_timeout_s,
+            )  # fmt: skip
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -248,6 +294,11 @@ class CacheEngine:
                 self.l1.drop_where(lambda k: (k.model_name, k.world_size, k.rank) == key)
             self._layouts[key] = inst.layout_desc
             self._instances[inst.instance_id] = inst
+        device = inst.layout.device
+        if self._tiering is not None and device.type == "cuda":
+            for tier in self._tiering.tiers:
+                if isinstance(tier, PlacedTier):
+                    tier.place(*key, device.index or 0)
 
     def unregister(self, instance_id: str) -> None:
         """Forget an instance after its in-flight transfer; its L1 objects stay cached."""
@@ -274,8 +325,14 @@ class CacheEngine:
         world_size: int = 1,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        prefetch: bool = True,
     ) -> int:
-        """Tokens of the longest prefix of full chunks that every rank has in L1."""
+        """Tokens of the longest prefix of full chunks every rank has in some tier.
+
+        When part of that prefix lies in L2, a prefetch of it into L1 starts (unless
+        `prefetch` is False or the model's layouts were never registered) and the
+        lookup returns at once.
+        """
         n_req = _requested_tokens(token_ids)
         attrs = {"model_name": model_name, "tokens": n_req}
         op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
@@ -288,17 +345,103 @@ class CacheEngine:
             salt = _check_salt(cache_salt)
             if request_id is not None:
                 _check_str("request_id", request_id)
+            if not isinstance(prefetch, bool):
+                raise InvalidRequestError(f"prefetch must be a bool, got {prefetch!r}")
             tokens = as_int32_array(token_ids, "token_ids")
             hashes = self._keys.hashes(tokens, request_id)
             # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
             ranks = range(world_size)
             chunks = ([(h, model_name, world_size, r, salt) for r in ranks] for h in hashes)
-            hit = self.l1.count_prefix(chunks) * self.chunk_size
+            in_l1 = self.l1.count_prefix(chunks)
+            by_tier = {"l1": in_l1 * self.chunk_size}
+            hit = in_l1
+            if self._tiering is not None and in_l1 < len(hashes):
+                rows = [
+                    [ObjectKey(h, model_name, world_size, r, salt) for r in ranks]
+                    for h in hashes[in_l1:]
+                ]
+                more, tiers, where = self._tiering.hit_rows(rows)
+                hit += more
+                for name, n in tiers.items():
+                    by_tier[name] = by_tier.get(name, 0) + n * self.chunk_size
+                nbytes = self._rank_nbytes(model_name, world_size) if prefetch else None
+                if more and nbytes is not None and len(tiers) > ("l1" in tiers):
+                    self._tiering.prefetch(
+                        rows[:more], nbytes, model_name=model_name, trigger="lookup",
+                        session_id=request_id, residency=where,
+                    )  # fmt: skip
         except BaseException as exc:
             op.fail(exc, **result)
             raise
-        op.end(requested_tokens=n_req, hit_tokens=hit)
-        return hit
+        hit_tokens = hit * self.chunk_size
+        op.end(requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier)
+        return hit_tokens
+
+    def _rank_nbytes(self, model_name: str, world_size: int) -> list[int] | None:
+        """Chunk bytes of each rank of the model's world, from the layout descs recorded
+        at registration; None when some rank was never registered."""
+        with self._lock:
+            descs = [self._layouts.get((model_name, world_size, r)) for r in range(world_size)]
+        if any(d is None for d in descs):
+            return None
+        return [_desc_nbytes(d) for d in descs if d is not None]
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def prefetch(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Start loading the request's L2-resident prefix into L1; returns a prefetch id.
+
+        Non-blocking. L1 objects are allocated from the layout desc registered for each
+        rank of (model_name, world_size), so no engine tensor is touched; a model whose
+        ranks were never registered is an error. `prefetch_state(id)` reports progress.
+        """
+        if self._closed:
+            raise KVFlowError("the cache engine is closed")
+        _check_str("model_name", model_name)
+        _check_world(world_size)
+        salt = _check_salt(cache_salt)
+        if request_id is not None:
+            _check_str("request_id", request_id)
+        tiering = self._tiering
+        if tiering is None:
+            raise InvalidRequestError(
+                "prefetch needs an L2 tier; none is configured (start the server with --l2-disk)"
+            )
+        nbytes = self._rank_nbytes(model_name, world_size)
+        if nbytes is None:
+            with self._lock:
+                missing = [
+                    r for r in range(world_size) if (model_name, world_size, r) not in self._layouts
+                ]
+            raise UnknownInstanceError(
+                f"model {model_name!r} world_size {world_size} rank(s) {missing} never registered "
+                "KV caches: prefetch needs their layout"
+            )
+        tokens = as_int32_array(token_ids, "token_ids")
+        hashes = self._keys.hashes(tokens, request_id)
+        rows = [[ObjectKey(h, model_name, world_size, r, salt) for r in range(world_size)]
+                for h in hashes]  # fmt: skip
+        hit, _, where = tiering.hit_rows(rows)
+        return tiering.prefetch(
+            rows[:hit], nbytes, model_name=model_name, trigger="api", session_id=request_id,
+            residency=where,
+        )  # fmt: skip
+
+    def prefetch_state(self, prefetch_id: str) -> dict[str, Any]:
+        """A prefetch's progress: state running/done, chunks, tokens landed, kept, discarded."""
+        _check_str("prefetch_id", prefetch_id)
+        state = self._tiering.prefetch_state(prefetch_id) if self._tiering is not None else None
+        if state is None:
+            raise UnknownInstanceError(f"prefetch {prefetch_id!r} is unknown (or long finished)")
+        return state
 
     # -- store ------------------------------------------------------------------------------
 
@@ -369,6 +512,9 @@ class CacheEngine:
             self._publish(
                 EventType.L1_WRITE, request_id, {"chunks": len(plan.new), "bytes": result["bytes"]}
             )
+            if self._tiering is not None:  # in the background: the reply never waits for L2
+                new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
+                self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id)
         return plan.covered * self.chunk_size
 
     def _enqueue_store(
@@ -420,6 +566,8 @@ class CacheEngine:
                 objs = self.l1.pin_prefix(
                     self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
                 )
+                tiering = self._tiering
+                staged: list[Slot] = []
                 try:
                     chunks, tokens = self._scatter(inst, objs, 0, ids, skip // inst.block_size)
                     while len(objs) == stop < n_chunks:
@@ -428,13 +576,28 @@ class CacheEngine:
                         objs.extend(self.l1.pin_prefix(keys))
                         more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
                         chunks, tokens = chunks + more[0], tokens + more[1]
+                    hit_chunks, from_l2 = len(objs), 0
+                    if tiering is not None and len(objs) < n_chunks:
+                        # L1 misses some tier may hold: load them (or wait for their prefetch)
+                        first = len(objs)
+                        keys = self._chunk_keys(inst, ids, first, n_chunks, request_id, cache_salt)
+                        fetched = tiering.fetch(keys, inst.chunk_nbytes, request_id)
+                        objs.extend(fetched.pinned)
+                        staged = fetched.staged
+                        hit_chunks, from_l2 = first + len(fetched.objs), fetched.from_l2
+                        more = self._scatter(
+                            inst, [*objs[:first], *fetched.objs], first, ids,
+                            skip // inst.block_size,
+                        )  # fmt: skip
+                        chunks, tokens = chunks + more[0], tokens + more[1]
                     ids.convert_blocks(n_chunks)  # checked even when nothing was copied
                     inst.mover.flush()
                     result = {
                         "tokens": tokens,
                         "bytes": chunks * inst.chunk_nbytes,
-                        "hit_tokens": len(objs) * self.chunk_size,
+                        "hit_tokens": hit_chunks * self.chunk_size,
                         "chunks": chunks,
+                        "l2_chunks": from_l2,
                     }
                     op.end(inst.mover.retrieve_stream, **result)
                     inst.mover.wait()
@@ -443,6 +606,8 @@ class CacheEngine:
                     raise
                 finally:
                     self.l1.release(objs)
+                    if tiering is not None and staged:
+                        tiering.loader.discard(staged)
         if result["chunks"]:
             self._publish(
                 EventType.L1_READ,
@@ -534,6 +699,7 @@ class CacheEngine:
             "chunk_size": self.chunk_size,
             "instances": instances,
             "l1": self.l1.stats(),
+            "l2": self._tiering.describe() if self._tiering is not None else None,
             "bus": {
                 "published": stats.total_published,
                 "delivered": stats.total_delivered,
@@ -561,6 +727,8 @@ class CacheEngine:
         for inst in instances:
             with inst.lock:
                 inst.mover.close()
+        if self._tiering is not None:  # pending L2 writes read L1: finish them first
+            self._tiering.close(timeout)
         ok = self._obs.close(timeout)
         self.l1.close()
         return ok

@@ -7,7 +7,7 @@ to stop (it gets a stamper, if it has none, once the engine moves KV on a GPU).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvflow.core.config import ObservabilityConfig
 from kvflow.events import EventBus
@@ -24,7 +24,10 @@ class Observability:
         bus: EventBus | None,
         *,
         l1_stats: Callable[[], dict[str, int]],
+        tier_stats: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
     ) -> None:
+        """`l1_stats` feeds the L1 occupancy gauges; `tier_stats` (tier name -> that
+        tier's stats(), None when there are no L2 tiers) the per-tier L2 ones."""
         self.pipeline: ObservabilityPipeline | None = None
         self.clean = True
         self._closed = False
@@ -32,7 +35,9 @@ class Observability:
             self.bus = bus
             return
         self.bus = EventBus(capacity=config.event_bus_capacity, enabled=config.enabled)
-        self.pipeline = build_subscribers(config, bus=self.bus, l1_stats=l1_stats)
+        self.pipeline = build_subscribers(
+            config, bus=self.bus, l1_stats=l1_stats, tier_stats=tier_stats
+        )
         self.stamp_on_streams()
         self.bus.start()
 

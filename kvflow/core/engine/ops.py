@@ -24,7 +24,7 @@ class Op:
     START first.
     """
 
-    __slots__ = ("attrs", "bus", "end_type", "ended", "op_id", "session_id", "start")
+    __slots__ = ("attrs", "bus", "end_type", "ended", "op_id", "session_id", "start", "started")
 
     def __init__(
         self,
@@ -39,14 +39,21 @@ class Op:
         self.attrs = attrs
         self.op_id = next_op_id()
         self.ended = False
+        self.started = False
         self.start = Event(start_type, now_ns(), session_id, self.op_id, attrs)
+
+    def publish_start(self) -> None:
+        """Publish START now: for background work (L2 I/O), so in-flight gauges see it."""
+        if not self.started:
+            self.started = True
+            self.bus.publish(self.start)
 
     def end(self, stream: Any = None, **result: Any) -> None:
         """Publish START and the successful END (on `stream` when the work runs on one)."""
         if self.ended:
             return
         self.ended = True
-        self.bus.publish(self.start)
+        self.publish_start()
         attrs = {**self.attrs, **result, "ok": True, "error": None}
         self.bus.publish_on_stream(
             stream, Event(self.end_type, 0, self.session_id, self.op_id, attrs)
@@ -57,7 +64,7 @@ class Op:
         if self.ended:
             return
         self.ended = True
-        self.bus.publish(self.start)
+        self.publish_start()
         attrs = {
             **self.attrs,
             **result,

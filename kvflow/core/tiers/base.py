@@ -175,6 +175,15 @@ class HostTier(StorageTier, Protocol):
         ...
 
 
+@runtime_checkable
+class PlacedTier(Protocol):
+    """A tier that spreads objects by the GPU of their owner (the disk tier's by_gpu paths)."""
+
+    def place(self, model_name: str, world_size: int, rank: int, gpu: int) -> None:
+        """Objects of this (model, world, rank) owner go where GPU `gpu`'s objects go."""
+        ...
+
+
 def completed(value: T) -> Future[T]:
     """A future that already holds `value` (a memory tier's answer)."""
     future: Future[T] = Future()

@@ -1,0 +1,251 @@
+"""The engine's L2 side: write-through, lookups over every tier, prefetch, retrieve's loads.
+
+`Tiering` composes the write-through (`writethrough.py`) and the loader (`loads.py`)
+and keeps what `status()` shows per tier; the cache engine calls it only when L2
+tiers are configured, so an L1-only engine runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.core.engine.loads import Job, Loader, Residency, Slot
+from kvflow.core.engine.ops import Op
+from kvflow.core.engine.writethrough import TierCounters, WriteThrough
+from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier
+from kvflow.events import Event, EventBus, EventType
+
+#: finished prefetches whose state stays queryable
+KEEP_PREFETCHES = 1024
+
+
+class Prefetch:
+    """One prefetch's state, as `prefetch_state` reports it."""
+
+    def __init__(self, prefetch_id: str, model_name: str, chunks: int, tokens: int) -> None:
+        self.prefetch_id = prefetch_id
+        self.model_name = model_name
+        self.chunks = chunks
+        self.tokens = tokens
+        self.job: Job | None = None
+        self.loaded = self.written_back = self.discarded = 0
+        self.chunk_size = 0
+
+    def describe(self) -> dict[str, Any]:
+        job = self.job
+        done = job is not None and job.finished
+        landed = job.landed_prefix() * self.chunk_size if job is not None else 0
+        return {
+            "prefetch_id": self.prefetch_id,
+            "state": "done" if done else "running",
+            "model_name": self.model_name,
+            "chunks": self.chunks,
+            "tokens": self.tokens,
+            "landed_tokens": landed,
+            "loaded_chunks": self.loaded,
+            "written_back_chunks": self.written_back,
+            "discarded_chunks": self.discarded,
+        }
+
+
+@dataclass
+class Fetched:
+    """What a retrieve's L2 step found: objects to read in key order; of those the L1
+    objects pinned (release after reading) and the staged slots claimed (discard after
+    reading); how many came from an L2 tier rather than L1."""
+
+    objs: list[Any]
+    pinned: list[Any]
+    staged: list[Slot]
+    from_l2: int
+
+
+def _owned_loaded(job: Job) -> int:
+    return sum(
+        1 for row in job.rows for e in row if isinstance(e, Slot) and e.owner is job and e.loaded
+    )
+
+
+class Tiering:
+    """L2 tiers behind L1, in their configured order."""
+
+    def __init__(
+        self,
+        l1: HostTier,
+        tiers: Sequence[StorageTier],
+        bus: EventBus,
+        *,
+        chunk_size: int,
+        write_back: bool,
+        timeout_s: float,
+    ) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names) or "l1" in names:
+            raise ValueError(f"L2 tiers need distinct names other than 'l1', got {names}")
+        self.tiers = list(tiers)
+        self.chunk_size = chunk_size
+        self._l1 = l1
+        self._bus = bus
+        self.counters = {t.name: TierCounters() for t in tiers}
+        self.writes = WriteThrough(l1, self.tiers, bus, self.counters)
+        self.loader = Loader(
+            l1, self.tiers, bus, self.counters, write_back=write_back, timeout_s=timeout_s
+        )
+        self._order = {"l1": 0, **{name: i + 1 for i, name in enumerate(names)}}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._prefetches: OrderedDict[str, Prefetch] = OrderedDict()
+        self.prefetch_totals = {"requests": 0, "loaded": 0, "written_back": 0, "discarded": 0}
+
+    @property
+    def write_back(self) -> bool:
+        return self.loader.write_back
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def hit_rows(
+        self, rows: Sequence[Sequence[ObjectKey]]
+    ) -> tuple[int, dict[str, int], Residency]:
+        """Consecutive positions of `rows` every key of which some tier holds.
+
+        Returns (positions hit, hit positions per tier — the slowest tier each needed —,
+        where each key is).
+        """
+        where = self.loader.residency([k for row in rows for k in row])
+        by_tier: dict[str, int] = {}
+        n = 0
+        for row in rows:
+            places = [where[k] for k in row]
+            if None in places:
+                break
+            slowest = max(places, key=lambda p: self._order[p or "l1"]) or "l1"
+            by_tier[slowest] = by_tier.get(slowest, 0) + 1
+            n += 1
+        for name, hits in by_tier.items():
+            if name != "l1":
+                self.counters[name].hit_chunks += hits
+        return n, by_tier, where
+
+    # -- prefetch --------------------------------------------------------------------------
+
+    def prefetch(
+        self,
+        rows: Sequence[Sequence[ObjectKey]],
+        nbytes: Sequence[int],
+        *,
+        model_name: str,
+        trigger: str,
+        session_id: str | None,
+        residency: Residency,
+    ) -> str:
+        """Load the L2 keys of `rows` (every key held somewhere) into L1; returns its id."""
+        to_load = sum(1 for row in rows for k in row if residency.get(k) not in (None, "l1"))
+        world = len(rows[0]) if rows else 1
+        prefetch_id = f"pf-{next(self._ids)}"
+        record = Prefetch(prefetch_id, model_name, to_load, len(rows) * self.chunk_size)
+        record.chunk_size = self.chunk_size
+        attrs = {
+            "model_name": model_name,
+            "world_size": world,
+            "chunks": to_load,
+            "tokens": record.tokens,
+            "trigger": trigger,
+        }
+        op = Op(self._bus, EventType.PREFETCH_START, session_id, attrs)
+        op.publish_start()
+        with self._lock:
+            self.prefetch_totals["requests"] += 1
+            self._prefetches[prefetch_id] = record
+            while len(self._prefetches) > KEEP_PREFETCHES:
+                self._prefetches.popitem(last=False)
+
+        def done(job: Job) -> None:
+            record.loaded = _owned_loaded(job)
+            record.written_back = job.kept if self.write_back else 0
+            record.discarded = job.discarded
+            with self._lock:
+                totals = self.prefetch_totals
+                totals["loaded"] += record.loaded
+                totals["written_back"] += record.written_back
+                totals["discarded"] += record.discarded
+            self._publish_write_back(job)
+            op.end(
+                loaded_chunks=record.loaded,
+                written_back_chunks=record.written_back,
+                discarded_chunks=record.discarded,
+            )
+
+        record.job = self.loader.start(
+            rows, nbytes, reason="prefetch", session_id=session_id, on_done=done,
+            residency=residency,
+        )  # fmt: skip
+        return prefetch_id
+
+    def prefetch_state(self, prefetch_id: str) -> dict[str, Any] | None:
+        """A prefetch's state (None when the id is unknown or long forgotten)."""
+        with self._lock:
+            record = self._prefetches.get(prefetch_id)
+        return None if record is None else record.describe()
+
+    # -- retrieve ----------------------------------------------------------------------------
+
+    def fetch(self, keys: Sequence[ObjectKey], nbytes: int, session_id: str | None) -> Fetched:
+        """Bring the leading `keys` that L1 misses back from L2, waiting at most the timeout."""
+        job = self.loader.start(
+            [[k] for k in keys], [nbytes], reason="retrieve", session_id=session_id,
+            on_done=self._publish_write_back,
+        )  # fmt: skip
+        landed = self.loader.wait_prefix(job, self.loader.timeout_s)
+        fetched = Fetched([], [], [], 0)
+        if self.write_back:  # one pin of the run: recency refreshed head last, like any read
+            fetched.pinned = self._l1.pin_prefix(keys[:landed])
+            fetched.objs = list(fetched.pinned)
+        else:
+            for key in keys[:landed]:
+                slots = self.loader.claim([key])
+                got = [slots[0].obj] if slots else self._l1.pin_prefix([key])
+                if not got:
+                    break  # evicted again meanwhile: the prefix ends here
+                (fetched.staged if slots else fetched.pinned).extend(slots or got)
+                fetched.objs.append(got[0])
+        fetched.from_l2 = sum(row[0] is not True for row in job.rows[: len(fetched.objs)])
+        return fetched
+
+    def _publish_write_back(self, job: Job) -> None:
+        if self.write_back and (job.kept or job.discarded):
+            attrs = {
+                "kept": job.kept,
+                "discarded": job.discarded,
+                "bytes": job.kept_bytes,
+                "reason": job.reason,
+            }
+            self._bus.publish(Event(EventType.WRITE_BACK, 0, job.session_id, None, attrs))
+
+    # -- status and shutdown ------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """Per-tier usage and counters, prefetch totals, what is in flight (for status)."""
+        tiers = {}
+        for tier in self.tiers:
+            tiers[tier.name] = {**tier.stats(), **self.counters[tier.name].as_dict()}
+        with self._lock:
+            prefetch = dict(self.prefetch_totals)
+        return {
+            "tiers": tiers,
+            "write_back": self.write_back,
+            "timeout_s": self.loader.timeout_s,
+            "prefetch": prefetch,
+            "in_flight": {**self.loader.in_flight(), "write_through": self.writes.pending()},
+        }
+
+    def close(self, timeout: float) -> None:
+        """Let pending writes finish (bounded), close the tiers, free staged objects."""
+        self.writes.drain(timeout)
+        for tier in self.tiers:
+            tier.close()
+        self.loader.sweep(0.0)
