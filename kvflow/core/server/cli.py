@@ -34,7 +34,7 @@ class _Option:
     section: str  # "server" or "observability"
     kind: type
     help: str
-    invert: bool = False  # a --disable-X switch sets field X to False
+    invert: bool = False  # a --disable-X / --no-X switch sets field X to False
 
     @property
     def key(self) -> str:
@@ -65,6 +65,45 @@ OPTIONS = (
         _S,
         float,
         "largest request accepted, in MiB (default 64); twice this drops the connection",
+    ),
+    _Option(
+        "--l2-disk",
+        "l2_disk_paths",
+        _S,
+        list,
+        "L2 on local disk: directories, comma-separated (TOML: a list); off when not given",
+    ),
+    _Option(
+        "--l2-disk-size-gb", "l2_disk_size_gb", _S, float, "L2 disk capacity in GB (default 64)"
+    ),
+    _Option(
+        "--l2-disk-sharding",
+        "l2_disk_sharding",
+        _S,
+        str,
+        "how GPUs share the --l2-disk paths: by_gpu (the default and only value)",
+    ),
+    _Option(
+        "--l2-disk-direct-io",
+        "l2_disk_direct_io",
+        _S,
+        bool,
+        "read and write disk objects with O_DIRECT where the filesystem allows it",
+    ),
+    _Option(
+        "--no-l2-write-back",
+        "l2_write_back",
+        _S,
+        bool,
+        "do not keep chunks loaded from L2 in L1 (L1 only stages them for the retrieve)",
+        invert=True,
+    ),
+    _Option(
+        "--l2-timeout-s",
+        "l2_timeout_s",
+        _S,
+        float,
+        "longest wait of a request on an L2 tier, in seconds (default 2)",
     ),
     _Option(
         "--disable-observability",
@@ -151,13 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
         if opt.kind is bool:
             parser.add_argument(opt.flag, action="store_true", help=opt.help)
         else:
-            metavar = {int: "N", float: "X", str: "TEXT"}[opt.kind]
-            parser.add_argument(opt.flag, type=opt.kind, metavar=metavar, help=opt.help)
+            metavar = {int: "N", float: "X", str: "TEXT", list: "PATH[,PATH...]"}[opt.kind]
+            kind = _split if opt.kind is list else opt.kind
+            parser.add_argument(opt.flag, type=kind, metavar=metavar, help=opt.help)
     return parser
+
+
+def _split(text: str) -> list[str]:
+    """A comma-separated list flag's items (blanks around commas ignored)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _from_text(opt: _Option, text: str, source: str) -> Any:
     """Read an environment variable's value for `opt`."""
+    if opt.kind is list:
+        return _split(text)
     if opt.kind is bool:
         low = text.strip().lower()
         if low in _TRUE or low in _FALSE:
@@ -173,6 +220,10 @@ def _from_text(opt: _Option, text: str, source: str) -> Any:
 
 def _from_toml(opt: _Option, value: Any, source: str) -> Any:
     """Check a config file value's type for `opt` (ints are accepted where floats are)."""
+    if opt.kind is list and isinstance(value, str):
+        value = _split(value)
+    if opt.kind is list and isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        raise UsageError(f"{source}: {opt.key} ({opt.flag}) must list strings, got {value!r}")
     ok = isinstance(value, opt.kind) and not (opt.kind is int and isinstance(value, bool))
     if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
@@ -220,7 +271,7 @@ def resolve(argv: list[str], environ: dict[str, str] | None = None) -> ServerCon
             if not value:
                 continue  # `disable_x = false` means: keep the default
             value = False
-        fields[opt.section][opt.field] = value
+        fields[opt.section][opt.field] = tuple(value) if opt.kind is list else value
     try:
         observability = ObservabilityConfig(**fields[_O])
         return ServerConfig(**fields[_S], observability=observability)
@@ -245,11 +296,11 @@ def _serve(config: ServerConfig) -> int:
     logging_setup = _configure_logging(config.observability)
     try:
         server = KVFlowServer(config)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # a port in use; an L2 path refused (names its flag)
         print(f"kvflow server: error: {exc}", file=sys.stderr)
         if logging_setup is not None:
             logging_setup.close()
-        return 1
+        return 2 if isinstance(exc, ValueError) else 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         server.request_stop()

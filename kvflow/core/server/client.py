@@ -38,6 +38,9 @@ from kvflow.core.server.protocol import (
     Failed,
     Heartbeat,
     Lookup,
+    Prefetch,
+    PrefetchQuery,
+    PrefetchStarted,
     Register,
     Registered,
     Reply,
@@ -229,16 +232,49 @@ class KVFlowClient:
         world_size: int = 1,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        prefetch: bool = True,
     ) -> int:
-        """Tokens of the longest chunk prefix the server holds for every rank."""
+        """Tokens of the longest chunk prefix the server holds for every rank, in any tier;
+        hits in L2 start a prefetch into L1 unless `prefetch` is False."""
         tokens = as_int32_array(token_ids, "token_ids")
         request = Lookup(
             model_name=model_name,
             world_size=world_size,
             cache_salt=cache_salt,
             request_id=request_id,
+            prefetch=prefetch,
         )
         return self._count(request, (tokens,))
+
+    def prefetch(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Start loading the request's L2-resident prefix into the server's L1; returns
+        the prefetch id `prefetch_state` takes."""
+        tokens = as_int32_array(token_ids, "token_ids")
+        request = Prefetch(
+            model_name=model_name,
+            world_size=world_size,
+            cache_salt=cache_salt,
+            request_id=request_id,
+        )
+        reply = self._call(request, (tokens,))
+        if not isinstance(reply, PrefetchStarted):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Prefetch")
+        return reply.prefetch_id
+
+    def prefetch_state(self, prefetch_id: str) -> dict[str, Any]:
+        """A prefetch's progress (state running/done, tokens landed, chunks kept/discarded)."""
+        reply = self._call(PrefetchQuery(prefetch_id=prefetch_id))
+        if not isinstance(reply, StatusResult):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a PrefetchQuery")
+        return reply.status
 
     def store(
         self,

@@ -107,6 +107,20 @@ class Lookup(Request, tag="lookup"):
     world_size: int = 1
     cache_salt: str | None = None
     request_id: str | None = None
+    #: start a prefetch of the hits that lie in L2
+    prefetch: bool = True
+
+
+class Prefetch(Request, tag="prefetch"):
+    payloads: ClassVar[tuple[str, ...]] = ("token_ids",)
+    model_name: str
+    world_size: int = 1
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+class PrefetchQuery(Request, tag="prefetch_state"):
+    prefetch_id: str
 
 
 class Store(Request, tag="store"):
@@ -148,6 +162,8 @@ class Heartbeat(Request, tag="heartbeat"):
 AnyRequest = (
     Register
     | Lookup
+    | Prefetch
+    | PrefetchQuery
     | Store
     | Retrieve
     | EndSession
@@ -182,7 +198,15 @@ class Registered(Reply, tag="registered"):
 
 
 class StatusResult(Reply, tag="status"):
+    """A JSON-like snapshot: the server's status, or one prefetch's state."""
+
     status: dict[str, Any]
+
+
+class PrefetchStarted(Reply, tag="prefetch"):
+    """A prefetch began; ask for its state with this id."""
+
+    prefetch_id: str
 
 
 class Failed(Reply, tag="failed"):
@@ -192,7 +216,7 @@ class Failed(Reply, tag="failed"):
     message: str
 
 
-AnyReply = Done | Registered | StatusResult | Failed
+AnyReply = Done | Registered | StatusResult | PrefetchStarted | Failed
 
 
 class _Versioned(msgspec.Struct):

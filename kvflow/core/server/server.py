@@ -38,6 +38,9 @@ from kvflow.core.server.protocol import (
     Failed,
     Heartbeat,
     Lookup,
+    Prefetch,
+    PrefetchQuery,
+    PrefetchStarted,
     Register,
     Registered,
     Reply,
@@ -311,8 +314,21 @@ class KVFlowServer:
                     world_size=request.world_size,
                     cache_salt=request.cache_salt,
                     request_id=request.request_id,
+                    prefetch=request.prefetch,
                 )
                 return Done(id=rid, value=hit, server_ns=_since(started))
+            case Prefetch():
+                prefetch_id = engine.prefetch(
+                    arrays[0],
+                    model_name=request.model_name,
+                    world_size=request.world_size,
+                    cache_salt=request.cache_salt,
+                    request_id=request.request_id,
+                )
+                return PrefetchStarted(id=rid, prefetch_id=prefetch_id, server_ns=_since(started))
+            case PrefetchQuery():
+                state = engine.prefetch_state(request.prefetch_id)
+                return StatusResult(id=rid, status=state, server_ns=_since(started))
             case Store() | Retrieve():
                 reg = self._registration(request.instance_id)
                 reg.worker.submit(identity, self._transfer_job(reg, request, arrays, started))
