@@ -3,7 +3,8 @@
 Typical use (the engine does this)::
 
     bus = EventBus(cfg.event_bus_capacity)
-    pipeline = build_subscribers(cfg, bus=bus, l1_stats=l1.stats)  # registers on bus
+    # builds the subscribers and registers them on bus
+    pipeline = build_subscribers(cfg, bus=bus, l1_stats=l1.stats, tier_stats=tiers.stats)
     bus.start()
     ...
     pipeline.shutdown(timeout=5.0)  # stops the bus, flushes exporters, frees the port
@@ -30,6 +31,7 @@ from kvflow.subscribers.providers import (
     otlp_span_exporter,
 )
 from kvflow.subscribers.settings import ObservabilitySettings
+from kvflow.subscribers.tiers import TierStats
 from kvflow.subscribers.tracing import TracingSubscriber
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "ObservabilityPipeline",
     "ObservabilitySettings",
     "PrometheusEndpoint",
+    "TierStats",
     "TracingSubscriber",
     "build_subscribers",
     "configure_logging",

@@ -2,7 +2,8 @@
 
 Durations come from op_id-paired START/END timestamps; counter increments are
 summed per delivered batch and added once per label set; bus self-metrics and
-L1 occupancy are observed through callbacks when a reader collects.
+L1 occupancy are observed through callbacks when a reader collects. The storage
+tier instruments (kvflow.l2/prefetch/write_back) live in `tiers.TierMetrics`.
 """
 
 from __future__ import annotations
@@ -14,25 +15,35 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from kvflow.events import END_TO_START, START_TO_END, BusStats, Event, EventBus, EventType
+from kvflow.subscribers.batch import Adds, LabelSets, add, flush
 from kvflow.subscribers.buckets import GB_PER_S, OP_SECONDS, TOKENS
 from kvflow.subscribers.expiry import drain_expired
+from kvflow.subscribers.tiers import (
+    INFLIGHT_LABEL,
+    OPERATIONS,
+    TIER_ENDS,
+    TIER_EVENTS,
+    TierMetrics,
+    TierStats,
+)
 
 _ET = EventType
 _NS = 1e-9
+_EMPTY: dict[str, str] = {}
+_M = ("model_name",)
+_MO = ("model_name", "outcome")
+_MT = ("model_name", "tier")
+_IM = ("instance_id", "model_name")
+_IMO = ("instance_id", "model_name", "outcome")
+_OP = ("operation",)
 _OPERATION = {
     _ET.STORE_START: "store",
     _ET.RETRIEVE_START: "retrieve",
     _ET.LOOKUP_START: "lookup",
+    **OPERATIONS,
 }
-_EMPTY: dict[str, str] = {}
-_M = ("model_name",)
-_MO = ("model_name", "outcome")
-_IM = ("instance_id", "model_name")
-_IMO = ("instance_id", "model_name", "outcome")
-_OP = ("operation",)
-
-#: A batch's pending counter adds: (instrument, id(labels)) -> [labels, amount].
-_Adds = dict[tuple[Any, int], list[Any]]
+#: operation -> the START attrs its inflight gauge is labelled by
+_INFLIGHT_LABEL = {"store": _IM, "retrieve": _IM, "lookup": _M, **INFLIGHT_LABEL}
 
 #: Returns L1 occupancy: keys usage_bytes, capacity_bytes, objects.
 L1Stats = Callable[[], Mapping[str, int]]
@@ -50,10 +61,11 @@ class _Pending:
 
 
 class MetricsSubscriber:
-    """Records kvflow.{store,retrieve,lookup,inflight,l1,instances,bus}.* (docs/METRICS.md).
+    """Records kvflow.{store,retrieve,lookup,inflight,l1,l2,prefetch,write_back,instances,bus}.*
 
-    `bus` enables the kvflow.bus.* self-metrics, `l1_stats` the L1 occupancy
-    gauges. A START whose END has not arrived within `pending_ttl_s` (event
+    (the catalogue of docs/METRICS.md). `bus` enables the kvflow.bus.*
+    self-metrics, `l1_stats` the L1 occupancy gauges, `tier_stats` the per-tier
+    L2 occupancy gauges. A START whose END has not arrived within `pending_ttl_s` (event
     time) or beyond `max_pending` is given up: it leaves the inflight gauge and
     counts in kvflow.inflight.expired, so inflight cannot leak.
     """
@@ -69,6 +81,7 @@ class MetricsSubscriber:
         *,
         bus: EventBus | None = None,
         l1_stats: L1Stats | None = None,
+        tier_stats: TierStats | None = None,
         pending_ttl_s: float = 300.0,
         max_pending: int = 100_000,
     ) -> None:
@@ -81,12 +94,14 @@ class MetricsSubscriber:
         self._ttl_ns = int(pending_ttl_s * 1e9)
         self._max_pending = max_pending
         self._pending: dict[int, _Pending] = {}
-        self._labels: dict[tuple[Any, ...], dict[str, str]] = {}
+        self._labels = LabelSets()
         self._stats: BusStats | None = None
         self._stats_lock = threading.Lock()
         meter = meter_provider.get_meter("kvflow")
         self._build_op_instruments(meter)
         self._build_l1_instruments(meter)
+        self._tiers = TierMetrics(meter, self._labels, tier_stats)
+        self._inflight.update(self._tiers.inflight)
         self._build_bus_instruments(meter)
 
     # -- instruments -----------------------------------------------------------------
@@ -129,7 +144,9 @@ class MetricsSubscriber:
             "kvflow.lookup.requested_tokens", unit="{token}", description="Tokens asked for"
         )
         self._lookup_hit = counter(
-            "kvflow.lookup.hit_tokens", unit="{token}", description="Prefix tokens found"
+            "kvflow.lookup.hit_tokens",
+            unit="{token}",
+            description="Prefix tokens found, by the slowest tier each hit chunk needed",
         )
         self._duration["lookup"] = hist(
             "kvflow.lookup.duration",
@@ -273,17 +290,9 @@ class MetricsSubscriber:
 
     # -- event processing ---------------------------------------------------------------
 
-    def _label_set(self, names: tuple[str, ...], *values: Any) -> dict[str, str]:
-        """The cached attribute dict for `names` = `values` (one dict object per label set)."""
-        key = (names, *values)
-        labels = self._labels.get(key)
-        if labels is None:
-            labels = self._labels[key] = {k: str(v) for k, v in zip(names, values, strict=True)}
-        return labels
-
     def on_events(self, events: Sequence[Event]) -> None:
         """Record one batch; counter increments are summed and added once per label set."""
-        adds: _Adds = {}
+        adds: Adds = {}
         latest = 0
         for ev in events:
             etype = ev.type
@@ -293,44 +302,54 @@ class MetricsSubscriber:
                 self._on_start(ev, adds)
             elif etype in END_TO_START:
                 self._on_end(ev, adds)
+            elif etype in TIER_EVENTS:
+                self._tiers.on_event(ev, adds)
             elif etype in self._l1_counters:
                 chunks, nbytes = self._l1_counters[etype]
-                _add(adds, chunks, _EMPTY, ev.attrs.get("chunks") or 0)
-                _add(adds, nbytes, _EMPTY, ev.attrs.get("bytes") or 0)
+                add(adds, chunks, _EMPTY, ev.attrs.get("chunks") or 0)
+                add(adds, nbytes, _EMPTY, ev.attrs.get("bytes") or 0)
             elif etype is _ET.REGISTER or etype is _ET.UNREGISTER:
-                labels = self._label_set(_M, ev.attrs.get("model_name", ""))
-                _add(adds, self._instances, labels, 1 if etype is _ET.REGISTER else -1)
+                labels = self._labels.get(_M, ev.attrs.get("model_name", ""))
+                add(adds, self._instances, labels, 1 if etype is _ET.REGISTER else -1)
         self._expire(latest, adds)
-        for (instrument, _), (labels, amount) in adds.items():
-            instrument.add(amount, labels)  # zeros too: a gauge back at 0 must still be exported
+        flush(adds)
 
-    def _on_start(self, ev: Event, adds: _Adds) -> None:
+    def _on_start(self, ev: Event, adds: Adds) -> None:
         op_id = ev.op_id
         if op_id is None:
             return
         operation = _OPERATION[ev.type]
         attrs = ev.attrs
-        if operation == "lookup":
-            labels = self._label_set(_M, attrs.get("model_name", ""))
+        names = _INFLIGHT_LABEL[operation]
+        if len(names) == 1:
+            labels = self._labels.get(names, attrs.get(names[0], ""))
         else:
-            labels = self._label_set(_IM, attrs.get("instance_id", ""), attrs.get("model_name", ""))
+            labels = self._labels.get(names, attrs.get(names[0], ""), attrs.get(names[1], ""))
         self._pending[op_id] = _Pending(ev.ts_ns, operation, labels)
-        _add(adds, self._inflight[operation], labels, 1)
+        add(adds, self._inflight[operation], labels, 1)
 
-    def _on_end(self, ev: Event, adds: _Adds) -> None:
+    def _on_end(self, ev: Event, adds: Adds) -> None:
         attrs = ev.attrs
         error = attrs.get("error")
         outcome = "ok" if attrs.get("ok", error is None) and error is None else "error"
         pending = None if ev.op_id is None else self._pending.pop(ev.op_id, None)
         if pending is not None:
-            _add(adds, self._inflight[pending.operation], pending.labels, -1)
+            add(adds, self._inflight[pending.operation], pending.labels, -1)
+        if ev.type in TIER_ENDS:
+            self._tiers.on_end(ev, None if pending is None else pending.ts, outcome, adds)
+            return
         if ev.type is _ET.LOOKUP_END:
             model = attrs.get("model_name", "")
-            labels = self._label_set(_M, model)
-            _add(adds, self._requests["lookup"], self._label_set(_MO, model, outcome), 1)
-            _add(adds, self._lookup_requested, labels, attrs.get("requested_tokens") or 0)
+            labels = self._labels.get(_M, model)
+            add(adds, self._requests["lookup"], self._labels.get(_MO, model, outcome), 1)
+            add(adds, self._lookup_requested, labels, attrs.get("requested_tokens") or 0)
             hit = attrs.get("hit_tokens") or 0
-            _add(adds, self._lookup_hit, labels, hit)
+            by_tier = attrs.get("hit_tokens_by_tier")
+            if by_tier:
+                for tier, tokens in by_tier.items():
+                    add(adds, self._lookup_hit, self._labels.get(_MT, model, tier), tokens or 0)
+            else:  # producers before L2 tiers: every hit came from L1
+                add(adds, self._lookup_hit, self._labels.get(_MT, model, "l1"), hit)
             if outcome == "ok":
                 self._lookup_hit_hist.record(hit, labels)
             if pending is not None:
@@ -338,12 +357,12 @@ class MetricsSubscriber:
             return
         operation = "store" if ev.type is _ET.STORE_END else "retrieve"
         instance, model = attrs.get("instance_id", ""), attrs.get("model_name", "")
-        labels = self._label_set(_IM, instance, model)
-        with_outcome = self._label_set(_IMO, instance, model, outcome)
-        _add(adds, self._requests[operation], with_outcome, 1)
-        _add(adds, self._tokens[operation], labels, attrs.get("tokens") or 0)
+        labels = self._labels.get(_IM, instance, model)
+        with_outcome = self._labels.get(_IMO, instance, model, outcome)
+        add(adds, self._requests[operation], with_outcome, 1)
+        add(adds, self._tokens[operation], labels, attrs.get("tokens") or 0)
         nbytes = attrs.get("bytes") or 0
-        _add(adds, self._bytes[operation], labels, nbytes)
+        add(adds, self._bytes[operation], labels, nbytes)
         if pending is None:
             return
         duration_ns = max(ev.ts_ns - pending.ts, 0)
@@ -351,12 +370,12 @@ class MetricsSubscriber:
         if outcome == "ok" and nbytes > 0 and duration_ns > 0:
             self._throughput[operation].record(nbytes / duration_ns, labels)
 
-    def _expire(self, latest_ns: int, adds: _Adds) -> None:
+    def _expire(self, latest_ns: int, adds: Adds) -> None:
         """Give up STARTs older than the TTL (event time) or beyond the pending bound."""
         horizon = latest_ns - self._ttl_ns
         for _, first in drain_expired(self._pending, horizon, self._max_pending, _ts_of):
-            _add(adds, self._inflight[first.operation], first.labels, -1)
-            _add(adds, self._expired, self._label_set(_OP, first.operation), 1)
+            add(adds, self._inflight[first.operation], first.labels, -1)
+            add(adds, self._expired, self._labels.get(_OP, first.operation), 1)
 
     @property
     def pending_operations(self) -> int:
@@ -369,12 +388,3 @@ class MetricsSubscriber:
 
 def _ts_of(pending: _Pending) -> int:
     return pending.ts
-
-
-def _add(adds: _Adds, instrument: Any, labels: dict[str, str], n: int) -> None:
-    """Sum an increment into the batch's pending adds, keyed by instrument and label set."""
-    entry = adds.get((instrument, id(labels)))
-    if entry is None:
-        adds[(instrument, id(labels))] = [labels, n]
-    else:
-        entry[1] += n

@@ -29,6 +29,7 @@ from kvflow.subscribers.providers import (
     otlp_span_exporter,
 )
 from kvflow.subscribers.settings import ObservabilitySettings
+from kvflow.subscribers.tiers import TierStats
 from kvflow.subscribers.tracing import TracingSubscriber
 
 
@@ -145,6 +146,7 @@ def build_subscribers(
     meter_provider: MeterProvider | None = None,
     tracer_provider: TracerProvider | None = None,
     l1_stats: L1Stats | None = None,
+    tier_stats: TierStats | None = None,
     configure_root_logging: bool = True,
     log_stream: IO[str] | None = None,
 ) -> ObservabilityPipeline:
@@ -153,13 +155,15 @@ def build_subscribers(
     Metrics go to a MeterProvider built with a Prometheus endpoint (unless
     prometheus_port is 0) and an OTLP reader (if otlp_endpoint is set), or to
     `meter_provider` if given; spans likewise to OTLP or `tracer_provider`.
-    `configure_root_logging` renders every library's logs like kvflow's.
+    `l1_stats` / `tier_stats` feed the L1 and per-tier L2 occupancy gauges
+    (None: no such gauges). `configure_root_logging` renders every library's
+    logs like kvflow's.
     """
     pipeline = ObservabilityPipeline([], bus=bus)
     if not config.enabled:
         return pipeline
     try:
-        _populate(pipeline, config, meter_provider, tracer_provider, l1_stats)
+        _populate(pipeline, config, meter_provider, tracer_provider, l1_stats, tier_stats)
         if config.logging_enabled:
             if configure_root_logging:
                 pipeline._logging = configure_logging(
@@ -182,6 +186,7 @@ def _populate(
     meter_provider: MeterProvider | None,
     tracer_provider: TracerProvider | None,
     l1_stats: L1Stats | None,
+    tier_stats: TierStats | None,
 ) -> None:
     """Create providers/exporters and the metric and tracing subscribers on `pipeline`."""
     if config.metrics_enabled and meter_provider is None:
@@ -205,6 +210,7 @@ def _populate(
                 meter_provider,
                 bus=pipeline.bus,
                 l1_stats=l1_stats,
+                tier_stats=tier_stats,
                 pending_ttl_s=config.tracing_ttl_s,
             ),
             L0LifecycleSubscriber(meter_provider, config.l0_sample_rate, config.sample_seed),

@@ -11,6 +11,9 @@ _START = {
     "store": EventType.STORE_START,
     "retrieve": EventType.RETRIEVE_START,
     "lookup": EventType.LOOKUP_START,
+    "l2_store": EventType.L2_STORE_START,
+    "l2_load": EventType.L2_LOAD_START,
+    "prefetch": EventType.PREFETCH_START,
 }
 
 
@@ -41,7 +44,10 @@ class EventScript:
     def start(
         self, operation: str, at_s: float, session_id: str | None = None, **attrs: Any
     ) -> int:
-        """Append the START of `operation` (store, retrieve, lookup); returns its op_id."""
+        """Append the START of `operation`; returns its op_id.
+
+        Operations: store, retrieve, lookup, l2_store, l2_load, prefetch.
+        """
         op_id = next_op_id()
         self.add(_START[operation], at_s, session_id, op_id, **attrs)
         return op_id
