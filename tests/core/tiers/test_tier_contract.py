@@ -6,6 +6,9 @@ own. Each factory makes a tier that holds exactly four 1 KiB objects.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier, StoreOutcome
+from kvflow.core.tiers.disk import DiskTier
 from kvflow.core.tiers.hostmem import HostPool
 from kvflow.core.tiers.l1 import L1Cache
 
@@ -26,7 +30,14 @@ def _l1() -> StorageTier:
     return L1Cache(CAPACITY_OBJECTS * NBYTES, pool=HostPool(pinned=False))
 
 
-TIERS: dict[str, Callable[[], StorageTier]] = {"l1": _l1}
+def _disk() -> StorageTier:
+    root = tempfile.mkdtemp(prefix="kvflow-contract-disk-")
+    made = DiskTier([root], CAPACITY_OBJECTS * NBYTES)
+    weakref.finalize(made, shutil.rmtree, root, ignore_errors=True)
+    return made
+
+
+TIERS: dict[str, Callable[[], StorageTier]] = {"l1": _l1, "disk": _disk}
 
 
 @pytest.fixture(params=sorted(TIERS))
