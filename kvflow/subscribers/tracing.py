@@ -3,7 +3,9 @@
 A child span is created when its END arrives, with the START's and END's own
 timestamps converted to epoch time, so spans show when work happened, not when
 the bus delivered it. Pending STARTs and open requests are bounded and expire
-after a TTL measured in event time.
+after a TTL measured in event time. Background operations (L2 stores and loads,
+prefetches) may outlive their request: they join its trace while it is open or
+recently ended, and never open or extend a request span themselves.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ _SPAN_NAME = {
     _ET.STORE_START: "kvflow.store",
     _ET.RETRIEVE_START: "kvflow.retrieve",
     _ET.LOOKUP_START: "kvflow.lookup",
+    _ET.L2_STORE_START: "kvflow.l2_store",
+    _ET.L2_LOAD_START: "kvflow.l2_load",
+    _ET.PREFETCH_START: "kvflow.prefetch",
 }
+#: Operations that run beside their request rather than within its API call.
+_BACKGROUND = frozenset({_ET.L2_STORE_START, _ET.L2_LOAD_START, _ET.PREFETCH_START})
 _ATTR_TYPES = (str, bool, int, float)
 
 
@@ -51,8 +58,19 @@ class _Request:
         self.last_ts = ts
 
 
+class _Ended:
+    """A request whose root span ended: background operations may still join its trace."""
+
+    __slots__ = ("context", "ts")
+
+    def __init__(self, context: Context, ts: int) -> None:
+        self.context = context
+        self.ts = ts
+
+
 class TracingSubscriber:
-    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup}` children.
+    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup}` children,
+    and `kvflow.{l2_store,l2_load,prefetch}` spans (children while their request is known).
 
     A START without its END for `ttl_s` of event time (or pushed out by
     `max_pending`) ends as an ERROR span with attribute `kvflow.expired`; a
@@ -85,6 +103,7 @@ class TracingSubscriber:
         self._max_requests = max_requests
         self._starts: dict[int, _Start] = {}
         self._requests: dict[str, _Request] = {}
+        self._ended: dict[str, _Ended] = {}
         self.expired = 0
         self._expired_counter = None
         if meter_provider is not None:
@@ -116,12 +135,12 @@ class TracingSubscriber:
                 if ev.op_id is None:
                     continue
                 self._starts[ev.op_id] = _Start(ev)
-                if ev.session_id is not None:
+                if ev.session_id is not None and etype not in _BACKGROUND:
                     self._touch(ev.session_id, ev.ts_ns)
             elif etype in END_TO_START:
                 start = None if ev.op_id is None else self._starts.pop(ev.op_id, None)
                 self._finish(start, ev)
-            else:
+            elif etype is _ET.END_SESSION:  # other types (fed directly, not by the bus) are ignored
                 self._end_request(ev.session_id, ev.ts_ns)
         self._expire(latest)
 
@@ -143,9 +162,19 @@ class TracingSubscriber:
         return request
 
     def _end_request(self, session_id: str | None, ts: int) -> None:
-        request = None if session_id is None else self._requests.pop(session_id, None)
+        if session_id is None:
+            return
+        request = self._requests.pop(session_id, None)
         if request is not None:
-            _close_request(request, ts)
+            self._close(session_id, request, ts)
+
+    def _close(self, session_id: str, request: _Request, ts: int, *, expired: bool = False) -> None:
+        """End the root span; remember its context for background operations still running."""
+        _close_request(request, ts, expired=expired)
+        self._ended.pop(session_id, None)
+        # only the span's ids: the ended span itself (attributes and all) is not kept alive
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(request.span.get_span_context()))
+        self._ended[session_id] = _Ended(parent, max(ts, request.last_ts))
 
     # -- operations ---------------------------------------------------------------------
 
@@ -159,7 +188,7 @@ class TracingSubscriber:
             attributes["kvflow.start_missing"] = True
         start_ts = end.ts_ns if start is None else start.ts
         span = self._start_span(start_type, session_id, start_ts, attributes)
-        if session_id is not None:
+        if session_id is not None and start_type not in _BACKGROUND:
             self._touch(session_id, end.ts_ns)
         error = end.attrs.get("error")
         if error is not None or end.attrs.get("ok") is False:
@@ -177,13 +206,27 @@ class TracingSubscriber:
         *,
         open_root: bool = True,
     ) -> Span:
-        """Start an op span under its request's root (opened if needed and `open_root`)."""
-        request = None if session_id is None else self._requests.get(session_id)
-        if request is None and session_id is not None and open_root:
-            request = self._touch(session_id, ts)
+        """Start an op span under its request's root (opened if needed and `open_root`).
+
+        A background op joins an open or recently ended request's trace, else is a
+        root span of its own; it never opens a request.
+        """
+        context = Context()
+        if session_id is not None:
+            request = self._requests.get(session_id)
+            if etype in _BACKGROUND:
+                attributes["kvflow.session_id"] = session_id
+                if request is not None:
+                    context = request.context
+                elif (ended := self._ended.get(session_id)) is not None:
+                    context = ended.context
+            elif request is not None:
+                context = request.context
+            elif open_root:
+                context = self._touch(session_id, ts).context
         return self._tracer.start_span(
             _SPAN_NAME[etype],
-            context=Context() if request is None else request.context,
+            context=context,
             start_time=monotonic_to_epoch_ns(ts),
             attributes=attributes,
         )
@@ -206,8 +249,12 @@ class TracingSubscriber:
             overflow = start.ts >= horizon
             reason = "pending bound reached" if overflow else "TTL passed"
             self._give_up(op_id, start, latest_ns if overflow else start.ts + self._ttl_ns, reason)
-        for _, request in drain_expired(self._requests, horizon, self._max_requests, _last_ts):
-            _close_request(request, request.last_ts, expired=True)
+        for session_id, request in drain_expired(
+            self._requests, horizon, self._max_requests, _last_ts
+        ):
+            self._close(session_id, request, request.last_ts, expired=True)
+        for _ in drain_expired(self._ended, horizon, self._max_requests, _ended_ts):
+            pass  # forgotten: a later background op of that request becomes a root span
 
     def shutdown(self) -> None:
         """End every pending operation (ERROR, expired) and every open request span."""
@@ -218,6 +265,7 @@ class TracingSubscriber:
         for request in self._requests.values():
             _close_request(request, request.last_ts, expired=True)
         self._requests.clear()
+        self._ended.clear()
 
 
 def _close_request(request: _Request, ts: int, *, expired: bool = False) -> None:
@@ -235,19 +283,33 @@ def _last_ts(request: _Request) -> int:
     return request.last_ts
 
 
+def _ended_ts(ended: _Ended) -> int:
+    return ended.ts
+
+
 def _span_attributes(
     start: Mapping[str, Any] | None, end: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """`kvflow.<attr>` for every scalar attr; END values win, START tokens stay as requested."""
+    """`kvflow.<attr>` for every scalar attr; END values win, START tokens stay as requested.
+
+    A mapping attr (LOOKUP_END `hit_tokens_by_tier`) gives `kvflow.<attr>.<key>` per
+    scalar value.
+    """
     attributes: dict[str, Any] = {}
     if start is not None:
-        for key, value in start.items():
-            if isinstance(value, _ATTR_TYPES):
-                attributes[f"kvflow.{key}"] = value
+        _copy_attrs(start, attributes)
         if "tokens" in start:
             attributes["kvflow.requested_tokens"] = start["tokens"]
     if end is not None:
-        for key, value in end.items():
-            if isinstance(value, _ATTR_TYPES):
-                attributes[f"kvflow.{key}"] = value
+        _copy_attrs(end, attributes)
     return attributes
+
+
+def _copy_attrs(attrs: Mapping[str, Any], attributes: dict[str, Any]) -> None:
+    for key, value in attrs.items():
+        if isinstance(value, _ATTR_TYPES):
+            attributes[f"kvflow.{key}"] = value
+        elif isinstance(value, Mapping):
+            for inner, item in value.items():
+                if isinstance(item, _ATTR_TYPES):
+                    attributes[f"kvflow.{key}.{inner}"] = item

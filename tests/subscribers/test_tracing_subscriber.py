@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.trace import StatusCode
 
-from kvflow.events import monotonic_to_epoch_ns
+from kvflow.events import EventType, monotonic_to_epoch_ns
 from kvflow.subscribers import TracingSubscriber
 from kvflow.subscribers.testing import MetricsCapture, SpanCapture
 from tests.support.event_script import EventScript
@@ -154,3 +154,96 @@ def test_invalid_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="max_pending"):
         TracingSubscriber(capture.provider, max_pending=0)
     capture.shutdown()
+
+
+DISK = {"tier": "disk", "chunks": 4, "bytes": 4096}
+PREFETCH = {"model_name": "llama", "world_size": 1, "chunks": 2, "tokens": 512, "trigger": "lookup"}
+
+
+def test_l2_and_prefetch_spans_join_their_requests_trace(spans: SpanCapture) -> None:
+    """L2 stores/loads and prefetches are spans under the request's root, with every attr.
+
+    A background op that ends after END_SESSION still joins the ended request's
+    trace, and neither reopens nor extends its root span.
+    """
+    sub = TracingSubscriber(spans.provider)
+    s = EventScript()
+    s.op("lookup", 0.0, 0.001, "req-1", start_attrs={"model_name": "llama", "tokens": 1024},
+         model_name="llama", requested_tokens=1024, hit_tokens=768,
+         hit_tokens_by_tier={"l1": 256, "disk": 512})  # fmt: skip
+    prefetch = s.op("prefetch", 0.001, 0.02, "req-1", start_attrs=PREFETCH, **PREFETCH,
+                    loaded_chunks=2, written_back_chunks=1, discarded_chunks=1)  # fmt: skip
+    load = {**DISK, "reason": "prefetch"}
+    s.op("l2_load", 0.002, 0.019, "req-1", start_attrs=load, **load, loaded_chunks=2,
+         loaded_bytes=2048, failed_chunks=0)  # fmt: skip
+    s.add(EventType.WRITE_BACK, 0.02, "req-1", kept=1, discarded=1, bytes=1024,
+          reason="prefetch")  # fmt: skip
+    store = s.start("l2_store", 0.5, "req-1", **DISK)
+    s.end_session(1.0, "req-1")
+    s.end("l2_store", store, 3.0, "req-1", **DISK, stored_chunks=3, stored_bytes=3072,
+          present_chunks=0, failed_chunks=1)  # fmt: skip
+    sub.on_events(s.events)
+
+    (root,) = spans.spans("kvflow.request")
+    assert root.end_time == monotonic_to_epoch_ns(s.ts(1.0))  # not extended by the L2 store
+    assert sub.open_requests == 0  # the late END did not reopen the request
+    by_name = {sp.name: sp for sp in spans.spans() if sp.name != "kvflow.request"}
+    assert set(by_name) == {"kvflow.lookup", "kvflow.prefetch", "kvflow.l2_load",
+                            "kvflow.l2_store"}  # fmt: skip
+    for span in by_name.values():
+        assert span.parent is not None and span.parent.span_id == root.context.span_id
+        assert span.context.trace_id == root.context.trace_id
+    late = by_name["kvflow.l2_store"]
+    assert late.start_time == monotonic_to_epoch_ns(s.ts(0.5))
+    assert late.end_time == monotonic_to_epoch_ns(s.ts(3.0))
+    assert late.attributes["kvflow.tier"] == "disk"
+    assert late.attributes["kvflow.stored_chunks"] == 3
+    assert late.attributes["kvflow.failed_chunks"] == 1
+    assert late.attributes["kvflow.session_id"] == "req-1"
+    assert late.status.status_code is StatusCode.UNSET  # a partial failure is not an error
+    pre = by_name["kvflow.prefetch"]
+    assert pre.attributes["kvflow.op_id"] == prefetch
+    assert pre.attributes["kvflow.trigger"] == "lookup"
+    assert pre.attributes["kvflow.written_back_chunks"] == 1
+    assert pre.attributes["kvflow.requested_tokens"] == 512
+    assert by_name["kvflow.l2_load"].attributes["kvflow.reason"] == "prefetch"
+    lookup = by_name["kvflow.lookup"].attributes
+    assert (lookup["kvflow.hit_tokens_by_tier.l1"], lookup["kvflow.hit_tokens_by_tier.disk"]) == (
+        256, 512)  # fmt: skip
+
+
+def test_background_op_without_a_known_request_is_its_own_root(spans: SpanCapture) -> None:
+    """An L2 op of no request, or of one never seen, is a root span; it opens no request."""
+    sub = TracingSubscriber(spans.provider)
+    s = EventScript()
+    s.op("l2_store", 0.0, 0.1, None, start_attrs=DISK, **DISK, stored_chunks=4,
+         stored_bytes=4096, present_chunks=0, failed_chunks=0)  # fmt: skip
+    s.op("prefetch", 0.2, 0.3, "unseen", start_attrs={**PREFETCH, "trigger": "api"},
+         **PREFETCH, loaded_chunks=0, written_back_chunks=0, discarded_chunks=0,
+         ok=False, error="timeout", error_message="disk tier did not answer")  # fmt: skip
+    sub.on_events(s.events)
+    assert spans.spans("kvflow.request") == []
+    assert sub.open_requests == 0
+    (store,) = spans.spans("kvflow.l2_store")
+    (prefetch,) = spans.spans("kvflow.prefetch")
+    assert store.parent is None and prefetch.parent is None
+    assert "kvflow.session_id" not in store.attributes
+    assert prefetch.attributes["kvflow.session_id"] == "unseen"
+    assert prefetch.status.status_code is StatusCode.ERROR
+    assert prefetch.status.description == "timeout: disk tier did not answer"
+
+
+def test_unfinished_l2_load_expires_under_its_operation() -> None:
+    """An L2 load with no END ends as an expired ERROR span counted as operation=l2_load."""
+    spans, metrics = SpanCapture(), MetricsCapture()
+    sub = TracingSubscriber(spans.provider, ttl_s=30.0, meter_provider=metrics.provider)
+    s = EventScript()
+    s.start("l2_load", 0.0, None, **DISK, reason="retrieve")
+    s.end_session(31.0, "other")
+    sub.on_events(s.events)
+    (load,) = spans.spans("kvflow.l2_load")
+    assert load.attributes["kvflow.expired"] is True
+    assert load.status.status_code is StatusCode.ERROR
+    assert metrics.total("kvflow.tracing.expired_spans", operation="l2_load") == 1
+    spans.shutdown()
+    metrics.shutdown()
