@@ -103,6 +103,10 @@ class _RateLimit:
 class LoggingSubscriber:
     """One log line per event: DEBUG normally, INFO for register/unregister, WARNING on errors.
 
+    An END is an error when it has `ok=False` or an `error`, or when some of its
+    objects failed (`failed_chunks` > 0: an L2 tier refused part of a call that
+    itself succeeded, e.g. disk full).
+
     With `bus`, also warns (at most once per `check_interval_s` of event time and
     at shutdown) when the bus dropped events or a subscriber raised. Lines are
     rate-limited per (level, event type) to `max_lines_per_s`; a line that follows
@@ -145,7 +149,11 @@ class LoggingSubscriber:
                 latest = ev.ts_ns
             if etype in END_TO_START:
                 attrs = ev.attrs
-                if attrs.get("error") is not None or attrs.get("ok") is False:
+                if (
+                    attrs.get("error") is not None
+                    or attrs.get("ok") is False
+                    or attrs.get("failed_chunks")
+                ):
                     self._emit(logging.WARNING, ev)
                     continue
             if etype in _INFO_TYPES:
@@ -200,7 +208,8 @@ class LoggingSubscriber:
 
 
 def _event_fields(ev: KVEvent) -> dict[str, Any]:
-    """The event's fields as log keys: identity, epoch time, and every scalar attr."""
+    """The event's fields as log keys: identity, epoch time, every scalar attr, and
+    mappings of scalars (LOOKUP_END `hit_tokens_by_tier`) as nested objects."""
     fields: dict[str, Any] = {
         "event_type": ev.type.label,
         "event_time": monotonic_to_epoch_ns(ev.ts_ns) / 1e9,
@@ -217,4 +226,8 @@ def _event_fields(ev: KVEvent) -> dict[str, Any]:
         elif key == "records" and isinstance(value, Sequence):
             fields["records"] = len(value)
             fields["blocks"] = sum(len(r[1]) for r in value)
+        elif isinstance(value, Mapping):
+            fields[key] = {
+                str(k): v for k, v in value.items() if v is None or isinstance(v, _SCALARS)
+            }
     return fields

@@ -150,3 +150,60 @@ def test_invalid_configuration_is_rejected() -> None:
         configure_logging("info", "xml")
     with pytest.raises(ValueError, match="max_lines_per_s"):
         LoggingSubscriber(max_lines_per_s=0)
+
+
+DISK = {"tier": "disk", "chunks": 4, "bytes": 4096}
+
+
+def test_l2_failures_are_warnings_even_when_the_call_succeeded(info_logs: Logs) -> None:
+    """At INFO: an L2 END with failed objects (disk full, ok=True) or ok=False is a WARNING
+    carrying its attrs; successful L2 and prefetch ENDs, evictions and write-backs are not."""
+    sub = LoggingSubscriber()
+    s = EventScript()
+    s.op("l2_store", 0.0, 0.1, "r1", start_attrs=DISK, **DISK, stored_chunks=4,
+         stored_bytes=4096, present_chunks=0, failed_chunks=0)  # fmt: skip
+    s.op("l2_store", 1.0, 1.1, "r2", start_attrs=DISK, **DISK, stored_chunks=1,
+         stored_bytes=1024, present_chunks=0, failed_chunks=3)  # fmt: skip
+    load = {**DISK, "reason": "retrieve"}
+    s.op("l2_load", 2.0, 2.1, None, start_attrs=load, **load, loaded_chunks=0, loaded_bytes=0,
+         failed_chunks=4, ok=False, error="timeout", error_message="no answer in 1.0 s")  # fmt: skip
+    prefetch = {"model_name": "llama", "world_size": 1, "chunks": 2, "tokens": 512,
+                "trigger": "lookup"}  # fmt: skip
+    s.op("prefetch", 3.0, 3.1, "r3", start_attrs=prefetch, **prefetch, loaded_chunks=2,
+         written_back_chunks=1, discarded_chunks=1)  # fmt: skip
+    s.add(EventType.L2_EVICT, 4.0, tier="disk", chunks=2, bytes=2048)
+    s.add(EventType.WRITE_BACK, 4.1, "r3", kept=1, discarded=1, bytes=1024, reason="prefetch")
+    sub.on_events(s.events)
+    lines = info_logs.lines()
+    assert [(line["level"], line["event"]) for line in lines] == [
+        ("warning", "l2_store_end"),
+        ("warning", "l2_load_end"),
+    ]
+    partial, failed = lines
+    assert (partial["tier"], partial["failed_chunks"], partial["stored_chunks"]) == ("disk", 3, 1)
+    assert partial["ok"] is True and partial["session_id"] == "r2"
+    assert (failed["error"], failed["error_message"]) == ("timeout", "no answer in 1.0 s")
+    assert failed["reason"] == "retrieve" and "session_id" not in failed
+
+
+def test_debug_logs_tier_events_and_hits_by_tier() -> None:
+    """At DEBUG every new event is a line with its attrs; hit_tokens_by_tier is an object."""
+    logs = Logs("debug")
+    try:
+        s = EventScript()
+        s.op("lookup", 0.0, 0.1, "r1", start_attrs={"model_name": "llama"}, model_name="llama",
+             requested_tokens=1024, hit_tokens=768,
+             hit_tokens_by_tier={"l1": 256, "disk": 512})  # fmt: skip
+        s.add(EventType.L2_EVICT, 0.2, None, tier="disk", chunks=2, bytes=2048)
+        s.add(EventType.WRITE_BACK, 0.3, "r1", kept=3, discarded=1, bytes=3072, reason="retrieve")
+        LoggingSubscriber().on_events(s.events)
+        lines = [line for line in logs.lines() if line["logger"] == "kvflow.events"]
+        assert [line["event"] for line in lines] == [
+            "lookup_start", "lookup_end", "l2_evict", "write_back"
+        ]  # fmt: skip
+        assert all(line["level"] == "debug" for line in lines)
+        assert lines[1]["hit_tokens_by_tier"] == {"l1": 256, "disk": 512}
+        assert (lines[2]["tier"], lines[2]["chunks"], lines[2]["bytes"]) == ("disk", 2, 2048)
+        assert (lines[3]["kept"], lines[3]["discarded"], lines[3]["reason"]) == (3, 1, "retrieve")
+    finally:
+        logs.setup.close()
