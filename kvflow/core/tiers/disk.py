@@ -91,8 +91,10 @@ def _lock_path(root: str) -> int:
 
 
 def _make_dir(root: str) -> None:
+    """Make the disk path and its objects directory (where the O_DIRECT probe runs too, so
+    the start-up scan deletes a probe file a killed process left)."""
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(os.path.join(root, diskfile.OBJECTS_DIR), exist_ok=True)
     except OSError as e:
         raise ValueError(
             f"--l2-disk path {root} is not a directory and cannot be created: {e.strerror}"
@@ -167,7 +169,10 @@ class DiskTier:
         try:
             for root in roots:
                 self._lock_fds.append(_lock_path(root))
-            self._direct = [direct_io and diskfile.probe_direct_io(root) for root in roots]
+            self._direct = [
+                direct_io and diskfile.probe_direct_io(os.path.join(root, diskfile.OBJECTS_DIR))
+                for root in roots
+            ]
             self._pools = [
                 ThreadPoolExecutor(io_threads_per_path, thread_name_prefix=f"kvflow-disk{i}")
                 for i in range(len(roots))
@@ -272,6 +277,7 @@ class DiskTier:
         with self._deleted:
             while entry.path in self._deleting:  # an older file of this name is going
                 self._deleted.wait()
+        error: str | None = "store: interrupted"  # unless the write ends, well or not
         try:
             os.makedirs(os.path.dirname(entry.path), mode=0o700, exist_ok=True)
             payload = buf.contiguous().numpy().data
@@ -279,24 +285,30 @@ class DiskTier:
             error = None
         except OSError as e:
             error = f"store: {e}"
+        finally:
+            self._end_write(entry, error)
+        return error is None
+
+    def _end_write(self, entry: _Entry, error: str | None) -> None:
+        """Publish a written object, or forget one whose write failed (and count it)."""
         with self._lock:
             self._writing -= 1
             if error is None:
                 entry.ready = True
                 self._objects[entry.root] += 1
-                return True
+                return
             self._last_error[entry.root] = error
             self.counters["store_failures"] += 1
             if self._index.get(entry.key) is entry:
                 del self._index[entry.key]
                 del self._lru[entry.key]
                 self._usage[entry.root] -= entry.nbytes
-            return False
 
     def _read(self, entry: _Entry, dst: torch.Tensor) -> bool:
         """Read one pinned object into `dst`; on any failure the object is dropped (file
         too), counted, and False returned (then `dst` holds undefined bytes)."""
-        failure = reason = None
+        failure: str | None = "load_failures"  # unless the read ends, well or not
+        reason = "load: interrupted"
         try:
             target = dst if dst.is_contiguous() else torch.empty_like(dst)
             view = target.numpy().data
@@ -305,18 +317,25 @@ class DiskTier:
                 dst.copy_(target)
             with suppress(OSError):
                 os.utime(entry.path)  # mtime is the recency a restart rebuilds
+            failure = None
         except (FileNotFoundError, NotADirectoryError) as e:
             failure, reason = "missing_objects", f"load: {e}"
         except diskfile.CorruptObject as e:
             failure, reason = "corrupt_objects", f"load: {entry.path}: {e}"
         except OSError as e:
             failure, reason = "load_failures", f"load: {e}"
+        finally:
+            self._end_read(entry, failure, reason)
+        return failure is None
+
+    def _end_read(self, entry: _Entry, failure: str | None, reason: str) -> None:
+        """Unpin a read object; after a failed read count it and drop the object."""
         with self._lock:
             self._pins[entry.key] -= 1
             if not self._pins[entry.key]:
                 del self._pins[entry.key]
             if failure is None:
-                return True
+                return
             self.counters["load_failures"] += 1
             if failure != "load_failures":
                 self.counters[failure] += 1
@@ -326,7 +345,6 @@ class DiskTier:
                 self._forget(entry)
         if dropped:
             self._delete([entry])
-        return False
 
     # -- placement --------------------------------------------------------------------
 
