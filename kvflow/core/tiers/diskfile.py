@@ -340,7 +340,7 @@ def read_object(path: str, key: ObjectKey, dst: memoryview, *, direct: bool) -> 
 
 def probe_direct_io(directory: str) -> bool:
     """Whether `directory`'s filesystem takes O_DIRECT: write and read back one aligned
-    block (tmpfs on older kernels, ramfs and some FUSE filesystems refuse with EINVAL)."""
+    block (ramfs, tmpfs on older kernels and some FUSE filesystems refuse with EINVAL)."""
     if not _O_DIRECT:
         return False
     probe = os.path.join(directory, f".kvflow-direct-probe.{os.getpid()}{TMP_SUFFIX}")

@@ -399,7 +399,7 @@ def test_direct_io_writes_aligned_padded_files(tmp_path: Path, tiers: list[DiskT
 @pytest.fixture
 def no_direct_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A directory whose filesystem refuses O_DIRECT: a ramfs mount where we may mount
-    (tmpfs takes O_DIRECT since Linux 6.6), else O_DIRECT opens made to fail as such a
+    (tmpfs takes O_DIRECT on recent kernels: /dev/shm does here), else O_DIRECT opens made to fail as such a
     filesystem's do (EINVAL)."""
     where = tmp_path / "ramfs"
     where.mkdir()
