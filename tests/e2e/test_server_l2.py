@@ -9,6 +9,10 @@ it and writes nothing after it back to L1.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +29,7 @@ from tests.e2e.server_proc import running_server
 CHUNK = 16  # tokens per chunk = one block
 BLOCKS = 32
 N = 8  # chunks per request
-L1_CHUNKS = 8
+L1_CHUNKS = 16  # T and OTHER fill L1; THIRD evicts T's last 6 chunks
 SHAPE = (2, BLOCKS, CHUNK, 2, 64)  # vLLM flash-attn layer: [K|V, blocks, block size, heads, dim]
 LAYERS = 2
 CHUNK_BYTES = LAYERS * 2 * CHUNK * 2 * 64 * 2  # bf16
@@ -99,6 +103,7 @@ SRC_IDS = list(range(N))
 DST_IDS = list(range(N, 2 * N))
 T = np.arange(100, 100 + N * CHUNK, dtype=np.int32)
 OTHER = np.arange(5000, 5000 + N * CHUNK, dtype=np.int32)
+THIRD = np.arange(7000, 7000 + 6 * CHUNK, dtype=np.int32)
 
 
 def test_disk_tier_end_to_end_through_a_server_subprocess(tmp_path: Path) -> None:
@@ -109,31 +114,34 @@ def test_disk_tier_end_to_end_through_a_server_subprocess(tmp_path: Path) -> Non
 
     with _server(tmp_path, disk, "first") as (client, log):
         w = Worker(client, src, dst)
-        # 1. T is stored (and written through to disk); OTHER then evicts T from L1
+        # 1. T is stored (and written through to disk); OTHER and THIRD then evict most
+        #    of T from L1
         assert client.store("src", T, SRC_IDS, request_id="t") == N * CHUNK
         _wait(w.settled)
         assert client.store("src", OTHER, SRC_IDS, request_id="o") == N * CHUNK
         _wait(w.settled)
-        assert client.status()["l1"]["evicted_chunks"] >= N
+        assert client.store("src", THIRD, SRC_IDS, request_id="3") == 6 * CHUNK
+        _wait(w.settled)
+        assert client.status()["l1"]["evicted_chunks"] == 6
         # 2. the lookup counts T's evicted chunks as disk hits (no prefetch asked)
         assert client.lookup(T, model_name="m", request_id="q1", prefetch=False) == N * CHUNK
         _wait(lambda: bool(log.events("lookup_end")))
         by_tier = log.events("lookup_end")[-1]["hit_tokens_by_tier"]
-        assert by_tier["disk"] > 0 and sum(by_tier.values()) == N * CHUNK
+        assert by_tier == {"l1": 2 * CHUNK, "disk": 6 * CHUNK}
         # 3. the retrieve loads them from disk, bit-exact
         assert client.retrieve("dst", T, DST_IDS, request_id="q1") == N * CHUNK
         assert torch.equal(_blocks(dst, DST_IDS), want)
         _wait(lambda: bool(log.events("retrieve_end")))
-        assert log.events("retrieve_end")[-1]["l2_chunks"] > 0
+        assert log.events("retrieve_end")[-1]["l2_chunks"] == 6
         tiers = client.status()["l2"]["tiers"]["disk"]
-        assert tiers["stored"] == 2 * N and tiers["loaded"] > 0 and tiers["load_failures"] == 0
+        assert (tiers["stored"], tiers["loaded"], tiers["load_failures"]) == (2 * N + 6, 6, 0)
 
     # 4. a new server on the same directory finds every object again
     for layer in dst:
         layer.zero_()
     with _server(tmp_path, disk, "second") as (client, log):
         w = Worker(client, src, dst)
-        assert client.status()["l2"]["tiers"]["disk"]["objects"] == 2 * N
+        assert client.status()["l2"]["tiers"]["disk"]["objects"] == 2 * N + 6
         # 5. a prefetch (the API) brings T into L1...
         prefetch_id = client.prefetch(T, model_name="m", request_id="q2")
         _wait(lambda: client.prefetch_state(prefetch_id)["state"] == "done")
@@ -167,3 +175,47 @@ def test_disk_tier_end_to_end_through_a_server_subprocess(tmp_path: Path) -> Non
         # the corrupt object is gone: the lookup now stops before it, the server serves on
         assert client.lookup(T, model_name="m", prefetch=False) == 3 * CHUNK
         _wait(w.settled)
+
+
+def test_a_second_server_on_the_same_disk_path_is_refused(tmp_path: Path) -> None:
+    """Two servers never share a disk path: the second exits 2 naming --l2-disk and the
+    holder, and the first keeps serving."""
+    disk = tmp_path / "disk"
+    with _server(tmp_path, disk, "holder") as (client, _):
+        holder = client.status()["server"]["pid"]
+        second = subprocess.run(
+            [sys.executable, "-m", "kvflow.cli", "server", "--port", "0",
+             "--prometheus-port", "0", "--l2-disk", str(disk)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 2
+        assert "--l2-disk" in second.stderr and str(holder) in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+        assert client.lookup(T, model_name="m") == 0  # still serving
+
+
+def test_a_server_killed_mid_write_serves_only_whole_objects(tmp_path: Path) -> None:
+    """SIGKILL while write-through runs: the restarted server finds only whole objects,
+    and whatever prefix it reports comes back bit-exact."""
+    disk = tmp_path / "disk"
+    src, dst = _caches(1), _caches(2)
+    with _server(tmp_path, disk, "killed") as (client, _):
+        Worker(client, src, dst)
+        pid = client.status()["server"]["pid"]
+        for i in range(16):  # many writes in flight, then the kill
+            tokens = np.arange(i * 10_000, i * 10_000 + N * CHUNK, dtype=np.int32)
+            client.store("src", tokens, SRC_IDS, request_id=f"w{i}")
+        os.kill(pid, signal.SIGKILL)
+    with _server(tmp_path, disk, "restarted") as (client, _):
+        w = Worker(client, src, dst)
+        assert not list(disk.rglob("*.tmp"))  # a dead writer's temporary files are swept
+        for i in range(16):
+            tokens = np.arange(i * 10_000, i * 10_000 + N * CHUNK, dtype=np.int32)
+            for layer in dst:
+                layer.zero_()
+            hit = client.retrieve("dst", tokens, DST_IDS, request_id=f"r{i}")
+            n = hit // CHUNK
+            assert torch.equal(_blocks(dst, DST_IDS[:n]), _blocks(src, SRC_IDS[:n]))
+            assert not _blocks(dst, DST_IDS[n:]).any()
+        _wait(w.settled)
+        assert client.status()["l2"]["tiers"]["disk"]["load_failures"] == 0

@@ -20,8 +20,8 @@ from kvflow.core.errors import L2BacklogError
 from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier, StoreOutcome
 from kvflow.events import Event, EventBus, EventType
 
-#: share of L1 that pending write-throughs may pin before new chunks skip L2
-BACKLOG_SHARE = 0.25
+#: share of L1 that pending write-throughs may pin: the rest stays evictable for stores
+BACKLOG_SHARE = 0.5
 
 
 class TierCounters:
@@ -57,41 +57,29 @@ class WriteThrough:
         self._idle = threading.Condition()
 
     def submit(self, keys: Sequence[ObjectKey], nbytes: int, session_id: str | None) -> None:
-        """Write these L1 chunks (each `nbytes`) to every tier; returns at once."""
-        objs: list[Any] = []
-        pinned: list[ObjectKey] = []
-        # the chunks need not be one run: pin each (evicted ones are skipped), last first so
-        # the request's head stays the most recently used (L1 evicts a prefix's tail first)
-        for key in reversed(keys):
-            got = self._l1.pin_prefix([key])
-            objs.extend(got)
-            if got:
-                pinned.append(key)
-        objs.reverse()
-        pinned.reverse()
+        """Write these L1 chunks (each `nbytes`) to every tier; returns at once.
+
+        Chunks that would take the pinned backlog past its bound are not written (the
+        head of the request goes first: it is the part a lookup can reach).
+        """
+        with self._idle:
+            room = max(0, (self._max_pending - self._pending_bytes) // nbytes) if nbytes else 0
+            fit = min(len(keys), room)
+            self._pending_bytes += fit * nbytes
+        objs, pinned = self._pin(keys[:fit])
+        with self._idle:
+            self._pending_bytes -= (fit - len(objs)) * nbytes
+            if objs:
+                self._pending_calls += len(self._tiers)
+        if len(keys) > fit:
+            self._refuse(len(keys) - fit, nbytes, session_id)
         if not objs:
             return
-        total = len(objs) * nbytes
-        with self._idle:
-            refused = self._pending_bytes + total > self._max_pending and self._pending_bytes > 0
-            if not refused:
-                self._pending_bytes += total
-                self._pending_calls += len(self._tiers)
         views = self._l1.views(objs)
         items = [(key, views[i]) for i, key in enumerate(pinned)]
-        if refused:
-            self._l1.release(objs)
-            for tier in self._tiers:
-                op = self._start(tier, items, total, session_id)
-                self._counters[tier.name].store_failures += len(items)
-                op.fail(
-                    L2BacklogError(f"{self._pending_bytes} bytes already wait for L2 writes"),
-                    stored_chunks=0, stored_bytes=0, present_chunks=0, failed_chunks=len(items),
-                )  # fmt: skip
-            return
         remaining = [len(self._tiers)]
         for tier in self._tiers:
-            op = self._start(tier, items, total, session_id)
+            op = self._start(tier, len(items), len(objs) * nbytes, session_id)
             try:
                 future = tier.store(items)
             except Exception as exc:  # a closed or broken tier: counted, L1 unaffected
@@ -102,14 +90,33 @@ class WriteThrough:
                                   objs=objs, remaining=remaining)
             )  # fmt: skip
 
-    def _start(
-        self,
-        tier: StorageTier,
-        items: Sequence[tuple[ObjectKey, Any]],
-        total: int,
-        session_id: str | None,
-    ) -> Op:
-        attrs = {"tier": tier.name, "chunks": len(items), "bytes": total}
+    def _pin(self, keys: Sequence[ObjectKey]) -> tuple[list[Any], list[ObjectKey]]:
+        """Pin each key's L1 object (evicted ones are skipped): the chunks need not be one
+        run. Last first, so the request's head stays the most recently used (L1 evicts a
+        prefix's tail first)."""
+        objs: list[Any] = []
+        pinned: list[ObjectKey] = []
+        for key in reversed(keys):
+            got = self._l1.pin_prefix([key])
+            objs.extend(got)
+            if got:
+                pinned.append(key)
+        objs.reverse()
+        pinned.reverse()
+        return objs, pinned
+
+    def _refuse(self, chunks: int, nbytes: int, session_id: str | None) -> None:
+        """Chunks past the backlog bound: each tier's write of them fails, counted."""
+        error = L2BacklogError(
+            f"{self._pending_bytes} bytes already wait for L2 writes (bound {self._max_pending})"
+        )
+        for tier in self._tiers:
+            op = self._start(tier, chunks, chunks * nbytes, session_id)
+            self._counters[tier.name].store_failures += chunks
+            op.fail(error, stored_chunks=0, stored_bytes=0, present_chunks=0, failed_chunks=chunks)
+
+    def _start(self, tier: StorageTier, chunks: int, total: int, session_id: str | None) -> Op:
+        attrs = {"tier": tier.name, "chunks": chunks, "bytes": total}
         op = Op(self._bus, EventType.L2_STORE_START, session_id, attrs)
         op.publish_start()
         return op

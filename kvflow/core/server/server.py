@@ -12,6 +12,7 @@ finishes in-flight work, then closes the engine (bus and exporters).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -491,6 +492,7 @@ class KVFlowServer:
         now = time.monotonic()
         status["server"] = {
             "endpoint": self.endpoint,
+            "pid": os.getpid(),
             "protocol_version": PROTOCOL_VERSION,
             "uptime_s": round(now - self._started, 3),
             "heartbeat_timeout_s": self._heartbeat_timeout,

@@ -24,10 +24,11 @@ from tests.support.tiers import FaultyTier, memory_tier
 N = 6  # chunks per request
 T = np.arange(1000, 1000 + N * CHUNK, dtype=np.int32)
 OTHER = np.arange(9000, 9000 + N * CHUNK, dtype=np.int32)
+THIRD = np.arange(20000, 20000 + 4 * CHUNK, dtype=np.int32)
 SRC = list(range(12))  # two blocks per chunk
 DST = [*range(12, 16), *range(8)]
 CHUNK_BYTES = 1024  # the default test caches' chunk object
-L1_CHUNKS = 8  # L1 holds 8 chunk objects: a second request evicts 4 chunks of the first
+L1_CHUNKS = 12  # L1 holds 12 chunk objects: T and OTHER fill it, THIRD evicts T's last 4
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -53,10 +54,12 @@ class Setup:
         self.engine.register_kv_caches("dst", self.dst, model_name="m", **self.dst_kw)
 
     def store_then_evict(self) -> None:
-        """T goes to L1 and L2; OTHER then evicts T's last four chunks from L1."""
+        """T goes to L1 and L2; OTHER and THIRD then evict T's last four chunks from L1."""
         assert self.engine.store("src", T, SRC, request_id="w1") == N * CHUNK
         assert self.drain()
         assert self.engine.store("src", OTHER, SRC, request_id="w2") == N * CHUNK
+        assert self.drain()
+        assert self.engine.store("src", THIRD, SRC, request_id="w3") == 4 * CHUNK
         assert self.drain()
         assert self.in_l1(T) == [True, True, False, False, False, False]
 
@@ -292,3 +295,19 @@ def test_world_of_two_hits_only_when_every_rank_is_in_some_tier() -> None:
     by_tier = of_type(events, EventType.LOOKUP_END)[-1].attrs["hit_tokens_by_tier"]
     assert by_tier == {"l1": 0, "mem": N * CHUNK}
     engine.close()
+
+
+def test_a_slow_tier_pins_at_most_half_of_l1_and_never_fails_a_store() -> None:
+    """Writes that never finish pin at most half of L1: later stores still succeed in
+    full, and their chunks past the bound skip L2, counted as backlog failures."""
+    tier = FaultyTier(memory_tier())
+    tier.hang = {"store"}
+    s = Setup(tier)
+    assert s.engine.store("src", T, SRC, request_id="w1") == N * CHUNK  # pins 6 of 12
+    assert s.engine.store("src", OTHER, SRC, request_id="w2") == N * CHUNK
+    assert s.engine.store("src", THIRD, SRC, request_id="w3") == 4 * CHUNK
+    assert s.in_l1(THIRD) == [True] * 4
+    refused = [e for e in s.ends(EventType.L2_STORE_END) if e["error"] == "l2_backlog"]
+    assert [e["failed_chunks"] for e in refused] == [N, 4]
+    assert s.engine.status()["l2"]["tiers"]["mem"]["store_failures"] == N + 4
+    s.engine.close(timeout=0.2)
