@@ -136,7 +136,12 @@ class CacheEngine:
         self._layouts: dict[ModelRank, LayoutDesc] = {}
         self._closed = False
         tiers = list(l2_tiers) if l2_tiers is not None else _build_l2(self.config)
-        self._obs = Observability(self.config.observability, bus, l1_stats=self.l1_stats)
+        self._obs = Observability(
+            self.config.observability,
+            bus,
+            l1_stats=self.l1_stats,
+            tier_stats=(lambda: {t.name: t.stats() for t in tiers}) if tiers else None,
+        )
         self.bus = self._obs.bus
         self._tiering: Tiering | None = None
         if tiers:

@@ -192,13 +192,15 @@ def test_status_of_no_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None
     assert err.count("\n") == 1 and f"kvflow server at tcp://127.0.0.1:{port}" in err
 
 
-def test_observed_server_serves_prometheus_and_stops_on_sigint() -> None:
-    """With observability on, the Prometheus endpoint answers; SIGINT stops the server cleanly."""
+def test_observed_server_serves_prometheus_and_stops_on_sigint(tmp_path: Path) -> None:
+    """With observability on, the Prometheus endpoint answers with L1 and L2 (disk) gauges;
+    SIGINT stops the server cleanly."""
     prom = _free_port()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--l1-size-gb", "0.1"),
             *("--prometheus-port", str(prom), "--log-format", "console", "--disable-logging"),
+            *("--l2-disk", str(tmp_path), "--l2-disk-size-gb", "0.5"),
         ],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -221,6 +223,7 @@ def test_observed_server_serves_prometheus_and_stops_on_sigint() -> None:
                 assert time.monotonic() < deadline, "no Prometheus endpoint"
                 time.sleep(0.2)
         assert "kvflow_l1_capacity_bytes" in text
+        assert 'kvflow_l2_capacity_bytes{tier="disk"} 5.36870912e+08' in text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         assert "kvflow server stopped" in proc.stderr.read()
