@@ -1,36 +1,48 @@
 """`kvflow demo`: an in-process CacheEngine serving a synthetic engine's workload.
 
 Runs multi-turn chats and document Q&A with shared prefixes through a synthetic
-paged-KV engine (GPU when present, else CPU), prints one line per request while
-the Prometheus endpoint is up, and ends with a summary of what moved and what the
-event pipeline saw.
+paged-KV engine (GPU when present, else CPU), with an L2 disk tier behind an L1
+sized so that shared prefixes age out of L1 and come back from disk. Prints one
+line per request while the Prometheus endpoint is up, and ends with a summary of
+what moved, where hits came from, and what the event pipeline saw.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import socket
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
-from kvflow.core.demo.sim import ModelShape, RequestOutcome, SimEngine
-from kvflow.core.demo.tally import OpTally
-from kvflow.core.demo.workload import WorkloadShape, make_workload
-from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.demo.sim import ModelShape, RequestOutcome, SimEngine, kv_bytes_per_token
+from kvflow.core.demo.tally import OpTally, OpTotals, RequestTiers, TierTrace, WriteBackTotals
+from kvflow.core.demo.tiers import L1Sizing, TierRow, default_l1, tier_rows, tier_table
+from kvflow.core.demo.workload import SimRequest, WorkloadShape, chunk_footprint, make_workload
+from kvflow.core.engine.cache_engine import GIB, CacheEngine
 from kvflow.core.errors import KVFlowError
 from kvflow.events import EventType
+from kvflow.events.stats import BusStats
 from kvflow.kernels import KVFormat, cuda_available
 
 _DEFAULTS = ServerConfig()
 _OBS = ObservabilityConfig()
+#: the longest the demo waits for background L2 work before its summary
+SETTLE_S = 10.0
+
+
+class DemoError(Exception):
+    """A setting or resource the demo cannot run with (exit status 2, one line)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +65,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=5, help="questions per document")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=_DEFAULTS.chunk_size)
-    p.add_argument("--l1-size-gb", type=float, default=_DEFAULTS.l1_size_gb)
+    p.add_argument(
+        "--l1-size-gb",
+        type=float,
+        default=None,
+        help="L1 capacity in GiB (default: a third of the workload's distinct chunks, at "
+        "least twice its largest request, so shared prefixes get evicted from L1)",
+    )
+    p.add_argument("--no-l2", action="store_true", help="run without the L2 disk tier")
+    p.add_argument(
+        "--l2-disk",
+        metavar="PATH[,PATH]",
+        default=None,
+        help="L2 disk directories (default: a fresh temporary directory, removed at exit)",
+    )
+    p.add_argument(
+        "--l2-disk-size-gb",
+        type=float,
+        default=_DEFAULTS.l2_disk_size_gb,
+        help=f"L2 disk capacity in GiB (default {_DEFAULTS.l2_disk_size_gb:g})",
+    )
     p.add_argument("--prometheus-host", default=_OBS.prometheus_host)
     p.add_argument(
         "--prometheus-port",
@@ -80,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
     return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The demo's settings from its command line (see `kvflow demo --help`)."""
+    return _parser().parse_args(argv)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -137,67 +173,183 @@ def _l0_rows(m: dict[str, float]) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
-def _summary(
-    args: argparse.Namespace,
-    engine: CacheEngine,
-    sim: SimEngine,
-    tally: OpTally,
-    outcomes: list[tuple[str, RequestOutcome]],
-    wall_s: float,
-    metrics: dict[str, float] | None,
-) -> list[str]:
-    """The final table's lines."""
-    kinds = Counter(kind for kind, _ in outcomes)
-    requested = sum(o.prompt_tokens for _, o in outcomes)
-    hit = sum(o.lookup_hit_tokens for _, o in outcomes)
-    local = sum(o.local_hit_tokens for _, o in outcomes)
-    verified = sum(o.verified_blocks for _, o in outcomes)
-    totals = tally.snapshot()
-    st, rt = totals[EventType.STORE_START], totals[EventType.RETRIEVE_START]
-    l1 = engine.l1_stats()
-    stats = engine.bus.stats()
-    s = sim.shape
-    events = [f"{t.label} {n}" for t, n in sorted(stats.published.items())]
-    rows: list[tuple[str, str]] = [
-        ("engine", f"{args.format} on {sim.layout.device}, {s.num_layers} layers x "
-                   f"{s.num_heads} heads x {s.head_size}, {str(s.dtype).removeprefix('torch.')}, "
-                   f"{s.num_blocks} blocks of {s.block_size}, chunk {engine.chunk_size} tokens"),
-        ("requests", f"{len(outcomes)} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})"
-                     f" in {wall_s:.1f} s"),
-        ("L1 lookup hit rate", f"{100 * hit / max(requested, 1):.1f} % "
-                               f"({hit:,} of {requested:,} prompt tokens)"),
-        ("engine-local hits", f"{local:,} tokens (skipped by retrieve)"),
-        ("stored (to L1)", f"{st.ops} ops, {st.tokens:,} tokens, {_gb(st.bytes)}, "
-                           f"{st.gb_per_s:.2f} GB/s, {st.failed} failed"),
-        ("retrieved (from L1)", f"{rt.ops} ops, {rt.tokens:,} tokens, {_gb(rt.bytes)}, "
-                                f"{rt.gb_per_s:.2f} GB/s, {rt.failed} failed"),
-        ("verified", f"{verified:,} retrieved blocks bit-exact"),
-        ("L1", f"{_gb(l1['usage_bytes'])} of {_gb(l1['capacity_bytes'])}, {l1['objects']} "
-               f"objects, {l1['evicted_chunks']} evicted"),
-        ("events", ", ".join(events[:6])),
-        ("", ", ".join(events[6:])),
-        ("event drops", f"{stats.total_dropped} (bus capacity {stats.capacity}); subscriber "
-                        f"errors {sum(stats.subscriber_errors.values())}"),
-    ]  # fmt: skip
-    if metrics is not None:
-        rows += _l0_rows(metrics)
-    else:
-        rows.append(("L0 lifecycle", "not shown: the Prometheus endpoint is off"))
-    width = max(len(k) for k, _ in rows)
-    return ["", "kvflow demo summary", *(f"  {k:<{width}}  {v}" for k, v in rows)]
+@dataclass
+class DemoReport:
+    """What one demo run saw: per request its outcome and tier record, per tier its
+    totals, the prefetch and write-back totals, the ops and events the bus carried."""
+
+    config: ServerConfig
+    outcomes: list[tuple[str, RequestOutcome]]
+    requests: dict[str, RequestTiers]  # by request id, in serving order
+    tiers: list[TierRow]
+    prefetch: dict[str, int] | None  # status()["l2"]["prefetch"]; None without L2
+    write_back: WriteBackTotals
+    ops: dict[EventType, OpTotals]
+    bus: BusStats
+    wall_s: float
+    clean: bool = True
+
+    @property
+    def events(self) -> dict[str, int]:
+        """Events published, by type label."""
+        return {t.label: n for t, n in sorted(self.bus.published.items())}
+
+    @property
+    def verified_blocks(self) -> int:
+        return sum(o.verified_blocks for _, o in self.outcomes)
+
+    @property
+    def retrieves_after_write_back(self) -> int:
+        """Retrieves of requests whose lookup hit L2 that read every chunk from L1: the
+        lookup's prefetch had written the L2 part back before the retrieve came."""
+        return sum(
+            1 for r in self.requests.values()
+            if r.retrieved and r.l2_hit_tokens and not r.retrieved_l2_chunks
+        )  # fmt: skip
+
+    @property
+    def retrieves_from_l2(self) -> int:
+        """Retrieves that got some chunks from an L2 load still running (or their own)."""
+        return sum(1 for r in self.requests.values() if r.retrieved_l2_chunks)
 
 
-def _progress(i: int, n: int, rid: str, o: RequestOutcome) -> str:
+@dataclass(frozen=True)
+class Setup:
+    """How the demo was configured, for its header lines."""
+
+    args: argparse.Namespace
+    config: ServerConfig
+    sizing: L1Sizing | None  # None when --l1-size-gb was given
+    l2_temporary: bool
+
+
+def _ops_row(t: OpTotals, what: str) -> str:
     return (
-        f"[{i:>3}/{n}] {rid:<14} prompt {o.prompt_tokens:>5}  local {o.local_hit_tokens:>5}"
-        f"  l1 hit {o.lookup_hit_tokens:>5}  retrieved {o.retrieved_tokens:>5}"
-        f"  stored {o.stored_tokens:>5}"
+        f"{t.ops} ops, {t.tokens:,} tokens, {_gb(t.bytes)}, {t.gb_per_s:.2f} GB/s, "
+        f"{t.failed} failed"
+        if what == "tokens"
+        else f"{t.ops} ops, {_gb(t.bytes)}, {t.gb_per_s:.2f} GB/s, {t.failed} failed"
     )
 
 
-def main(command: str, argv: list[str]) -> int:
-    """Entry point of `kvflow demo` (see `kvflow demo --help`)."""
-    args = _parser().parse_args(argv)
+def _setup_rows(setup: Setup, sim: SimEngine, report: DemoReport) -> list[tuple[str, str]]:
+    """Engine, requests, and the L1/L2 configuration."""
+    s, cfg = sim.shape, setup.config
+    kinds = Counter(kind for kind, _ in report.outcomes)
+    l1 = (setup.sizing.describe() if setup.sizing is not None
+          else f"{_gb(cfg.l1_size_gb * GIB)} (--l1-size-gb)")  # fmt: skip
+    if cfg.l2_disk_paths:
+        where = ", ".join(cfg.l2_disk_paths)
+        kept = " (temporary, removed at exit)" if setup.l2_temporary else ""
+        l2 = f"disk, {_gb(cfg.l2_disk_size_gb * GIB)} in {where}{kept}"
+    else:
+        l2 = "none (--no-l2)"
+    return [
+        ("engine", f"{setup.args.format} on {sim.layout.device}, {s.num_layers} layers x "
+                   f"{s.num_heads} heads x {s.head_size}, {str(s.dtype).removeprefix('torch.')}, "
+                   f"{s.num_blocks} blocks of {s.block_size}, chunk {cfg.chunk_size} tokens"),
+        ("requests", f"{len(report.outcomes)} ("
+                     f"{', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}) "
+                     f"in {report.wall_s:.1f} s"),
+        ("L1", l1),
+        ("L2", l2),
+    ]  # fmt: skip
+
+
+def _traffic_rows(report: DemoReport) -> list[tuple[str, str]]:
+    """Hit rate by tier, local hits, what moved between engine, L1 and L2."""
+    requested = sum(o.prompt_tokens for _, o in report.outcomes)
+    hit = sum(o.lookup_hit_tokens for _, o in report.outcomes)
+    by_tier = ", ".join(f"{t.name} {t.hit_tokens:,}" for t in report.tiers)
+    ops = report.ops
+    rows = [
+        ("lookup hit rate", f"{100 * hit / max(requested, 1):.1f} % ({hit:,} of "
+                            f"{requested:,} prompt tokens; by tier: {by_tier})"),
+        ("engine-local hits", f"{sum(o.local_hit_tokens for _, o in report.outcomes):,} "
+                              "tokens (skipped by retrieve)"),
+        ("stored (to L1)", _ops_row(ops[EventType.STORE_START], "tokens")),
+        ("retrieved (from L1)", _ops_row(ops[EventType.RETRIEVE_START], "tokens")),
+    ]  # fmt: skip
+    if report.prefetch is not None:
+        rows += [
+            ("L2 writes", _ops_row(ops[EventType.L2_STORE_START], "bytes")),
+            ("L2 loads", _ops_row(ops[EventType.L2_LOAD_START], "bytes")),
+        ]
+    rows.append(("verified", f"{report.verified_blocks:,} retrieved blocks bit-exact"))
+    return rows
+
+
+def _l2_rows(report: DemoReport) -> list[tuple[str, str]]:
+    """Prefetch, write-back and how the retrieves of L2 hits were served."""
+    pf, wb = report.prefetch, report.write_back
+    if pf is None:
+        return []
+    reasons = ", ".join(f"{r} {n:,}" for r, n in sorted(wb.kept_by_reason.items()))
+    return [
+        ("prefetch", f"{pf['requests']} requests, {pf['loaded']:,} chunks loaded, "
+                     f"{pf['written_back']:,} written back, {pf['discarded']:,} discarded"),
+        ("write-back", f"{wb.events} events, {wb.kept:,} chunks kept in L1 ({reasons or 'none'})"
+                       f", {wb.discarded:,} discarded, {_gb(wb.bytes)}"),
+        ("retrieves of L2 hits", f"{report.retrieves_after_write_back} served from L1 after "
+                                 f"write-back, {report.retrieves_from_l2} waited on L2 loads"),
+    ]  # fmt: skip
+
+
+def _event_rows(report: DemoReport) -> list[tuple[str, str]]:
+    """Events per type (five a line) and the bus's drops."""
+    events = [f"{label} {n}" for label, n in report.events.items()]
+    lines = [", ".join(events[i : i + 5]) for i in range(0, len(events), 5)] or ["none"]
+    stats = report.bus
+    return [
+        *((("events" if i == 0 else ""), line) for i, line in enumerate(lines)),
+        ("event drops", f"{stats.total_dropped} (bus capacity {stats.capacity}); subscriber "
+                        f"errors {sum(stats.subscriber_errors.values())}"),
+    ]  # fmt: skip
+
+
+def _summary(
+    setup: Setup, sim: SimEngine, report: DemoReport, metrics: dict[str, float] | None
+) -> list[str]:
+    """The final summary's lines: settings and traffic rows, the tier table, L2 and events."""
+    rows = _setup_rows(setup, sim, report) + _traffic_rows(report)
+    tail = _l2_rows(report) + _event_rows(report)
+    if metrics is not None:
+        tail += _l0_rows(metrics)
+    else:
+        tail.append(("L0 lifecycle", "not shown: the Prometheus endpoint is off"))
+    width = max(len(k) for k, _ in rows + tail)
+    return [
+        "",
+        "kvflow demo summary",
+        *(f"  {k:<{width}}  {v}" for k, v in rows),
+        "  tiers",
+        *(f"    {line}" for line in tier_table(report.tiers)),
+        *(f"  {k:<{width}}  {v}" for k, v in tail),
+    ]
+
+
+def _progress(i: int, n: int, rid: str, o: RequestOutcome, tiers: RequestTiers | None) -> str:
+    """One request's line; with L2, its hit tokens per tier, whether its lookup started a
+    prefetch, and the chunks its retrieve still took from L2."""
+    head = f"[{i:>3}/{n}] {rid:<14} prompt {o.prompt_tokens:>5}  local {o.local_hit_tokens:>5}"
+    tail = f"  stored {o.stored_tokens:>5}"
+    if tiers is None:
+        return (f"{head}  l1 hit {o.lookup_hit_tokens:>5}  retrieved {o.retrieved_tokens:>5}"
+                f"{tail}")  # fmt: skip
+    by_tier = tiers.hit_tokens_by_tier
+    hits = "  ".join(f"{name} {n:>5}" for name, n in sorted(by_tier.items(), key=_l1_first))
+    pf = "prefetch" if tiers.prefetches else " " * 8
+    n_l2 = tiers.retrieved_l2_chunks
+    via = f" ({n_l2} chunk{'s' * (n_l2 != 1)} via L2)" if n_l2 else ""
+    return f"{head}  hit {hits:<18} {pf}  retrieved {o.retrieved_tokens:>5}{via}{tail}"
+
+
+def _l1_first(item: tuple[str, int]) -> tuple[bool, str]:
+    return (item[0] != "l1", item[0])
+
+
+def _configs(args: argparse.Namespace) -> tuple[ServerConfig, WorkloadShape]:
+    """The engine's and the workload's settings, L1 still at --l1-size-gb or the default."""
     try:
         obs = ObservabilityConfig(
             prometheus_host=args.prometheus_host,
@@ -206,55 +358,191 @@ def main(command: str, argv: list[str]) -> int:
             log_level=args.log_level,
         )
         config = ServerConfig(
-            chunk_size=args.chunk_size, l1_size_gb=args.l1_size_gb, observability=obs
+            chunk_size=args.chunk_size,
+            l1_size_gb=_DEFAULTS.l1_size_gb if args.l1_size_gb is None else args.l1_size_gb,
+            l2_disk_size_gb=args.l2_disk_size_gb,
+            observability=obs,
         )
         workload = WorkloadShape(
             chats=args.chats, turns=args.turns, docs=args.docs, questions=args.questions
         )
     except ValueError as exc:
-        print(f"kvflow demo: {exc}", file=sys.stderr)
-        return 2
+        raise DemoError(str(exc)) from None
     if obs.prometheus_port and not _port_free(obs.prometheus_host, obs.prometheus_port):
-        print(
-            f"kvflow demo: --prometheus-port {obs.prometheus_port} on {obs.prometheus_host} is "
-            "in use (another kvflow?); pass a free port, or 0 to run without the endpoint",
-            file=sys.stderr,
+        raise DemoError(
+            f"--prometheus-port {obs.prometheus_port} on {obs.prometheus_host} is in use "
+            "(another kvflow?); pass a free port, or 0 to run without the endpoint"
         )
-        return 2
+    return config, workload
+
+
+def _sized(
+    args: argparse.Namespace, config: ServerConfig, requests: list[SimRequest], shape: ModelShape
+) -> tuple[ServerConfig, L1Sizing | None]:
+    """The config with the default L1 (sized against the workload) unless one was given."""
+    if args.l1_size_gb is not None:
+        return config, None
+    chunk_nbytes = kv_bytes_per_token(args.format, shape) * config.chunk_size
+    sizing = default_l1(chunk_footprint(requests, config.chunk_size), chunk_nbytes)
+    return dataclasses.replace(config, l1_size_gb=sizing.nbytes / GIB), sizing
+
+
+def _with_l2(
+    args: argparse.Namespace, config: ServerConfig, stack: contextlib.ExitStack
+) -> ServerConfig:
+    """The config with the L2 disk paths: --l2-disk, or a temporary directory the stack
+    removes; unchanged with --no-l2."""
+    if args.no_l2:
+        return config
+    if args.l2_disk is None:
+        paths: tuple[str, ...] = (stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="kvflow-demo-l2-")),)  # fmt: skip
+    else:
+        paths = tuple(args.l2_disk.split(","))
+    try:
+        return dataclasses.replace(config, l2_disk_paths=paths)
+    except ValueError as exc:
+        raise DemoError(str(exc)) from None
+
+
+def _l2_idle(engine: CacheEngine) -> bool:
+    """No L2 load, prefetch or write-through is in flight (always true without L2)."""
+    l2 = engine.status()["l2"]
+    if l2 is None:
+        return True
+    in_flight = l2["in_flight"]
+    return not in_flight["loading"] and not in_flight["write_through"]["calls"]
+
+
+def _settle(engine: CacheEngine, tally: OpTally, timeout: float = SETTLE_S) -> bool:
+    """Wait until the background L2 work the requests started has finished and its
+    events are delivered (every START has its END), so the summary counts all of it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engine.bus.flush(max(deadline - time.monotonic(), 0.0))
+        if _l2_idle(engine) and tally.open_ops() == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _serve(
+    args: argparse.Namespace,
+    engine: CacheEngine,
+    sim: SimEngine,
+    trace: TierTrace,
+    requests: list[SimRequest],
+) -> list[tuple[str, RequestOutcome]]:
+    """Serve every request in order, printing a line per request unless --quiet."""
+    outcomes: list[tuple[str, RequestOutcome]] = []
+    for i, req in enumerate(requests, 1):
+        outcome = sim.serve(req)
+        outcomes.append((req.kind, outcome))
+        if not args.quiet:
+            engine.bus.flush(5.0)  # the request's lookup and retrieve events, for its line
+            tiers = None if args.no_l2 else trace.request(req.request_id)
+            print(_progress(i, len(requests), req.request_id, outcome, tiers), flush=True)
+    return outcomes
+
+
+def _report(
+    config: ServerConfig,
+    engine: CacheEngine,
+    tally: OpTally,
+    trace: TierTrace,
+    requests: list[SimRequest],
+    outcomes: list[tuple[str, RequestOutcome]],
+    wall_s: float,
+) -> DemoReport:
+    """Gather the run's totals once the events are in."""
+    status = engine.status()
+    ops = tally.snapshot()
+    return DemoReport(
+        config=config,
+        outcomes=outcomes,
+        requests={r.request_id: trace.request(r.request_id) for r in requests},
+        tiers=tier_rows(status, trace, ops, engine.chunk_size),
+        prefetch=None if status["l2"] is None else dict(status["l2"]["prefetch"]),
+        write_back=trace.write_back,
+        ops=ops,
+        bus=engine.bus.stats(),
+        wall_s=wall_s,
+    )
+
+
+def _engine(config: ServerConfig) -> CacheEngine:
+    try:
+        return CacheEngine(config)
+    except (ValueError, KVFlowError) as exc:  # e.g. an --l2-disk path that cannot be used
+        raise DemoError(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> DemoReport:
+    """Serve the workload through an in-process engine; prints progress and the summary.
+
+    Raises DemoError for settings or resources it cannot run with.
+    """
+    config, workload = _configs(args)
+    shape = ModelShape()
     device = _device(args.device)
     requests = make_workload(workload, seed=args.seed)
-    engine = CacheEngine(config)
-    try:
-        tally = OpTally()
-        engine.bus.register(tally)
+    config, sizing = _sized(args, config, requests, shape)
+    with contextlib.ExitStack() as stack:
+        config = _with_l2(args, config, stack)
+        setup = Setup(args, config, sizing, l2_temporary=args.l2_disk is None)
+        engine = _engine(config)
         try:
-            sim = SimEngine(engine, kv_format=args.format, shape=ModelShape(), device=device)
-        except KVFlowError as exc:
-            print(f"kvflow demo: {exc}", file=sys.stderr)
-            return 2
-        if obs.prometheus_port:
-            print(f"metrics: http://{obs.prometheus_host}:{obs.prometheus_port}/metrics")
-        print(f"serving {len(requests)} requests ({args.format} KV cache on {device})")
-        outcomes: list[tuple[str, RequestOutcome]] = []
-        t0 = time.perf_counter()
-        for i, req in enumerate(requests, 1):
-            outcome = sim.serve(req)
-            outcomes.append((req.kind, outcome))
-            if not args.quiet:
-                print(_progress(i, len(requests), req.request_id, outcome), flush=True)
-        wall = time.perf_counter() - t0
-        engine.bus.flush(5.0)
-        metrics = scrape(obs.prometheus_host, obs.prometheus_port) if obs.prometheus_port else None
-        sim.close()
-        engine.bus.flush(5.0)
-        for line in _summary(args, engine, sim, tally, outcomes, wall, metrics):
-            print(line)
-        if obs.prometheus_port and args.linger > 0:
-            print(f"metrics stay up for {args.linger:g} s (Ctrl-C to stop)", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
-                time.sleep(args.linger)
-    finally:
-        clean = engine.close()
-    if not clean:
+            report = _run_engine(setup, engine, requests, shape, device)
+        finally:
+            clean = engine.close()
+        report.clean = clean
+    return report
+
+
+def _run_engine(
+    setup: Setup,
+    engine: CacheEngine,
+    requests: list[SimRequest],
+    shape: ModelShape,
+    device: torch.device,
+) -> DemoReport:
+    """The run proper, on a built engine: serve, settle, report, print the summary."""
+    args, obs = setup.args, setup.config.observability
+    tally, trace = OpTally(), TierTrace()
+    engine.bus.register(tally)
+    engine.bus.register(trace)
+    try:
+        sim = SimEngine(engine, kv_format=args.format, shape=shape, device=device)
+    except KVFlowError as exc:
+        raise DemoError(str(exc)) from None
+    if obs.prometheus_port:
+        print(f"metrics: http://{obs.prometheus_host}:{obs.prometheus_port}/metrics")
+    print(f"serving {len(requests)} requests ({args.format} KV cache on {device})")
+    t0 = time.perf_counter()
+    outcomes = _serve(args, engine, sim, trace, requests)
+    wall = time.perf_counter() - t0
+    _settle(engine, tally)
+    metrics = scrape(obs.prometheus_host, obs.prometheus_port) if obs.prometheus_port else None
+    sim.close()
+    engine.bus.flush(5.0)
+    report = _report(setup.config, engine, tally, trace, requests, outcomes, wall)
+    for line in _summary(setup, sim, report, metrics):
+        print(line)
+    if obs.prometheus_port and args.linger > 0:
+        print(f"metrics stay up for {args.linger:g} s (Ctrl-C to stop)", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            time.sleep(args.linger)
+    return report
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Entry point of `kvflow demo` (see `kvflow demo --help`)."""
+    try:
+        report = run(parse_args(argv))
+    except DemoError as exc:
+        print(f"kvflow demo: {exc}", file=sys.stderr)
+        return 2
+    if not report.clean:
         print("kvflow demo: the event pipeline did not shut down cleanly", file=sys.stderr)
     return 0

@@ -36,6 +36,17 @@ class ModelShape:
     num_blocks: int = 320
 
 
+def kv_bytes_per_token(kv_format: KVFormat | str, shape: ModelShape) -> int:
+    """Bytes one token's KV takes in `kv_format` at `shape` (measured on a one-block
+    CPU cache), so the demo can size L1 before any engine exists."""
+    caches, kwargs = make_kv_caches(
+        kv_format, num_layers=shape.num_layers, num_blocks=1, block_size=shape.block_size,
+        num_heads=shape.num_heads, head_size=shape.head_size, dtype=shape.dtype,
+    )  # fmt: skip
+    layout = KVLayout.from_kv_caches(caches, **kwargs)
+    return layout.chunk_nbytes(shape.block_size) // shape.block_size
+
+
 @dataclass
 class RequestOutcome:
     """What one request saw: local and external hits, what it moved, what it verified."""

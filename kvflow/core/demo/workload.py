@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvflow.core.engine.keys import chain_hashes
+
 
 @dataclass(frozen=True)
 class SimRequest:
@@ -84,3 +86,26 @@ def make_workload(shape: WorkloadShape, seed: int = 0) -> list[SimRequest]:
         order.append(streams[i][cursors[i]])
         cursors[i] += 1
     return order
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """How many chunks a request stream stores: distinct ones, and the longest request's."""
+
+    distinct_chunks: int
+    largest_request_chunks: int
+
+
+def chunk_footprint(requests: list[SimRequest], chunk_size: int) -> Footprint:
+    """The stream's full chunks (prompt and output), counted by their prefix keys.
+
+    Sizes the demo's L1 against the workload: shared prefixes hash to the same keys,
+    so `distinct_chunks` is what an L1 holding everything would hold.
+    """
+    seen: set[bytes] = set()
+    largest = 0
+    for req in requests:
+        keys = chain_hashes(np.concatenate([req.prompt, req.output]), chunk_size)
+        seen.update(keys)
+        largest = max(largest, len(keys))
+    return Footprint(len(seen), largest)
