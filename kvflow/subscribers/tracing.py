@@ -4,8 +4,8 @@ A child span is created when its END arrives, with the START's and END's own
 timestamps converted to epoch time, so spans show when work happened, not when
 the bus delivered it. Pending STARTs and open requests are bounded and expire
 after a TTL measured in event time. Background operations (L2 stores and loads,
-prefetches) may outlive their request: they join its trace while it is open or
-recently ended, and never open or extend a request span themselves.
+prefetches) may outlive their request: one whose request recently ended joins
+the ended request's trace rather than opening a new root span for it.
 """
 
 from __future__ import annotations
@@ -59,18 +59,24 @@ class _Request:
 
 
 class _Ended:
-    """A request whose root span ended: background operations may still join its trace."""
+    """A request whose root span ended: background operations may still join its trace.
 
-    __slots__ = ("context", "ts")
+    Only the span's ids are kept, not the ended span (its attributes and all).
+    """
 
-    def __init__(self, context: Context, ts: int) -> None:
-        self.context = context
+    __slots__ = ("span_context", "ts")
+
+    def __init__(self, span: Span, ts: int) -> None:
+        self.span_context = span.get_span_context()
         self.ts = ts
+
+    def context(self) -> Context:
+        return trace.set_span_in_context(trace.NonRecordingSpan(self.span_context))
 
 
 class TracingSubscriber:
-    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup}` children,
-    and `kvflow.{l2_store,l2_load,prefetch}` spans (children while their request is known).
+    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup,l2_store,
+    l2_load,prefetch}` children.
 
     A START without its END for `ttl_s` of event time (or pushed out by
     `max_pending`) ends as an ERROR span with attribute `kvflow.expired`; a
@@ -135,7 +141,7 @@ class TracingSubscriber:
                 if ev.op_id is None:
                     continue
                 self._starts[ev.op_id] = _Start(ev)
-                if ev.session_id is not None and etype not in _BACKGROUND:
+                if ev.session_id is not None and not self._after_end(etype, ev.session_id):
                     self._touch(ev.session_id, ev.ts_ns)
             elif etype in END_TO_START:
                 start = None if ev.op_id is None else self._starts.pop(ev.op_id, None)
@@ -172,9 +178,14 @@ class TracingSubscriber:
         """End the root span; remember its context for background operations still running."""
         _close_request(request, ts, expired=expired)
         self._ended.pop(session_id, None)
-        # only the span's ids: the ended span itself (attributes and all) is not kept alive
-        parent = trace.set_span_in_context(trace.NonRecordingSpan(request.span.get_span_context()))
-        self._ended[session_id] = _Ended(parent, max(ts, request.last_ts))
+        self._ended[session_id] = _Ended(request.span, max(ts, request.last_ts))
+
+    def _after_end(self, etype: EventType, session_id: str) -> bool:
+        """A background op of a request that ended (and was not reopened): it joins the
+        ended trace and neither reopens nor extends the request."""
+        return (
+            etype in _BACKGROUND and session_id in self._ended and session_id not in self._requests
+        )
 
     # -- operations ---------------------------------------------------------------------
 
@@ -188,7 +199,7 @@ class TracingSubscriber:
             attributes["kvflow.start_missing"] = True
         start_ts = end.ts_ns if start is None else start.ts
         span = self._start_span(start_type, session_id, start_ts, attributes)
-        if session_id is not None and start_type not in _BACKGROUND:
+        if session_id is not None and not self._after_end(start_type, session_id):
             self._touch(session_id, end.ts_ns)
         error = end.attrs.get("error")
         if error is not None or end.attrs.get("ok") is False:
@@ -208,20 +219,17 @@ class TracingSubscriber:
     ) -> Span:
         """Start an op span under its request's root (opened if needed and `open_root`).
 
-        A background op joins an open or recently ended request's trace, else is a
-        root span of its own; it never opens a request.
+        A background op of a request that ended recently joins the ended trace.
         """
         context = Context()
         if session_id is not None:
-            request = self._requests.get(session_id)
             if etype in _BACKGROUND:
                 attributes["kvflow.session_id"] = session_id
-                if request is not None:
-                    context = request.context
-                elif (ended := self._ended.get(session_id)) is not None:
-                    context = ended.context
-            elif request is not None:
+            request = self._requests.get(session_id)
+            if request is not None:
                 context = request.context
+            elif etype in _BACKGROUND and (ended := self._ended.get(session_id)) is not None:
+                context = ended.context()
             elif open_root:
                 context = self._touch(session_id, ts).context
         return self._tracer.start_span(
@@ -254,7 +262,7 @@ class TracingSubscriber:
         ):
             self._close(session_id, request, request.last_ts, expired=True)
         for _ in drain_expired(self._ended, horizon, self._max_requests, _ended_ts):
-            pass  # forgotten: a later background op of that request becomes a root span
+            pass  # forgotten: a later background op of that request opens a new root
 
     def shutdown(self) -> None:
         """End every pending operation (ERROR, expired) and every open request span."""

@@ -212,25 +212,34 @@ def test_l2_and_prefetch_spans_join_their_requests_trace(spans: SpanCapture) -> 
         256, 512)  # fmt: skip
 
 
-def test_background_op_without_a_known_request_is_its_own_root(spans: SpanCapture) -> None:
-    """An L2 op of no request, or of one never seen, is a root span; it opens no request."""
+def test_background_op_opens_its_request_unless_that_request_ended(spans: SpanCapture) -> None:
+    """The engine publishes a lookup's START with its END, after the PREFETCH_START the lookup
+    caused: the prefetch opens the request's root and the lookup joins it. An op with no
+    session is a root span of its own."""
     sub = TracingSubscriber(spans.provider)
     s = EventScript()
-    s.op("l2_store", 0.0, 0.1, None, start_attrs=DISK, **DISK, stored_chunks=4,
+    prefetch = s.start("prefetch", 0.0005, "q", **PREFETCH)
+    s.op("lookup", 0.0, 0.001, "q", start_attrs={"model_name": "llama"}, model_name="llama",
+         requested_tokens=512, hit_tokens=512)  # fmt: skip
+    s.end("prefetch", prefetch, 0.05, "q", **PREFETCH, loaded_chunks=0, written_back_chunks=0,
+          discarded_chunks=0, ok=False, error="timeout",
+          error_message="disk tier did not answer")  # fmt: skip
+    s.end_session(1.0, "q")
+    s.op("l2_store", 2.0, 2.1, None, start_attrs=DISK, **DISK, stored_chunks=4,
          stored_bytes=4096, present_chunks=0, failed_chunks=0)  # fmt: skip
-    s.op("prefetch", 0.2, 0.3, "unseen", start_attrs={**PREFETCH, "trigger": "api"},
-         **PREFETCH, loaded_chunks=0, written_back_chunks=0, discarded_chunks=0,
-         ok=False, error="timeout", error_message="disk tier did not answer")  # fmt: skip
     sub.on_events(s.events)
-    assert spans.spans("kvflow.request") == []
-    assert sub.open_requests == 0
+    (root,) = spans.spans("kvflow.request")
+    assert root.start_time == monotonic_to_epoch_ns(s.ts(0.0005))
+    assert root.end_time == monotonic_to_epoch_ns(s.ts(1.0))
+    (pre,) = spans.spans("kvflow.prefetch")
+    (lookup,) = spans.spans("kvflow.lookup")
+    assert pre.parent.span_id == lookup.parent.span_id == root.context.span_id
+    assert pre.attributes["kvflow.session_id"] == "q"
+    assert pre.status.status_code is StatusCode.ERROR
+    assert pre.status.description == "timeout: disk tier did not answer"
     (store,) = spans.spans("kvflow.l2_store")
-    (prefetch,) = spans.spans("kvflow.prefetch")
-    assert store.parent is None and prefetch.parent is None
-    assert "kvflow.session_id" not in store.attributes
-    assert prefetch.attributes["kvflow.session_id"] == "unseen"
-    assert prefetch.status.status_code is StatusCode.ERROR
-    assert prefetch.status.description == "timeout: disk tier did not answer"
+    assert store.parent is None and "kvflow.session_id" not in store.attributes
+    assert sub.open_requests == 0
 
 
 def test_unfinished_l2_load_expires_under_its_operation() -> None:
