@@ -37,6 +37,8 @@ from kvflow.kernels import KVFormat, cuda_available
 
 _DEFAULTS = ServerConfig()
 _OBS = ObservabilityConfig()
+#: the in-flight gauges (kvflow_inflight_*) the summary reads back, L2 ones included
+_INFLIGHT = ("stores", "retrieves", "l2_stores", "l2_loads", "prefetches")
 #: the longest the demo waits for background L2 work before its summary
 SETTLE_S = 10.0
 
@@ -168,8 +170,9 @@ def _l0_rows(m: dict[str, float]) -> list[tuple[str, str]]:
         ("L0 block lifetime", hist("kvflow_l0_block_lifetime")),
         ("L0 idle to evict", hist("kvflow_l0_block_idle_before_evict")),
         ("L0 reuse gap", hist("kvflow_l0_block_reuse_gap")),
-        ("in flight now", f"stores {int(m.get('kvflow_inflight_stores', 0))}, "
-                          f"retrieves {int(m.get('kvflow_inflight_retrieves', 0))}"),
+        ("in flight now", ", ".join(f"{op.replace('_', ' ')} "
+                                    f"{int(m.get(f'kvflow_inflight_{op}', 0))}"
+                                    for op in _INFLIGHT)),
     ]  # fmt: skip
 
 
