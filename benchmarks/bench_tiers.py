@@ -1,0 +1,736 @@
+"""L2 disk tier: store/load GB/s next to a plain-file ceiling, path scaling, store latency
+with write-through on vs off, and prefetch time into L1; all in one run, side by side.
+
+Sections (each repeated `--rounds` times, the order of the compared sides alternating per
+round so a drift of the machine cancels; figures are medians over rounds):
+
+1. `DiskTier.store` / `load` of objects of 32 MiB (256-token chunks of a 32-layer, 8 KV
+   heads x 128 bf16 model) and of 1 MiB (a small model), against a ceiling: a plain
+   sequential write, then read, of files of the same size in the same directory. Writes
+   are timed to durable on both sides: until every byte is written AND every file is
+   fsynced (the tier itself never fsyncs: its store is followed by an fsync of each object
+   file, just as the ceiling's writes are). Before any read, every file read (the
+   ceiling's and the tier's object files) is fsynced and dropped from the page cache with
+   `posix_fadvise(POSIX_FADV_DONTNEED)` (no root needed), so reads come from the disk.
+2. Scaling: one tier over two paths vs one over one path, the same volume (two `--dir`
+   give two directories; one `--dir` gives two subdirectories of it: one device, so no
+   device scaling shows).
+3. Request path: `CacheEngine.store` latency on CPU KV caches (1 MiB chunks, fresh tokens
+   every store so every chunk is new and written through) with an L2 disk tier vs
+   without, alternating per round. "drained": the write-through of the previous store is
+   waited for (untimed) before each timed store, so the figure is the store call's own
+   added cost; "busy": back-to-back stores with the background writes running.
+4. Prefetch: chunks stored through an engine with L2 on, write-through drained, the
+   object files fsynced and dropped from the page cache, L1 emptied; then the time from
+   `lookup()` (which starts the prefetch) until every chunk is readable in L1, next to a
+   plain sequential read of the same object files (dropped from the page cache again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.tiers import diskfile
+from kvflow.core.tiers.base import ObjectKey
+from kvflow.core.tiers.disk import DiskTier
+from kvflow.kernels import KVFormat
+from kvflow.kernels.synthetic import make_kv_caches
+
+MIB = 1 << 20
+GIB = 1 << 30
+CHUNK = 256  # tokens per chunk
+BLOCK = 16  # tokens per KV block
+#: distinct random source bytes at most (objects cycle over them; larger than any CPU cache)
+SOURCE_POOL = 256 * MIB
+CACHE_DROP = "fsync + posix_fadvise(POSIX_FADV_DONTNEED) of each file read (ceiling and tier)"
+
+
+@dataclass(frozen=True)
+class Model:
+    """A synthetic model whose 256-token chunk is one L2 object."""
+
+    name: str
+    layers: int
+    heads: int
+    head_size: int
+
+    @property
+    def chunk_bytes(self) -> int:
+        return 2 * self.layers * self.heads * self.head_size * CHUNK * 2  # K and V, bf16
+
+
+BIG = Model("32MiB", 32, 8, 128)  # 2*32*8*128*256*2 = 32 MiB
+SMALL = Model("1MiB", 4, 2, 128)  # 2*4*2*128*256*2 = 1 MiB
+
+
+# -- files ------------------------------------------------------------------------------
+
+
+def _sync_and_drop(paths: Sequence[str]) -> None:
+    """fsync each file and drop its pages from the page cache."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _fsync_all(paths: Sequence[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def tier_files(tier: DiskTier) -> list[str]:
+    """Every object file of the tier (over all its paths)."""
+    out = []
+    for root in tier.roots:
+        top = os.path.join(root, diskfile.OBJECTS_DIR)
+        for dirpath, _, names in os.walk(top):
+            out.extend(os.path.join(dirpath, n) for n in names if n.endswith(diskfile.SUFFIX))
+    return sorted(out)
+
+
+def _read_into(fd: int, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise OSError(f"short read: {got} of {len(view)} bytes")
+        got += n
+
+
+def ceiling_write(directory: str, bufs: Sequence[torch.Tensor]) -> tuple[list[str], float, float]:
+    """Write one plain file per buffer, one after another, then fsync each; (paths, seconds
+    until written, seconds until written and fsynced)."""
+    paths = [os.path.join(directory, f"ceiling-{i:06d}.bin") for i in range(len(bufs))]
+    t0 = time.perf_counter()
+    for path, buf in zip(paths, bufs, strict=True):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            data = memoryview(buf.numpy()).cast("B")
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+    t1 = time.perf_counter()
+    _fsync_all(paths)
+    return paths, t1 - t0, time.perf_counter() - t0
+
+
+def ceiling_read(paths: Sequence[str], dsts: Sequence[torch.Tensor], offset: int = 0) -> float:
+    """Read each file (from byte `offset`) into its buffer, one after another; seconds."""
+    t0 = time.perf_counter()
+    for path, dst in zip(paths, dsts, strict=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if offset:
+                os.lseek(fd, offset, os.SEEK_SET)
+            _read_into(fd, memoryview(dst.numpy()).cast("B"))
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+# -- data -------------------------------------------------------------------------------
+
+
+def source_buffers(nbytes: int, count: int) -> list[torch.Tensor]:
+    """`count` object buffers of `nbytes`, views cycling over at most SOURCE_POOL random
+    bytes (so consecutive objects differ and no CPU cache holds them)."""
+    distinct = max(1, min(count, SOURCE_POOL // nbytes))
+    gen = torch.Generator().manual_seed(nbytes)
+    pool = torch.randint(0, 256, (distinct * nbytes,), dtype=torch.uint8, generator=gen)
+    return [pool[(i % distinct) * nbytes : (i % distinct + 1) * nbytes] for i in range(count)]
+
+
+def touched_buffers(nbytes: int, count: int) -> list[torch.Tensor]:
+    """Destination buffers whose pages are already faulted in (both sides read into them)."""
+    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
+
+
+def object_keys(count: int, tag: str) -> list[ObjectKey]:
+    """Distinct keys of model `tag` (16-byte chunk hashes, like the engine's)."""
+    return [
+        ObjectKey(hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest(), tag, 1, 0, None)
+        for i in range(count)
+    ]
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+# -- 1 and 2: tier vs ceiling, paths ----------------------------------------------------
+
+
+def _tier_store(
+    tier: DiskTier, keys: list[ObjectKey], bufs: list[torch.Tensor]
+) -> tuple[float, float]:
+    """Store every object then fsync each object file; (seconds until the store's future
+    completed, seconds until also fsynced)."""
+    t0 = time.perf_counter()
+    outcome = tier.store(list(zip(keys, bufs, strict=True))).result()
+    t1 = time.perf_counter()
+    _fsync_all(tier_files(tier))
+    t2 = time.perf_counter()
+    if outcome.stored != len(keys):
+        raise RuntimeError(
+            f"the disk tier stored {outcome.stored} of {len(keys)} objects: {outcome}"
+        )
+    return t1 - t0, t2 - t0
+
+
+def _tier_load(tier: DiskTier, keys: list[ObjectKey], dsts: list[torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    ok = tier.load(keys, dsts).result()
+    elapsed = time.perf_counter() - t0
+    if not all(ok):
+        raise RuntimeError(f"the disk tier loaded {sum(ok)} of {len(keys)} objects")
+    return elapsed
+
+
+def _check(srcs: list[torch.Tensor], dsts: list[torch.Tensor], what: str) -> None:
+    for i in sorted({0, len(srcs) // 2, len(srcs) - 1}):
+        if not torch.equal(srcs[i], dsts[i]):
+            raise AssertionError(f"{what}: object {i} read back differs from what was written")
+
+
+def _fresh_dir(parent: str, name: str) -> str:
+    path = os.path.join(parent, name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def run_tier_case(model: Model, volume: int, base: str, rounds: int, args: Any) -> dict[str, Any]:
+    """Section 1 for one object size: ceiling and tier, write (durable) then read."""
+    size = model.chunk_bytes
+    count = max(1, volume // size)
+    total = count * size
+    srcs = source_buffers(size, count)
+    dsts = touched_buffers(size, count)
+    keys = object_keys(count, f"case{model.name}")
+    t: dict[str, list[float]] = {k: [] for k in (
+        "ceil_write", "ceil_write_buffered", "ceil_read",
+        "tier_store", "tier_store_buffered", "tier_load")}  # fmt: skip
+    for rnd in range(rounds):
+        cdir = _fresh_dir(base, f"ceiling-{model.name}")
+        tdir = _fresh_dir(base, f"tier-{model.name}")
+        tier = DiskTier([tdir], 2 * total + GIB, direct_io=args.direct_io,
+                        io_threads_per_path=args.io_threads)  # fmt: skip
+        try:
+            order = ("ceiling", "tier") if rnd % 2 == 0 else ("tier", "ceiling")
+            paths: list[str] = []
+            for side in order:
+                if side == "ceiling":
+                    paths, buffered, durable = ceiling_write(cdir, srcs)
+                    t["ceil_write_buffered"].append(buffered)
+                    t["ceil_write"].append(durable)
+                else:
+                    buffered, durable = _tier_store(tier, keys, srcs)
+                    t["tier_store_buffered"].append(buffered)
+                    t["tier_store"].append(durable)
+            _sync_and_drop(paths)
+            _sync_and_drop(tier_files(tier))
+            for side in order:
+                for d in dsts[:: max(1, len(dsts) // 8)]:
+                    d.zero_()
+                if side == "ceiling":
+                    t["ceil_read"].append(ceiling_read(paths, dsts))
+                    _check(srcs, dsts, "ceiling")
+                else:
+                    t["tier_load"].append(_tier_load(tier, keys, dsts))
+                    _check(srcs, dsts, "tier")
+            counters = tier.stats()
+        finally:
+            tier.close()
+            shutil.rmtree(cdir, ignore_errors=True)
+            shutil.rmtree(tdir, ignore_errors=True)
+    gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
+    return {
+        "model": model.name,
+        "object_bytes": size,
+        "objects": count,
+        "bytes": total,
+        "rounds": rounds,
+        "gbps": gbps,
+        "seconds": {k: v for k, v in t.items()},
+        "store_ratio": _median(
+            [c / s for c, s in zip(t["ceil_write"], t["tier_store"], strict=True)]
+        ),
+        "load_ratio": _median([c / s for c, s in zip(t["ceil_read"], t["tier_load"], strict=True)]),
+        "store_ratio_buffered": _median(
+            [c / s for c, s in zip(t["ceil_write_buffered"], t["tier_store_buffered"], strict=True)]
+        ),
+        "counts": {"direct_io_paths": counters["direct_io_paths"]},
+    }
+
+
+def run_scaling(
+    model: Model, volume: int, dirs: Sequence[str], rounds: int, args: Any
+) -> dict[str, Any]:
+    """Section 2: the same volume through a tier over one path and one over two."""
+    size = model.chunk_bytes
+    count = max(2, volume // size)
+    total = count * size
+    srcs = source_buffers(size, count)
+    dsts = touched_buffers(size, count)
+    keys = object_keys(count, "scale")
+    if len(dirs) >= 2:
+        layout = {"one": [os.path.join(dirs[0], "scale-one")],
+                  "two": [os.path.join(dirs[0], "scale-two"), os.path.join(dirs[1], "scale-two")]}  # fmt: skip
+        note = "two --dir directories"
+    else:
+        layout = {"one": [os.path.join(dirs[0], "scale-one")],
+                  "two": [os.path.join(dirs[0], "scale-two-a"), os.path.join(dirs[0], "scale-two-b")]}  # fmt: skip
+        note = "two subdirectories of one --dir (one device: no device scaling can show)"
+    t: dict[str, list[float]] = {k: [] for k in ("one_store", "two_store", "one_load", "two_load")}
+    per_path: list[list[int]] = []
+    for rnd in range(rounds):
+        tiers = {}
+        try:
+            for name, paths in layout.items():
+                for p in paths:
+                    _fresh_dir(os.path.dirname(p), os.path.basename(p))
+                tiers[name] = DiskTier(paths, 2 * total + GIB, direct_io=args.direct_io,
+                                       io_threads_per_path=args.io_threads)  # fmt: skip
+            order = ("one", "two") if rnd % 2 == 0 else ("two", "one")
+            for name in order:
+                t[f"{name}_store"].append(_tier_store(tiers[name], keys, srcs)[1])
+            for tier in tiers.values():
+                _sync_and_drop(tier_files(tier))
+            for name in order:
+                t[f"{name}_load"].append(_tier_load(tiers[name], keys, dsts))
+                _check(srcs, dsts, f"{name} path(s)")
+            per_path = [[p["objects"] for p in tiers["two"].describe()["paths"]]]
+        finally:
+            for tier in tiers.values():
+                tier.close()
+            for paths in layout.values():
+                for p in paths:
+                    shutil.rmtree(p, ignore_errors=True)
+    gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
+    return {
+        "model": model.name,
+        "bytes": total,
+        "objects": count,
+        "layout": note,
+        "counts": {"objects_per_path_two": per_path[0] if per_path else []},
+        "gbps": gbps,
+        "store_ratio": _median(
+            [o / w for o, w in zip(t["one_store"], t["two_store"], strict=True)]
+        ),
+        "load_ratio": _median([o / w for o, w in zip(t["one_load"], t["two_load"], strict=True)]),
+    }
+
+
+# -- 3: store latency ------------------------------------------------------------------
+
+
+def _engine(l1_bytes: int, tier: DiskTier | None) -> CacheEngine:
+    config = ServerConfig(chunk_size=CHUNK, l1_size_gb=l1_bytes / GIB,
+                          observability=ObservabilityConfig(enabled=False))  # fmt: skip
+    return CacheEngine(config, l2_tiers=[tier] if tier is not None else None)
+
+
+def _kv(model: Model, chunks: int) -> tuple[Any, dict[str, Any]]:
+    return make_kv_caches(
+        KVFormat.VLLM_FLASH_ATTN, num_layers=model.layers, num_blocks=chunks * CHUNK // BLOCK,
+        block_size=BLOCK, num_heads=model.heads, head_size=model.head_size,
+        dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+
+
+def _drain(engine: CacheEngine, timeout: float = 120.0) -> None:
+    """Wait until the engine's write-through has nothing pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        l2 = engine.status()["l2"]
+        if l2 is None or not l2["in_flight"]["write_through"]["calls"]:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the write-through did not drain in {timeout} s")
+        time.sleep(0.001)
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def run_latency(model: Model, base: str, args: Any) -> dict[str, Any]:
+    """Section 3: store() latency, L2 on vs off, fresh chunks every store."""
+    chunks = args.lat_chunks
+    kv, kw = _kv(model, chunks)
+    blocks = list(range(chunks * CHUNK // BLOCK))
+    tdir = _fresh_dir(base, "latency")
+    op_bytes = chunks * model.chunk_bytes
+    l1_bytes = max(256 * MIB, 16 * op_bytes)
+    tier = DiskTier([tdir], 4 * GIB, direct_io=args.direct_io, io_threads_per_path=args.io_threads)
+    engines = {"off": _engine(l1_bytes, None), "on": _engine(l1_bytes, tier)}
+    for mode, engine in engines.items():
+        engine.register_kv_caches(mode, kv, model_name=f"lat-{mode}", **kw)
+    base_tokens = np.arange(chunks * CHUNK, dtype=np.int32)
+    serial = [0]
+
+    def store(mode: str) -> float:
+        serial[0] += 1
+        tokens = base_tokens + serial[0] * 1_000_000
+        t0 = time.perf_counter()
+        got = engines[mode].store(mode, tokens, blocks, request_id=f"r{serial[0]}")
+        elapsed = time.perf_counter() - t0
+        if got != chunks * CHUNK:
+            raise RuntimeError(f"store {mode} kept {got} of {chunks * CHUNK} tokens")
+        return elapsed
+
+    times: dict[str, list[float]] = {k: [] for k in ("off", "on", "busy_off", "busy_on")}
+    try:
+        for rnd in range(args.lat_warmup + args.lat_rounds):
+            for mode in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
+                _drain(engines["on"])  # untimed: nothing of an earlier store still runs
+                sample = store(mode)
+                if rnd >= args.lat_warmup:
+                    times[mode].append(sample)
+        _drain(engines["on"])
+        # busy: a block of back-to-back stores per engine, the background writes running
+        for rnd in range(2):
+            for mode in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
+                for _ in range(args.lat_rounds // 2):
+                    times[f"busy_{mode}"].append(store(mode))
+                _drain(engines["on"])
+        disk = engines["on"].status()["l2"]["tiers"]["disk"]
+        written, refused = disk["stored"], disk["store_failures"]
+    finally:
+        for engine in engines.values():
+            engine.close(timeout=120.0)
+        shutil.rmtree(tdir, ignore_errors=True)
+    row: dict[str, Any] = {"model": model.name, "chunks_per_store": chunks, "op_bytes": op_bytes,
+                           "rounds": args.lat_rounds,
+                           "counts": {"written_through_chunks": written,
+                                      "write_through_refused_chunks": refused}}  # fmt: skip
+    for k, v in times.items():
+        row[f"{k}_p50_ms"] = _pct(v, 50) * 1e3
+        row[f"{k}_p90_ms"] = _pct(v, 90) * 1e3
+    row["added_p50_pct"] = (row["on_p50_ms"] / row["off_p50_ms"] - 1) * 100
+    row["added_p90_pct"] = (row["on_p90_ms"] / row["off_p90_ms"] - 1) * 100
+    row["busy_added_p50_pct"] = (row["busy_on_p50_ms"] / row["busy_off_p50_ms"] - 1) * 100
+    row["busy_added_p90_pct"] = (row["busy_on_p90_ms"] / row["busy_off_p90_ms"] - 1) * 100
+    row["paired_on_off"] = _median([a / b for a, b in zip(times["on"], times["off"], strict=True)])
+    return row
+
+
+# -- 4: prefetch -------------------------------------------------------------------------
+
+
+def _wait_l1(engine: CacheEngine, objects: int, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.l1.stats()["objects"] < objects:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the prefetch did not land {objects} chunks in {timeout} s")
+        time.sleep(0.0005)
+
+
+def run_prefetch(model: Model, volume: int, base: str, rounds: int, args: Any) -> dict[str, Any]:
+    """Section 4: lookup -> every chunk in L1, vs a plain read of the same object files."""
+    size = model.chunk_bytes
+    chunks = max(1, volume // size)
+    total = chunks * size
+    kv, kw = _kv(model, chunks)
+    blocks = list(range(chunks * CHUNK // BLOCK))
+    tdir = _fresh_dir(base, f"prefetch-{model.name}")
+    tier = DiskTier([tdir], 2 * total + GIB, direct_io=args.direct_io,
+                    io_threads_per_path=args.io_threads)  # fmt: skip
+    # the write-through pins at most half of L1: room for twice the data (L1 grows lazily)
+    engine = _engine(2 * total + 256 * MIB, tier)
+    tokens = np.arange(chunks * CHUNK, dtype=np.int32) + 7
+    t: dict[str, list[float]] = {"prefetch": [], "ceiling": []}
+    dsts = touched_buffers(size, chunks)
+    try:
+        engine.register_kv_caches("pf", kv, model_name=f"pf-{model.name}", **kw)
+        engine.store("pf", tokens, blocks, request_id="fill")
+        _drain(engine)
+        files = tier_files(tier)
+        if len(files) != chunks:
+            raise RuntimeError(f"{len(files)} object files on disk, {chunks} chunks stored")
+        for rnd in range(rounds):
+            for side in ("prefetch", "ceiling") if rnd % 2 == 0 else ("ceiling", "prefetch"):
+                engine.l1.drop_where(lambda k: True)
+                if engine.l1.stats()["objects"]:
+                    raise RuntimeError("L1 still holds objects after drop_where")
+                _sync_and_drop(files)
+                if side == "ceiling":  # the same bytes: the payloads of the object files
+                    t["ceiling"].append(ceiling_read(files, dsts, offset=diskfile.BLOCK))
+                    continue
+                t0 = time.perf_counter()
+                hit = engine.lookup(tokens, model_name=f"pf-{model.name}", request_id=f"q{rnd}")
+                _wait_l1(engine, chunks)
+                t["prefetch"].append(time.perf_counter() - t0)
+                if hit != chunks * CHUNK:
+                    raise RuntimeError(f"lookup hit {hit} of {chunks * CHUNK} tokens")
+        loaded = engine.status()["l2"]["tiers"]["disk"]["loaded"]
+    finally:
+        engine.close(timeout=120.0)
+        shutil.rmtree(tdir, ignore_errors=True)
+    return {
+        "model": model.name,
+        "chunks": chunks,
+        "bytes": total,
+        "rounds": rounds,
+        "counts": {"loaded_chunks": loaded},
+        "prefetch_s": _median(t["prefetch"]),
+        "ceiling_s": _median(t["ceiling"]),
+        "prefetch_gbps": total / _median(t["prefetch"]) / 1e9,
+        "ceiling_gbps": total / _median(t["ceiling"]) / 1e9,
+        "ratio": _median([c / p for c, p in zip(t["ceiling"], t["prefetch"], strict=True)]),
+        "seconds": t,
+    }
+
+
+# -- machine facts -----------------------------------------------------------------------
+
+
+def _mount_of(path: str) -> dict[str, str]:
+    real = os.path.realpath(path)
+    best = {"mount": "/", "fstype": "?", "device": "?"}
+    with open("/proc/mounts") as fh:
+        for line in fh:
+            dev, mnt, fstype, opts, *_ = line.split()
+            mnt = mnt.replace("\\040", " ")
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best["mount"]):
+                best = {"mount": mnt, "fstype": fstype, "device": dev, "options": opts}
+    return best
+
+
+def machine_facts(dirs: Sequence[str]) -> dict[str, Any]:
+    cpu = platform.processor() or "?"
+    with open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "mem_total_bytes": mem,
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "dirs": [{"dir": d, **_mount_of(d), "free_bytes": shutil.disk_usage(d).free} for d in dirs],
+    }
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def table_rows(res: dict[str, Any], direct: bool) -> list[tuple[str, str, str, str, str, str]]:
+    """(case, value, ceiling, ratio, target, verdict) per line of the final table."""
+    rows = []
+
+    def add(
+        case: str, value: str, ceil: str, ratio: float | None, target: str, ok: bool | None
+    ) -> None:
+        verdict = "-" if ok is None else ("pass" if ok else "FAIL")
+        rows.append((case, value, ceil, "-" if ratio is None else f"{ratio:.3f}", target, verdict))
+
+    tag = " (O_DIRECT)" if direct else ""
+    for case in res["tiers"]:
+        g = case["gbps"]
+        add(f"store {case['model']}{tag} GB/s", f"{g['tier_store']:.3f}", f"{g['ceil_write']:.3f}",
+            case["store_ratio"], ">= 0.85", case["store_ratio"] >= 0.85)  # fmt: skip
+        add(f"load {case['model']}{tag} GB/s", f"{g['tier_load']:.3f}", f"{g['ceil_read']:.3f}",
+            case["load_ratio"], ">= 0.85", case["load_ratio"] >= 0.85)  # fmt: skip
+    s = res["scaling"]
+    g = s["gbps"]
+    add("store 2 paths vs 1 GB/s", f"{g['two_store']:.3f}", f"{g['one_store']:.3f}",
+        s["store_ratio"], ">= 1.00", s["store_ratio"] >= 1.0)  # fmt: skip
+    add("load 2 paths vs 1 GB/s", f"{g['two_load']:.3f}", f"{g['one_load']:.3f}",
+        s["load_ratio"], ">= 1.00", s["load_ratio"] >= 1.0)  # fmt: skip
+    lat = res["latency"]
+    for q in ("p50", "p90"):
+        pct = lat[f"added_{q}_pct"]
+        add(f"store() {q} L2 on/off ms (drained)", f"{lat[f'on_{q}_ms']:.2f}",
+            f"{lat[f'off_{q}_ms']:.2f}", 1 + pct / 100, "<= +5%", pct <= 5.0)  # fmt: skip
+    for q in ("p50", "p90"):
+        pct = lat[f"busy_added_{q}_pct"]
+        add(f"store() {q} L2 on/off ms (busy)", f"{lat[f'busy_on_{q}_ms']:.2f}",
+            f"{lat[f'busy_off_{q}_ms']:.2f}", 1 + pct / 100, "info", None)  # fmt: skip
+    for pf in res["prefetch"]:
+        add(f"prefetch {pf['model']} {pf['bytes'] / GIB:.2f} GiB ms", f"{pf['prefetch_s'] * 1e3:.0f}",
+            f"{pf['ceiling_s'] * 1e3:.0f}", pf["ratio"], "info", None)  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[tuple[str, str, str, str, str, str]]) -> None:
+    head = ("case", "value", "ceiling", "ratio", "target", "")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(6)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    print(fmt.format(*head))
+    print("-" * (sum(widths) + 10))
+    for r in rows:
+        print(fmt.format(*r))
+
+
+@dataclass(frozen=True)
+class Plan:
+    big_bytes: int
+    small_bytes: int
+    prefetch_bytes: int
+    rounds: int
+
+
+def _plan(args: Any) -> Plan:
+    if args.quick:
+        return Plan(2 * BIG.chunk_bytes, 16 * SMALL.chunk_bytes, 2 * BIG.chunk_bytes, 1)
+    small = args.small_gib if args.small_gib is not None else args.gib / 4
+    return Plan(int(args.gib * GIB), int(small * GIB), int(args.prefetch_gib * GIB), args.rounds)
+
+
+def run(args: Any, dirs: Sequence[str]) -> dict[str, Any]:
+    plan = _plan(args)
+    if args.quick:
+        args.lat_rounds, args.lat_warmup, args.lat_chunks = 6, 1, 4
+    work = [tempfile.mkdtemp(prefix="bench-tiers-", dir=d) for d in dirs]
+    try:
+        t0 = time.perf_counter()
+        res: dict[str, Any] = {
+            "machine": machine_facts(dirs),
+            "settings": {
+                "dirs": list(dirs),
+                "direct_io": args.direct_io,
+                "io_threads_per_path": args.io_threads,
+                "rounds": plan.rounds,
+                "quick": args.quick,
+                "page_cache": CACHE_DROP,
+                "writes": "timed until every byte is written and every file fsynced, ceiling "
+                "and tier alike (the tier does not fsync: each object file is fsynced after "
+                "its store completes); *_buffered figures stop before the fsync",
+                "ceiling": "one thread, plain files of the object's payload size, "
+                "written then read one after another",
+            },
+        }
+        res["tiers"] = [
+            run_tier_case(BIG, plan.big_bytes, work[0], plan.rounds, args),
+            run_tier_case(SMALL, plan.small_bytes, work[0], plan.rounds, args),
+        ]
+        res["scaling"] = run_scaling(BIG, plan.big_bytes, work, plan.rounds, args)
+        res["latency"] = run_latency(SMALL, work[0], args)
+        res["prefetch"] = [
+            run_prefetch(BIG, plan.prefetch_bytes, work[0], plan.rounds, args),
+            run_prefetch(SMALL, max(plan.prefetch_bytes // 4, 4 * MIB), work[0], plan.rounds, args),
+        ]
+        res["elapsed_s"] = time.perf_counter() - t0
+    finally:
+        for w in work:
+            shutil.rmtree(w, ignore_errors=True)
+    return res
+
+
+#: result sections that hold measurements (the rest: machine facts and settings)
+SECTIONS = ("tiers", "scaling", "latency", "prefetch")
+
+
+def figures(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
+    """Every measured number of a result (or part of one), with its path; counts (which
+    may be 0) are left out. Each must be positive but the `_pct` ones (signed)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if (path == "" and k not in SECTIONS) or k == "counts":
+                continue
+            yield from figures(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from figures(v, f"{path}[{i}]")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield path, obj
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dir", action="append", dest="dirs",
+                        help="directory to test in (repeat for the two-path case); default: a "
+                        "temporary directory under the current directory")  # fmt: skip
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB per 32 MiB-object case (1)")
+    parser.add_argument("--small-gib", type=float, default=None,
+                        help="GiB for the 1 MiB-object case (default: --gib / 4)")  # fmt: skip
+    parser.add_argument("--prefetch-gib", type=float, default=1.0,
+                        help="GiB prefetched with 32 MiB chunks (1 MiB chunks: a quarter)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per case")
+    parser.add_argument("--direct-io", action="store_true", help="run the tier with O_DIRECT")
+    parser.add_argument("--io-threads", type=int, default=2, help="tier I/O threads per path")
+    parser.add_argument("--lat-rounds", type=int, default=40, help="timed stores per engine")
+    parser.add_argument("--lat-warmup", type=int, default=5, help="untimed stores per engine")
+    parser.add_argument("--lat-chunks", type=int, default=16, help="1 MiB chunks per store")
+    parser.add_argument("--quick", action="store_true", help="tiny volumes: a smoke run")
+    parser.add_argument("--json", help="write every figure and the machine facts here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    own = None
+    dirs = args.dirs
+    if not dirs:
+        own = tempfile.mkdtemp(prefix=".bench-tiers-", dir=os.getcwd())
+        dirs = [own]
+    try:
+        _progress(f"bench_tiers in {', '.join(dirs)} (rounds: {1 if args.quick else args.rounds})")
+        res = run(args, dirs)
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+    m = res["machine"]
+    fs = ", ".join(f"{d['dir']}: {d['fstype']} on {d['device']}" for d in m["dirs"])
+    print(f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs, python {m['python']}, "
+          f"torch {m['torch']}, {m['date']}; {fs}")  # fmt: skip
+    print(f"page cache: {CACHE_DROP}; tier O_DIRECT: "
+          f"{'yes' if args.direct_io else 'no'} (paths using it: "
+          f"{res['tiers'][0]['counts']['direct_io_paths']})")  # fmt: skip
+    print("writes: durable on both sides (all bytes written and every file fsynced); "
+          "ceiling: one thread, plain files of the same size, same directory")  # fmt: skip
+    print(f"scaling: {res['scaling']['layout']}; latency: {res['latency']['chunks_per_store']} "
+          f"x 1 MiB chunks per store, fresh tokens, 'drained' waits for the write-through "
+          f"before each timed store, 'busy' does not; figures: medians of "
+          f"{res['settings']['rounds']} alternating round(s)")  # fmt: skip
+    print_table(table_rows(res, args.direct_io))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
