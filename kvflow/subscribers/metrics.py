@@ -65,9 +65,10 @@ class MetricsSubscriber:
 
     (the catalogue of docs/METRICS.md). `bus` enables the kvflow.bus.*
     self-metrics, `l1_stats` the L1 occupancy gauges, `tier_stats` the per-tier
-    L2 occupancy gauges. A START whose END has not arrived within `pending_ttl_s` (event
-    time) or beyond `max_pending` is given up: it leaves the inflight gauge and
-    counts in kvflow.inflight.expired, so inflight cannot leak.
+    L2 occupancy gauges. A START whose END has not arrived within
+    `pending_ttl_s` (event time) or beyond `max_pending` is given up: it leaves
+    the inflight gauge and counts in kvflow.inflight.expired, so inflight cannot
+    leak.
     """
 
     name = "metrics"
