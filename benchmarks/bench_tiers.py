@@ -39,9 +39,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ CHUNK = 256  # tokens per chunk
 BLOCK = 16  # tokens per KV block
 #: distinct random source bytes at most (objects cycle over them; larger than any CPU cache)
 SOURCE_POOL = 256 * MIB
+T = TypeVar("T")
 CACHE_DROP = "fsync + posix_fadvise(POSIX_FADV_DONTNEED) of each file read (ceiling and tier)"
 
 
@@ -123,35 +125,57 @@ def _read_into(fd: int, view: memoryview) -> None:
         got += n
 
 
-def ceiling_write(directory: str, bufs: Sequence[torch.Tensor]) -> tuple[list[str], float, float]:
-    """Write one plain file per buffer, one after another, then fsync each; (paths, seconds
-    until written, seconds until written and fsynced)."""
+def _each(fn: Callable[[T], None], items: Sequence[T], threads: int) -> None:
+    """fn over the items, in order on this thread or spread over `threads` threads."""
+    if threads <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(fn, items):
+            pass
+
+
+def ceiling_write(
+    directory: str, bufs: Sequence[torch.Tensor], threads: int = 1
+) -> tuple[list[str], float, float]:
+    """Write one plain file per buffer (one after another, or over `threads` threads), then
+    fsync each; (paths, seconds until written, seconds until written and fsynced)."""
     paths = [os.path.join(directory, f"ceiling-{i:06d}.bin") for i in range(len(bufs))]
-    t0 = time.perf_counter()
-    for path, buf in zip(paths, bufs, strict=True):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def write(item: tuple[str, torch.Tensor]) -> None:
+        fd = os.open(item[0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            data = memoryview(buf.numpy()).cast("B")
+            data = memoryview(item[1].numpy()).cast("B")
             while data:
                 data = data[os.write(fd, data) :]
         finally:
             os.close(fd)
+
+    t0 = time.perf_counter()
+    _each(write, list(zip(paths, bufs, strict=True)), threads)
     t1 = time.perf_counter()
     _fsync_all(paths)
     return paths, t1 - t0, time.perf_counter() - t0
 
 
-def ceiling_read(paths: Sequence[str], dsts: Sequence[torch.Tensor], offset: int = 0) -> float:
-    """Read each file (from byte `offset`) into its buffer, one after another; seconds."""
-    t0 = time.perf_counter()
-    for path, dst in zip(paths, dsts, strict=True):
-        fd = os.open(path, os.O_RDONLY)
+def ceiling_read(
+    paths: Sequence[str], dsts: Sequence[torch.Tensor], offset: int = 0, threads: int = 1
+) -> float:
+    """Read each file (from byte `offset`) into its buffer, one after another or over
+    `threads` threads; seconds."""
+
+    def read(item: tuple[str, torch.Tensor]) -> None:
+        fd = os.open(item[0], os.O_RDONLY)
         try:
             if offset:
                 os.lseek(fd, offset, os.SEEK_SET)
-            _read_into(fd, memoryview(dst.numpy()).cast("B"))
+            _read_into(fd, memoryview(item[1].numpy()).cast("B"))
         finally:
             os.close(fd)
+
+    t0 = time.perf_counter()
+    _each(read, list(zip(paths, dsts, strict=True)), threads)
     return time.perf_counter() - t0
 
 
@@ -227,66 +251,77 @@ def _fresh_dir(parent: str, name: str) -> str:
 
 
 def run_tier_case(model: Model, volume: int, base: str, rounds: int, args: Any) -> dict[str, Any]:
-    """Section 1 for one object size: ceiling and tier, write (durable) then read."""
+    """Section 1 for one object size: the ceiling (one thread; and as many threads as the
+    tier has) and the tier, write (durable) then read; the sides' order rotates per round."""
     size = model.chunk_bytes
     count = max(1, volume // size)
     total = count * size
     srcs = source_buffers(size, count)
     dsts = touched_buffers(size, count)
     keys = object_keys(count, f"case{model.name}")
+    par = args.io_threads
     t: dict[str, list[float]] = {k: [] for k in (
         "ceil_write", "ceil_write_buffered", "ceil_read",
+        "ceil_par_write", "ceil_par_write_buffered", "ceil_par_read",
         "tier_store", "tier_store_buffered", "tier_load")}  # fmt: skip
+    sides = ("ceil", "tier", "ceil_par")
+    counters: dict[str, int] = {}
     for rnd in range(rounds):
-        cdir = _fresh_dir(base, f"ceiling-{model.name}")
-        tdir = _fresh_dir(base, f"tier-{model.name}")
-        tier = DiskTier([tdir], 2 * total + GIB, direct_io=args.direct_io,
-                        io_threads_per_path=args.io_threads)  # fmt: skip
+        dirs = {side: _fresh_dir(base, f"{side}-{model.name}") for side in sides}
+        tier = DiskTier([dirs["tier"]], 2 * total + GIB, direct_io=args.direct_io,
+                        io_threads_per_path=par)  # fmt: skip
         try:
-            order = ("ceiling", "tier") if rnd % 2 == 0 else ("tier", "ceiling")
-            paths: list[str] = []
+            order = sides[rnd % 3 :] + sides[: rnd % 3]
+            files: dict[str, list[str]] = {}
             for side in order:
-                if side == "ceiling":
-                    paths, buffered, durable = ceiling_write(cdir, srcs)
-                    t["ceil_write_buffered"].append(buffered)
-                    t["ceil_write"].append(durable)
-                else:
+                if side == "tier":
                     buffered, durable = _tier_store(tier, keys, srcs)
                     t["tier_store_buffered"].append(buffered)
                     t["tier_store"].append(durable)
-            _sync_and_drop(paths)
-            _sync_and_drop(tier_files(tier))
+                    continue
+                threads = par if side == "ceil_par" else 1
+                files[side], buffered, durable = ceiling_write(dirs[side], srcs, threads)
+                t[f"{side}_write_buffered"].append(buffered)
+                t[f"{side}_write"].append(durable)
+            files["tier"] = tier_files(tier)
+            for paths in files.values():
+                _sync_and_drop(paths)
             for side in order:
                 for d in dsts[:: max(1, len(dsts) // 8)]:
                     d.zero_()
-                if side == "ceiling":
-                    t["ceil_read"].append(ceiling_read(paths, dsts))
-                    _check(srcs, dsts, "ceiling")
-                else:
+                if side == "tier":
                     t["tier_load"].append(_tier_load(tier, keys, dsts))
-                    _check(srcs, dsts, "tier")
+                else:
+                    threads = par if side == "ceil_par" else 1
+                    t[f"{side}_read"].append(ceiling_read(files[side], dsts, threads=threads))
+                _check(srcs, dsts, side)
             counters = tier.stats()
         finally:
             tier.close()
-            shutil.rmtree(cdir, ignore_errors=True)
-            shutil.rmtree(tdir, ignore_errors=True)
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
     gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
+
+    def ratio(ceiling: str, tier_side: str) -> float:
+        """Median over rounds of the round's ceiling time / tier time."""
+        return _median([c / s for c, s in zip(t[ceiling], t[tier_side], strict=True)])
+
     return {
         "model": model.name,
         "object_bytes": size,
         "objects": count,
         "bytes": total,
         "rounds": rounds,
+        "ceiling_threads_par": par,
         "gbps": gbps,
-        "seconds": {k: v for k, v in t.items()},
-        "store_ratio": _median(
-            [c / s for c, s in zip(t["ceil_write"], t["tier_store"], strict=True)]
-        ),
-        "load_ratio": _median([c / s for c, s in zip(t["ceil_read"], t["tier_load"], strict=True)]),
-        "store_ratio_buffered": _median(
-            [c / s for c, s in zip(t["ceil_write_buffered"], t["tier_store_buffered"], strict=True)]
-        ),
-        "counts": {"direct_io_paths": counters["direct_io_paths"]},
+        "seconds": dict(t),
+        "store_ratio": ratio("ceil_write", "tier_store"),
+        "load_ratio": ratio("ceil_read", "tier_load"),
+        "store_ratio_par": ratio("ceil_par_write", "tier_store"),
+        "load_ratio_par": ratio("ceil_par_read", "tier_load"),
+        "store_ratio_buffered": ratio("ceil_write_buffered", "tier_store_buffered"),
+        "store_ratio_par_buffered": ratio("ceil_par_write_buffered", "tier_store_buffered"),
+        "counts": {"direct_io_paths": counters.get("direct_io_paths", 0)},
     }
 
 
@@ -570,6 +605,11 @@ def table_rows(res: dict[str, Any], direct: bool) -> list[tuple[str, str, str, s
             case["store_ratio"], ">= 0.85", case["store_ratio"] >= 0.85)  # fmt: skip
         add(f"load {case['model']}{tag} GB/s", f"{g['tier_load']:.3f}", f"{g['ceil_read']:.3f}",
             case["load_ratio"], ">= 0.85", case["load_ratio"] >= 0.85)  # fmt: skip
+        par = f"{case['ceiling_threads_par']}-thread ceiling"
+        add(f"  store {case['model']} vs {par}", f"{g['tier_store']:.3f}",
+            f"{g['ceil_par_write']:.3f}", case["store_ratio_par"], "info", None)  # fmt: skip
+        add(f"  load {case['model']} vs {par}", f"{g['tier_load']:.3f}",
+            f"{g['ceil_par_read']:.3f}", case["load_ratio_par"], "info", None)  # fmt: skip
     s = res["scaling"]
     g = s["gbps"]
     add("store 2 paths vs 1 GB/s", f"{g['two_store']:.3f}", f"{g['one_store']:.3f}",
@@ -726,6 +766,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"x 1 MiB chunks per store, fresh tokens, 'drained' waits for the write-through "
           f"before each timed store, 'busy' does not; figures: medians of "
           f"{res['settings']['rounds']} alternating round(s)")  # fmt: skip
+    print("ratio: speed over the ceiling (prefetch: ceiling time / prefetch time), the median"
+          " of per-round ratios; store() rows: L2 on time / off time")  # fmt: skip
     print_table(table_rows(res, args.direct_io))
     if args.json:
         with open(args.json, "w") as fh:
