@@ -14,6 +14,7 @@ import torch
 
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.engine.keys import chain_hashes
+from kvflow.core.engine.loads import Job, Loader
 from kvflow.core.errors import InvalidRequestError, UnknownInstanceError
 from kvflow.core.tiers.base import ObjectKey, StorageTier
 from kvflow.events import Event, EventType
@@ -177,19 +178,29 @@ def test_without_write_back_l1_only_stages_the_loads() -> None:
     s.close()
 
 
-def test_retrieve_waits_for_an_in_flight_prefetch_instead_of_loading_twice() -> None:
+def test_retrieve_waits_for_an_in_flight_prefetch_instead_of_loading_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A retrieve of chunks a prefetch is loading waits for that load."""
     tier = FaultyTier(memory_tier())
     s = Setup(tier)
     s.store_then_evict()
     tier.gate = threading.Event()
+    waiting = threading.Event()
+    wait_prefix = Loader.wait_prefix
+
+    def spy(self: Loader, job: Job, timeout: float) -> int:
+        waiting.set()
+        return wait_prefix(self, job, timeout)
+
+    monkeypatch.setattr(Loader, "wait_prefix", spy)
     assert s.engine.lookup(T, model_name="m", request_id="q") == N * CHUNK
     got: list[int] = []
     reader = threading.Thread(
         target=lambda: got.append(s.engine.retrieve("dst", T, DST, request_id="q"))
     )
     reader.start()
-    time.sleep(0.1)
+    assert waiting.wait(5.0)
     assert not got  # waiting on the prefetch's load
     tier.gate.set()
     reader.join(5.0)
