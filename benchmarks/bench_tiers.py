@@ -108,7 +108,7 @@ def _fsync_all(paths: Sequence[str]) -> None:
 
 def tier_files(tier: DiskTier) -> list[str]:
     """Every object file of the tier (over all its paths)."""
-    out = []
+    out: list[str] = []
     for root in tier.roots:
         top = os.path.join(root, diskfile.OBJECTS_DIR)
         for dirpath, _, names in os.walk(top):
@@ -146,7 +146,7 @@ def ceiling_write(
     def write(item: tuple[str, torch.Tensor]) -> None:
         fd = os.open(item[0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            data = memoryview(item[1].numpy()).cast("B")
+            data = item[1].numpy().data
             while data:
                 data = data[os.write(fd, data) :]
         finally:
@@ -170,7 +170,7 @@ def ceiling_read(
         try:
             if offset:
                 os.lseek(fd, offset, os.SEEK_SET)
-            _read_into(fd, memoryview(item[1].numpy()).cast("B"))
+            _read_into(fd, item[1].numpy().data)
         finally:
             os.close(fd)
 
@@ -298,8 +298,8 @@ def run_tier_case(model: Model, volume: int, base: str, rounds: int, args: Any) 
             counters = tier.stats()
         finally:
             tier.close()
-            for d in dirs.values():
-                shutil.rmtree(d, ignore_errors=True)
+            for path in dirs.values():
+                shutil.rmtree(path, ignore_errors=True)
     gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
 
     def ratio(ceiling: str, tier_side: str) -> float:
