@@ -44,6 +44,10 @@ class _Entry:
         self.ready = ready  # False while its file is being written
 
 
+#: one planned object write: its entry, its bytes, the entries it evicts
+_Write = tuple[_Entry, torch.Tensor, list[_Entry]]
+
+
 def _gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Future[R]:
     """A future of `combine` over the futures' results, done when all of them are."""
     out: Future[R] = Future()
@@ -128,6 +132,7 @@ class DiskTier:
             )
         if io_threads_per_path < 1:
             raise ValueError(f"io_threads_per_path must be >= 1, got {io_threads_per_path}")
+        self.io_threads_per_path = io_threads_per_path
         roots = [os.path.abspath(p) for p in paths]
         for root in roots:
             _make_dir(root)
@@ -279,15 +284,35 @@ class DiskTier:
                 self._deleted.wait()
         error: str | None = "store: interrupted"  # unless the write ends, well or not
         try:
-            os.makedirs(os.path.dirname(entry.path), mode=0o700, exist_ok=True)
             payload = buf.contiguous().numpy().data
-            diskfile.write_object(entry.path, entry.key, payload, direct=self._direct[entry.root])
+            direct = self._direct[entry.root]
+            try:
+                diskfile.write_object(entry.path, entry.key, payload, direct=direct)
+            except FileNotFoundError:  # the owner's first object here (or its dir was removed)
+                os.makedirs(os.path.dirname(entry.path), mode=0o700, exist_ok=True)
+                diskfile.write_object(entry.path, entry.key, payload, direct=direct)
             error = None
         except OSError as e:
             error = f"store: {e}"
         finally:
             self._end_write(entry, error)
         return error is None
+
+    def _batches(self, writes: list[_Write]) -> list[tuple[int, list[_Write]]]:
+        """A store's writes as one task per I/O thread of each path (at most), so the
+        caller submits a few tasks rather than one per object."""
+        per_root: dict[int, list[_Write]] = {}
+        for write in writes:
+            per_root.setdefault(write[0].root, []).append(write)
+        out: list[tuple[int, list[_Write]]] = []
+        for root, items in per_root.items():
+            n = min(self.io_threads_per_path, len(items))
+            out.extend((root, items[i::n]) for i in range(n))
+        return out
+
+    def _write_batch(self, batch: list[_Write]) -> list[bool]:
+        """Write a batch of planned objects in turn (see `_write`)."""
+        return [self._write(entry, buf, victims) for entry, buf, victims in batch]
 
     def _end_write(self, entry: _Entry, error: str | None) -> None:
         """Publish a written object, or forget one whose write failed (and count it)."""
@@ -375,7 +400,7 @@ class DiskTier:
         check_buffers([buf for _, buf in items], "items' bytes")
         paths = [diskfile.object_relpath(key, buf.numel()) for key, buf in items]
         present = failed = evicted_chunks = evicted_bytes = 0
-        writes: list[tuple[_Entry, torch.Tensor, list[_Entry]]] = []
+        writes: list[_Write] = []
         with self._lock:
             self._check_open()
             for (key, buf), relpath in zip(items, paths, strict=True):
@@ -397,9 +422,13 @@ class DiskTier:
                 self._usage[root] += nbytes
                 self._writing += 1
                 writes.append((entry, buf, victims))
-        futures = [self._pools[e.root].submit(self._write, e, buf, v) for e, buf, v in writes]
+        futures = [
+            self._pools[root].submit(self._write_batch, batch)
+            for root, batch in self._batches(writes)
+        ]
 
-        def outcome(written: list[bool]) -> StoreOutcome:
+        def outcome(batches: list[list[bool]]) -> StoreOutcome:
+            written = [ok for batch in batches for ok in batch]
             stored = sum(written)
             return StoreOutcome(
                 stored, present, failed + len(written) - stored, evicted_chunks, evicted_bytes

@@ -12,6 +12,7 @@ on load and is dropped like any corrupt object.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import mmap
 import os
@@ -128,7 +129,16 @@ def object_relpath(key: ObjectKey, nbytes: int) -> str:
             f"model name and cache salt are longer than {MAX_KEY_BYTES} bytes together"
         )
     name = f"{key.chunk_hash.hex()}.{nbytes}{SUFFIX}"
-    return os.path.join(*_owner_dirs(_owner_text(key)), name)
+    return os.path.join(
+        _owner_relpath(key.model_name, key.world_size, key.rank, key.cache_salt), name
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_relpath(model_name: str, world_size: int, rank: int, cache_salt: str | None) -> str:
+    """The directories of an owner's objects (cached: a store names many objects of one)."""
+    owner = _owner_text(ObjectKey(b"", model_name, world_size, rank, cache_salt))
+    return os.path.join(*_owner_dirs(owner))
 
 
 def object_path(root: str, key: ObjectKey, nbytes: int) -> str:
@@ -232,6 +242,16 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data) :]
 
 
+def _write_all_of(fd: int, head: memoryview, body: memoryview) -> None:
+    """Write `head` then `body`, in one system call when the kernel takes it all."""
+    done = os.writev(fd, [head, body])
+    if done < len(head):
+        _write_all(fd, head[done:])
+        _write_all(fd, body)
+    else:
+        _write_all(fd, body[done - len(head) :])
+
+
 def _read_full(fd: int, buf: memoryview) -> int:
     """Read into `buf` until it is full or the file ends; the bytes read."""
     got = 0
@@ -274,8 +294,7 @@ def write_object(path: str, key: ObjectKey, payload: memoryview, *, direct: bool
             if direct:
                 _write_direct(fd, header, payload)
             else:
-                _write_all(fd, memoryview(header))
-                _write_all(fd, payload)
+                _write_all_of(fd, memoryview(header), payload)
         finally:
             os.close(fd)
         os.rename(tmp, path)
