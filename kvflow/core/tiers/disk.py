@@ -48,6 +48,16 @@ class _Entry:
 _Write = tuple[_Entry, torch.Tensor, list[_Entry]]
 
 
+#: niceness of the I/O threads: background writes yield the CPU to the request path
+IO_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Make the calling I/O thread nicer (Linux threads have their own nice value)."""
+    with suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IO_NICENESS)
+
+
 def _gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Future[R]:
     """A future of `combine` over the futures' results, done when all of them are."""
     out: Future[R] = Future()
@@ -179,7 +189,11 @@ class DiskTier:
                 for root in roots
             ]
             self._pools = [
-                ThreadPoolExecutor(io_threads_per_path, thread_name_prefix=f"kvflow-disk{i}")
+                ThreadPoolExecutor(
+                    io_threads_per_path,
+                    thread_name_prefix=f"kvflow-disk{i}",
+                    initializer=_lower_priority,
+                )
                 for i in range(len(roots))
             ]
             self._rebuild()

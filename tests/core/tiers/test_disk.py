@@ -435,3 +435,22 @@ def test_direct_io_falls_back_to_buffered_where_refused(
         assert got is not None and torch.equal(got, data)
     assert [p["objects"] > 0 for p in tier.describe()["paths"]] == [True, True]
     assert not any(name.endswith(diskfile.TMP_SUFFIX) for name in os.listdir(no_direct_dir))
+
+
+def test_io_threads_run_nicer_than_the_caller(
+    tmp_path: Path, tiers: list[DiskTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Object writes run on threads of lower CPU priority than the request path, so
+    background writes yield the CPU to it."""
+    seen: list[int] = []
+    write_object = diskfile.write_object
+
+    def spy(*args: Any, **kw: Any) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        write_object(*args, **kw)
+
+    monkeypatch.setattr(diskfile, "write_object", spy)
+    tier = open_tier(tiers, [tmp_path], 16 * KIB)
+    assert answer(tier.store([(key(1), payload(1))])).stored == 1
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and all(nice >= min(caller + 10, 19) for nice in seen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -78,6 +79,6 @@ def test_pick_path_is_stable_across_processes() -> None:
         check=True,
         capture_output=True,
         text=True,
-        env={"PYTHONHASHSEED": "12345"},
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
     ).stdout.strip()
     assert there == here
