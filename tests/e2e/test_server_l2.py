@@ -135,6 +135,7 @@ def test_disk_tier_end_to_end_through_a_server_subprocess(tmp_path: Path) -> Non
         assert log.events("retrieve_end")[-1]["l2_chunks"] == 6
         tiers = client.status()["l2"]["tiers"]["disk"]
         assert (tiers["stored"], tiers["loaded"], tiers["load_failures"]) == (2 * N + 6, 6, 0)
+        assert [p["path"] for p in tiers["detail"]["paths"]] == [str(disk)]
 
     # 4. a new server on the same directory finds every object again
     for layer in dst:

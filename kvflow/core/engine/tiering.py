@@ -17,7 +17,7 @@ from typing import Any
 from kvflow.core.engine.loads import Job, Loader, Residency, Slot
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.writethrough import TierCounters, WriteThrough
-from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier
+from kvflow.core.tiers.base import DescribedTier, HostTier, ObjectKey, StorageTier
 from kvflow.events import Event, EventBus, EventType
 
 #: finished prefetches whose state stays queryable
@@ -230,9 +230,11 @@ class Tiering:
 
     def describe(self) -> dict[str, Any]:
         """Per-tier usage and counters, prefetch totals, what is in flight (for status)."""
-        tiers = {}
+        tiers: dict[str, dict[str, Any]] = {}
         for tier in self.tiers:
             tiers[tier.name] = {**tier.stats(), **self.counters[tier.name].as_dict()}
+            if isinstance(tier, DescribedTier):  # e.g. the disk tier's paths and their usage
+                tiers[tier.name]["detail"] = tier.describe()
         with self._lock:
             prefetch = dict(self.prefetch_totals)
         return {

@@ -184,6 +184,15 @@ class PlacedTier(Protocol):
         ...
 
 
+@runtime_checkable
+class DescribedTier(Protocol):
+    """A tier with more to show in `status()` than its stats (the disk tier's paths)."""
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-serialisable account of the tier's configuration and parts."""
+        ...
+
+
 def completed(value: T) -> Future[T]:
     """A future that already holds `value` (a memory tier's answer)."""
     future: Future[T] = Future()
