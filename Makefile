@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest install clean prometheus
+.PHONY: run test lint typecheck pytest install clean prometheus redis
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,13 @@ prometheus:
 		apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
 		|| echo "prometheus could not be installed: its exporter test will be skipped"
 
-pytest: $(STAMP) prometheus
+# The Redis tier's tests run real redis-server processes (single, ACL, TLS, cluster).
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null) \
+		|| echo "redis-server could not be installed: the Redis tier's tests will be skipped"
+
+pytest: $(STAMP) prometheus redis
 	$(PY) -m pytest -q
 
 test: lint typecheck pytest

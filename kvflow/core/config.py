@@ -6,12 +6,17 @@ allowed values, so the CLI can print one line and exit with status 2.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OTLP_PROTOCOLS = ("grpc", "http")
 L2_DISK_SHARDINGS = ("by_gpu",)
+REDIS_SCHEMES = ("redis://", "rediss://")
+#: fields whose values are credentials: never printed, logged or shown by status
+SECRET_FIELDS = ("l2_redis_username", "l2_redis_password")
 
 
 def _check_port(flag: str, value: int) -> None:
@@ -94,6 +99,16 @@ class ServerConfig:
     l2_write_back: bool = True
     #: the longest the request path waits on an L2 tier (a lookup's question, a retrieve's load)
     l2_timeout_s: float = 2.0
+    #: L2 on Redis: redis:// or rediss:// URL (None = no Redis tier); credentials may come
+    #: from it, from the two fields below or from KVFLOW_REDIS_* variables (docs/REDIS.md)
+    l2_redis_url: str | None = field(default=None, repr=False)
+    l2_redis_cluster: bool = False
+    l2_redis_key_prefix: str = "kvflow:"
+    l2_redis_username: str | None = field(default=None, repr=False)
+    l2_redis_password: str | None = field(default=None, repr=False)
+    #: socket connect/read timeout of each Redis call, and connections (= I/O threads)
+    l2_redis_timeout_s: float = 1.0
+    l2_redis_pool_size: int = 8
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
@@ -131,3 +146,38 @@ class ServerConfig:
             )
         if not isinstance(self.l2_timeout_s, (int, float)) or not self.l2_timeout_s > 0:
             raise ValueError(f"--l2-timeout-s must be a number > 0, got {self.l2_timeout_s!r}")
+        url = self.l2_redis_url
+        if url is not None and not (isinstance(url, str) and url.startswith(REDIS_SCHEMES)):
+            # the value may hold a password: name the flag and the schemes, never the value
+            raise ValueError("--l2-redis must be a redis:// or rediss:// URL")
+        if not isinstance(self.l2_redis_key_prefix, str) or not self.l2_redis_key_prefix:
+            raise ValueError(
+                f"--l2-redis-key-prefix must be a non-empty string, got {self.l2_redis_key_prefix!r}"
+            )
+        timeout = self.l2_redis_timeout_s
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"--l2-redis-timeout-s must be a number > 0, got {timeout!r}")
+        pool = self.l2_redis_pool_size
+        if isinstance(pool, bool) or not isinstance(pool, int) or not 1 <= pool <= 256:
+            raise ValueError(f"--l2-redis-pool-size must be an integer in 1..256, got {pool!r}")
+        for flag, value in (("--l2-redis-username", self.l2_redis_username),
+                            ("--l2-redis-password", self.l2_redis_password)):  # fmt: skip
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{flag} must be a string")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as a dict with every credential replaced by "***" (for status)."""
+        out = dataclasses.asdict(self)
+        for name in SECRET_FIELDS:
+            if out[name] is not None:
+                out[name] = "***"
+        if self.l2_redis_url is not None:
+            out["l2_redis_url"] = redact_url(self.l2_redis_url)
+        return out
+
+
+def redact_url(url: str) -> str:
+    """The URL with any user and password replaced by "***"."""
+    scheme, sep, rest = url.partition("://")
+    _, at, hostpart = rest.rpartition("@")
+    return f"{scheme}{sep}***@{hostpart}" if at else url

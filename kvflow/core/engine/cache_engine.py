@@ -8,7 +8,6 @@ lock. Every operation is observed through START/END event pairs on the bus.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -87,19 +86,46 @@ def _gpu_count() -> int:
 
 
 def _build_l2(config: ServerConfig) -> list[StorageTier]:
-    """The L2 tiers the config names, in order (none: L1 only)."""
-    tiers: list[StorageTier] = []
-    if config.l2_disk_paths:
-        from kvflow.core.tiers.disk import DiskTier  # only engines with a disk tier load it
+    """The L2 tiers the config names, in order: disk, then Redis (none: L1 only).
 
-        tiers.append(
-            DiskTier(
-                config.l2_disk_paths,
-                int(config.l2_disk_size_gb * GIB),
-                num_gpus=_gpu_count(),
-                direct_io=config.l2_disk_direct_io,
+    The modules are imported only when configured; a tier that fails to start closes
+    the ones built before it (a disk tier holds its directories' locks).
+    """
+    tiers: list[StorageTier] = []
+    try:
+        if config.l2_disk_paths:
+            from kvflow.core.tiers.disk import DiskTier
+
+            tiers.append(
+                DiskTier(
+                    config.l2_disk_paths,
+                    int(config.l2_disk_size_gb * GIB),
+                    num_gpus=_gpu_count(),
+                    direct_io=config.l2_disk_direct_io,
+                )
             )
-        )
+        if config.l2_redis_url is not None:
+            from kvflow.core.tiers.redis import RedisTier
+            from kvflow.core.tiers.redis_target import resolve_target
+
+            target = resolve_target(
+                config.l2_redis_url,
+                username=config.l2_redis_username,
+                password=config.l2_redis_password,
+            )
+            tiers.append(
+                RedisTier(
+                    target,
+                    cluster=config.l2_redis_cluster,
+                    key_prefix=config.l2_redis_key_prefix,
+                    timeout_s=config.l2_redis_timeout_s,
+                    pool_size=config.l2_redis_pool_size,
+                )
+            )
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
     return tiers
 
 
@@ -715,7 +741,7 @@ class CacheEngine:
                 "capacity": stats.capacity,
                 "subscriber_errors": dict(stats.subscriber_errors),
             },
-            "config": dataclasses.asdict(self.config),
+            "config": self.config.public_dict(),
         }
 
     def close(self, timeout: float = 5.0) -> bool:

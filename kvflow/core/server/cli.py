@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn
 
-from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.config import SECRET_FIELDS, ObservabilityConfig, ServerConfig
 from kvflow.subscribers import LoggingSetup, configure_logging
 
 ENV_PREFIX = "KVFLOW_"
@@ -40,6 +40,11 @@ class _Option:
     def key(self) -> str:
         """The name in a TOML config file."""
         return self.flag[2:].replace("-", "_")
+
+    @property
+    def secret(self) -> bool:
+        """Whether the value may be a credential (never echoed in an error)."""
+        return self.field in (*SECRET_FIELDS, "l2_redis_url")
 
     @property
     def env(self) -> str:
@@ -104,6 +109,51 @@ OPTIONS = (
         _S,
         float,
         "longest wait of a request on an L2 tier, in seconds (default 2)",
+    ),
+    _Option(
+        "--l2-redis",
+        "l2_redis_url",
+        _S,
+        str,
+        "L2 on Redis: redis://[user:password@]host:port/db or rediss:// (TLS); off when absent",
+    ),
+    _Option(
+        "--l2-redis-cluster", "l2_redis_cluster", _S, bool, "the URL names a Redis Cluster node"
+    ),
+    _Option(
+        "--l2-redis-key-prefix",
+        "l2_redis_key_prefix",
+        _S,
+        str,
+        "prefix of every key kvflow writes to Redis (default kvflow:)",
+    ),
+    _Option(
+        "--l2-redis-username",
+        "l2_redis_username",
+        _S,
+        str,
+        "Redis ACL user (else the URL's, else KVFLOW_REDIS_USERNAME)",
+    ),
+    _Option(
+        "--l2-redis-password",
+        "l2_redis_password",
+        _S,
+        str,
+        "Redis password (else the URL's, else KVFLOW_REDIS_PASSWORD; prefer the variable)",
+    ),
+    _Option(
+        "--l2-redis-timeout-s",
+        "l2_redis_timeout_s",
+        _S,
+        float,
+        "connect and read timeout of each Redis call, in seconds (default 1)",
+    ),
+    _Option(
+        "--l2-redis-pool-size",
+        "l2_redis_pool_size",
+        _S,
+        int,
+        "Redis connections, each with its I/O thread (default 8)",
     ),
     _Option(
         "--disable-observability",
@@ -228,8 +278,9 @@ def _from_toml(opt: _Option, value: Any, source: str) -> Any:
     if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
+        shown = "a value not shown (it may hold a secret)" if opt.secret else repr(value)
         raise UsageError(
-            f"{source}: {opt.key} ({opt.flag}) must be a {opt.kind.__name__}, got {value!r}"
+            f"{source}: {opt.key} ({opt.flag}) must be a {opt.kind.__name__}, got {shown}"
         )
     return value
 
