@@ -715,6 +715,11 @@ class CacheEngine:
 
     # -- introspection and shutdown ------------------------------------------------------------
 
+    @property
+    def l2_tier_names(self) -> list[str]:
+        """The L2 tiers behind L1, in order (empty: L1 only)."""
+        return [t.name for t in self._tiering.tiers] if self._tiering is not None else []
+
     def l1_stats(self) -> dict[str, int]:
         """L1 usage, capacity, objects and evictions (what the L1 gauges read)."""
         return self.l1.stats()

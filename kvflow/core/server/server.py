@@ -177,6 +177,11 @@ class KVFlowServer:
             raise
         self._registrations: dict[str, _Registration] = {}
         self._workers: list[_Worker] = []
+        #: lookups and prefetches, when L2 tiers may make them wait (L1 only: none)
+        self._queries: _Worker | None = None
+        if self.engine.l2_tier_names:
+            self._queries = _Worker(self._ctx, self._results_addr, "queries")
+            self._workers.append(self._queries)
         self._last_seen: dict[str, float] = {}
         self._reaped_ids: OrderedDict[str, None] = OrderedDict()
         self._next_reap = 0.0
@@ -225,6 +230,8 @@ class KVFlowServer:
         workers = self._workers
         for reg in self._registrations.values():
             reg.worker.finish()
+        if self._queries is not None:
+            self._queries.finish()
         while any(w.alive for w in workers) and not self._force.is_set():
             if self._results.poll(int(_TICK_S * 1000)):
                 self._forward_results()
@@ -308,25 +315,13 @@ class KVFlowServer:
         engine = self.engine
         rid = request.id
         match request:
-            case Lookup():
-                hit = engine.lookup(
-                    arrays[0],
-                    model_name=request.model_name,
-                    world_size=request.world_size,
-                    cache_salt=request.cache_salt,
-                    request_id=request.request_id,
-                    prefetch=request.prefetch,
-                )
-                return Done(id=rid, value=hit, server_ns=_since(started))
-            case Prefetch():
-                prefetch_id = engine.prefetch(
-                    arrays[0],
-                    model_name=request.model_name,
-                    world_size=request.world_size,
-                    cache_salt=request.cache_salt,
-                    request_id=request.request_id,
-                )
-                return PrefetchStarted(id=rid, prefetch_id=prefetch_id, server_ns=_since(started))
+            case Lookup() | Prefetch():
+                if self._queries is None:  # L1 only: answered at once, on this thread
+                    return self._query(request, arrays[0], started)
+                # L2 tiers may take up to their timeout: off the loop, so other clients'
+                # requests (and heartbeats) keep flowing meanwhile
+                self._queries.submit(identity, self._query_job(request, arrays[0], started))
+                return None
             case PrefetchQuery():
                 state = engine.prefetch_state(request.prefetch_id)
                 return StatusResult(id=rid, status=state, server_ns=_since(started))
@@ -355,6 +350,32 @@ class KVFlowServer:
                 engine.report_block_allocations(request.instance_id, records)
                 return Done(id=rid, server_ns=_since(started))
         raise ProtocolError(f"unsupported request {type(request).__name__}")
+
+    def _query(self, request: Lookup | Prefetch, tokens: np.ndarray, started: int) -> Reply:
+        """A lookup's hit tokens or a prefetch's id (errors raise to the caller)."""
+        model, world, salt, rid = (
+            request.model_name, request.world_size, request.cache_salt, request.request_id
+        )  # fmt: skip
+        if isinstance(request, Lookup):
+            hit = self.engine.lookup(
+                tokens, model_name=model, world_size=world, cache_salt=salt, request_id=rid,
+                prefetch=request.prefetch,
+            )  # fmt: skip
+            return Done(id=request.id, value=hit, server_ns=_since(started))
+        prefetch_id = self.engine.prefetch(
+            tokens, model_name=model, world_size=world, cache_salt=salt, request_id=rid
+        )
+        return PrefetchStarted(id=request.id, prefetch_id=prefetch_id, server_ns=_since(started))
+
+    def _query_job(self, request: Lookup | Prefetch, tokens: np.ndarray, started: int) -> Job:
+        def run() -> Reply:
+            try:
+                return self._query(request, tokens, started)
+            except Exception as exc:
+                self._count_error()
+                return _failed(request.id, exc, started)
+
+        return run
 
     def _count_error(self) -> None:
         with self._errors_lock:

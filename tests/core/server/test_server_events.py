@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,6 +15,7 @@ from kvflow.core.errors import InvalidRequestError, UnknownInstanceError
 from kvflow.events import BlockAllocation, EventType
 from kvflow.events.testing import RecordingSubscriber
 from tests.support.engine import CHUNK, caches, events_of, of_type, pairs, small_engine
+from tests.support.tiers import FaultyTier, memory_tier
 
 
 @pytest.fixture
@@ -85,3 +87,35 @@ def test_every_remote_operation_pairs_its_events(
     assert (EventType.LOOKUP_START, "s", True) in done
     assert (EventType.RETRIEVE_START, "g", True) in done
     assert (EventType.STORE_START, "bad", False) in done
+
+
+def test_a_slow_l2_lookup_does_not_hold_up_other_clients() -> None:
+    """With an L2 tier that hangs, a lookup waits its L2 timeout on the server's query
+    worker while another client's requests are answered at once."""
+    tier = FaultyTier(memory_tier())
+    tier.hang = {"contains"}
+    engine, _ = small_engine(l2_tiers=[tier], l2_timeout_s=1.5)
+    server = KVFlowServer(engine.config, engine=engine)
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    try:
+        with KVFlowClient(server.endpoint) as slow, KVFlowClient(server.endpoint) as other:
+            hits: list[int] = []
+            asking = threading.Thread(
+                target=lambda: hits.append(slow.lookup(list(range(4 * CHUNK)), model_name="m"))
+            )
+            started = time.monotonic()
+            asking.start()
+            while tier.calls["contains"] == 0:  # the lookup is now waiting on the tier
+                assert time.monotonic() - started < 10
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            other.status()
+            other.end_session("r")
+            assert time.monotonic() - t0 < 1.0  # not queued behind the 1.5 s lookup
+            asking.join(10)
+            assert hits == [0]  # the hung tier counted as a miss, within its timeout
+    finally:
+        server.request_stop()
+        serving.join(20)
+        engine.bus.stop(5.0)
