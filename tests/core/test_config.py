@@ -50,3 +50,33 @@ def test_defaults_are_valid_and_safe() -> None:
     assert cfg.observability.metrics_enabled and cfg.observability.logging_enabled
     assert not cfg.observability.tracing_enabled
     assert ObservabilityConfig(tracing_enabled=True, otlp_endpoint="http://127.0.0.1:4317")
+
+
+SECRET = "pa55-Zq9-never-shown"
+
+
+def test_redis_credentials_never_show_in_repr_or_status_dict() -> None:
+    """The Redis URL's user and password and the credential fields are masked in the
+    config's repr and in public_dict (what status shows); other fields stay."""
+    config = ServerConfig(
+        l2_redis_url=f"rediss://kv:{SECRET}@cache.example:6380/2",
+        l2_redis_username="kv-user",
+        l2_redis_password=SECRET,
+    )
+    assert SECRET not in repr(config) and "kv-user" not in repr(config)
+    public = config.public_dict()
+    assert SECRET not in str(public) and "kv-user" not in str(public)
+    assert public["l2_redis_url"] == "rediss://***@cache.example:6380/2"
+    assert public["l2_redis_password"] == public["l2_redis_username"] == "***"
+    assert ServerConfig(l2_redis_url="redis://h:1").public_dict()["l2_redis_url"] == "redis://h:1"
+
+
+def test_bad_redis_settings_are_refused_without_echoing_them() -> None:
+    """A bad URL or credential type names the flag and never the value."""
+    with pytest.raises(ValueError, match="--l2-redis must be a redis:// or rediss:// URL") as exc:
+        ServerConfig(l2_redis_url=f"http://u:{SECRET}@h")
+    assert SECRET not in str(exc.value)
+    with pytest.raises(ValueError, match="--l2-redis-pool-size"):
+        ServerConfig(l2_redis_url="redis://h", l2_redis_pool_size=0)
+    with pytest.raises(ValueError, match="--l2-redis-key-prefix"):
+        ServerConfig(l2_redis_key_prefix="")

@@ -230,3 +230,32 @@ def test_observed_server_serves_prometheus_and_stops_on_sigint(tmp_path: Path) -
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_l2_settings_from_flags_file_and_environment(tmp_path: Path) -> None:
+    """--l2-disk takes a comma list (TOML: a list), --no-l2-write-back switches write-back
+    off, and a wrongly typed secret in the file is refused without echoing it."""
+    config = resolve(["--l2-disk", "/a, /b", "--no-l2-write-back", "--l2-timeout-s", "0.5"], {})
+    assert config.l2_disk_paths == ("/a", "/b") and config.l2_write_back is False
+    assert config.l2_timeout_s == 0.5
+    path = _toml(tmp_path, 'l2_disk = ["/x", "/y"]\nl2_redis = "redis://h:7000"\n')
+    config = resolve(["--config", path], {"KVFLOW_NO_L2_WRITE_BACK": "1"})
+    assert config.l2_disk_paths == ("/x", "/y") and config.l2_redis_url == "redis://h:7000"
+    assert config.l2_write_back is False
+    secret = "Zq9-not-for-errors"
+    bad = _toml(tmp_path, f'l2_redis_password = ["{secret}"]\n')
+    with pytest.raises(UsageError, match="--l2-redis-password") as exc:
+        resolve(["--config", bad], {})
+    assert secret not in str(exc.value)
+
+
+def test_a_refused_disk_path_exits_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A disk path that is a regular file: one line naming --l2-disk, exit status 2."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = ["--port", "0", "--prometheus-port", "0", "--l2-disk", str(blocker)]
+    assert main("server", argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--l2-disk" in err
