@@ -1,0 +1,189 @@
+"""The Redis tier when Redis fails: stopped mid-run and restarted on the same port,
+unreachable at start-up, out of memory under noeviction, hung (SIGSTOP) and resumed.
+Each fault is produced on a real redis-server process; nothing may hang or raise out
+of a future, every failure is counted, and the tier reconnects by itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TypeVar
+
+import pytest
+import torch
+
+from kvflow.core.tiers.base import ObjectKey
+from kvflow.core.tiers.redis import RedisTier
+from kvflow.core.tiers.redis_target import resolve_target
+from tests.support.redis_servers import RedisServer, free_port, redis_server
+
+T = TypeVar("T")
+TIMEOUT_S = 0.5
+#: how late past the tier's timeout a failing call may answer (thread hand-offs, a retry)
+SLACK_S = 0.6
+
+
+def key(i: int) -> ObjectKey:
+    return ObjectKey(i.to_bytes(32, "little"), "org/model", 1, 0, None)
+
+
+def payload(i: int, nbytes: int = 1024) -> torch.Tensor:
+    return torch.full((nbytes,), i % 251, dtype=torch.uint8)
+
+
+def timed(future: Future[T]) -> tuple[T, float]:
+    """The future's result and how long it took to come (never more than 10 s)."""
+    start = time.monotonic()
+    result = future.result(timeout=10)
+    return result, time.monotonic() - start
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def works(tier: RedisTier, i: int) -> bool:
+    """Whether a store and load of key i round-trip now."""
+    if tier.store([(key(i), payload(i))]).result(timeout=10).stored != 1:
+        return False
+    dst = torch.zeros(1024, dtype=torch.uint8)
+    return tier.load([key(i)], [dst]).result(timeout=10) == [True] and torch.equal(dst, payload(i))
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as made:
+        yield made
+
+
+def make_tier(server: RedisServer) -> RedisTier:
+    return RedisTier(resolve_target(server.url(), environ={}), timeout_s=TIMEOUT_S, pool_size=4)
+
+
+def test_a_stopped_server_fails_calls_fast_and_a_restart_is_rejoined(server: RedisServer) -> None:
+    """With redis-server stopped, contains answers all False within the timeout, stores
+    fail and loads miss, all counted; restarted on the same port, the tier reconnects by
+    itself (counted) and stores and loads work again."""
+    tier = make_tier(server)
+    try:
+        assert works(tier, 1)
+        server.stop()
+        keys = [key(i) for i in range(50)]
+        got, took = timed(tier.contains(keys))
+        assert got == [False] * 50 and took < TIMEOUT_S + SLACK_S
+        outcome, took = timed(tier.store([(key(2), payload(2)), (key(3), payload(3))]))
+        assert outcome.failed == 2 and took < TIMEOUT_S + SLACK_S
+        dst = torch.zeros(1024, dtype=torch.uint8)
+        got, took = timed(tier.load([key(1)], [dst]))
+        assert got == [False] and took < TIMEOUT_S + SLACK_S
+        got, took = timed(tier.contains(keys))  # disconnected now: no network at all
+        assert got == [False] * 50 and took < 0.1
+        stats = tier.stats()
+        assert stats["connected"] == 0 and stats["lookup_failures"] >= 2
+        assert stats["store_failures"] == 2 and stats["load_failures"] >= 1
+        assert tier.describe()["last_error"]
+        server.start()
+        wait_for(lambda: tier.stats()["connected"] == 1)
+        assert tier.stats()["reconnects"] == 1
+        assert works(tier, 4)
+    finally:
+        tier.close()
+
+
+def test_redis_unreachable_at_start_up_is_not_fatal() -> None:
+    """A tier whose Redis is not there yet starts disconnected, misses at once, and
+    connects when a server appears on its port."""
+    port = free_port()
+    start = time.monotonic()
+    tier = RedisTier(resolve_target(f"redis://127.0.0.1:{port}/0", environ={}), timeout_s=TIMEOUT_S)
+    try:
+        assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+        assert tier.stats()["connected"] == 0
+        got, took = timed(tier.contains([key(1)]))
+        assert got == [False] and took < 0.1
+        assert tier.store([(key(1), payload(1))]).result(timeout=1).failed == 1
+        with redis_server(port=port):
+            wait_for(lambda: tier.stats()["connected"] == 1)
+            assert tier.stats()["reconnects"] == 1
+            assert works(tier, 2)
+    finally:
+        tier.close()
+
+
+def test_maxmemory_noeviction_fails_stores_and_keeps_earlier_keys() -> None:
+    """Under maxmemory 2mb with noeviction, stores past the limit fail (OOM), counted,
+    while keys stored earlier still load."""
+    with redis_server(maxmemory="2mb", policy="noeviction") as server:
+        tier = make_tier(server)
+        try:
+            nbytes = 64 << 10
+            items = [(key(i), payload(i, nbytes)) for i in range(40)]  # 2.5 MiB in all
+            outcome = tier.store(items).result(timeout=10)
+            assert outcome.stored >= 1 and outcome.failed >= 1
+            assert outcome.stored + outcome.failed == 40
+            assert tier.stats()["store_failures"] == outcome.failed
+            assert "OutOfMemoryError" in str(tier.describe()["last_error"])
+            held = tier.contains([k for k, _ in items]).result(timeout=10)
+            assert sum(held) == outcome.stored
+            stored = [k for k, ok in zip([k for k, _ in items], held, strict=True) if ok]
+            dsts = [torch.zeros(nbytes, dtype=torch.uint8) for _ in stored]
+            assert tier.load(stored, dsts).result(timeout=10) == [True] * len(stored)
+            for k, dst in zip(stored, dsts, strict=True):
+                assert torch.equal(dst, payload(int.from_bytes(k.chunk_hash, "little"), nbytes))
+            assert tier.stats()["connected"] == 1  # OOM is no link failure
+            assert tier.store([(key(99), payload(99, nbytes))]).result(timeout=10).failed == 1
+        finally:
+            tier.close()
+
+
+def test_a_hung_server_times_out_within_the_timeout_and_recovers(server: RedisServer) -> None:
+    """With redis-server stopped by SIGSTOP (connections open, no answers), contains and
+    load complete False within about timeout_s and stores fail; after SIGCONT the tier
+    reconnects and works again."""
+    tier = make_tier(server)
+    try:
+        assert works(tier, 1)
+        server.hang()
+        try:
+            keys = [key(i) for i in range(20)]
+            got, took = timed(tier.contains(keys))
+            assert got == [False] * 20 and took < TIMEOUT_S + SLACK_S
+            dst = torch.zeros(1024, dtype=torch.uint8)
+            got, took = timed(tier.load([key(1)], [dst]))
+            assert got == [False] and took < TIMEOUT_S + SLACK_S
+            outcome, took = timed(tier.store([(key(5), payload(5))]))
+            assert outcome.failed == 1 and took < TIMEOUT_S + SLACK_S
+            start = time.monotonic()
+            stats = tier.stats()  # never waits on the hung server
+            assert time.monotonic() - start < 0.05
+            assert stats["connected"] == 0 and stats["lookup_failures"] >= 1
+            assert "Timeout" in str(tier.describe()["last_error"])
+        finally:
+            server.resume()
+        wait_for(lambda: tier.stats()["connected"] == 1)
+        assert tier.stats()["reconnects"] == 1
+        assert works(tier, 6)
+        dst = torch.zeros(1024, dtype=torch.uint8)
+        assert tier.load([key(1)], [dst]).result(timeout=10) == [True]  # data kept
+    finally:
+        tier.close()
+
+
+def test_close_while_hung_is_bounded(server: RedisServer) -> None:
+    """close() with calls in flight to a hung server returns within a few timeouts."""
+    tier = make_tier(server)
+    futures = []
+    try:
+        server.hang()
+        futures = [tier.contains([key(i)]) for i in range(8)]
+    finally:
+        start = time.monotonic()
+        tier.close()
+        took = time.monotonic() - start
+        server.resume()
+    assert took < 3 * TIMEOUT_S + SLACK_S
+    assert all(f.result(timeout=0) == [False] for f in futures)

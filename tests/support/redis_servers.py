@@ -1,0 +1,288 @@
+"""Real redis-server processes for tests: on free ports, in temporary directories.
+
+`RedisServer` writes a redis.conf (no persistence, loopback only) and runs
+`redis-server` with it: plain, with `requirepass`, with ACL users (`default` off or
+given another password), with TLS (certificates made by `openssl` in its directory),
+with `maxmemory` and a policy. It starts, stops (SIGTERM), restarts on the same port,
+and hangs (SIGSTOP) and resumes (SIGCONT). `shared_server()` is one plain server per
+test process (the tier contract's); callers flush it.
+
+Everything skips the calling test (pytest.skip, with the reason) when `redis-server`
+is not installed; `tls_unsupported()` says why TLS cannot be tested, or None.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+OPENSSL = shutil.which("openssl")
+
+
+def require_redis_server() -> str:
+    """The redis-server binary, or skip the test saying it is missing."""
+    if not os.access(REDIS_SERVER, os.X_OK):
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    return REDIS_SERVER
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class AclUser:
+    """An ACL user of the server: `user NAME on >PASSWORD ~* +@all`."""
+
+    name: str
+    password: str
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process and its configuration (see the module doc)."""
+
+    directory: Path
+    port: int = 0
+    password: str | None = None  # requirepass (the default user's password)
+    users: Sequence[AclUser] = ()
+    default_off: bool = False  # with users: `user default off`
+    tls: bool = False  # listen with TLS only (tls-port), certs in `directory`
+    maxmemory: str | None = None  # e.g. "2mb"
+    policy: str | None = None  # maxmemory-policy, e.g. "noeviction"
+    extra: Sequence[str] = ()  # more redis.conf lines
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            self.port = free_port()
+        if self.tls:
+            make_certs(self.directory)
+
+    # -- configuration -------------------------------------------------------------
+
+    @property
+    def ca_file(self) -> Path:
+        return self.directory / "ca.crt"
+
+    @property
+    def log_file(self) -> Path:
+        return self.directory / "redis.log"
+
+    def conf_lines(self) -> list[str]:
+        lines = [
+            "bind 127.0.0.1",
+            f"dir {self.directory}",
+            f"logfile {self.log_file}",
+            'save ""',
+            "appendonly no",
+            "daemonize no",
+            "protected-mode no",
+            "loglevel notice",
+        ]
+        if self.tls:
+            d = self.directory
+            lines += [
+                "port 0",
+                f"tls-port {self.port}",
+                f"tls-cert-file {d / 'server.crt'}",
+                f"tls-key-file {d / 'server.key'}",
+                f"tls-ca-cert-file {self.ca_file}",
+                "tls-auth-clients no",
+            ]
+        else:
+            lines.append(f"port {self.port}")
+        if self.password is not None:
+            lines.append(f"requirepass {self.password}")
+        for user in self.users:
+            lines.append(f"user {user.name} on >{user.password} ~* &* +@all")
+        if self.default_off:
+            lines.append("user default off")
+        if self.maxmemory is not None:
+            lines.append(f"maxmemory {self.maxmemory}")
+        if self.policy is not None:
+            lines.append(f"maxmemory-policy {self.policy}")
+        return lines + list(self.extra)
+
+    def url(self, username: str | None = None, password: str | None = None, db: int = 0) -> str:
+        """The server's URL, with the given credentials in it (only when given)."""
+        creds = ""
+        if username or password:
+            creds = f"{username or ''}:{password or ''}@" if password else f"{username}@"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{creds}127.0.0.1:{self.port}/{db}"
+
+    def admin(self, **kwargs: Any) -> redis.Redis:
+        """A plain redis-py client with working credentials (the first ACL user's when
+        the default user is off), for a test to look behind the tier."""
+        args: dict[str, Any] = {"host": "127.0.0.1", "port": self.port, "socket_timeout": 5}
+        if self.default_off and self.users:
+            args.update(username=self.users[0].name, password=self.users[0].password)
+        elif self.password is not None:
+            args["password"] = self.password
+        if self.tls:
+            args.update(ssl=True, ssl_ca_certs=str(self.ca_file))
+        args.update(kwargs)
+        return redis.Redis(**args)
+
+    # -- process ------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start redis-server on `port` and wait until it answers PING."""
+        binary = require_redis_server()
+        if self.process is not None and self.process.poll() is None:
+            return self
+        conf = self.directory / "redis.conf"
+        conf.write_text("\n".join(self.conf_lines()) + "\n")
+        self.process = subprocess.Popen(
+            [binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + timeout_s
+        client = self.admin(socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    err = self.process.stderr.read().decode() if self.process.stderr else ""
+                    log = self.log_file.read_text() if self.log_file.exists() else ""
+                    raise RuntimeError(
+                        f"redis-server exited ({self.process.returncode}): {err}{log[-2000:]}"
+                    )
+                try:
+                    if client.ping():
+                        return self
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after 5 s) and wait for it; idempotent."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGCONT)  # a hung server must run to exit
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def restart(self) -> RedisServer:
+        """Stop, then start again on the same port (an empty dataset: nothing is saved)."""
+        self.stop()
+        return self.start()
+
+    def hang(self) -> None:
+        """SIGSTOP the server: connections stay open, nothing answers."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a hung server."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def flush(self) -> None:
+        with self.admin() as client:
+            client.flushall()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextmanager
+def redis_server(**kwargs: Any) -> Iterator[RedisServer]:
+    """A started RedisServer in a fresh temporary directory, stopped and removed after."""
+    require_redis_server()
+    with tempfile.TemporaryDirectory(prefix="kvflow-redis-") as tmp, RedisServer(
+        Path(tmp), **kwargs
+    ) as server:  # fmt: skip
+        yield server
+
+
+# -- TLS ----------------------------------------------------------------------------------
+
+
+def make_certs(directory: Path) -> None:
+    """A throw-away CA (ca.crt) and a server certificate for 127.0.0.1/localhost
+    (server.crt, server.key) signed by it, made with openssl (EC P-256, one day)."""
+    if OPENSSL is None:
+        pytest.skip("openssl is not installed: no certificates for the TLS test")
+    d = str(directory)
+
+    def run(*args: str) -> None:
+        subprocess.run([OPENSSL, *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=kvflow test CA")  # fmt: skip
+    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+
+
+@functools.cache
+def tls_unsupported() -> str | None:
+    """Why a TLS server cannot be run here (None when it can): no openssl, or a
+    redis-server built without TLS (probed by starting one)."""
+    if not os.access(REDIS_SERVER, os.X_OK):
+        return "redis-server is not installed"
+    if OPENSSL is None:
+        return "openssl is not installed"
+    with tempfile.TemporaryDirectory(prefix="kvflow-redis-tls-probe-") as tmp:
+        try:
+            with RedisServer(Path(tmp), tls=True):
+                return None
+        except RuntimeError as e:
+            return f"this redis-server cannot serve TLS: {str(e)[-300:]}"
+
+
+# -- one server per test process ----------------------------------------------------------
+
+_shared: RedisServer | None = None
+
+
+def shared_server() -> RedisServer:
+    """A plain server for the whole test process (started on first use, stopped at exit);
+    callers flush it before use."""
+    global _shared
+    if _shared is None or _shared.process is None or _shared.process.poll() is not None:
+        require_redis_server()
+        tmp = tempfile.mkdtemp(prefix="kvflow-redis-shared-")
+        server = RedisServer(Path(tmp)).start()
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        atexit.register(server.stop)
+        _shared = server
+    return _shared
