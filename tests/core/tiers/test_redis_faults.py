@@ -86,6 +86,10 @@ def test_a_stopped_server_fails_calls_fast_and_a_restart_is_rejoined(server: Red
         assert stats["connected"] == 0 and stats["lookup_failures"] >= 2
         assert stats["store_failures"] == 2 and stats["load_failures"] >= 1
         assert tier.describe()["last_error"]
+        time.sleep(0.8)  # down long enough for several reconnect attempts to fail
+        assert str(tier.describe()["last_error"]).startswith("reconnect:")
+        got, took = timed(tier.contains(keys))
+        assert got == [False] * 50 and took < 0.1
         server.start()
         wait_for(lambda: tier.stats()["connected"] == 1)
         assert tier.stats()["reconnects"] == 1
