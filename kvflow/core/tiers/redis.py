@@ -732,10 +732,9 @@ class RedisTier:
     def describe(self) -> dict[str, Any]:
         """The tier as JSON-ready status (credentials masked)."""
         nodes: list[str] = []
-        if self.cluster and self._client is not None:
-            nodes = sorted(
-                f"{n.host}:{n.port} {n.server_type or '?'}" for n in self._client.get_nodes()
-            )
+        client = self._client  # None before a cluster is first reached, and after close
+        if self.cluster and client is not None:
+            nodes = sorted(f"{n.host}:{n.port} {n.server_type or '?'}" for n in client.get_nodes())
         with self._lock:
             return {
                 "name": self.name,
