@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import numpy as np
@@ -232,6 +233,9 @@ class RedisTier:
         self._stop = threading.Event()
         self._reconnector: threading.Thread | None = None
         self._client: Any = None  # redis.Redis or RedisCluster (made later if unreachable)
+        #: cluster nodes found unreachable: when to try each again, and its current backoff
+        self._node_retry: dict[str, float] = {}
+        self._node_delay: dict[str, float] = {}
         self._io = ThreadPoolExecutor(pool_size, thread_name_prefix="kvflow-redis")
         try:
             self._start()
@@ -367,7 +371,8 @@ class RedisTier:
         """Record a failed call; a link error also marks the tier disconnected."""
         if isinstance(exc, _Down):
             return
-        if isinstance(exc, _LINK_ERRORS):
+        if isinstance(exc, _LINK_ERRORS) and not (self.cluster and self._client is not None):
+            # (a cluster's nodes go down one by one: _execute keeps their state apart)
             self._went_down(what, exc)
         else:
             with self._lock:
@@ -444,12 +449,89 @@ class RedisTier:
     def _pipeline(self, client: Any) -> Any:
         return client.pipeline() if self.cluster else client.pipeline(transaction=False)
 
+    def _execute(
+        self, client: Any, names: Sequence[bytes], add: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """Run one pipelined command per name (`add(pipe, i)` queues name i's); one reply
+        per name, an Exception where it failed.
+
+        One server: one pipeline; its errors raise. A cluster: one pipeline per node
+        holding some of the names, so a node that is down (or was, less than its backoff
+        ago: those names fail at once, without network I/O) costs only its own names.
+        """
+        if not self.cluster:
+            pipe = self._pipeline(client)
+            for i in range(len(names)):
+                add(pipe, i)
+            return list(pipe.execute(raise_on_error=False))
+        replies: list[Any] = [None] * len(names)
+        for node, idxs in self._by_node(client, names).items():
+            if node is None or not self._node_usable(client, node):
+                down = _Down(f"cluster node {node or '(no node for the slot)'} is down")
+                for i in idxs:
+                    replies[i] = down
+                continue
+            try:
+                pipe = client.pipeline()
+                for i in idxs:
+                    add(pipe, i)
+                got = pipe.execute(raise_on_error=False)
+            except Exception as e:
+                if isinstance(e, _LINK_ERRORS):
+                    self._node_failed(node, e)
+                got = [e] * len(idxs)
+            else:
+                self._node_ok(node)
+            for i, reply in zip(idxs, got, strict=True):
+                replies[i] = reply
+        return replies
+
+    def _by_node(self, client: Any, names: Sequence[bytes]) -> dict[str | None, list[int]]:
+        """Indexes of `names` by the cluster node serving their slot (None: no node)."""
+        groups: dict[str | None, list[int]] = {}
+        for i, name in enumerate(names):
+            try:
+                node: str | None = client.get_node_from_key(name).name
+            except Exception:
+                node = None
+            groups.setdefault(node, []).append(i)
+        return groups
+
+    def _node_usable(self, client: Any, node: str) -> bool:
+        """Whether to send to `node` now: never marked down, or its backoff is over (then
+        the client first re-reads the slot map: a replica may have taken over)."""
+        with self._lock:
+            retry_at = self._node_retry.get(node)
+        if retry_at is None:
+            return True
+        if time.monotonic() < retry_at:
+            return False
+        with suppress(Exception):
+            client.nodes_manager.initialize()
+        return True
+
+    def _node_failed(self, node: str, exc: BaseException) -> None:
+        """A cluster node is unreachable: its names fail fast for a backoff that doubles."""
+        with self._lock:
+            delay = min(2 * self._node_delay.get(node, RECONNECT_FIRST_S / 2), RECONNECT_CAP_S)
+            self._node_delay[node] = delay
+            first = node not in self._node_retry
+            self._node_retry[node] = time.monotonic() + delay
+            self._last_error = f"cluster node {node}: {self._scrub(exc)}"
+        if first:
+            log.warning(
+                "L2 Redis cluster node %s unreachable; its keys miss until it answers", node
+            )
+
+    def _node_ok(self, node: str) -> None:
+        with self._lock:
+            if self._node_retry.pop(node, None) is not None:
+                self._node_delay.pop(node, None)
+                self.counters["reconnects"] += 1
+
     def _contains(self, names: list[bytes]) -> list[bool]:
         try:
-            pipe = self._pipeline(self._up())
-            for name in names:
-                pipe.exists(name)
-            replies = pipe.execute(raise_on_error=False)
+            replies = self._execute(self._up(), names, lambda pipe, i: pipe.exists(names[i]))
         except Exception as e:
             self._count("lookup_failures")
             self._failed("contains", e)
@@ -463,11 +545,12 @@ class RedisTier:
     def _store(self, names: list[bytes], bufs: list[torch.Tensor]) -> StoreOutcome:
         try:
             client = self._up()
-            pipe = self._pipeline(client)
-            for name, buf in zip(names, bufs, strict=True):
-                payload = buf.contiguous().numpy().data
-                pipe.set(name, self.encode_value(name, payload), nx=True)
-            replies = pipe.execute(raise_on_error=False)
+
+            def add(pipe: Any, i: int) -> None:
+                payload = bufs[i].contiguous().numpy().data
+                pipe.set(names[i], self.encode_value(names[i], payload), nx=True)
+
+            replies = self._execute(client, names, add)
         except Exception as e:
             self._count("store_failures", len(names))
             self._failed("store", e)
@@ -485,10 +568,7 @@ class RedisTier:
     def _load(self, names: list[bytes], dsts: list[torch.Tensor]) -> list[bool]:
         try:
             client = self._up()
-            pipe = self._pipeline(client)
-            for name in names:
-                pipe.get(name)
-            replies = pipe.execute(raise_on_error=False)
+            replies = self._execute(client, names, lambda pipe, i: pipe.get(names[i]))
         except Exception as e:
             self._count("load_failures", len(names))
             self._failed("load", e)
@@ -530,10 +610,7 @@ class RedisTier:
     def _delete(self, client: Any, names: Sequence[bytes]) -> int:
         """DEL the keys (pipelined); how many existed. Errors are recorded, not raised."""
         try:
-            pipe = self._pipeline(client)
-            for name in names:
-                pipe.delete(name)
-            replies = pipe.execute(raise_on_error=False)
+            replies = self._execute(client, names, lambda pipe, i: pipe.delete(names[i]))
         except Exception as e:
             self._failed("delete", e)
             return 0

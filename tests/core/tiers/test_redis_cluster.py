@@ -288,12 +288,6 @@ def test_a_restarted_master_without_replica_comes_back_empty(
         assert cluster.dbsize(victim) == len(on_victim)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RedisTier treats one unreachable cluster node as the whole tier down: every "
-    "call then answers all-miss and the PING to the seed node reconnects it, so with a "
-    "master down for good it flaps and serves nothing (kvflow/core/tiers/redis.py _failed)",
-)
 def test_the_other_masters_keep_serving_while_one_is_down(
     tmp_path: Path, tiers: list[RedisTier]
 ) -> None:
