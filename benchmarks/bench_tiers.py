@@ -24,6 +24,16 @@ round so a drift of the machine cancels; figures are medians over rounds):
    object files fsynced and dropped from the page cache, L1 emptied; then the time from
    `lookup()` (which starts the prefetch) until every chunk is readable in L1, next to a
    plain sequential read of the same object files (dropped from the page cache again).
+5. Redis (`--redis URL`, or by default a `redis-server` started on a free loopback port
+   for the run with `--save '' --appendonly no` and no maxmemory, stopped at its end;
+   `--no-redis` skips it): `RedisTier.store` / `load` of 32 MiB and 1 MiB objects
+   (`--redis-gib` each) against plain redis-py SET then GET of the same sizes over as
+   many connections as the tier's pool_size (one thread per connection, each its share),
+   sides alternating per round, FLUSHDB after each side; and the lookup of a 128k-token
+   prompt: `RedisTier.contains` of 500 present chunk keys next to a plain redis-py
+   pipeline of 500 EXISTS, with the round trips each took.
+
+`--only disk` / `--only redis` runs one part.
 """
 
 from __future__ import annotations
@@ -31,11 +41,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import platform
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+import redis
 import torch
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
@@ -52,6 +66,8 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.tiers import diskfile
 from kvflow.core.tiers.base import ObjectKey
 from kvflow.core.tiers.disk import DiskTier
+from kvflow.core.tiers.redis import BATCH_BYTES, RedisTier
+from kvflow.core.tiers.redis_target import RedisTarget, resolve_target
 from kvflow.kernels import KVFormat
 from kvflow.kernels.synthetic import make_kv_caches
 
@@ -544,6 +560,297 @@ def run_prefetch(model: Model, volume: int, base: str, rounds: int, args: Any) -
     }
 
 
+# -- 5: Redis tier ------------------------------------------------------------------------
+
+#: the model name of the lookup's keys (a realistic one: its escaping is part of the cost)
+LOOKUP_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+LOOKUP_KEYS = 500  # a 128k-token prompt in 256-token chunks
+REDIS_PREFIX = "kvflow-bench:"
+
+
+class LocalRedis:
+    """A redis-server of this run: a free loopback port, no persistence, no memory bound,
+    in a temporary directory; stopped (and the directory removed) by `stop`."""
+
+    def __init__(self, binary: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="bench-tiers-redis-")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--maxmemory", "0", "--dir", self.dir,
+               "--logfile", os.path.join(self.dir, "redis.log"), "--daemonize", "no"]  # fmt: skip
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5,
+                             socket_connect_timeout=0.5)  # fmt: skip
+        deadline = time.monotonic() + 10.0
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"redis-server exited ({self.process.returncode})")
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _plain_client(target: RedisTarget, timeout_s: float = 30.0) -> redis.Redis:
+    """A plain redis-py client of the target (one connection when used by one thread)."""
+    tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": target.ca_certs} if target.tls else {}
+    return redis.Redis(host=target.host, port=target.port, db=target.db,
+                       username=target.username, password=target.password,
+                       socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls)  # fmt: skip
+
+
+def _redis_tier(target: RedisTarget, args: Any) -> RedisTier:
+    # a generous timeout: a 64 MiB pipeline on a loaded 2-core machine is not a fault
+    tier = RedisTier(target, key_prefix=REDIS_PREFIX, timeout_s=30.0, pool_size=args.redis_pool)
+    if not tier.stats()["connected"]:
+        tier.close()
+        raise RuntimeError(f"the Redis tier could not reach {target.safe_url()}")
+    return tier
+
+
+def _plain_names(count: int, tag: str) -> list[bytes]:
+    return [f"bench-plain:{tag}:{i:06d}".encode() for i in range(count)]
+
+
+def _shares(count: int, n: int) -> list[list[int]]:
+    """Object indices dealt round-robin over n threads (empty shares dropped)."""
+    return [s for s in (list(range(j, count, n)) for j in range(n)) if s]
+
+
+def run_redis_case(
+    model: Model, volume: int, target: RedisTarget, rounds: int, args: Any
+) -> dict[str, Any]:
+    """Store then load `volume` bytes of `model`'s chunks through RedisTier, and through
+    plain redis-py SET then GET of the same sizes over as many connections as the tier has
+    (one thread each, each its round-robin share); sides alternate per round; FLUSHDB
+    after each side."""
+    size = model.chunk_bytes
+    count = max(1, volume // size)
+    total = count * size
+    srcs = source_buffers(size, count)
+    dsts = touched_buffers(size, count)
+    keys = object_keys(count, f"redis{model.name}")
+    names = _plain_names(count, model.name)
+    conns = args.redis_pool
+    clients = [_plain_client(target) for _ in range(conns)]
+    admin = _plain_client(target)
+    tier = _redis_tier(target, args)
+    pool = ThreadPoolExecutor(conns, thread_name_prefix="bench-redis-plain")
+    shares = _shares(count, conns)
+    got: list[int] = [0] * count
+    t: dict[str, list[float]] = {k: [] for k in ("ceil_set", "ceil_get", "tier_store", "tier_load")}
+
+    def plain_set(j: int) -> None:
+        client = clients[j]
+        for i in shares[j]:
+            client.set(names[i], srcs[i].numpy().data)
+
+    def plain_get(j: int) -> None:
+        client = clients[j]
+        for i in shares[j]:
+            value = client.get(names[i])
+            got[i] = -1 if value is None else len(value)
+
+    def plain(fn: Callable[[int], None]) -> float:
+        t0 = time.perf_counter()
+        for _ in pool.map(fn, range(len(shares))):
+            pass
+        return time.perf_counter() - t0
+
+    try:
+        for c in (admin, *clients):
+            c.ping()
+        admin.flushdb()
+        for rnd in range(rounds):
+            for side in ("ceil", "tier") if rnd % 2 == 0 else ("tier", "ceil"):
+                for d in dsts[:: max(1, len(dsts) // 8)]:
+                    d.zero_()
+                if side == "ceil":
+                    got[:] = [0] * count
+                    t["ceil_set"].append(plain(plain_set))
+                    t["ceil_get"].append(plain(plain_get))
+                    if got != [size] * count:
+                        raise RuntimeError(f"plain GET: {sum(g == size for g in got)} of {count}")
+                else:
+                    t0 = time.perf_counter()
+                    outcome = tier.store(list(zip(keys, srcs, strict=True))).result()
+                    t["tier_store"].append(time.perf_counter() - t0)
+                    if outcome.stored != count:
+                        raise RuntimeError(f"the Redis tier stored {outcome}, not {count}")
+                    t0 = time.perf_counter()
+                    ok = tier.load(keys, dsts).result()
+                    t["tier_load"].append(time.perf_counter() - t0)
+                    if not all(ok):
+                        raise RuntimeError(f"the Redis tier loaded {sum(ok)} of {count} objects")
+                    _check(srcs, dsts, "redis tier")
+                admin.flushdb()
+        used = int(admin.info("memory")["used_memory"])
+    finally:
+        pool.shutdown(wait=True)
+        tier.close()
+        for c in (admin, *clients):
+            c.close()
+    gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
+
+    def ratio(ceiling: str, tier_side: str) -> float:
+        return _median([c / s for c, s in zip(t[ceiling], t[tier_side], strict=True)])
+
+    return {
+        "model": model.name,
+        "object_bytes": size,
+        "objects": count,
+        "bytes": total,
+        "rounds": rounds,
+        "connections": conns,
+        "gbps": gbps,
+        "seconds": dict(t),
+        "store_ratio": ratio("ceil_set", "tier_store"),
+        "load_ratio": ratio("ceil_get", "tier_load"),
+        "counts": {
+            "tier_pipelines_per_call": -(-count // max(1, BATCH_BYTES // size)),
+            "used_memory_after_flush": used,
+        },
+    }
+
+
+class _TripCounter:
+    """Counts round trips on redis-py connections: a send followed by a read (as many
+    sends as wanted before the first read of their replies count as one trip)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self._saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> _TripCounter:
+        cls = redis.connection.AbstractConnection
+        send, read = cls.send_packed_command, cls.read_response
+        events = self.events
+
+        def counting_send(conn: Any, *a: Any, **kw: Any) -> Any:
+            events.append("send")
+            return send(conn, *a, **kw)
+
+        def counting_read(conn: Any, *a: Any, **kw: Any) -> Any:
+            events.append("read")
+            return read(conn, *a, **kw)
+
+        self._saved = (send, read)
+        setattr(cls, "send_packed_command", counting_send)  # noqa: B010
+        setattr(cls, "read_response", counting_read)  # noqa: B010
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._saved is not None
+        cls = redis.connection.AbstractConnection
+        setattr(cls, "send_packed_command", self._saved[0])  # noqa: B010
+        setattr(cls, "read_response", self._saved[1])  # noqa: B010
+
+    @property
+    def trips(self) -> int:
+        return sum(1 for a, b in itertools.pairwise(self.events) if (a, b) == ("send", "read"))
+
+
+def _trips(admin: redis.Redis, run: Callable[[], Any]) -> dict[str, int]:
+    """Round trips of `run` (client side: send then read on redis-py connections), and
+    the EXISTS calls and server read events (socket reads) meanwhile, from INFO deltas
+    (the INFO call's own read subtracted)."""
+    admin.config_resetstat()
+    before = int(admin.info("stats")["total_reads_processed"])
+    with _TripCounter() as counter:
+        run()
+    after = int(admin.info("stats")["total_reads_processed"])
+    exists = admin.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    return {"round_trips": counter.trips, "exists_calls": int(exists),
+            "server_reads": after - before - 1}  # fmt: skip
+
+
+def run_redis_lookup(target: RedisTarget, reps: int, args: Any) -> dict[str, Any]:
+    """`contains` of the chunk keys of a 128k-token prompt (all present), alternating per
+    repetition with a plain redis-py pipeline of as many EXISTS (names prepared)."""
+    keys = [
+        ObjectKey(hashlib.blake2b(f"p-{i}".encode(), digest_size=16).digest(), LOOKUP_MODEL, 1, 0, None)
+        for i in range(LOOKUP_KEYS)
+    ]  # fmt: skip
+    admin = _plain_client(target)
+    plain = _plain_client(target)
+    tier = _redis_tier(target, args)
+    names = [tier.redis_key(k) for k in keys]
+    t: dict[str, list[float]] = {"tier": [], "ceiling": [], "key_names": []}
+
+    def ceiling() -> list[Any]:
+        pipe = plain.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return list(pipe.execute())
+
+    def lookup() -> list[bool]:
+        return tier.contains(keys).result()
+
+    try:
+        admin.flushdb()
+        payload = torch.zeros(1024, dtype=torch.uint8)
+        stored = tier.store([(k, payload) for k in keys]).result()
+        if stored.stored != len(keys):
+            raise RuntimeError(f"lookup keys: the Redis tier stored {stored}")
+        warm = max(3, reps // 10)
+        for rep in range(warm + reps):
+            for side in ("tier", "ceiling") if rep % 2 == 0 else ("ceiling", "tier"):
+                t0 = time.perf_counter()
+                answer = lookup() if side == "tier" else ceiling()
+                elapsed = time.perf_counter() - t0
+                if not all(answer):
+                    raise RuntimeError(f"{side}: {sum(map(bool, answer))} of {len(keys)} held")
+                if rep >= warm:
+                    t[side].append(elapsed)
+            t0 = time.perf_counter()
+            for k in keys:  # the tier's own first step, timed alone
+                tier.redis_key(k)
+            if rep >= warm:
+                t["key_names"].append(time.perf_counter() - t0)
+        trips = {"tier": _trips(admin, lookup), "ceiling": _trips(admin, ceiling)}
+        admin.flushdb()
+    finally:
+        tier.close()
+        admin.close()
+        plain.close()
+    row: dict[str, Any] = {
+        "keys": len(keys),
+        "reps": reps,
+        "model_name": LOOKUP_MODEL,
+        "seconds": t,
+        "ratio": _median([c / s for c, s in zip(t["ceiling"], t["tier"], strict=True)]),
+        "counts": {f"{side}_{k}": v for side, c in trips.items() for k, v in c.items()},
+    }
+    for side, v in t.items():
+        row[f"{side}_p50_ms"] = _pct(v, 50) * 1e3
+        row[f"{side}_p90_ms"] = _pct(v, 90) * 1e3
+    return row
+
+
 # -- machine facts -----------------------------------------------------------------------
 
 
@@ -599,7 +906,7 @@ def table_rows(res: dict[str, Any], direct: bool) -> list[tuple[str, str, str, s
         rows.append((case, value, ceil, "-" if ratio is None else f"{ratio:.3f}", target, verdict))
 
     tag = " (O_DIRECT)" if direct else ""
-    for case in res["tiers"]:
+    for case in res.get("tiers", []):
         g = case["gbps"]
         add(f"store {case['model']}{tag} GB/s", f"{g['tier_store']:.3f}", f"{g['ceil_write']:.3f}",
             case["store_ratio"], ">= 0.85", case["store_ratio"] >= 0.85)  # fmt: skip
@@ -610,6 +917,19 @@ def table_rows(res: dict[str, Any], direct: bool) -> list[tuple[str, str, str, s
             f"{g['ceil_par_write']:.3f}", case["store_ratio_par"], "info", None)  # fmt: skip
         add(f"  load {case['model']} vs {par}", f"{g['tier_load']:.3f}",
             f"{g['ceil_par_read']:.3f}", case["load_ratio_par"], "info", None)  # fmt: skip
+    if "scaling" in res:
+        disk_rows(res, add)
+    if "redis" in res:
+        redis_rows(res, add)
+    return rows
+
+
+#: add(case, value, ceiling, ratio, target, verdict) appends one line of the final table
+Add = Callable[[str, str, str, float | None, str, bool | None], None]
+
+
+def disk_rows(res: dict[str, Any], add: Add) -> None:
+    """Sections 2-4's lines of the final table."""
     s = res["scaling"]
     g = s["gbps"]
     add("store 2 paths vs 1 GB/s", f"{g['two_store']:.3f}", f"{g['one_store']:.3f}",
@@ -628,7 +948,33 @@ def table_rows(res: dict[str, Any], direct: bool) -> list[tuple[str, str, str, s
     for pf in res["prefetch"]:
         add(f"prefetch {pf['model']} {pf['bytes'] / GIB:.2f} GiB ms", f"{pf['prefetch_s'] * 1e3:.0f}",
             f"{pf['ceiling_s'] * 1e3:.0f}", pf["ratio"], "info", None)  # fmt: skip
-    return rows
+
+
+def redis_rows(res: dict[str, Any], add: Add) -> None:
+    """Section 5's lines: tier vs plain redis-py, and the 500-key lookup."""
+    r = res["redis"]
+    for case in r["cases"]:
+        g = case["gbps"]
+        add(f"redis store {case['model']} GB/s", f"{g['tier_store']:.3f}", f"{g['ceil_set']:.3f}",
+            case["store_ratio"], ">= 0.85", case["store_ratio"] >= 0.85)  # fmt: skip
+        add(f"redis load {case['model']} GB/s", f"{g['tier_load']:.3f}", f"{g['ceil_get']:.3f}",
+            case["load_ratio"], ">= 0.85", case["load_ratio"] >= 0.85)  # fmt: skip
+    lk = r["lookup"]
+    local = res["machine"]["redis"]["local"]
+    n = lk["keys"]
+    for q in ("p50", "p90"):
+        value = lk[f"tier_{q}_ms"]
+        target, ok = ("<= 2 ms", value <= 2.0) if q == "p50" and local else ("info", None)
+        add(f"redis contains {n} keys {q} ms", f"{value:.3f}", f"{lk[f'ceiling_{q}_ms']:.3f}",
+            lk["ratio"] if q == "p50" else None, target, ok)  # fmt: skip
+    c = lk["counts"]
+    add(f"redis contains {n} keys round trips", str(c["tier_round_trips"]),
+        str(c["ceiling_round_trips"]), None, "1", c["tier_round_trips"] == 1)  # fmt: skip
+    add(f"  server reads / EXISTS run (contains {n})",
+        f"{c['tier_server_reads']}/{c['tier_exists_calls']}",
+        f"{c['ceiling_server_reads']}/{c['ceiling_exists_calls']}", None, "info", None)  # fmt: skip
+    add(f"  of which {n} key names p50 ms", f"{lk['key_names_p50_ms']:.3f}", "-", None,
+        "info", None)  # fmt: skip
 
 
 def print_table(rows: list[tuple[str, str, str, str, str, str]]) -> None:
@@ -647,38 +993,129 @@ class Plan:
     small_bytes: int
     prefetch_bytes: int
     rounds: int
+    redis_big_bytes: int
+    redis_small_bytes: int
+    lookup_reps: int
 
 
 def _plan(args: Any) -> Plan:
     if args.quick:
-        return Plan(2 * BIG.chunk_bytes, 16 * SMALL.chunk_bytes, 2 * BIG.chunk_bytes, 1)
+        return Plan(2 * BIG.chunk_bytes, 16 * SMALL.chunk_bytes, 2 * BIG.chunk_bytes, 1,
+                    2 * BIG.chunk_bytes, 16 * SMALL.chunk_bytes, 6)  # fmt: skip
     small = args.small_gib if args.small_gib is not None else args.gib / 4
-    return Plan(int(args.gib * GIB), int(small * GIB), int(args.prefetch_gib * GIB), args.rounds)
+    redis_bytes = int(args.redis_gib * GIB)
+    return Plan(int(args.gib * GIB), int(small * GIB), int(args.prefetch_gib * GIB), args.rounds,
+                redis_bytes, redis_bytes, args.lookup_reps)  # fmt: skip
+
+
+def run_redis(args: Any, plan: Plan, res: dict[str, Any]) -> None:
+    """Section 5 against `--redis URL`, or a redis-server started for this run (and
+    stopped at its end); server facts go to res["machine"]["redis"]."""
+    local = None
+    url = args.redis
+    if url is None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit(
+                "bench_tiers: redis-server is not installed (apt-get install redis-server): "
+                "give --redis URL, or --no-redis to skip the Redis tier"
+            )
+        local = LocalRedis(binary)
+        url = local.url
+        _progress(f"started a local redis-server on 127.0.0.1:{local.port} for this run "
+                  f"(--save '' --appendonly no, no maxmemory, in {local.dir}); it is "
+                  "stopped at the end")  # fmt: skip
+    try:
+        target = resolve_target(url)
+        admin = _plain_client(target, timeout_s=10.0)
+        try:
+            info = admin.info("server")
+            maxmemory = int(admin.info("memory")["maxmemory"])
+            keys = int(admin.dbsize())
+            io_threads = admin.config_get("io-threads").get("io-threads", "?")
+        finally:
+            admin.close()
+        if local is None and keys:
+            raise SystemExit(
+                f"bench_tiers: {target.safe_url()} holds {keys} keys and the benchmark "
+                "FLUSHDBs its database: give an empty database (e.g. /15)"
+            )
+        need = 2 * max(plan.redis_big_bytes, plan.redis_small_bytes) + 64 * MIB
+        if maxmemory and maxmemory < need:
+            raise SystemExit(
+                f"bench_tiers: {target.safe_url()} has maxmemory {maxmemory} bytes; the "
+                f"benchmark needs about {need} (lower --redis-gib or raise maxmemory)"
+            )
+        res["machine"]["redis"] = {
+            "url": target.safe_url(),
+            "local": local is not None or target.host in ("localhost", "127.0.0.1", "::1"),
+            "started_here": local is not None,
+            "redis_version": info.get("redis_version", "?"),
+            "os": info.get("os", "?"),
+            "maxmemory_bytes": maxmemory,
+            "io_threads": io_threads,
+        }
+        res["settings"]["redis"] = {
+            "connections": args.redis_pool,
+            "tier": f"RedisTier(pool_size={args.redis_pool}, key_prefix={REDIS_PREFIX!r})",
+            "ceiling": "plain redis-py SET then GET of the payload, one thread per connection "
+            "(as many as the tier's pool_size), each its round-robin share, one command at a "
+            "time; the tier's values are the payload plus a header and the key",
+            "between_sides": "FLUSHDB (untimed)",
+            "lookup": f"{LOOKUP_KEYS} present keys of model {LOOKUP_MODEL!r}: RedisTier.contains "
+            "vs a plain redis-py pipeline of as many EXISTS (names prepared), alternating per "
+            "repetition; round trips = a send followed by a read on redis-py connections",
+        }
+        cases = [
+            run_redis_case(BIG, plan.redis_big_bytes, target, plan.rounds, args),
+            run_redis_case(SMALL, plan.redis_small_bytes, target, plan.rounds, args),
+        ]
+        res["redis"] = {"cases": cases, "lookup": run_redis_lookup(target, plan.lookup_reps, args)}
+    finally:
+        if local is not None:
+            local.stop()
+
+
+def _want(args: Any, part: str) -> bool:
+    if part == "redis" and args.no_redis:
+        return False
+    return args.only in (None, part)
 
 
 def run(args: Any, dirs: Sequence[str]) -> dict[str, Any]:
     plan = _plan(args)
     if args.quick:
         args.lat_rounds, args.lat_warmup, args.lat_chunks = 6, 1, 4
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {
+        "machine": machine_facts(dirs),
+        "settings": {
+            "dirs": list(dirs),
+            "direct_io": args.direct_io,
+            "io_threads_per_path": args.io_threads,
+            "rounds": plan.rounds,
+            "quick": args.quick,
+            "parts": [p for p in ("disk", "redis") if _want(args, p)],
+            "page_cache": CACHE_DROP,
+            "writes": "timed until every byte is written and every file fsynced, ceiling "
+            "and tier alike (the tier does not fsync: each object file is fsynced after "
+            "its store completes); *_buffered figures stop before the fsync",
+            "ceiling": "one thread, plain files of the object's payload size, "
+            "written then read one after another",
+        },
+    }
+    if _want(args, "disk"):
+        run_disk(args, plan, dirs, res)
+    if _want(args, "redis"):
+        run_redis(args, plan, res)
+    res["elapsed_s"] = time.perf_counter() - t0
+    return res
+
+
+def run_disk(args: Any, plan: Plan, dirs: Sequence[str], res: dict[str, Any]) -> None:
+    """Sections 1-4 into `res`."""
     work = [tempfile.mkdtemp(prefix="bench-tiers-", dir=d) for d in dirs]
     try:
-        t0 = time.perf_counter()
-        res: dict[str, Any] = {
-            "machine": machine_facts(dirs),
-            "settings": {
-                "dirs": list(dirs),
-                "direct_io": args.direct_io,
-                "io_threads_per_path": args.io_threads,
-                "rounds": plan.rounds,
-                "quick": args.quick,
-                "page_cache": CACHE_DROP,
-                "writes": "timed until every byte is written and every file fsynced, ceiling "
-                "and tier alike (the tier does not fsync: each object file is fsynced after "
-                "its store completes); *_buffered figures stop before the fsync",
-                "ceiling": "one thread, plain files of the object's payload size, "
-                "written then read one after another",
-            },
-        }
         res["tiers"] = [
             run_tier_case(BIG, plan.big_bytes, work[0], plan.rounds, args),
             run_tier_case(SMALL, plan.small_bytes, work[0], plan.rounds, args),
@@ -689,15 +1126,13 @@ def run(args: Any, dirs: Sequence[str]) -> dict[str, Any]:
             run_prefetch(BIG, plan.prefetch_bytes, work[0], plan.rounds, args),
             run_prefetch(SMALL, max(plan.prefetch_bytes // 4, 4 * MIB), work[0], plan.rounds, args),
         ]
-        res["elapsed_s"] = time.perf_counter() - t0
     finally:
         for w in work:
             shutil.rmtree(w, ignore_errors=True)
-    return res
 
 
 #: result sections that hold measurements (the rest: machine facts and settings)
-SECTIONS = ("tiers", "scaling", "latency", "prefetch")
+SECTIONS = ("tiers", "scaling", "latency", "prefetch", "redis")
 
 
 def figures(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
@@ -735,6 +1170,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lat-rounds", type=int, default=40, help="timed stores per engine")
     parser.add_argument("--lat-warmup", type=int, default=5, help="untimed stores per engine")
     parser.add_argument("--lat-chunks", type=int, default=16, help="1 MiB chunks per store")
+    parser.add_argument("--redis", metavar="URL",
+                        help="benchmark the Redis tier against this server (its database is "
+                        "FLUSHDB'd: it must start empty); default: a redis-server started on "
+                        "a free loopback port for the run and stopped at its end")  # fmt: skip
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis tier")
+    parser.add_argument("--only", choices=("disk", "redis"), help="run only this part")
+    parser.add_argument("--redis-gib", type=float, default=0.25,
+                        help="GiB per Redis store/load case, each object size (0.25)")  # fmt: skip
+    parser.add_argument("--redis-pool", type=int, default=8,
+                        help="the Redis tier's pool_size, and the ceiling's connections (8)")  # fmt: skip
+    parser.add_argument("--lookup-reps", type=int, default=50,
+                        help="timed 500-key contains per side (50)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny volumes: a smoke run")
     parser.add_argument("--json", help="write every figure and the machine facts here")
     return parser.parse_args(argv)
@@ -757,6 +1204,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     fs = ", ".join(f"{d['dir']}: {d['fstype']} on {d['device']}" for d in m["dirs"])
     print(f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs, python {m['python']}, "
           f"torch {m['torch']}, {m['date']}; {fs}")  # fmt: skip
+    if "tiers" in res:
+        print_disk_legend(res, args)
+    if "redis" in res:
+        r, lk = m["redis"], res["redis"]["lookup"]
+        where = ("a local redis-server started for this run (no persistence, no maxmemory) "
+                 "and stopped at its end" if r["started_here"] else "the given server")  # fmt: skip
+        print(f"redis: {r['url']}, redis-server {r['redis_version']}, {where}; "
+              f"{res['settings']['redis']['connections']} connections on both sides "
+              "(tier pool_size; ceiling: plain redis-py SET/GET, one thread per connection); "
+              "FLUSHDB after each side")  # fmt: skip
+        print(f"redis lookup: contains of {lk['keys']} present keys ({lk['reps']} reps) vs a "
+              "plain redis-py pipeline of as many EXISTS; round trips = a send followed by a "
+              "read on redis-py connections, server reads from INFO stats")  # fmt: skip
+    print("ratio: speed over the ceiling (prefetch, lookup: ceiling time / tier time), the "
+          "median of per-round ratios; store() rows: L2 on time / off time")  # fmt: skip
+    print_table(table_rows(res, args.direct_io))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+
+
+def print_disk_legend(res: dict[str, Any], args: Any) -> None:
     print(f"page cache: {CACHE_DROP}; tier O_DIRECT: "
           f"{'yes' if args.direct_io else 'no'} (paths using it: "
           f"{res['tiers'][0]['counts']['direct_io_paths']})")  # fmt: skip
@@ -766,12 +1235,6 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"x 1 MiB chunks per store, fresh tokens, 'drained' waits for the write-through "
           f"before each timed store, 'busy' does not; figures: medians of "
           f"{res['settings']['rounds']} alternating round(s)")  # fmt: skip
-    print("ratio: speed over the ceiling (prefetch: ceiling time / prefetch time), the median"
-          " of per-round ratios; store() rows: L2 on time / off time")  # fmt: skip
-    print_table(table_rows(res, args.direct_io))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=2)
 
 
 if __name__ == "__main__":
