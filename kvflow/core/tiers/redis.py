@@ -18,6 +18,7 @@ in the redis-py client; no message, log line, stat or repr made here contains on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -61,6 +62,9 @@ VERSION = 1
 MAX_KEY_BYTES = 0xFFFF
 #: values per pipeline of a store or load (bytes, at least one value)
 BATCH_BYTES = 64 << 20
+#: values per load batch: each reply is checked and copied as it is read, so a batch's
+#: replies never all sit in fresh memory at once (that page-faulting cost 2x at 1 MiB)
+LOAD_BATCH_BYTES = 8 << 20
 #: redis-py's own retry of a call whose connection broke (a server restart)
 CALL_RETRIES = 1
 #: the reconnecting thread's PING backoff: first delay, doubling up to the cap
@@ -103,8 +107,14 @@ def _unescape(text: str) -> str:
 
 def owner_text(key: ObjectKey) -> str:
     """The key's owner (model, world size, rank, salt) as key-safe text."""
-    salt = "-" if key.cache_salt is None else "=" + _escape(key.cache_salt)
-    return f"{_escape(key.model_name)}#{key.world_size}#{key.rank}#{salt}"
+    return _owner_text(key.model_name, key.world_size, key.rank, key.cache_salt)
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_text(model_name: str, world_size: int, rank: int, cache_salt: str | None) -> str:
+    """Cached: a lookup names hundreds of keys of one owner (escaping each cost 2 us)."""
+    salt = "-" if cache_salt is None else "=" + _escape(cache_salt)
+    return f"{_escape(model_name)}#{world_size}#{rank}#{salt}"
 
 
 def _gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Future[R]:
@@ -132,18 +142,25 @@ def _gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Fu
     return out
 
 
-def _batches(sizes: Sequence[int]) -> list[range]:
-    """Consecutive index ranges of at most BATCH_BYTES each (and at least one item)."""
+def _batches(sizes: Sequence[int], limit: int) -> list[range]:
+    """Consecutive index ranges of at most `limit` bytes each (and at least one item)."""
     out: list[range] = []
     start = total = 0
     for i, nbytes in enumerate(sizes):
-        if i > start and total + nbytes > BATCH_BYTES:
+        if i > start and total + nbytes > limit:
             out.append(range(start, i))
             start, total = i, 0
         total += nbytes
     if start < len(sizes):
         out.append(range(start, len(sizes)))
     return out
+
+
+def _pack(command: bytes, names: Sequence[bytes]) -> bytes:
+    """`command name` for each name in the Redis protocol (RESP), as one buffer: a 500-key
+    EXISTS packs in ~0.1 ms, a tenth of redis-py's general-purpose packer."""
+    head = b"*2\r\n$%d\r\n%s\r\n" % (len(command), command)
+    return b"".join([b"%s$%d\r\n%s\r\n" % (head, len(name), name) for name in names])
 
 
 def _is_auth_error(exc: BaseException | None) -> bool:
@@ -464,6 +481,46 @@ class RedisTier:
             for i in range(len(names)):
                 add(pipe, i)
             return list(pipe.execute(raise_on_error=False))
+        return self._execute_per_node(client, names, add)
+
+    def _stream(
+        self, client: Any, command: bytes, names: Sequence[bytes], each: Callable[[int, Any], Any]
+    ) -> list[Any]:
+        """`command name` for every name in one write, each reply handed to `each(i, reply)`
+        as soon as it is read (an error reply as its ResponseError); their results.
+
+        One server only: redis-py's pipeline costs ~5 us per command and holds every reply
+        until the last; a 500-key EXISTS this way is one round trip of ~0.6 ms. A broken
+        pooled connection (a server restart since its last use) is retried once.
+        """
+        pool = client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            out: list[Any] = []
+            try:
+                conn.send_packed_command([_pack(command, names)])
+                for i in range(len(names)):
+                    try:
+                        reply = conn.read_response()
+                    except redis.ResponseError as e:
+                        reply = e
+                    out.append(each(i, reply))
+                return out
+            except redis.ConnectionError:
+                conn.disconnect()
+                if attempt or out:  # replies read already: the link broke mid-call
+                    raise
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    def _execute_per_node(
+        self, client: Any, names: Sequence[bytes], add: Callable[[Any, int], None]
+    ) -> list[Any]:
+        """A cluster's `_execute`: one pipeline per node (see there)."""
         replies: list[Any] = [None] * len(names)
         for node, idxs in self._by_node(client, names).items():
             if node is None or not self._node_usable(client, node):
@@ -531,7 +588,11 @@ class RedisTier:
 
     def _contains(self, names: list[bytes]) -> list[bool]:
         try:
-            replies = self._execute(self._up(), names, lambda pipe, i: pipe.exists(names[i]))
+            client = self._up()
+            if self.cluster:
+                replies = self._execute(client, names, lambda pipe, i: pipe.exists(names[i]))
+            else:
+                replies = self._stream(client, b"EXISTS", names, lambda i, r: r)
         except Exception as e:
             self._count("lookup_failures")
             self._failed("contains", e)
@@ -566,43 +627,48 @@ class RedisTier:
         return StoreOutcome(stored=stored, present=present, failed=len(errors))
 
     def _load(self, names: list[bytes], dsts: list[torch.Tensor]) -> list[bool]:
+        corrupt: list[bytes] = []
+        tally = {"failures": 0, "missing": 0}
+        reason: list[str] = []
+
+        def land(i: int, value: Any) -> bool:
+            """Check one reply and copy its payload into dsts[i] (as soon as it is read)."""
+            name, dst = names[i], dsts[i]
+            if isinstance(value, Exception):
+                tally["failures"] += 1
+                reason.append(f"load: {self._scrub(value)}")
+                return False
+            if value is None:
+                tally["missing"] += 1
+                return False
+            start, why = self.check_value(name, value, dst.numel())
+            if why is not None:
+                corrupt.append(name)
+                reason.append(f"load: {name.decode(errors='replace')[:120]}: {why}")
+            if start < 0:
+                return False
+            dst.numpy()[:] = np.frombuffer(value, dtype=np.uint8, offset=start)
+            return True
+
         try:
             client = self._up()
-            replies = self._execute(client, names, lambda pipe, i: pipe.get(names[i]))
+            if self.cluster:
+                replies = self._execute(client, names, lambda pipe, i: pipe.get(names[i]))
+                out = [land(i, value) for i, value in enumerate(replies)]
+            else:
+                out = self._stream(client, b"GET", names, land)
         except Exception as e:
             self._count("load_failures", len(names))
             self._failed("load", e)
             return [False] * len(names)
-        out: list[bool] = []
-        corrupt: list[bytes] = []
-        failures = missing = 0
-        reason: str | None = None
-        for name, dst, value in zip(names, dsts, replies, strict=True):
-            if isinstance(value, Exception):
-                failures += 1
-                reason = f"load: {self._scrub(value)}"
-                out.append(False)
-                continue
-            if value is None:
-                missing += 1
-                out.append(False)
-                continue
-            start, why = self.check_value(name, value, dst.numel())
-            if why is not None:
-                corrupt.append(name)
-                reason = f"load: {name.decode(errors='replace')[:120]}: {why}"
-            if start < 0:
-                out.append(False)
-                continue
-            dst.numpy()[:] = np.frombuffer(value, dtype=np.uint8, offset=start)
-            out.append(True)
+        failures, missing = tally["failures"], tally["missing"]
         with self._lock:
             self.counters["load_failures"] += failures + missing + len(corrupt)
             self.counters["missing_objects"] += missing
             self.counters["corrupt_objects"] += len(corrupt)
             self._objects = max(0, self._objects - len(corrupt))
-            if reason is not None:
-                self._last_error = reason
+            if reason:
+                self._last_error = reason[-1]
         if corrupt:
             self._delete(client, corrupt)
         return out
@@ -718,7 +784,7 @@ class RedisTier:
             return completed(StoreOutcome(failed=len(names)))
         futures = [
             self._io.submit(self._store, names[r.start : r.stop], bufs[r.start : r.stop])
-            for r in _batches([b.numel() for b in bufs])
+            for r in _batches([b.numel() for b in bufs], BATCH_BYTES)
         ]
 
         def outcome(parts: list[StoreOutcome]) -> StoreOutcome:
@@ -749,7 +815,7 @@ class RedisTier:
         dst_list = list(dsts)
         futures = [
             self._io.submit(self._load, names[r.start : r.stop], dst_list[r.start : r.stop])
-            for r in _batches([d.numel() for d in dst_list])
+            for r in _batches([d.numel() for d in dst_list], LOAD_BATCH_BYTES)
         ]
         return _gather(futures, lambda parts: [ok for part in parts for ok in part])
 
