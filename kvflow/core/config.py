@@ -89,6 +89,8 @@ class ServerConfig:
     l1_size_gb: float = 4.0
     heartbeat_timeout_s: float = 30.0
     max_message_mb: float = 64.0
+    #: registered instances the server accepts at once (each holds mapped KV memory)
+    max_instances: int = 64
     #: L2 on local disk: directories (one or more; empty = no disk tier) and their total size
     l2_disk_paths: tuple[str, ...] = ()
     l2_disk_size_gb: float = 64.0
@@ -127,6 +129,9 @@ class ServerConfig:
             raise ValueError(
                 f"--max-message-mb must be a number in (0, 2048], got {self.max_message_mb!r}"
             )
+        mi = self.max_instances
+        if isinstance(mi, bool) or not isinstance(mi, int) or not 1 <= mi <= 4096:
+            raise ValueError(f"--max-instances must be an integer in 1..4096, got {mi!r}")
         self._check_l2()
 
     def _check_l2(self) -> None:

@@ -72,6 +72,13 @@ OPTIONS = (
         "largest request accepted, in MiB (default 64); twice this drops the connection",
     ),
     _Option(
+        "--max-instances",
+        "max_instances",
+        _S,
+        int,
+        "registered instances accepted at once (default 64); more are refused",
+    ),
+    _Option(
         "--l2-disk",
         "l2_disk_paths",
         _S,
