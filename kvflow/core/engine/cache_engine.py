@@ -40,6 +40,10 @@ from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
 
 GIB = 1 << 30
+#: Largest world_size a register, lookup or prefetch may name (rank < world_size).
+MAX_WORLD_SIZE = 1024
+#: Most tokens one lookup or prefetch may carry: checked before any hashing.
+MAX_REQUEST_TOKENS = 1 << 22
 
 
 def _check_str(name: str, value: Any) -> str:
@@ -130,10 +134,58 @@ def _build_l2(config: ServerConfig) -> list[StorageTier]:
 
 
 def _check_world(world_size: Any, rank: Any = 0) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InvalidRequestError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if (
+        isinstance(world_size, bool)
+        or not isinstance(world_size, int)
+        or not 1 <= world_size <= MAX_WORLD_SIZE
+    ):
+        raise InvalidRequestError(
+            f"world_size must be an integer in [1, {MAX_WORLD_SIZE}] (MAX_WORLD_SIZE), "
+            f"got {world_size!r}"
+        )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+
+
+def _check_tokens(token_ids: Any) -> None:
+    """A lookup's or prefetch's token count against MAX_REQUEST_TOKENS, before any work."""
+    n = _requested_tokens(token_ids)
+    if n > MAX_REQUEST_TOKENS:
+        raise InvalidRequestError(
+            f"token_ids holds {n} tokens, more than the {MAX_REQUEST_TOKENS} "
+            "(MAX_REQUEST_TOKENS) a request may carry"
+        )
+
+
+def _rank_groups(world_size: int) -> Iterator[range]:
+    """Ranks in groups of doubling size: [0], [1], [2, 3], [4..7], ...
+
+    A prefix is narrowed group by group, so ranks that hold nothing cost at most
+    about as much as the ranks before them that do, whatever the world_size.
+    """
+    start = 0
+    while start < world_size:
+        stop = min(world_size, max(start + 1, 2 * start))
+        yield range(start, stop)
+        start = stop
+
+
+def _check_ids(values: Any, what: str, limit: int | None = None) -> int:
+    """len(values) after checking they are integers (in [0, limit) when given)."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidRequestError(f"{what} must be a flat sequence of integers") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidRequestError(f"{what} must be a flat sequence of integers")
+    if limit is not None and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= limit:
+            raise InvalidRequestError(
+                f"{what} holds block id {lo if lo < 0 else hi}, which does not exist: the "
+                f"instance's cache has {limit} blocks (valid ids 0..{limit - 1})"
+            )
+    return int(arr.size)
 
 
 class CacheEngine:
@@ -378,19 +430,21 @@ class CacheEngine:
                 _check_str("request_id", request_id)
             if not isinstance(prefetch, bool):
                 raise InvalidRequestError(f"prefetch must be a bool, got {prefetch!r}")
+            _check_tokens(token_ids)
             tokens = as_int32_array(token_ids, "token_ids")
             hashes = self._keys.hashes(tokens, request_id)
-            # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
-            ranks = range(world_size)
-            chunks = ([(h, model_name, world_size, r, salt) for r in ranks] for h in hashes)
-            in_l1 = self.l1.count_prefix(chunks)
+            in_l1 = len(hashes)
+            for ranks in _rank_groups(world_size):  # rank 0 first: see _rank_groups
+                if not in_l1:
+                    break
+                # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
+                in_l1 = self.l1.count_prefix(
+                    [(h, model_name, world_size, r, salt) for r in ranks] for h in hashes[:in_l1]
+                )
             by_tier = {"l1": in_l1 * self.chunk_size}
             hit = in_l1
             if self._tiering is not None and in_l1 < len(hashes):
-                rows = [
-                    [ObjectKey(h, model_name, world_size, r, salt) for r in ranks]
-                    for h in hashes[in_l1:]
-                ]
+                rows = self._tier_rows(hashes[in_l1:], model_name, world_size, salt)
                 more, tiers, where = self._tiering.hit_rows(rows)
                 hit += more
                 for name, n in tiers.items():
@@ -407,6 +461,39 @@ class CacheEngine:
         hit_tokens = hit * self.chunk_size
         op.end(requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier)
         return hit_tokens
+
+    def _tier_rows(
+        self, hashes: Sequence[bytes], model_name: str, world_size: int, salt: str | None
+    ) -> list[list[ObjectKey]]:
+        """Key rows (one key per rank) of the chunks some tier may hold for every rank.
+
+        The chunks are narrowed rank group by rank group (`_rank_groups`) on the keys'
+        residency before the last group, so that the rows handed to `hit_rows` never
+        reach far beyond the chunks that ranks really hold: the work follows the ranks
+        that exist, not world_size. The rows returned may still miss (the last group).
+        """
+        assert self._tiering is not None
+        residency = self._tiering.loader.residency
+        n = len(hashes)
+        groups = list(_rank_groups(world_size))
+        for ranks in groups[:-1]:
+            if not n:
+                break
+            keys = [
+                ObjectKey(h, model_name, world_size, r, salt) for h in hashes[:n] for r in ranks
+            ]
+            where = residency(keys)
+            width = len(ranks)
+            n = next(
+                (
+                    i
+                    for i in range(n)
+                    if any(where[k] is None for k in keys[i * width : (i + 1) * width])
+                ),
+                n,
+            )
+        ranks = range(world_size)
+        return [[ObjectKey(h, model_name, world_size, r, salt) for r in ranks] for h in hashes[:n]]
 
     def _rank_nbytes(self, model_name: str, world_size: int) -> list[int] | None:
         """Chunk bytes of each rank of the model's world, from the layout descs recorded
@@ -441,6 +528,7 @@ class CacheEngine:
         salt = _check_salt(cache_salt)
         if request_id is not None:
             _check_str("request_id", request_id)
+        _check_tokens(token_ids)
         tiering = self._tiering
         if tiering is None:
             raise InvalidRequestError(
@@ -458,8 +546,7 @@ class CacheEngine:
             )
         tokens = as_int32_array(token_ids, "token_ids")
         hashes = self._keys.hashes(tokens, request_id)
-        rows = [[ObjectKey(h, model_name, world_size, r, salt) for r in range(world_size)]
-                for h in hashes]  # fmt: skip
+        rows = self._tier_rows(hashes, model_name, world_size, salt)
         hit, _, where = tiering.hit_rows(rows)
         return tiering.prefetch(
             rows[:hit], nbytes, model_name=model_name, trigger="api", session_id=request_id,
@@ -686,13 +773,19 @@ class CacheEngine:
     def report_block_allocations(
         self, instance_id: str, records: Sequence[BlockAllocation]
     ) -> None:
-        """Publish the engine's new block allocations (BLOCK_ALLOCATION, docs/EVENTS.md)."""
+        """Publish the engine's new block allocations (BLOCK_ALLOCATION, docs/EVENTS.md).
+
+        Every record is checked before anything is published: block ids must exist in
+        the instance's cache (0 <= id < num_blocks) and the tokens must fit in the
+        record's blocks; the first bad record is an InvalidRequestError naming it.
+        """
         inst = self._instance(instance_id)
         if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
             raise InvalidRequestError(
                 f"records must be a sequence of BlockAllocation, got {type(records).__name__}"
             )
         checked: list[BlockAllocation] = []
+        num_blocks = inst.layout.num_blocks
         for i, rec in enumerate(records):
             if not isinstance(rec, Sequence) or len(rec) != 3:
                 raise InvalidRequestError(
@@ -704,6 +797,14 @@ class CacheEngine:
             for name, seq in (("new_block_ids", block_ids), ("new_token_ids", token_ids)):
                 if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
                     raise InvalidRequestError(f"records[{i}].{name} must be a sequence of ints")
+            where = f"records[{i}] (req_id {req_id!r})"
+            n_blocks = _check_ids(block_ids, f"{where}.new_block_ids", num_blocks)
+            n_tokens = _check_ids(token_ids, f"{where}.new_token_ids")
+            if n_tokens > n_blocks * inst.block_size:
+                raise InvalidRequestError(
+                    f"{where} holds {n_tokens} tokens in {n_blocks} blocks of "
+                    f"{inst.block_size} tokens (at most {n_blocks * inst.block_size} fit)"
+                )
             checked.append(rec if isinstance(rec, BlockAllocation) else BlockAllocation(*rec))
         attrs = {
             "instance_id": inst.instance_id,
