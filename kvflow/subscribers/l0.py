@@ -16,6 +16,7 @@ import numpy as np
 from opentelemetry.metrics import CallbackOptions, MeterProvider, NoOpMeter, Observation
 
 from kvflow.events import Event, EventType, Sampler
+from kvflow.subscribers.batch import FOLDED_VALUE, MAX_LABEL_VALUES, LabelSets
 from kvflow.subscribers.buckets import BLOCK_SECONDS
 from kvflow.subscribers.preaggregated import HistogramStore
 from kvflow.subscribers.providers import KvflowMeterProvider
@@ -23,6 +24,7 @@ from kvflow.subscribers.providers import KvflowMeterProvider
 _ALLOC = EventType.BLOCK_ALLOCATION
 _END_SESSION = EventType.END_SESSION
 _UNREGISTER = EventType.UNREGISTER
+_IM = ("instance_id", "model_name")
 _NS = 1e-9
 #: records one histogram value for a label set (SDK instrument or pre-aggregated store)
 _Record = Callable[[float, Mapping[str, str]], None]
@@ -70,7 +72,10 @@ class L0LifecycleSubscriber:
     history of a hot block: when reached, its gaps so far are recorded early.
     With kvflow's provider (`make_meter_provider`) the histograms are
     pre-aggregated in a `HistogramStore`; any other provider gets SDK instruments.
-    Both export the same data.
+    Both export the same data. Label values (instance_id, model_name) are bounded
+    like MetricsSubscriber's: at most `max_label_values` distinct values per label,
+    later new ones fold into "other" (kvflow.l0.folded_labels); an unregistered
+    instance leaves kvflow.l0.tracked_blocks at once.
     """
 
     name = "l0_lifecycle"
@@ -85,6 +90,7 @@ class L0LifecycleSubscriber:
         seed: int = 0,
         *,
         max_history: int = 256,
+        max_label_values: int = MAX_LABEL_VALUES,
     ) -> None:
         if not isinstance(max_history, int) or max_history < 2:
             raise ValueError(f"max_history must be an integer >= 2, got {max_history!r}")
@@ -92,7 +98,7 @@ class L0LifecycleSubscriber:
         self._max_history = max_history
         self._blocks: dict[str, dict[int, _Block]] = {}
         self._owned: dict[str, list[_Block]] = {}
-        self._labels: dict[tuple[str, str], dict[str, str]] = {}
+        self._labels = LabelSets(max_label_values)
         self._instance_labels: dict[str, dict[str, str]] = {}
         meter = meter_provider.get_meter("kvflow.l0")
         # kvflow's provider takes the histograms pre-aggregated (an SDK record costs ~10 us);
@@ -146,6 +152,15 @@ class L0LifecycleSubscriber:
             unit="{block}",
             description="Sampled blocks currently held in lifecycle state",
         )
+        meter.create_observable_counter(
+            "kvflow.l0.folded_labels",
+            callbacks=[self._observe_folded],
+            unit="{label_set}",
+            description=(
+                f"L0 label sets recorded with a client-chosen value folded into {FOLDED_VALUE!r} "
+                f"(beyond {max_label_values} distinct values of the label)"
+            ),
+        )
 
     # -- introspection -------------------------------------------------------------
 
@@ -158,10 +173,17 @@ class L0LifecycleSubscriber:
         return frozenset(int(b) for b in self._blocks.get(instance_id, {}))
 
     def _observe_tracked(self, options: CallbackOptions) -> Iterable[Observation]:
+        # instances folded into one label set are summed (one observation per set)
+        sums: dict[int, list[Any]] = {}
         for instance_id, blocks in list(self._blocks.items()):
             labels = self._instance_labels.get(instance_id)
             if labels is not None:
-                yield Observation(len(blocks), labels)
+                entry = sums.setdefault(id(labels), [labels, 0])
+                entry[1] += len(blocks)
+        return [Observation(n, labels) for labels, n in sums.values()]
+
+    def _observe_folded(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"label": name}) for name, n in self._labels.folded.items()]
 
     # -- event processing --------------------------------------------------------------
 
@@ -202,11 +224,7 @@ class L0LifecycleSubscriber:
                 self._invalid_counter(n_invalid, labels)
 
     def _label_set(self, instance_id: str, model_name: str) -> dict[str, str]:
-        key = (instance_id, model_name)
-        labels = self._labels.get(key)
-        if labels is None:
-            labels = self._labels[key] = {"instance_id": instance_id, "model_name": model_name}
-        return labels
+        return self._labels.get(_IM, instance_id, model_name)
 
     def _validate(
         self, events: Sequence[Event]

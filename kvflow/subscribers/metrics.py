@@ -15,7 +15,14 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from kvflow.events import END_TO_START, START_TO_END, BusStats, Event, EventBus, EventType
-from kvflow.subscribers.batch import Adds, LabelSets, add, flush
+from kvflow.subscribers.batch import (
+    FOLDED_VALUE,
+    MAX_LABEL_VALUES,
+    Adds,
+    LabelSets,
+    add,
+    flush,
+)
 from kvflow.subscribers.buckets import GB_PER_S, OP_SECONDS, TOKENS
 from kvflow.subscribers.expiry import drain_expired
 from kvflow.subscribers.tiers import (
@@ -68,7 +75,9 @@ class MetricsSubscriber:
     L2 occupancy gauges. A START whose END has not arrived within
     `pending_ttl_s` (event time) or beyond `max_pending` is given up: it leaves
     the inflight gauge and counts in kvflow.inflight.expired, so inflight cannot
-    leak.
+    leak. Client-chosen label values (model_name, instance_id) are bounded: at most
+    `max_label_values` distinct values per label, later new ones are folded into
+    "other" and counted in kvflow.metrics.folded_labels (docs/METRICS.md).
     """
 
     name = "metrics"
@@ -85,6 +94,7 @@ class MetricsSubscriber:
         tier_stats: TierStats | None = None,
         pending_ttl_s: float = 300.0,
         max_pending: int = 100_000,
+        max_label_values: int = MAX_LABEL_VALUES,
     ) -> None:
         if not pending_ttl_s > 0:
             raise ValueError(f"pending_ttl_s must be > 0, got {pending_ttl_s!r}")
@@ -95,7 +105,7 @@ class MetricsSubscriber:
         self._ttl_ns = int(pending_ttl_s * 1e9)
         self._max_pending = max_pending
         self._pending: dict[int, _Pending] = {}
-        self._labels = LabelSets()
+        self._labels = LabelSets(max_label_values)
         self._stats: BusStats | None = None
         self._stats_lock = threading.Lock()
         meter = meter_provider.get_meter("kvflow")
@@ -104,6 +114,15 @@ class MetricsSubscriber:
         self._tiers = TierMetrics(meter, self._labels, tier_stats)
         self._inflight.update(self._tiers.inflight)
         self._build_bus_instruments(meter)
+        meter.create_observable_counter(
+            "kvflow.metrics.folded_labels",
+            callbacks=[self._observe_folded],
+            unit="{label_set}",
+            description=(
+                f"Label sets recorded with a client-chosen value folded into {FOLDED_VALUE!r} "
+                f"(beyond {max_label_values} distinct values of the label)"
+            ),
+        )
 
     # -- instruments -----------------------------------------------------------------
 
@@ -280,6 +299,9 @@ class MetricsSubscriber:
             for name, per_type in self._bus_stats().subscriber_dropped.items()
             for t, n in per_type.items()
         ]
+
+    def _observe_folded(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"label": name}) for name, n in self._labels.folded.items()]
 
     def _l1_callback(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
