@@ -20,7 +20,7 @@ from tests.support.tiers import FaultyTier, memory_tier
 
 @pytest.fixture
 def served() -> Iterator[tuple[KVFlowClient, KVFlowServer, RecordingSubscriber]]:
-    engine, recorder = small_engine()
+    engine, recorder = small_engine(port=0)
     server = KVFlowServer(engine.config, engine=engine)
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
@@ -94,7 +94,7 @@ def test_a_slow_l2_lookup_does_not_hold_up_other_clients() -> None:
     worker while another client's requests are answered at once."""
     tier = FaultyTier(memory_tier())
     tier.hang = {"contains"}
-    engine, _ = small_engine(l2_tiers=[tier], l2_timeout_s=1.5)
+    engine, _ = small_engine(l2_tiers=[tier], l2_timeout_s=1.5, port=0)
     server = KVFlowServer(engine.config, engine=engine)
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
