@@ -55,17 +55,21 @@ def configure_logging(
         raise ValueError(f"log level must be one of {', '.join(_LEVELS)}, got {level!r}")
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
-    renderer: Any
+    processors: list[Any] = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
     if fmt == "json":
-        renderer = structlog.processors.JSONRenderer()
+        # exc_info becomes "exception": the formatted traceback (else JSON shows its reprs)
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
+        # the traceback below the line, plain: never rich's dump of local variables,
+        # which may hold credentials
+        processors.append(
+            structlog.dev.ConsoleRenderer(
+                colors=False, exception_formatter=structlog.dev.plain_traceback
+            )
+        )
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=_SHARED,
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        )
+        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=_SHARED, processors=processors)
     )
     root = logging.getLogger()
     previous = root.level

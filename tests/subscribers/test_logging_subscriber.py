@@ -115,6 +115,49 @@ def test_library_logs_render_the_same_way(info_logs: Logs) -> None:
     assert "timestamp" in line
 
 
+def _fail(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_json_logs_carry_the_traceback_of_an_exception(info_logs: Logs) -> None:
+    """An exception logged with exc_info (the server's own `log.exception`, or a structlog
+    call of the event logger) comes out as one JSON line whose "exception" is the
+    formatted traceback text, not a tuple of reprs (issue 18, item 5)."""
+    try:
+        _fail("boom in the handler")
+    except RuntimeError:
+        logging.getLogger("kvflow.server").exception("internal error while serving a request")
+        LoggingSubscriber()._log.error("subscriber_failed", exc_info=True)
+    assert len(info_logs.stream.getvalue().splitlines()) == 2
+    server_line, event_line = info_logs.lines()
+    for line in (server_line, event_line):
+        assert "exc_info" not in line
+        trace = line["exception"]
+        assert trace.startswith("Traceback (most recent call last):")
+        assert "in _fail" in trace and "raise RuntimeError(message)" in trace
+        assert trace.rstrip().endswith("RuntimeError: boom in the handler")
+    assert server_line["level"] == "error" and server_line["logger"] == "kvflow.server"
+    assert event_line["level"] == "error" and event_line["logger"] == "kvflow.events"
+
+
+def test_console_logs_show_a_plain_traceback_without_local_variables() -> None:
+    """The console format prints the traceback under the line, never the frames' locals
+    (a local may hold a credential)."""
+    logs = Logs("info", "console")
+    try:
+        password = "pa55-never-logged"
+        try:
+            _fail(f"refused for user {len(password)}")
+        except RuntimeError:
+            logging.getLogger("kvflow.server").exception("internal error")
+        text = logs.stream.getvalue()
+        assert "Traceback (most recent call last):" in text
+        assert "RuntimeError: refused for user 17" in text
+        assert password not in text
+    finally:
+        logs.setup.close()
+
+
 def test_console_format() -> None:
     """log_format=console renders human-readable key=value lines."""
     logs = Logs("info", "console")
