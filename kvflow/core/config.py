@@ -7,6 +7,7 @@ allowed values, so the CLI can print one line and exit with status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,33 @@ L2_DISK_SHARDINGS = ("by_gpu",)
 REDIS_SCHEMES = ("redis://", "rediss://")
 #: fields whose values are credentials: never printed, logged or shown by status
 SECRET_FIELDS = ("l2_redis_username", "l2_redis_password")
+#: bounds of the float settings (inclusive); sizes are in GiB (2**30 bytes) and are > 0
+MAX_SIZE_GIB = 1 << 20  # 1 PiB: above any machine's memory or disk, far below an overflow
+HEARTBEAT_TIMEOUT_S_RANGE = (0.5, 86400.0)  # the client beats every quarter of it
+MAX_MESSAGE_MB_RANGE = (0.0625, 2048.0)  # 64 KiB .. 2 GiB
+L2_TIMEOUT_S_RANGE = (0.001, 600.0)  # --l2-timeout-s and --l2-redis-timeout-s
+TRACING_TTL_S_RANGE = (1.0, 86400.0)
+EXPORT_INTERVAL_S_RANGE = (0.1, 86400.0)
+
+
+def _check_range(
+    flag: str, value: float, low: float, high: float, unit: str, *, low_open: bool = False
+) -> None:
+    """Refuse anything but a finite number in [low, high] ((low, high] with `low_open`).
+
+    Non-finite and absurd values are refused here, before they can overflow an
+    integer conversion or stall a timer (e.g. a heartbeat timeout of inf or 1e-6).
+    """
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and value <= high
+    )
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low:.10g}, {high:.10g}]"
+        raise ValueError(f"{flag} must be a finite number in {bounds} {unit}, got {value!r}")
 
 
 def _check_port(flag: str, value: int) -> None:
@@ -73,10 +101,10 @@ class ObservabilityConfig:
             raise ValueError(
                 f"--otlp-protocol must be one of {allowed}, got {self.otlp_protocol!r}"
             )
-        if not self.tracing_ttl_s > 0:
-            raise ValueError(f"--tracing-ttl-s must be > 0, got {self.tracing_ttl_s!r}")
-        if not self.export_interval_s > 0:
-            raise ValueError(f"--export-interval-s must be > 0, got {self.export_interval_s!r}")
+        _check_range("--tracing-ttl-s", self.tracing_ttl_s, *TRACING_TTL_S_RANGE, "seconds")
+        _check_range(
+            "--export-interval-s", self.export_interval_s, *EXPORT_INTERVAL_S_RANGE, "seconds"
+        )
 
 
 @dataclass(frozen=True)
@@ -117,18 +145,11 @@ class ServerConfig:
         _check_port("--port", self.port)
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be a positive integer, got {self.chunk_size!r}")
-        if not isinstance(self.l1_size_gb, (int, float)) or not self.l1_size_gb > 0:
-            raise ValueError(f"--l1-size-gb must be a number > 0, got {self.l1_size_gb!r}")
-        if not isinstance(self.heartbeat_timeout_s, (int, float)) or not (
-            self.heartbeat_timeout_s > 0
-        ):
-            raise ValueError(
-                f"--heartbeat-timeout-s must be a number > 0, got {self.heartbeat_timeout_s!r}"
-            )
-        if not isinstance(self.max_message_mb, (int, float)) or not 0 < self.max_message_mb <= 2048:
-            raise ValueError(
-                f"--max-message-mb must be a number in (0, 2048], got {self.max_message_mb!r}"
-            )
+        _check_range("--l1-size-gb", self.l1_size_gb, 0, MAX_SIZE_GIB, "GiB", low_open=True)
+        _check_range(
+            "--heartbeat-timeout-s", self.heartbeat_timeout_s, *HEARTBEAT_TIMEOUT_S_RANGE, "seconds"
+        )
+        _check_range("--max-message-mb", self.max_message_mb, *MAX_MESSAGE_MB_RANGE, "MiB")
         mi = self.max_instances
         if isinstance(mi, bool) or not isinstance(mi, int) or not 1 <= mi <= 4096:
             raise ValueError(f"--max-instances must be an integer in 1..4096, got {mi!r}")
@@ -140,17 +161,15 @@ class ServerConfig:
             raise ValueError(f"--l2-disk must be a list of directory paths, got {paths!r}")
         if len(set(paths)) != len(paths):
             raise ValueError(f"--l2-disk lists a path twice: {', '.join(paths)}")
-        if not isinstance(self.l2_disk_size_gb, (int, float)) or not self.l2_disk_size_gb > 0:
-            raise ValueError(
-                f"--l2-disk-size-gb must be a number > 0, got {self.l2_disk_size_gb!r}"
-            )
+        _check_range(
+            "--l2-disk-size-gb", self.l2_disk_size_gb, 0, MAX_SIZE_GIB, "GiB", low_open=True
+        )
         if self.l2_disk_sharding not in L2_DISK_SHARDINGS:
             allowed = ", ".join(L2_DISK_SHARDINGS)
             raise ValueError(
                 f"--l2-disk-sharding must be one of {allowed}, got {self.l2_disk_sharding!r}"
             )
-        if not isinstance(self.l2_timeout_s, (int, float)) or not self.l2_timeout_s > 0:
-            raise ValueError(f"--l2-timeout-s must be a number > 0, got {self.l2_timeout_s!r}")
+        _check_range("--l2-timeout-s", self.l2_timeout_s, *L2_TIMEOUT_S_RANGE, "seconds")
         url = self.l2_redis_url
         if url is not None and not (isinstance(url, str) and url.startswith(REDIS_SCHEMES)):
             # the value may hold a password: name the flag and the schemes, never the value
@@ -159,9 +178,9 @@ class ServerConfig:
             raise ValueError(
                 f"--l2-redis-key-prefix must be a non-empty string, got {self.l2_redis_key_prefix!r}"
             )
-        timeout = self.l2_redis_timeout_s
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"--l2-redis-timeout-s must be a number > 0, got {timeout!r}")
+        _check_range(
+            "--l2-redis-timeout-s", self.l2_redis_timeout_s, *L2_TIMEOUT_S_RANGE, "seconds"
+        )
         pool = self.l2_redis_pool_size
         if isinstance(pool, bool) or not isinstance(pool, int) or not 1 <= pool <= 256:
             raise ValueError(f"--l2-redis-pool-size must be an integer in 1..256, got {pool!r}")

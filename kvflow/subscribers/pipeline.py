@@ -7,6 +7,7 @@ exporters, all by one shared deadline, gathering every component's error.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -216,7 +217,7 @@ def _populate(
             L0LifecycleSubscriber(meter_provider, config.l0_sample_rate, config.sample_seed),
         )
         if pipeline.prometheus is not None:
-            pipeline.prometheus.start()
+            _start_prometheus(pipeline.prometheus)
     if config.tracing_enabled:
         if tracer_provider is None:
             if not config.otlp_endpoint:
@@ -235,3 +236,26 @@ def _populate(
                 meter_provider=pipeline.meter_provider,
             ),
         )
+
+
+def _start_prometheus(endpoint: PrometheusEndpoint) -> None:
+    """Start the scrape endpoint; if it cannot listen, one OSError line naming the flag.
+
+    The usual cause is a second server on the same host: its message says how to
+    pick another port or turn the endpoint off (the original error is the cause).
+    """
+    try:
+        endpoint.start()
+    except OSError as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        reason = cause.strerror or str(cause)
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        hint = (
+            "another server may be using it: pass --prometheus-port with a free port,"
+            if cause.errno == errno.EADDRINUSE
+            else "check --prometheus-host and --prometheus-port, or pass --prometheus-port"
+        )
+        raise OSError(
+            f"the metrics endpoint cannot listen on {host}:{endpoint.port} ({reason}); {hint}"
+            " or 0 to turn it off"
+        ) from exc

@@ -33,7 +33,7 @@ def test_observability_rejects_bad_values(kwargs: dict[str, Any], message: str) 
     [
         ({"port": -1}, r"--port must be an integer in 0..65535"),
         ({"chunk_size": 0}, r"--chunk-size must be a positive integer"),
-        ({"l1_size_gb": 0}, r"--l1-size-gb must be a number > 0"),
+        ({"l1_size_gb": 0}, r"--l1-size-gb must be a finite number in \(0, 1048576\] GiB"),
     ],
 )
 def test_server_rejects_bad_values(kwargs: dict[str, Any], message: str) -> None:
@@ -80,3 +80,57 @@ def test_bad_redis_settings_are_refused_without_echoing_them() -> None:
         ServerConfig(l2_redis_url="redis://h", l2_redis_pool_size=0)
     with pytest.raises(ValueError, match="--l2-redis-key-prefix"):
         ServerConfig(l2_redis_key_prefix="")
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "bounds"),
+    [
+        ("l1_size_gb", [INF, -INF, NAN, 1e300, 0, -1, True], r"\(0, 1048576\] GiB"),
+        ("l2_disk_size_gb", [INF, NAN, 1e300, 0], r"\(0, 1048576\] GiB"),
+        ("heartbeat_timeout_s", [INF, NAN, 1e300, 1e-6, 0.4, 86401, 0], r"\[0.5, 86400\] seconds"),
+        ("max_message_mb", [INF, NAN, 1e300, 1e-9, 0, 2049], r"\[0.0625, 2048\] MiB"),
+        ("l2_timeout_s", [INF, NAN, 1e300, 1e-9, 0, 601], r"\[0.001, 600\] seconds"),
+        ("l2_redis_timeout_s", [INF, NAN, 1e300, 1e-9, 0, 601], r"\[0.001, 600\] seconds"),
+    ],
+)
+def test_server_floats_must_be_finite_and_in_range(field: str, bad: list[Any], bounds: str) -> None:
+    """Every float setting refuses inf, nan, and absurdly large or small values with a
+    message naming its flag and the allowed range (issue 18, item 7: inf overflowed into a
+    raw traceback; a heartbeat timeout of inf killed clients' heartbeats, 1e-6 reaped
+    every instance as it registered)."""
+    flag = "--" + field.replace("_", "-")
+    for value in bad:
+        with pytest.raises(ValueError, match=f"^{flag} must be a finite number in {bounds}"):
+            ServerConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "bounds"),
+    [
+        ("tracing_ttl_s", [INF, NAN, 1e300, 0.5, 0, 86401], r"\[1, 86400\] seconds"),
+        ("export_interval_s", [INF, NAN, 1e300, 1e-6, 0, 86401], r"\[0.1, 86400\] seconds"),
+    ],
+)
+def test_observability_floats_must_be_finite_and_in_range(
+    field: str, bad: list[Any], bounds: str
+) -> None:
+    """The observability float settings refuse non-finite and absurd values likewise."""
+    flag = "--" + field.replace("_", "-")
+    for value in bad:
+        with pytest.raises(ValueError, match=f"^{flag} must be a finite number in {bounds}"):
+            ObservabilityConfig(**{field: value})
+    with pytest.raises(ValueError, match="--l0-sample-rate"):
+        ObservabilityConfig(l0_sample_rate=NAN)
+
+
+def test_float_bounds_are_inclusive_and_small_l1_stays_allowed() -> None:
+    """The range ends are accepted, and a tiny L1 (tests and benchmarks use KiBs) is valid."""
+    ServerConfig(heartbeat_timeout_s=0.5, max_message_mb=0.0625, l2_timeout_s=0.001,
+                 l2_redis_timeout_s=600, l1_size_gb=(1 << 20) / (1 << 30))  # fmt: skip
+    ServerConfig(heartbeat_timeout_s=86400, max_message_mb=2048, l1_size_gb=1 << 20,
+                 l2_disk_size_gb=1 << 20)  # fmt: skip
+    ObservabilityConfig(tracing_ttl_s=1, export_interval_s=0.1)
+    ObservabilityConfig(tracing_ttl_s=86400, export_interval_s=86400)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
+import socket
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -56,20 +58,28 @@ OPTIONS = (
     _Option("--host", "host", _S, str, "interface to listen on (default 127.0.0.1)"),
     _Option("--port", "port", _S, int, "TCP port for clients (default 5555; 0 picks a free one)"),
     _Option("--chunk-size", "chunk_size", _S, int, "tokens per stored chunk (default 256)"),
-    _Option("--l1-size-gb", "l1_size_gb", _S, float, "L1 (CPU memory) capacity in GB (default 4)"),
+    _Option(
+        "--l1-size-gb",
+        "l1_size_gb",
+        _S,
+        float,
+        "L1 (CPU memory) capacity in GiB, 2**30 bytes (default 4)",
+    ),
     _Option(
         "--heartbeat-timeout-s",
         "heartbeat_timeout_s",
         _S,
         float,
-        "unregister a client's instances after this long without hearing from it (default 30)",
+        "unregister a client's instances after this many seconds without hearing from it,"
+        " in 0.5..86400 (default 30)",
     ),
     _Option(
         "--max-message-mb",
         "max_message_mb",
         _S,
         float,
-        "largest request accepted, in MiB (default 64); twice this drops the connection",
+        "largest request accepted, in MiB, 0.0625..2048 (default 64); twice this drops the"
+        " connection",
     ),
     _Option(
         "--max-instances",
@@ -86,7 +96,7 @@ OPTIONS = (
         "L2 on local disk: directories, comma-separated (TOML: a list); off when not given",
     ),
     _Option(
-        "--l2-disk-size-gb", "l2_disk_size_gb", _S, float, "L2 disk capacity in GB (default 64)"
+        "--l2-disk-size-gb", "l2_disk_size_gb", _S, float, "L2 disk capacity in GiB (default 64)"
     ),
     _Option(
         "--l2-disk-sharding",
@@ -115,7 +125,7 @@ OPTIONS = (
         "l2_timeout_s",
         _S,
         float,
-        "longest wait of a request on an L2 tier, in seconds (default 2)",
+        "longest wait of a request on an L2 tier, in seconds, 0.001..600 (default 2)",
     ),
     _Option(
         "--l2-redis",
@@ -153,7 +163,7 @@ OPTIONS = (
         "l2_redis_timeout_s",
         _S,
         float,
-        "connect and read timeout of each Redis call, in seconds (default 1)",
+        "connect and read timeout of each Redis call, in seconds, 0.001..600 (default 1)",
     ),
     _Option(
         "--l2-redis-pool-size",
@@ -205,17 +215,19 @@ OPTIONS = (
         "tracing_ttl_s",
         _O,
         float,
-        "drop an unfinished span after this many seconds (default 300)",
+        "drop an unfinished span after this many seconds, 1..86400 (default 300)",
     ),
     _Option(
         "--export-interval-s",
         "export_interval_s",
         _O,
         float,
-        "seconds between metric exports (default 5)",
+        "seconds between metric exports, 0.1..86400 (default 5)",
     ),
 )
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
+#: the longest `kvflow status --timeout-s` waits (a larger value is a typo, not a wish)
+STATUS_MAX_TIMEOUT_S = 3600.0
 
 
 class UsageError(Exception):
@@ -385,8 +397,15 @@ def _status(argv: list[str]) -> int:
     from kvflow.core.errors import KVFlowError
     from kvflow.core.server.client import KVFlowClient
 
-    if not args.timeout_s > 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s!r}")
+    if not (math.isfinite(args.timeout_s) and 0 < args.timeout_s <= STATUS_MAX_TIMEOUT_S):
+        raise UsageError(
+            f"--timeout-s must be a finite number in (0, {STATUS_MAX_TIMEOUT_S:g}] seconds,"
+            f" got {args.timeout_s!r}"
+        )
+    unresolved = _unresolvable_host(args.endpoint)
+    if unresolved is not None:
+        print(f"kvflow status: error: {unresolved}", file=sys.stderr)
+        return 1
     try:
         client = KVFlowClient(args.endpoint, timeout_s=args.timeout_s)
     except ValueError as exc:
@@ -400,6 +419,28 @@ def _status(argv: list[str]) -> int:
         client.close()
     print(json.dumps(status, indent=2, sort_keys=True, default=str))
     return 0
+
+
+def _unresolvable_host(endpoint: str) -> str | None:
+    """Why the host of a tcp:// `endpoint` cannot be resolved, or None if it can (or is not tcp).
+
+    ZeroMQ resolves a connect's host in the background and retries for ever, so a
+    typo in the host would otherwise only show as a timeout ("is it running?").
+    """
+    if not endpoint.startswith("tcp://"):
+        return None
+    address = endpoint[len("tcp://") :].rpartition(";")[2]  # tcp://SOURCE;HOST:PORT
+    host, sep, _ = address.rpartition(":")
+    if not sep or not host:
+        return None  # malformed: the client reports it
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve host {host!r} of --endpoint {endpoint}: {exc.strerror}"
+    except (UnicodeError, ValueError):
+        return f"--endpoint {endpoint}: {host!r} is not a valid host name"
+    return None
 
 
 def main(command: str, argv: list[str]) -> int:

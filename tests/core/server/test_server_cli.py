@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import signal
 import socket
@@ -14,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.core import KVFlowClient
-from kvflow.core.config import ServerConfig
-from kvflow.core.server.cli import OPTIONS, UsageError, main, resolve
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.server.cli import OPTIONS, UsageError, _configure_logging, main, resolve
 
 
 def _toml(tmp_path: Path, text: str) -> str:
@@ -111,6 +113,16 @@ def test_environment_switches_read_yes_and_no() -> None:
         (["--l1-size-gb", "0"], {}, "--l1-size-gb"),
         (["--heartbeat-timeout-s", "0"], {}, "--heartbeat-timeout-s"),
         (["--max-message-mb", "-1"], {}, "--max-message-mb"),
+        (["--l1-size-gb", "inf"], {}, "--l1-size-gb must be a finite number in (0, 1048576] GiB"),
+        (["--l1-size-gb", "nan"], {}, "--l1-size-gb"),
+        (["--l2-disk-size-gb", "1e300"], {}, "--l2-disk-size-gb"),
+        (["--max-message-mb", "inf"], {}, "--max-message-mb"),
+        (["--l2-timeout-s", "inf"], {}, "--l2-timeout-s"),
+        (["--l2-redis-timeout-s", "1e300"], {}, "--l2-redis-timeout-s"),
+        (["--tracing-ttl-s", "inf"], {}, "--tracing-ttl-s"),
+        (["--export-interval-s", "1e-9"], {}, "--export-interval-s"),
+        ([], {"KVFLOW_L1_SIZE_GB": "inf"}, "--l1-size-gb"),
+        ([], {"KVFLOW_HEARTBEAT_TIMEOUT_S": "1e300"}, "--heartbeat-timeout-s"),
         (["--bogus"], {}, "--bogus"),
         ([], {"KVFLOW_L0_SAMPLE_RATE": "lots"}, "KVFLOW_L0_SAMPLE_RATE (--l0-sample-rate)"),
         ([], {"KVFLOW_DISABLE_LOGGING": "maybe"}, "KVFLOW_DISABLE_LOGGING (--disable-logging)"),
@@ -131,6 +143,45 @@ def test_invalid_settings_exit_2_with_one_line_naming_the_flag(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvflow server: error:")
     assert flag in err
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "1e-6", "nan", "0.4", "86401"])
+def test_heartbeat_timeout_outside_its_range_names_the_range(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A heartbeat timeout of inf/1e300 (kills the clients' heartbeat thread) or 1e-6
+    (reaps every instance as it registers) is refused with the range, exit 2."""
+    assert main("server", ["--heartbeat-timeout-s", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--heartbeat-timeout-s must be a finite number in [0.5, 86400] seconds" in err
+
+
+def test_non_finite_values_in_a_config_file_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TOML can spell inf and nan: they are refused like the flag's value."""
+    path = _toml(tmp_path, "l1_size_gb = inf\n")
+    assert main("server", ["--config", path]) == 2
+    assert "--l1-size-gb must be a finite number" in capsys.readouterr().err
+    path = _toml(tmp_path, "heartbeat_timeout_s = nan\n")
+    assert main("server", ["--config", path]) == 2
+    assert "--heartbeat-timeout-s must be a finite number" in capsys.readouterr().err
+
+
+def test_an_infinite_l1_size_exits_2_without_a_traceback() -> None:
+    """`kvflow server --l1-size-gb inf` (a real process) prints one line, exit 2: it used
+    to end in an OverflowError traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--l1-size-gb", "inf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "kvflow server: error: --l1-size-gb must be a finite number in (0, 1048576] GiB, got inf\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -173,7 +224,12 @@ def test_a_busy_port_exits_1_with_one_line(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize(
     "argv, flag",
-    [(["--endpoint", "localhost:5555"], "--endpoint"), (["--timeout-s", "0"], "--timeout-s")],
+    [
+        (["--endpoint", "localhost:5555"], "--endpoint"),
+        (["--timeout-s", "0"], "--timeout-s"),
+        (["--timeout-s", "inf"], "--timeout-s must be a finite number in (0, 3600] seconds"),
+        (["--timeout-s", "nan"], "--timeout-s"),
+    ],
 )
 def test_status_usage_errors(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
@@ -190,6 +246,55 @@ def test_status_of_no_server_exits_1(capsys: pytest.CaptureFixture[str]) -> None
     assert main("status", ["--endpoint", f"tcp://127.0.0.1:{port}", "--timeout-s", "0.3"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"kvflow server at tcp://127.0.0.1:{port}" in err
+
+
+def test_status_of_an_unresolvable_host_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvflow status` against a host name that does not resolve says that, at once,
+    instead of waiting out the timeout and asking whether the server is running."""
+    endpoint = "tcp://no-such-host.invalid:5555"
+    started = time.monotonic()
+    assert main("status", ["--endpoint", endpoint, "--timeout-s", "30"]) == 1
+    assert time.monotonic() - started < 20
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"cannot resolve host 'no-such-host.invalid' of --endpoint {endpoint}" in err
+    assert "is it running" not in err
+
+
+def test_a_busy_prometheus_port_exits_1_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A second server on the metrics port of a first gets one line naming
+    --prometheus-port and 0 to turn it off, without the errno twice, exit 1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        busy = sock.getsockname()[1]
+        argv = ["--port", "0", "--l1-size-gb", "0.01", "--prometheus-port", str(busy)]
+        assert main("server", [*argv, "--disable-logging"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvflow server: error:")
+    assert f"the metrics endpoint cannot listen on 127.0.0.1:{busy} (Address already in use)" in err
+    assert "--prometheus-port with a free port, or 0 to turn it off" in err
+    assert "Errno" not in err
+
+
+def test_server_log_lines_in_json_carry_tracebacks(capsys: pytest.CaptureFixture[str]) -> None:
+    """With event logs off, the server's own JSON log lines (set up by the CLI) render an
+    exception as its traceback text (issue 18, item 5)."""
+    setup = _configure_logging(ObservabilityConfig(logging_enabled=False))
+    assert setup is not None
+    try:
+        try:
+            {}["missing"]
+        except KeyError:
+            logging.getLogger("kvflow.server").exception("internal error while serving a request")
+    finally:
+        setup.close()
+    (line,) = [json.loads(text) for text in capsys.readouterr().err.splitlines()]
+    assert line["event"] == "internal error while serving a request"
+    assert line["exception"].startswith("Traceback (most recent call last):")
+    assert "KeyError: 'missing'" in line["exception"] and "exc_info" not in line
 
 
 def test_observed_server_serves_prometheus_and_stops_on_sigint(tmp_path: Path) -> None:
