@@ -31,6 +31,12 @@ class AlreadyRegisteredError(KVFlowError, ValueError):
     code = "already_exists"
 
 
+class PermissionDeniedError(KVFlowError):
+    """The instance belongs to another client (the one that registered it)."""
+
+    code = "permission_denied"
+
+
 class ProtocolError(KVFlowError):
     """A malformed message, an unknown request type or a wrong protocol version."""
 
@@ -68,6 +74,7 @@ ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
         InvalidRequestError,
         UnknownInstanceError,
         AlreadyRegisteredError,
+        PermissionDeniedError,
         ProtocolError,
         TransferError,
         CapacityError,

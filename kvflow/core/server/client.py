@@ -74,16 +74,27 @@ class KVFlowClient:
     Every call waits at most `timeout_s` for its reply, then raises
     RequestTimeoutError; server-side errors are raised as the same kvflow error
     class the engine raised.
+
+    `client_id` is the identity the server ties this client's instances to (a
+    random one by default): only this client may store into, retrieve into,
+    report on or unregister them. A restarted process that passes the same
+    `client_id` re-registers its instance ids at once (the old registrations are
+    released); otherwise `register_kv_caches(..., takeover=True)` takes over an
+    instance id a dead client still holds.
     """
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, endpoint: str, *, timeout_s: float = 30.0, client_id: str | None = None
+    ) -> None:
         if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
             raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
-        self.client_id = uuid.uuid4().hex
+        if client_id is not None and (not isinstance(client_id, str) or not client_id):
+            raise ValueError(f"client_id must be a non-empty string, got {client_id!r}")
+        self.client_id = client_id if client_id is not None else uuid.uuid4().hex
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._ids = itertools.count(1)
         self._local = threading.local()
@@ -189,8 +200,14 @@ class KVFlowClient:
         rank: int = 0,
         block_size: int | None = None,
         kv_format: str | None = None,
+        takeover: bool = False,
     ) -> None:
-        """Share `kv_caches` with the server (shared memory or CUDA IPC) and register them."""
+        """Share `kv_caches` with the server (shared memory or CUDA IPC) and register them.
+
+        Registering an instance id this client (same `client_id`) already holds
+        replaces that registration; one held by another client is refused
+        (AlreadyRegisteredError) unless `takeover` is True.
+        """
         desc = describe_kv_caches(kv_caches)
         event, event_handle = None, None
         device = next(
@@ -215,6 +232,7 @@ class KVFlowClient:
             block_size=block_size,
             kv_format=kv_format,
             event_handle=event_handle,
+            takeover=takeover,
         )
         reply = self._call(request)
         if not isinstance(reply, Registered):

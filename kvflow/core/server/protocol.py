@@ -99,6 +99,8 @@ class Register(Request, tag="register"):
     kv_format: str | None = None
     #: IPC handle of the engine's interprocess CUDA event (GPU caches only).
     event_handle: bytes | None = None
+    #: take over the instance id even when another (dead) client still holds it
+    takeover: bool = False
 
 
 class Lookup(Request, tag="lookup"):
@@ -266,7 +268,7 @@ def decode_request(frames: Sequence[Any]) -> tuple[Request, tuple[np.ndarray, ..
     header = frames[0]
     try:
         request = _request_decoder.decode(header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         version = peek_version(header)
         if version not in (None, PROTOCOL_VERSION):
             raise _version_error(version) from None
@@ -294,7 +296,7 @@ def peek_version(header: Any) -> int | None:
     """The protocol version a header claims, or None when even that cannot be read."""
     try:
         return _versioned_decoder.decode(header).v
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
         return None
 
 
@@ -302,7 +304,7 @@ def peek_id(header: Any) -> int:
     """The correlation id a header claims (0 when unreadable), to address an error reply."""
     try:
         return _versioned_decoder.decode(header).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
         return 0
 
 
@@ -320,7 +322,7 @@ def decode_reply(frame: Any) -> Reply:
     """Decode a reply header; raises ProtocolError when it is malformed."""
     try:
         reply = _reply_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed reply from server: {exc}") from None
     if reply.v != PROTOCOL_VERSION:
         raise _version_error(reply.v)

@@ -1,9 +1,11 @@
 """KVFlowServer: a CacheEngine behind a ZMQ ROUTER socket (docs/SERVER.md).
 
 The main loop owns the socket: it decodes every request, answers cheap ones
-(lookup, status, heartbeat, sessions, allocations, registration) itself, and
-hands store/retrieve/unregister to the instance's own worker thread, so one
-instance's transfers run in order while different instances run in parallel.
+(lookup, status, heartbeat, sessions, allocations) itself, and hands
+register/store/retrieve/unregister to one of a fixed pool of worker threads,
+picked by a stable hash of the instance id, so one instance's work runs in
+order while different instances run in parallel, and no number of instances
+adds threads or sockets. An instance belongs to the client that registered it.
 Workers send replies back through an inproc socket the main loop forwards.
 Clients that stop heartbeating have their instances reaped; `request_stop`
 finishes in-flight work, then closes the engine (bus and exporters).
@@ -16,6 +18,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +31,9 @@ from kvflow.core.config import ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.errors import (
     AlreadyRegisteredError,
+    CapacityError,
     KVFlowError,
+    PermissionDeniedError,
     ProtocolError,
     UnknownInstanceError,
 )
@@ -66,6 +71,8 @@ _MAX_FRAMES = 8
 _BATCH = 64
 _REMEMBER_REAPED = 1024
 _FORCED_CLOSE_S = 5.0
+#: most instance worker threads, whatever --max-instances is
+_MAX_WORKERS = 8
 
 #: A worker job: computes the reply for one queued request.
 Job = Callable[[], Reply]
@@ -80,20 +87,34 @@ def _failed(request_id: int, exc: BaseException, started_ns: int) -> Failed:
     return Failed(id=request_id, code=code, message=message, server_ns=_since(started_ns))
 
 
+def _log_with_handlers(handlers: list[logging.Handler], level: int, msg: str, *args: Any) -> None:
+    """Log at INFO through the root handlers `handlers` (and root `level`), even removed ones."""
+    root = logging.getLogger()
+    missing = [h for h in handlers if h not in root.handlers]
+    previous = root.level
+    for handler in missing:
+        root.addHandler(handler)
+    root.setLevel(level)
+    try:
+        log.info(msg, *args)
+    finally:
+        for handler in missing:
+            root.removeHandler(handler)
+        root.setLevel(previous)
+
+
 def _since(started_ns: int) -> int:
     return time.perf_counter_ns() - started_ns
 
 
 class _Worker:
-    """One instance's ordered job queue and the thread that drains it."""
+    """An ordered job queue and the thread that drains it."""
 
-    def __init__(self, ctx: zmq.Context[Any], results: str, instance_id: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], results: str, name: str) -> None:
         self._ctx = ctx
         self._results = results
         self._jobs: queue.SimpleQueue[tuple[bytes | None, Job] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvflow-worker-{instance_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"kvflow-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, identity: bytes | None, job: Job) -> None:
@@ -116,26 +137,38 @@ class _Worker:
         try:
             while (item := self._jobs.get()) is not None:
                 identity, job = item
-                reply = job()
+                del item  # hold no finished job (and what it references) while idle
+                try:
+                    reply = job()
+                except Exception as exc:  # jobs answer their own errors; never lose the thread
+                    reply = _failed(0, exc, time.perf_counter_ns())
+                del job
                 if identity is not None:
                     try:
                         push.send_multipart([identity, encode_reply(reply)])
                     except zmq.Again:
                         log.warning("reply dropped: the server stopped without waiting for it")
+                del reply
         finally:
             push.close()
 
 
 @dataclass
 class _Registration:
-    """What the server holds for one registered instance."""
+    """What the server holds for one registered instance (opened: None until mapped)."""
 
     instance_id: str
     client: str
-    opened: OpenedKVCaches
     worker: _Worker
+    opened: OpenedKVCaches | None = None
     event: Any = None
     registered_at: float = field(default_factory=time.monotonic)
+
+    def release(self) -> None:
+        """Unmap the instance's memory and drop its CUDA event now (idempotent)."""
+        opened, self.opened, self.event = self.opened, None, None
+        if opened is not None:
+            opened.release()
 
 
 class KVFlowServer:
@@ -175,8 +208,16 @@ class KVFlowServer:
             self._router.close(0)
             self._ctx.term()
             raise
+        self._max_instances = int(self.config.max_instances)
+        #: instance id -> registration; workers remove failed registrations (under the lock)
         self._registrations: dict[str, _Registration] = {}
-        self._workers: list[_Worker] = []
+        self._registrations_lock = threading.Lock()
+        #: the fixed pool: an instance's jobs all go to _pool[hash(id) % len]
+        self._pool = [
+            _Worker(self._ctx, self._results_addr, f"worker-{i}")
+            for i in range(max(1, min(self._max_instances, _MAX_WORKERS)))
+        ]
+        self._workers: list[_Worker] = list(self._pool)
         #: lookups and prefetches, when L2 tiers may make them wait (L1 only: none)
         self._queries: _Worker | None = None
         if self.engine.l2_tier_names:
@@ -228,15 +269,15 @@ class KVFlowServer:
         self._closed = True
         log.info("kvflow server stopping: finishing in-flight work")
         workers = self._workers
-        for reg in self._registrations.values():
-            reg.worker.finish()
-        if self._queries is not None:
-            self._queries.finish()
+        for worker in workers:
+            worker.finish()
         while any(w.alive for w in workers) and not self._force.is_set():
             if self._results.poll(int(_TICK_S * 1000)):
                 self._forward_results()
         self._forward_results()
         busy = sum(w.alive for w in workers)
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
         if busy:  # a second stop request: do not wait for stuck transfers any longer
             log.warning("kvflow server: not waiting for %d busy instance worker(s)", busy)
             closed: list[bool] = []
@@ -244,16 +285,28 @@ class KVFlowServer:
                 target=lambda: closed.append(self.engine.close()), daemon=True
             )
             closer.start()
+            closer.start()
             closer.join(_FORCED_CLOSE_S)
             clean = bool(closed and closed[0])
         else:
             clean = self.engine.close()
-        self._registrations.clear()
+        with self._registrations_lock:
+            regs, self._registrations = list(self._registrations.values()), {}
+        if not busy:  # a busy worker may still be copying through these mappings
+            for reg in regs:
+                reg.release()
+        del regs
         self._results.close(0)
         self._router.close()
         if not busy:  # busy workers still hold sockets; the process is exiting anyway
             self._ctx.term()
-        log.info("kvflow server stopped (event pipeline %s)", "clean" if clean else "NOT clean")
+        # closing the engine removed the log handler its pipeline installed (event logs on)
+        _log_with_handlers(
+            handlers,
+            level,
+            "kvflow server stopped (event pipeline %s)",
+            "NOT clean" if not clean else "clean",
+        )
 
     def close(self) -> None:
         """Release everything without serving (for a server that never ran)."""
@@ -326,7 +379,7 @@ class KVFlowServer:
                 state = engine.prefetch_state(request.prefetch_id)
                 return StatusResult(id=rid, status=state, server_ns=_since(started))
             case Store() | Retrieve():
-                reg = self._registration(request.instance_id)
+                reg = self._owned(request.instance_id, request.client, type(request).__name__)
                 reg.worker.submit(identity, self._transfer_job(reg, request, arrays, started))
                 return None
             case Heartbeat():
@@ -334,16 +387,17 @@ class KVFlowServer:
             case Status():
                 return StatusResult(id=rid, status=self.status(), server_ns=_since(started))
             case Register():
-                interval = self._register(request)
-                return Registered(id=rid, heartbeat_interval_s=interval, server_ns=_since(started))
+                self._register(identity, request, started)
+                return None
             case Unregister():
-                reg = self._registration(request.instance_id)
+                reg = self._owned(request.instance_id, request.client, "Unregister")
                 self._retire(reg, identity, rid, started)
                 return None
             case EndSession():
                 engine.end_session(request.request_id)
                 return Done(id=rid, server_ns=_since(started))
             case ReportAllocations():
+                self._owned(request.instance_id, request.client, "ReportAllocations")
                 records = [
                     BlockAllocation(r.req_id, r.block_ids, r.token_ids) for r in request.records
                 ]
@@ -392,6 +446,16 @@ class KVFlowServer:
             raise UnknownInstanceError(f"instance {instance_id!r} is not registered{why}")
         return reg
 
+    def _owned(self, instance_id: str, client: str, op: str) -> _Registration:
+        """The registration of `instance_id`, if `client` registered it; else PermissionDenied."""
+        reg = self._registration(instance_id)
+        if reg.client != client:
+            raise PermissionDeniedError(
+                f"{op} refused: instance {instance_id!r} belongs to another client (only the"
+                " client that registered it may store, retrieve, report or unregister)"
+            )
+        return reg
+
     def _transfer_job(
         self,
         reg: _Registration,
@@ -431,63 +495,117 @@ class KVFlowServer:
 
     # -- registration and reaping -------------------------------------------------------------
 
-    def _register(self, request: Register) -> float:
-        """Map the described tensors, register them with the engine, start the worker."""
-        if request.instance_id in self._registrations:
-            raise AlreadyRegisteredError(f"instance {request.instance_id!r} is already registered")
-        opened = open_kv_caches(request.kv_caches)
-        event = None
-        if request.event_handle is not None and opened.cuda_device is not None:
-            from kvflow.core.server.ipc import open_interprocess_event
+    def _register(self, identity: bytes, request: Register, started: int) -> None:
+        """Check ownership and --max-instances, then map and register on the instance's worker.
 
-            event = open_interprocess_event(request.event_handle, opened.cuda_device)
-        self.engine.register_kv_caches(
-            request.instance_id,
-            opened.kv_caches,
-            model_name=request.model_name,
-            world_size=request.world_size,
-            rank=request.rank,
-            block_size=request.block_size,
-            kv_format=request.kv_format,
-        )
-        worker = _Worker(self._ctx, self._results_addr, request.instance_id)
-        self._reaped_ids.pop(request.instance_id, None)
-        self._workers = [w for w in self._workers if w.alive] + [worker]
-        self._registrations[request.instance_id] = _Registration(
-            request.instance_id, request.client, opened, worker, event
-        )
-        log.info(
-            "registered instance %r of model %r (rank %d/%d) for client %s",
-            request.instance_id,
-            request.model_name,
-            request.rank,
-            request.world_size,
-            request.client or "?",
-        )
-        return self._heartbeat_timeout / 4
+        The reply (Registered or Failed) comes from that worker once the instance is
+        really served. Re-registering one's own instance id (same client), or another
+        client's with `takeover`, first retires the old registration on the same worker.
+        """
+        iid = request.instance_id
+        old = self._registrations.get(iid)
+        if old is not None and old.client != request.client and not request.takeover:
+            raise AlreadyRegisteredError(
+                f"instance {iid!r} is already registered by another client; if that client"
+                f" is gone, the server reaps the instance after --heartbeat-timeout-s"
+                f" ({self._heartbeat_timeout:g} s) of its silence, or register with"
+                " takeover=True to take it over now"
+            )
+        if old is None and len(self._registrations) >= self._max_instances:
+            raise CapacityError(
+                f"the server already serves {len(self._registrations)} instances, its limit"
+                " (--max-instances): unregister one or raise the limit"
+            )
+        worker = self._pool[zlib.crc32(iid.encode("utf-8", "surrogatepass")) % len(self._pool)]
+        if old is not None:
+            log.info(
+                "instance %r re-registered by client %s%s: releasing the old registration",
+                iid,
+                request.client or "?",
+                " (takeover)" if old.client != request.client else "",
+            )
+            self._retire(old, None, 0, started)
+        reg = _Registration(iid, request.client, worker)
+        with self._registrations_lock:
+            self._registrations[iid] = reg
+        self._reaped_ids.pop(iid, None)
+        worker.submit(identity, self._register_job(reg, request, started))
+
+    def _register_job(self, reg: _Registration, request: Register, started: int) -> Job:
+        interval = self._heartbeat_timeout / 4
+
+        def run() -> Reply:
+            opened: OpenedKVCaches | None = None
+            try:
+                opened = open_kv_caches(request.kv_caches)
+                event = None
+                if request.event_handle is not None and opened.cuda_device is not None:
+                    from kvflow.core.server.ipc import open_interprocess_event
+
+                    event = open_interprocess_event(request.event_handle, opened.cuda_device)
+                self.engine.register_kv_caches(
+                    request.instance_id,
+                    opened.kv_caches,
+                    model_name=request.model_name,
+                    world_size=request.world_size,
+                    rank=request.rank,
+                    block_size=request.block_size,
+                    kv_format=request.kv_format,
+                )
+            except Exception as exc:
+                with self._registrations_lock:
+                    if self._registrations.get(reg.instance_id) is reg:
+                        del self._registrations[reg.instance_id]
+                if opened is not None:
+                    opened.release()
+                    del opened
+                self._count_error()
+                return _failed(request.id, exc, started)
+            reg.opened, reg.event = opened, event
+            del opened, event
+            log.info(
+                "registered instance %r of model %r (rank %d/%d) for client %s",
+                request.instance_id,
+                request.model_name,
+                request.rank,
+                request.world_size,
+                request.client or "?",
+            )
+            return Registered(
+                id=request.id, heartbeat_interval_s=interval, server_ns=_since(started)
+            )
+
+        return run
 
     def _retire(
         self, reg: _Registration, identity: bytes | None, request_id: int, started: int
     ) -> None:
-        """Unregister `reg` on its worker after its queued transfers, then stop the worker."""
-        del self._registrations[reg.instance_id]
+        """Unregister `reg` on its worker after its queued jobs, releasing its memory there."""
+        with self._registrations_lock:
+            if self._registrations.get(reg.instance_id) is reg:
+                del self._registrations[reg.instance_id]
 
         def run() -> Reply:
             try:
+                if reg.opened is None:  # its registration failed: nothing to unregister
+                    return Done(id=request_id, server_ns=_since(started))
                 self.engine.unregister(reg.instance_id)
             except Exception as exc:
                 self._count_error()
                 return _failed(request_id, exc, started)
+            finally:
+                reg.release()
             return Done(id=request_id, server_ns=_since(started))
 
         reg.worker.submit(identity, run)
-        reg.worker.finish()
 
     def _reap(self) -> None:
         """Unregister the instances of clients silent for longer than the heartbeat timeout."""
         now = time.monotonic()
         limit = now - self._heartbeat_timeout
-        for reg in list(self._registrations.values()):
+        with self._registrations_lock:
+            regs = list(self._registrations.values())
+        for reg in regs:
             if self._last_seen.get(reg.client, now) < limit:
                 log.warning(
                     "reaping instance %r: client %s silent for over %.1f s",
@@ -500,7 +618,8 @@ class KVFlowServer:
                 while len(self._reaped_ids) > _REMEMBER_REAPED:
                     self._reaped_ids.popitem(last=False)
                 self._retire(reg, None, 0, time.perf_counter_ns())
-        owners = {reg.client for reg in self._registrations.values()}
+        with self._registrations_lock:
+            owners = {reg.client for reg in self._registrations.values()}
         for client, seen in list(self._last_seen.items()):
             if seen < limit and client not in owners:
                 del self._last_seen[client]
@@ -511,6 +630,8 @@ class KVFlowServer:
         """The engine's status plus the server's own: endpoint, clients, instances, counters."""
         status = self.engine.status()
         now = time.monotonic()
+        with self._registrations_lock:
+            registrations = list(self._registrations.items())
         status["server"] = {
             "endpoint": self.endpoint,
             "pid": os.getpid(),
@@ -521,9 +642,11 @@ class KVFlowServer:
             "requests": self._served,
             "errors": self._errors,
             "reaped_instances": self._reaped,
+            "max_instances": self._max_instances,
+            "workers": len(self._pool),
             "instances": {
                 iid: {"client": reg.client, "registered_s_ago": round(now - reg.registered_at, 3)}
-                for iid, reg in self._registrations.items()
+                for iid, reg in registrations
             },
             "clients": {c: round(now - seen, 3) for c, seen in self._last_seen.items()},
         }

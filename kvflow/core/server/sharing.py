@@ -8,15 +8,18 @@ view it. Every description is bounds-checked against the memory it names.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, ShmMemory, TensorDesc
-from kvflow.core.server.shm import map_shared, shared_memory_of
+from kvflow.core.server.shm import Segment, map_segment, release_segment, shared_memory_of
+
+log = logging.getLogger("kvflow.server")
 
 #: The dtypes KV caches may have (docs/KERNELS.md, KV cache formats).
 DTYPES: dict[str, torch.dtype] = {
@@ -88,10 +91,32 @@ def describe_tensor(tensor: torch.Tensor, where: str) -> TensorDesc:
 
 @dataclass
 class OpenedKVCaches:
-    """Rebuilt KV tensors (same nesting as the client's) and the GPU they live on, if any."""
+    """Rebuilt KV tensors (same nesting as the client's) and the GPU they live on, if any.
+
+    `release()` drops the tensors and unmaps the shared-memory segments at once
+    (CUDA IPC mappings close when their last tensor is freed, which dropping them
+    does), so an unregistered instance holds no memory until a garbage collection.
+    """
 
     kv_caches: Any
     cuda_device: int | None = None
+    segments: list[Segment] = field(default_factory=list)
+
+    def release(self) -> bool:
+        """Drop the tensors and unmap the segments; False if a view elsewhere kept one mapped."""
+        self.kv_caches = None
+        return _release_all(self.segments)
+
+
+def _release_all(segments: list[Segment]) -> bool:
+    ok = True
+    while segments:
+        segment = segments.pop()
+        if not release_segment(segment):
+            ok = False
+            log.warning("a shared-memory segment is still viewed: unmapped once that view dies")
+        del segment
+    return ok
 
 
 def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
@@ -101,14 +126,36 @@ def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
             f"kv_caches must hold 1..{MAX_TENSORS} tensors, got {len(desc.tensors)}"
         )
     shm_cache: dict[str, torch.Tensor] = {}
+    segments: list[Segment] = []
     devices: set[int] = set()
-    tensors = []
+    tensors: list[torch.Tensor] = []
+    try:
+        kv_caches, device = _open(desc, shm_cache, segments, devices, tensors)
+    except BaseException:
+        # the traceback still holds views: the mappings go when it does (no cycle)
+        del tensors[:]
+        shm_cache.clear()
+        segments.clear()
+        raise
+    return OpenedKVCaches(kv_caches, device, segments)
+
+
+def _open(
+    desc: KVCachesDesc,
+    shm_cache: dict[str, torch.Tensor],
+    segments: list[Segment],
+    devices: set[int],
+    tensors: list[torch.Tensor],
+) -> tuple[Any, int | None]:
+    """open_kv_caches' work; what it maps goes into the caller's containers."""
     for i, tdesc in enumerate(desc.tensors):
         memory = tdesc.memory
         raw: torch.Tensor
         if isinstance(memory, ShmMemory):
             if memory.name not in shm_cache:
-                shm_cache[memory.name] = map_shared(memory)
+                shm_cache[memory.name], segment = map_segment(memory)
+                segments.append(segment)
+                del segment
             raw = shm_cache[memory.name]
         else:
             from kvflow.core.server.ipc import open_cuda_ipc
@@ -128,7 +175,8 @@ def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
         kv_caches = (tensors[: desc.split], tensors[desc.split :])
     if len(devices) > 1:
         raise InvalidRequestError(f"kv_caches span several GPUs {sorted(devices)}, expected one")
-    return OpenedKVCaches(kv_caches, next(iter(devices), None))
+    shm_cache.clear()
+    return kv_caches, next(iter(devices), None)
 
 
 def view_described(raw: torch.Tensor, tdesc: TensorDesc, where: str) -> torch.Tensor:

@@ -10,15 +10,19 @@ mappings already open elsewhere stay valid.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import itertools
 import math
 import mmap
 import os
 import re
 import secrets
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -94,7 +98,54 @@ def shared_memory_of(tensor: torch.Tensor) -> ShmMemory | None:
 def map_shared(memory: ShmMemory) -> torch.Tensor:
     """Map a described segment (server side) as a uint8 tensor of the whole segment.
 
-    The mapping lives as long as the returned tensor or any view of it. Raises
+    The mapping lives as long as the returned tensor or any view of it; see
+    `map_segment` to unmap it deterministically.
+    """
+    return map_segment(memory)[0]
+
+
+class Segment:
+    """A MAP_SHARED mapping of a whole segment that keeps no file descriptor open.
+
+    (Python's mmap.mmap keeps a dup of the file's descriptor per mapping until it
+    is closed: one fd per registered segment, which a registration flood turns
+    into fd exhaustion.) `buffer` is a ctypes array over the mapping; the mapping
+    is unmapped when that array dies (its last tensor view with it), or at once by
+    `release_segment` when nothing else views it.
+    """
+
+    __slots__ = ("_unmap", "buffer", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
+        if size <= 0:
+            raise ValueError("cannot map an empty segment")
+        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.size = size
+        self.buffer: Any = (ctypes.c_uint8 * size).from_address(addr)
+        self._unmap = weakref.finalize(self.buffer, _libc.munmap, addr, size)
+
+    @property
+    def closed(self) -> bool:
+        return not self._unmap.alive
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]  # fmt: skip
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_segment(memory: ShmMemory) -> tuple[torch.Tensor, Segment]:
+    """`map_shared`'s tensor and the Segment behind it, for `release_segment` to unmap.
+
+    Raises
     InvalidRequestError for a name empty_shared could not have made, a segment
     that no longer exists, or a size that differs from the description.
     """
@@ -119,11 +170,31 @@ def map_shared(memory: ShmMemory) -> torch.Tensor:
             raise InvalidRequestError(
                 f"shared-memory segment {memory.name!r} has {size} bytes, described as {memory.size}"
             )
-        segment = mmap.mmap(fd, size)
+        segment = Segment(fd, size)
     except (OSError, ValueError) as exc:
         raise InvalidRequestError(
             f"cannot map shared-memory segment {memory.name!r}: {exc}"
         ) from None
     finally:
         os.close(fd)
-    return torch.frombuffer(segment, dtype=torch.uint8)
+    return torch.frombuffer(segment.buffer, dtype=torch.uint8), segment
+
+
+def release_segment(segment: Segment) -> bool:
+    """Unmap `segment` now if no tensor views it any more; False (and left mapped) otherwise.
+
+    torch.frombuffer holds one reference to the buffer per live storage, and
+    unmapping under a live view would leave it dangling: the reference count
+    tells whether any view is left.
+    """
+    buffer = segment.buffer
+    if buffer is None:
+        return True
+    # getrefcount sees: the segment's attribute, `buffer`, getrefcount's own argument
+    if sys.getrefcount(buffer) > 3:
+        gc.collect()  # a view kept alive only by a reference cycle
+        if sys.getrefcount(buffer) > 3:
+            return False
+    del buffer
+    segment.buffer = None  # the array dies here, and its finalizer unmaps
+    return segment.closed
