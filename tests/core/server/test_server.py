@@ -326,8 +326,12 @@ def test_bad_arguments_get_clear_errors_and_nothing_half_written(client: KVFlowC
     kv = _kv(4)
     iid = _instance("bad")
     client.register_kv_caches(iid, kv, model_name="bad-model")
-    with pytest.raises(AlreadyRegisteredError):
-        client.register_kv_caches(iid, kv, model_name="bad-model")
+    client.register_kv_caches(iid, kv, model_name="bad-model")  # its own: replaced
+    with (
+        KVFlowClient(client.endpoint, timeout_s=20) as other,
+        pytest.raises(AlreadyRegisteredError, match="takeover=True"),
+    ):
+        other.register_kv_caches(iid, kv, model_name="bad-model")
     tokens = _tokens(2 * CHUNK, seed=4)
     with pytest.raises(UnknownInstanceError, match="nope"):
         client.store("nope", tokens, list(range(32)), request_id="x")
