@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import zlib
@@ -101,6 +102,20 @@ def _log_with_handlers(handlers: list[logging.Handler], level: int, msg: str, *a
         for handler in missing:
             root.removeHandler(handler)
         root.setLevel(previous)
+
+
+def _check_host(host: str) -> None:
+    """OSError naming --host unless it resolves (ZMQ would take an unknown name for a
+    network interface and answer "No such device")."""
+    if host == "*":
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as exc:
+        raise OSError(
+            f"--host {host!r} cannot be resolved ({exc.strerror}); give an IP address or a "
+            "host name of this machine"
+        ) from None
 
 
 def _since(started_ns: int) -> int:
@@ -190,8 +205,9 @@ class KVFlowServer:
         self._router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
         port = "*" if self.config.port == 0 else str(self.config.port)
         try:
+            _check_host(self.config.host)
             self._router.bind(f"tcp://{self.config.host}:{port}")
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             self._router.close(0)
             self._ctx.term()
             raise OSError(
@@ -284,7 +300,6 @@ class KVFlowServer:
             closer = threading.Thread(
                 target=lambda: closed.append(self.engine.close()), daemon=True
             )
-            closer.start()
             closer.start()
             closer.join(_FORCED_CLOSE_S)
             clean = bool(closed and closed[0])

@@ -364,3 +364,13 @@ def test_a_refused_disk_path_exits_2_naming_the_flag(
     assert main("server", argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--l2-disk" in err
+
+
+def test_an_unresolvable_host_is_named_not_taken_for_an_interface(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--host that does not resolve: one line saying so (ZMQ alone says "No such device")."""
+    argv = ["--host", "no-such-host.invalid", "--port", "0", "--prometheus-port", "0"]
+    assert main("server", argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--host 'no-such-host.invalid' cannot be resolved" in err
