@@ -68,6 +68,10 @@ def _int_list(values: Any, where: str) -> list[int]:
         raise InvalidRequestError(f"{where} must be a sequence of integers") from None
 
 
+#: the longest a call may wait for its reply, in seconds (a day)
+MAX_TIMEOUT_S = 86400.0
+
+
 class KVFlowClient:
     """A connection to `kvflow server` at `endpoint` (e.g. "tcp://127.0.0.1:5555").
 
@@ -88,8 +92,14 @@ class KVFlowClient:
     ) -> None:
         if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
             raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s <= MAX_TIMEOUT_S
+        ):  # inf would hang a call for ever (and overflow ZMQ's millisecond timeouts)
+            raise ValueError(
+                f"timeout_s must be a number in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}"
+            )
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         if client_id is not None and (not isinstance(client_id, str) or not client_id):

@@ -28,9 +28,9 @@ def test_endpoint_must_be_a_zmq_address(endpoint: object) -> None:
         KVFlowClient(endpoint)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, True, "5"])
+@pytest.mark.parametrize("timeout", [0, -1.0, True, "5", float("inf"), float("nan"), 1e300])
 def test_timeout_must_be_positive(timeout: object) -> None:
-    """timeout_s must be a positive number."""
+    """timeout_s must be a positive, finite number of at most a day (inf would hang a call)."""
     with pytest.raises(ValueError, match="timeout_s"):
         KVFlowClient(NOWHERE, timeout_s=timeout)  # type: ignore[arg-type]
 
