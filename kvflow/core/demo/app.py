@@ -141,7 +141,8 @@ def _device(choice: str) -> torch.device:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.3f} GB"
+    """A size in GiB, the unit of --l1-size-gb (rates stay in GB/s: 1e9 bytes/s)."""
+    return f"{n / (1 << 30):.3f} GiB"
 
 
 def scrape(host: str, port: int) -> dict[str, float]:

@@ -58,8 +58,8 @@ def default_l1(footprint: Footprint, chunk_nbytes: int) -> L1Sizing:
 
 
 def _size(n: float) -> str:
-    """Bytes in MB below a GB, else in GB."""
-    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+    """Bytes in MiB below a GiB, else in GiB (the unit of the size flags)."""
+    return f"{n / (1 << 20):.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
 
 
 @dataclass(frozen=True)
