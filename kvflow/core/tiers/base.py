@@ -14,6 +14,7 @@ invisible objects, then commit or abort), and pinned reads of a key prefix.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 import torch
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 #: stats() keys every tier reports (bytes, object counts, evictions since start)
 STAT_KEYS = ("usage_bytes", "capacity_bytes", "objects", "evicted_chunks", "evicted_bytes")
@@ -198,6 +200,31 @@ def completed(value: T) -> Future[T]:
     future: Future[T] = Future()
     future.set_result(value)
     return future
+
+
+def gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Future[R]:
+    """A future of `combine` over the futures' results, done when all of them are."""
+    out: Future[R] = Future()
+    pending = len(futures)
+    lock = threading.Lock()
+
+    def finish(_: Future[T]) -> None:
+        nonlocal pending
+        with lock:
+            pending -= 1
+            if pending > 0:
+                return
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(combine([f.result() for f in futures]))
+
+    if not futures:
+        out.set_result(combine([]))
+    for future in futures:
+        future.add_done_callback(finish)
+    return out
 
 
 def check_buffers(buffers: Sequence[Any], what: str) -> None:

@@ -16,16 +16,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from kvflow.core.tiers import diskfile
-from kvflow.core.tiers.base import ObjectKey, StoreOutcome, check_buffers, completed
+from kvflow.core.tiers.base import ObjectKey, StoreOutcome, check_buffers, completed, gather
 from kvflow.core.tiers.sharding import assign_paths, pick_path
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 #: the lock file each disk path holds while a tier uses it (it records the holder's pid)
 LOCK_NAME = ".kvflow-l2.lock"
@@ -56,31 +53,6 @@ def _lower_priority() -> None:
     """Make the calling I/O thread nicer (Linux threads have their own nice value)."""
     with suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IO_NICENESS)
-
-
-def _gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Future[R]:
-    """A future of `combine` over the futures' results, done when all of them are."""
-    out: Future[R] = Future()
-    pending = len(futures)
-    lock = threading.Lock()
-
-    def finish(_: Future[T]) -> None:
-        nonlocal pending
-        with lock:
-            pending -= 1
-            if pending > 0:
-                return
-        errors = [e for f in futures if (e := f.exception()) is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            out.set_result(combine([f.result() for f in futures]))
-
-    if not futures:
-        out.set_result(combine([]))
-    for future in futures:
-        future.add_done_callback(finish)
-    return out
 
 
 def _lock_path(root: str) -> int:
@@ -448,7 +420,7 @@ class DiskTier:
                 stored, present, failed + len(written) - stored, evicted_chunks, evicted_bytes
             )
 
-        return _gather(futures, outcome)
+        return gather(futures, outcome)
 
     def load(self, keys: Sequence[ObjectKey], dsts: Sequence[torch.Tensor]) -> Future[list[bool]]:
         """Read each held key into its destination (pinned while read, checked on the way).
@@ -475,7 +447,7 @@ class DiskTier:
             completed(False) if e is None else self._pools[e.root].submit(self._read, e, dst)
             for e, dst in zip(reads, dsts, strict=True)
         ]
-        return _gather(futures, list)
+        return gather(futures, list)
 
     def pin(self, keys: Sequence[ObjectKey]) -> int:
         """Pin the longest prefix of keys held whole; returns its length."""

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import redis
@@ -46,11 +46,8 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from kvflow.core.tiers.base import ObjectKey, StoreOutcome, check_buffers, completed
+from kvflow.core.tiers.base import ObjectKey, StoreOutcome, check_buffers, completed, gather
 from kvflow.core.tiers.redis_target import RedisTarget
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 log = logging.getLogger("kvflow.tiers.redis")
 
@@ -115,31 +112,6 @@ def _owner_text(model_name: str, world_size: int, rank: int, cache_salt: str | N
     """Cached: a lookup names hundreds of keys of one owner (escaping each cost 2 us)."""
     salt = "-" if cache_salt is None else "=" + _escape(cache_salt)
     return f"{_escape(model_name)}#{world_size}#{rank}#{salt}"
-
-
-def _gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Future[R]:
-    """A future of `combine` over the futures' results, done when all of them are."""
-    out: Future[R] = Future()
-    pending = len(futures)
-    lock = threading.Lock()
-
-    def finish(_: Future[T]) -> None:
-        nonlocal pending
-        with lock:
-            pending -= 1
-            if pending > 0:
-                return
-        errors = [e for f in futures if (e := f.exception()) is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            out.set_result(combine([f.result() for f in futures]))
-
-    if not futures:
-        out.set_result(combine([]))
-    for future in futures:
-        future.add_done_callback(finish)
-    return out
 
 
 def _batches(sizes: Sequence[int], limit: int) -> list[range]:
@@ -794,7 +766,7 @@ class RedisTier:
                 failed=sum(p.failed for p in parts),
             )
 
-        return _gather(futures, outcome)
+        return gather(futures, outcome)
 
     def load(self, keys: Sequence[ObjectKey], dsts: Sequence[torch.Tensor]) -> Future[list[bool]]:
         """GET each key (pipelined) and copy its checked payload into `dsts[i]`.
@@ -817,7 +789,7 @@ class RedisTier:
             self._io.submit(self._load, names[r.start : r.stop], dst_list[r.start : r.stop])
             for r in _batches([d.numel() for d in dst_list], LOAD_BATCH_BYTES)
         ]
-        return _gather(futures, lambda parts: [ok for part in parts for ok in part])
+        return gather(futures, lambda parts: [ok for part in parts for ok in part])
 
     def pin(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading keys Redis holds (asked on an I/O thread; this call waits for
