@@ -421,16 +421,9 @@ class CacheEngine:
         op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
         result: dict[str, Any] = {"requested_tokens": n_req, "hit_tokens": 0}
         try:
-            if self._closed:
-                raise KVFlowError("the cache engine is closed")
-            _check_str("model_name", model_name)
-            _check_world(world_size)
-            salt = _check_salt(cache_salt)
-            if request_id is not None:
-                _check_str("request_id", request_id)
+            salt = self._check_query(token_ids, model_name, world_size, cache_salt, request_id)
             if not isinstance(prefetch, bool):
                 raise InvalidRequestError(f"prefetch must be a bool, got {prefetch!r}")
-            _check_tokens(token_ids)
             tokens = as_int32_array(token_ids, "token_ids")
             hashes = self._keys.hashes(tokens, request_id)
             in_l1 = len(hashes)
@@ -461,6 +454,20 @@ class CacheEngine:
         hit_tokens = hit * self.chunk_size
         op.end(requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier)
         return hit_tokens
+
+    def _check_query(
+        self, token_ids: Any, model_name: Any, world_size: Any, cache_salt: Any, request_id: Any
+    ) -> str | None:
+        """A lookup's or prefetch's arguments, checked before any work; returns the salt."""
+        if self._closed:
+            raise KVFlowError("the cache engine is closed")
+        _check_str("model_name", model_name)
+        _check_world(world_size)
+        salt = _check_salt(cache_salt)
+        if request_id is not None:
+            _check_str("request_id", request_id)
+        _check_tokens(token_ids)
+        return salt
 
     def _tier_rows(
         self, hashes: Sequence[bytes], model_name: str, world_size: int, salt: str | None
@@ -521,14 +528,7 @@ class CacheEngine:
         rank of (model_name, world_size), so no engine tensor is touched; a model whose
         ranks were never registered is an error. `prefetch_state(id)` reports progress.
         """
-        if self._closed:
-            raise KVFlowError("the cache engine is closed")
-        _check_str("model_name", model_name)
-        _check_world(world_size)
-        salt = _check_salt(cache_salt)
-        if request_id is not None:
-            _check_str("request_id", request_id)
-        _check_tokens(token_ids)
+        salt = self._check_query(token_ids, model_name, world_size, cache_salt, request_id)
         tiering = self._tiering
         if tiering is None:
             raise InvalidRequestError(
