@@ -15,6 +15,7 @@ invisible objects, then commit or abort), and pinned reads of a key prefix.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -225,6 +226,19 @@ def gather(futures: Sequence[Future[T]], combine: Callable[[list[T]], R]) -> Fut
     for future in futures:
         future.add_done_callback(finish)
     return out
+
+
+def release_pins(pins: Counter[Any], keys: Sequence[Any]) -> None:
+    """Undo one pin of each key in a tier's pin counts (a key listed twice, twice);
+    ValueError, with nothing changed, when a key is not pinned that often."""
+    wanted = Counter(keys)
+    for key in keys:
+        if pins[key] < wanted[key]:
+            raise ValueError(f"unpin of key {key!r}, which is not pinned")
+    pins.subtract(wanted)
+    for key in wanted:
+        if not pins[key]:
+            del pins[key]
 
 
 def check_buffers(buffers: Sequence[Any], what: str) -> None:

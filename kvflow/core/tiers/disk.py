@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from kvflow.core.tiers import diskfile
-from kvflow.core.tiers.base import ObjectKey, StoreOutcome, check_buffers, completed, gather
+from kvflow.core.tiers.base import (
+    ObjectKey,
+    StoreOutcome,
+    check_buffers,
+    completed,
+    gather,
+    release_pins,
+)
 from kvflow.core.tiers.sharding import assign_paths, pick_path
 
 #: the lock file each disk path holds while a tier uses it (it records the holder's pid)
@@ -467,14 +474,7 @@ class DiskTier:
         """Undo one `pin` of each key (an object dropped meanwhile as corrupt included)."""
         with self._lock:
             self._check_open()
-            wanted = Counter(keys)
-            for key in keys:
-                if self._pins[key] < wanted[key]:
-                    raise ValueError(f"unpin of key {key!r}, which is not pinned")
-            self._pins.subtract(wanted)
-            for key in wanted:
-                if not self._pins[key]:
-                    del self._pins[key]
+            release_pins(self._pins, keys)
 
     def drop_where(self, predicate: Callable[[Any], bool]) -> int:
         """Remove every whole, unpinned object whose key matches (its file is deleted on the

@@ -46,7 +46,14 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from kvflow.core.tiers.base import ObjectKey, StoreOutcome, check_buffers, completed, gather
+from kvflow.core.tiers.base import (
+    ObjectKey,
+    StoreOutcome,
+    check_buffers,
+    completed,
+    gather,
+    release_pins,
+)
 from kvflow.core.tiers.redis_target import RedisTarget
 
 log = logging.getLogger("kvflow.tiers.redis")
@@ -811,14 +818,7 @@ class RedisTier:
         """Undo one `pin` of each key (bookkeeping only)."""
         with self._lock:
             self._check_open()
-            wanted = Counter(keys)
-            for key in keys:
-                if self._pins[key] < wanted[key]:
-                    raise ValueError(f"unpin of key {key!r}, which is not pinned")
-            self._pins.subtract(wanted)
-            for key in wanted:
-                if not self._pins[key]:
-                    del self._pins[key]
+            release_pins(self._pins, keys)
 
     def drop_where(self, predicate: Callable[[Any], bool]) -> int:
         """DEL every key under the prefix whose parsed ObjectKey matches (SCAN on an I/O
