@@ -25,6 +25,7 @@ MAX_MESSAGE_MB_RANGE = (0.0625, 2048.0)  # 64 KiB .. 2 GiB
 L2_TIMEOUT_S_RANGE = (0.001, 600.0)  # --l2-timeout-s and --l2-redis-timeout-s
 TRACING_TTL_S_RANGE = (1.0, 86400.0)
 EXPORT_INTERVAL_S_RANGE = (0.1, 86400.0)
+MAX_LABEL_VALUES = 65536  # per label: far above real model counts, small enough for /metrics
 
 
 def _check_range(
@@ -71,6 +72,9 @@ class ObservabilityConfig:
     log_format: str = "json"
     tracing_ttl_s: float = 300.0
     export_interval_s: float = 5.0
+    #: distinct client-chosen values (model names, instance ids) per metric label;
+    #: later new ones are counted under "other" (bounds /metrics against hostile clients)
+    max_label_values: int = 256
 
     def __post_init__(self) -> None:
         if self.tracing_enabled and not self.otlp_endpoint:
@@ -86,6 +90,11 @@ class ObservabilityConfig:
                 f"--event-bus-capacity must be an integer >= 1, got {self.event_bus_capacity!r}"
             )
         _check_port("--prometheus-port", self.prometheus_port)
+        mlv = self.max_label_values
+        if isinstance(mlv, bool) or not isinstance(mlv, int) or not 1 <= mlv <= MAX_LABEL_VALUES:
+            raise ValueError(
+                f"--max-label-values must be an integer in 1..{MAX_LABEL_VALUES}, got {mlv!r}"
+            )
         if not isinstance(self.sample_seed, int):
             raise ValueError(f"--sample-seed must be an integer, got {self.sample_seed!r}")
         if self.log_level not in LOG_LEVELS:

@@ -213,8 +213,14 @@ def _populate(
                 l1_stats=l1_stats,
                 tier_stats=tier_stats,
                 pending_ttl_s=config.tracing_ttl_s,
+                max_label_values=config.max_label_values,
             ),
-            L0LifecycleSubscriber(meter_provider, config.l0_sample_rate, config.sample_seed),
+            L0LifecycleSubscriber(
+                meter_provider,
+                config.l0_sample_rate,
+                config.sample_seed,
+                max_label_values=config.max_label_values,
+            ),
         )
         if pipeline.prometheus is not None:
             _start_prometheus(pipeline.prometheus)

@@ -15,7 +15,7 @@ import pytest
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.events import EventBus, EventType
-from kvflow.subscribers import L0LifecycleSubscriber, MetricsSubscriber
+from kvflow.subscribers import L0LifecycleSubscriber, MetricsSubscriber, build_subscribers
 from kvflow.subscribers.batch import FOLDED_VALUE, MAX_LABEL_VALUES, LabelSets
 from kvflow.subscribers.testing import MetricsCapture
 from tests.support.event_script import EventScript
@@ -158,3 +158,28 @@ def test_label_sets_fold_only_client_labels_and_keep_their_cache_bounded() -> No
     assert labels.get(("tier",), "t2") == {"tier": "t2"}  # kvflow's own labels are not bounded
     with pytest.raises(ValueError, match="max_values"):
         LabelSets(max_values=0)
+
+
+def test_max_label_values_setting_bounds_the_built_subscribers(cap: MetricsCapture) -> None:
+    """--max-label-values reaches the subscribers build_subscribers makes: with 3, the
+    fourth distinct model name already counts as "other"."""
+    bus = EventBus(capacity=10_000)
+    config = ObservabilityConfig(prometheus_port=0, logging_enabled=False, max_label_values=3)
+    pipeline = build_subscribers(config, bus=bus, meter_provider=cap.provider)
+    bus.start()
+    engine = CacheEngine(ServerConfig(chunk_size=CHUNK, observability=config), bus=bus)
+    for i in range(5):
+        engine.lookup(np.arange(CHUNK, dtype=np.int32), model_name=f"model-{i}")
+    assert bus.flush(10.0)
+    assert _values(cap, "model_name")["kvflow.lookup.requests"] == {
+        "model-0", "model-1", "model-2", FOLDED_VALUE
+    }
+    assert cap.total("kvflow.lookup.requests", model_name=FOLDED_VALUE) == 2
+    pipeline.shutdown()
+    bus.stop()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65537, 2.5, True])
+def test_max_label_values_out_of_range_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="--max-label-values must be an integer in 1..65536"):
+        ObservabilityConfig(max_label_values=bad)  # type: ignore[arg-type]
