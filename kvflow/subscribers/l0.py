@@ -107,6 +107,7 @@ class L0LifecycleSubscriber:
         if isinstance(meter_provider, KvflowMeterProvider) and not isinstance(meter, NoOpMeter):
             store = HistogramStore("kvflow.l0")
             meter_provider.add_producer(store)
+        self._store = store
 
         def histogram(name: str, description: str) -> _Record:
             """The record function of one block-age histogram, on the path chosen above."""
@@ -167,6 +168,15 @@ class L0LifecycleSubscriber:
     @property
     def sample_rate(self) -> float:
         return self._sampler.rate
+
+    @property
+    def histogram_store(self) -> HistogramStore | None:
+        """The pre-aggregated block-age histograms (None on a provider other than kvflow's).
+
+        Read-only use: the engine's status summarises them (`kvflow top`, `kvflow report`)
+        without a metric reader of its own.
+        """
+        return self._store
 
     def tracked_block_ids(self, instance_id: str) -> frozenset[int]:
         """The sampled block ids of `instance_id` that currently hold state."""

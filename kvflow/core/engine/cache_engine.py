@@ -826,7 +826,8 @@ class CacheEngine:
         return self.l1.stats()
 
     def status(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot: instances, L1, bus accounting, config."""
+        """A JSON-serialisable snapshot: instances, L1, bus accounting, config, and the
+        activity totals (operations, bytes, hits, evictions, L0 histograms; see activity.py)."""
         with self._lock:
             instances = {i: inst.describe() for i, inst in self._instances.items()}
             closed = self._closed
@@ -848,6 +849,7 @@ class CacheEngine:
                 "subscriber_errors": dict(stats.subscriber_errors),
             },
             "config": self.config.public_dict(),
+            "activity": self._obs.activity_status(),
         }
 
     def close(self, timeout: float = 5.0) -> bool:

@@ -7,12 +7,15 @@ to stop (it gets a stamper, if it has none, once the engine moves KV on a GPU).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvflow.core.config import ObservabilityConfig
+from kvflow.core.engine.activity import ActivityTally, l0_summary
 from kvflow.events import EventBus
 from kvflow.events.stream import attach_native_stamper
-from kvflow.subscribers import ObservabilityPipeline, build_subscribers
+from kvflow.subscribers import L0LifecycleSubscriber, ObservabilityPipeline, build_subscribers
 
 
 class Observability:
@@ -29,6 +32,8 @@ class Observability:
         """`l1_stats` feeds the L1 occupancy gauges; `tier_stats` (tier name -> that
         tier's stats(), None when there are no L2 tiers) the per-tier L2 ones."""
         self.pipeline: ObservabilityPipeline | None = None
+        #: totals for status (`kvflow top` / `kvflow report`); only on a bus the engine owns
+        self.activity: ActivityTally | None = None
         self.clean = True
         self._closed = False
         if bus is not None:
@@ -38,8 +43,29 @@ class Observability:
         self.pipeline = build_subscribers(
             config, bus=self.bus, l1_stats=l1_stats, tier_stats=tier_stats
         )
+        if config.enabled:
+            self.activity = ActivityTally()
+            self.bus.register(self.activity)
         self.stamp_on_streams()
         self.bus.start()
+
+    def activity_status(self) -> dict[str, Any] | None:
+        """Totals since start and the L0 block-age histograms summarised, for status.
+
+        None when the engine keeps no tally (observability off, or a caller's bus).
+        """
+        if self.activity is None:
+            return None
+        l0 = None
+        if self.pipeline is not None:
+            sub = self.pipeline.subscriber("l0_lifecycle")
+            if isinstance(sub, L0LifecycleSubscriber):
+                l0 = sub.histogram_store
+        return {
+            "monotonic_s": time.monotonic(),
+            **self.activity.snapshot(),
+            "l0_histograms": l0_summary(l0),
+        }
 
     def stamp_on_streams(self) -> None:
         """Attach the native stream stamper to the bus unless it has a stamper, so GPU
