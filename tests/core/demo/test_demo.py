@@ -38,6 +38,18 @@ def test_demo_runs_to_completion_with_the_metrics_endpoint(
     summary = out[out.index("kvflow demo summary") :]
     assert "9 (chat 6, doc_qa 3)" in summary
     assert "0 failed" in summary and "bit-exact" in summary
+    # the numbers, not just the labels (they print whatever lookup returns): the hits the
+    # demo's lookups returned add up to the tiers' own hit counts (a lookup answer lost on
+    # the way reads 0 here), and some hit was retrieved and verified
+    rate = re.search(
+        r"lookup hit rate +[\d.]+ % \(([\d,]+) of [\d,]+ prompt tokens; by tier: (.*)\)", summary
+    )
+    assert rate, summary
+    looked_up = int(rate.group(1).replace(",", ""))
+    by_tier = [int(n.replace(",", "")) for n in re.findall(r"\w+ ([\d,]+)", rate.group(2))]
+    assert looked_up > 0 and looked_up == sum(by_tier), rate.group(0)
+    verified = re.search(r"verified +(\d+) retrieved blocks bit-exact", summary)
+    assert verified and int(verified.group(1)) > 0, summary
     assert re.search(r"event drops +0 ", summary)
     assert "stores 0, retrieves 0" in summary
     assert "L0 block lifetime" in summary

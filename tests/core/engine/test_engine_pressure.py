@@ -106,6 +106,31 @@ def test_a_store_finding_every_object_pinned_fails_with_capacity_error() -> None
     engine.close()
 
 
+@pytest.mark.parametrize("hit", ["none", "lookup", "retrieve"])
+def test_a_hit_makes_its_chunks_the_most_recent(hit: str) -> None:
+    """L1 holds 4 chunks: x (older) and y (newer) fill it, a third request evicts two.
+    With no hit in between x goes; a lookup or a retrieve hitting x refreshes it, so y
+    goes instead (hot prefixes stay in L1 however long ago they were stored)."""
+    engine, _ = small_engine(l1_bytes=4 * _chunk_bytes())
+    kv, kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("a", kv, model_name="m", **kw)
+    x, y, z = (np.arange(2 * CHUNK, dtype=np.int32) + 1000 * i for i in range(3))
+    engine.store("a", x, BLOCKS, request_id="x")
+    engine.store("a", y, BLOCKS, request_id="y")
+    if hit == "lookup":
+        assert engine.lookup(x, model_name="m") == 2 * CHUNK
+    elif hit == "retrieve":
+        assert engine.retrieve("a", x, [4, 5, 6, 7], request_id="r") == 2 * CHUNK
+    engine.store("a", z, BLOCKS, request_id="z")
+    assert engine.l1_stats()["evicted_chunks"] == 2
+    kept = {name: engine.lookup(t, model_name="m") for name, t in (("y", y), ("x", x))}
+    if hit == "none":
+        assert kept == {"x": 0, "y": 2 * CHUNK}
+    else:
+        assert kept == {"x": 2 * CHUNK, "y": 0}, f"a {hit} hit did not refresh recency"
+    engine.close()
+
+
 def test_concurrent_instances_store_and_retrieve_while_lookups_run() -> None:
     """Four instances on four threads, lookups on the main thread; every byte lands right."""
     engine, recorder = small_engine()

@@ -34,10 +34,13 @@ from kvflow.core.errors import (
 )
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
+    Done,
     Failed,
     KVCachesDesc,
     Register,
+    Store,
     TensorDesc,
+    Unregister,
     decode_reply,
     encode_request,
 )
@@ -228,9 +231,17 @@ def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) 
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "registered"
-        assert "tp-hang-rank0" in client.status()["server"]["instances"]
-        time.sleep(HEARTBEAT_TIMEOUT_S * 0.8)  # heartbeats keep it alive meanwhile
-        assert "tp-hang-rank0" in client.status()["server"]["instances"]
+        status = client.status()["server"]
+        assert "tp-hang-rank0" in status["instances"]
+        reaped_before = status["reaped_instances"]
+        # well past the timeout: only the child's heartbeat thread keeps it alive (it makes
+        # no other call); a shorter wait would pass with the heartbeat loop gone
+        time.sleep(HEARTBEAT_TIMEOUT_S * 2.5)
+        status = client.status()["server"]
+        assert "tp-hang-rank0" in status["instances"], (
+            "a live, idle client was reaped: its heartbeats did not reach the server"
+        )
+        assert status["reaped_instances"] == reaped_before
         child.kill()
         child.wait(10)
         deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S * 4
@@ -239,7 +250,7 @@ def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) 
             time.sleep(0.1)
         status = client.status()
         assert "tp-hang-rank0" not in status["instances"]
-        assert status["server"]["reaped_instances"] >= 1
+        assert status["server"]["reaped_instances"] == reaped_before + 1
         with pytest.raises(UnknownInstanceError, match="reaped"):
             client.store("tp-hang-rank0", list(range(CHUNK)), list(range(16)), request_id="x")
     finally:
@@ -247,6 +258,36 @@ def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) 
         child.wait(10)
         for path in glob.glob(f"/dev/shm/kvflow-{child.pid}-*"):
             os.unlink(path)  # SIGKILL left them: nobody else will
+
+
+def test_unregister_waits_for_the_transfers_queued_before_it(
+    raw: zmq.Socket[bytes], client: KVFlowClient
+) -> None:
+    """Stores pipelined on one socket, then an Unregister: every store completes (the
+    instance is released on its worker after them), then the unregister is done."""
+    kv = _kv(5)
+    iid = _instance("retire")
+    client.register_kv_caches(iid, kv, model_name="retire-model")
+    n, owner = 8, client.client_id
+    blocks = np.arange(4 * CHUNK // BS, dtype=np.int32)  # all 64 blocks: four chunks
+    for i in range(n):  # back to back: the server reads them all before the stores finish
+        tokens = np.asarray(_tokens(4 * CHUNK, seed=100 + i), dtype=np.int32)
+        store = Store(instance_id=iid, request_id=f"retire-{i}", id=i + 1, client=owner)
+        raw.send_multipart(encode_request(store, (tokens, blocks)))
+    raw.send_multipart(encode_request(Unregister(instance_id=iid, id=n + 1, client=owner)))
+    replies: dict[int, Done | Failed] = {}
+    for _ in range(n + 1):
+        reply = _reply(raw, 60)
+        assert isinstance(reply, Done | Failed)
+        replies[reply.id] = reply
+    assert sorted(replies) == list(range(1, n + 2))
+    for i in range(1, n + 1):  # a store failing "unknown instance" ran after the unregister
+        done = replies[i]
+        assert isinstance(done, Done) and done.value == 4 * CHUNK, done
+    assert isinstance(replies[n + 1], Done), replies[n + 1]
+    assert iid not in client.status()["server"]["instances"]
+    last = _tokens(4 * CHUNK, seed=100 + n - 1)
+    assert client.lookup(last, model_name="retire-model") == 4 * CHUNK
 
 
 # -- hostile input ----------------------------------------------------------------------------
