@@ -106,8 +106,11 @@ class Workload:
             c.retrieve(INSTANCE, tokens, list(range(8, 16)), request_id=f"r{r}-{i}")
             _wait(self.settled)
         c.lookup(_tokens(base + 900_000, 4), model_name=MODEL)  # a miss
-        with contextlib.suppress(KVFlowError):  # a block id past the cache: a failed store
-            c.store(INSTANCE, prompts[0], [BLOCKS + 5] * 8, request_id=f"bad{r}")
+        bad_blocks = [BLOCKS + 5] * 8  # block ids past the cache: a failed store and retrieve
+        with contextlib.suppress(KVFlowError):
+            c.store(INSTANCE, prompts[0], bad_blocks, request_id=f"bad{r}")
+        with contextlib.suppress(KVFlowError):
+            c.retrieve(INSTANCE, prompts[-1], bad_blocks, request_id=f"bad{r}")
         self._blocks(r)
 
     def _blocks(self, r: int) -> None:
