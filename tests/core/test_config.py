@@ -49,7 +49,12 @@ def test_defaults_are_valid_and_safe() -> None:
     assert cfg.observability.prometheus_host == "127.0.0.1"
     assert cfg.observability.metrics_enabled and cfg.observability.logging_enabled
     assert not cfg.observability.tracing_enabled
-    assert ObservabilityConfig(tracing_enabled=True, otlp_endpoint="http://127.0.0.1:4317")
+    # tracing with a collector is accepted and kept as given; without one it is refused
+    traced = ObservabilityConfig(tracing_enabled=True, otlp_endpoint="http://127.0.0.1:4317")
+    assert (traced.tracing_enabled, traced.otlp_endpoint) == (True, "http://127.0.0.1:4317")
+    assert traced.otlp_protocol == cfg.observability.otlp_protocol == "grpc"
+    with pytest.raises(ValueError, match="--enable-tracing requires --otlp-endpoint"):
+        ObservabilityConfig(tracing_enabled=True)
 
 
 SECRET = "pa55-Zq9-never-shown"

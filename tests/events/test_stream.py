@@ -51,6 +51,8 @@ class FakeCuda:
         self.current = 1
         self.pushed: list[int] = []
         self.destroyed_streams: list[int] = []
+        self.created_streams = 0
+        self.launched_wakers = 0  # host functions (native wakers) launched on side streams
         self._lock = threading.RLock()
         self._ops: dict[int, deque[tuple[str, int, int]]] = defaultdict(deque)
         self._held: set[int] = set()
@@ -112,6 +114,7 @@ class FakeCuda:
         return self._enqueue(stream, ("wait", event or 0, 0))
 
     def _launch(self, stream: int | None, fn: int | None, user_data: int | None) -> int:
+        self.launched_wakers += 1
         return self._enqueue(stream, ("host", fn or 0, user_data or 0))
 
     # the StreamDriver calls
@@ -133,6 +136,7 @@ class FakeCuda:
         return next(self._ids)
 
     def create_stream(self) -> int:
+        self.created_streams += 1
         return next(self._ids)
 
     def query(self, event: int) -> bool:
@@ -341,14 +345,28 @@ def test_event_gets_the_gpu_time_and_a_native_waker_wakes_the_bus() -> None:
 
 @needs_cc
 def test_completed_events_need_no_waker() -> None:
-    """Events already done when the dispatcher looks are collected without arming anything."""
-    bus, _, sub, _ = _bus_with_fake()
+    """Events already done when the dispatcher looks are collected without arming anything:
+    no side stream is made and no waker launched (an event still pending, after them,
+    arms exactly one, which shows the counts would see it)."""
+    bus, fake, sub, _ = _bus_with_fake()
     before = time.monotonic_ns()
     for i in range(5):
         assert bus.publish_on_stream(0x80, Event(T.L1_READ, op_id=i))
     assert bus.flush(5)
     assert [e.op_id for e in sub.events] == list(range(5))
     assert all(before <= e.ts_ns <= time.monotonic_ns() for e in sub.events)
+    assert fake.launched_wakers == 0
+    assert fake.created_streams == 1  # the clock's own stream; no waker side stream
+    fake.hold(0x80)
+    assert bus.publish_on_stream(0x80, Event(T.L1_READ, op_id=5))
+    deadline = time.monotonic() + 5
+    while fake.launched_wakers == 0:  # the dispatcher arms a waker for the pending event
+        assert time.monotonic() < deadline, "no waker armed for a pending event"
+        time.sleep(0.01)
+    fake.release(0x80)
+    assert bus.flush(5)
+    assert [e.op_id for e in sub.events] == list(range(6))
+    assert (fake.created_streams, fake.launched_wakers) == (2, 1)  # + the lane's side stream
     assert bus.stop(5)
 
 

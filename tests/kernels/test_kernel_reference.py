@@ -183,11 +183,24 @@ def test_float_block_ids_are_rejected() -> None:
         transfer_blocks(layout, staging, torch.tensor([[0.0, 1.0]]), direction="gather")
 
 
-def test_zero_chunks_is_a_no_op() -> None:
-    """An empty batch moves nothing and raises nothing."""
-    _, layout, _ = _setup()
+def _flat(x: Any) -> list[torch.Tensor]:
+    """The caches' bytes, tensor by tensor (bytes: random fills may hold NaNs)."""
+    if isinstance(x, torch.Tensor):
+        return [x.contiguous().view(-1).view(torch.uint8)]
+    return [t for item in x for t in _flat(item)]
+
+
+@pytest.mark.parametrize("direction", ["scatter", "gather"])
+def test_zero_chunks_is_a_no_op(direction: str) -> None:
+    """An empty batch moves nothing and raises nothing: every cache byte stays as it was."""
+    caches, layout, _ = _setup()
+    before = [t.clone() for t in _flat(caches)]
+    assert before and any(t.any() for t in before)  # filled: a zeroing would show
     staging = torch.empty(0, layout.chunk_nbytes(8), dtype=torch.uint8)
-    transfer_blocks(layout, staging, torch.empty(0, 2, dtype=torch.int64), direction="scatter")
+    ids = torch.empty(0, 2, dtype=torch.int64)
+    transfer_blocks(layout, staging, ids, direction=direction)  # type: ignore[arg-type]
+    assert staging.shape == (0, layout.chunk_nbytes(8))
+    assert all(torch.equal(a, b) for a, b in zip(before, _flat(caches), strict=True))
 
 
 @pytest.mark.parametrize(
