@@ -8,8 +8,11 @@ import sys
 SUBCOMMANDS = {
     "server": ("kvflow.core.server.cli", "run a kvflow server"),
     "status": ("kvflow.core.server.cli", "print a running server's status"),
+    "keygen": ("kvflow.core.server.cli", "write a CURVE key pair for server or client"),
     "demo": ("kvflow.core.demo.app", "run an in-process engine on a synthetic workload"),
     "bench": ("kvflow.core.demo.bench", "run a benchmark from benchmarks/"),
+    "top": ("kvflow.core.observe.top", "live terminal view of a running server"),
+    "report": ("kvflow.core.observe.report", "plots and a summary of a server over an interval"),
 }
 
 

@@ -19,9 +19,10 @@ ALLOWED = {
 
 #: room of kvflow.core -> the rooms of kvflow.core its modules must not import
 CORE_FORBIDDEN = {
-    "engine": {"server", "demo"},
-    "tiers": {"engine", "server", "demo"},
-    "server": {"demo"},
+    "engine": {"server", "demo", "observe"},
+    "tiers": {"engine", "server", "demo", "observe"},
+    "server": {"demo", "observe"},
+    "observe": {"demo"},
 }
 
 
@@ -60,7 +61,8 @@ def test_package_imports_only_what_it_may(package: str) -> None:
 
 @pytest.mark.parametrize("room", sorted(CORE_FORBIDDEN))
 def test_core_room_keeps_out_of_the_rooms_above_it(room: str) -> None:
-    """The engine never imports the server or the demo; tiers none of the three; the server not the demo."""
+    """The engine never imports the server, the demo or the observer views; tiers none of
+    them; the server neither the demo nor the views; the views (top, report) not the demo."""
     assert (ROOT / "core" / room).is_dir(), f"kvflow/core/{room} is missing"
     for path in _modules(f"core/{room}"):
         rooms = {

@@ -1,0 +1,180 @@
+"""`kvflow report`: record a server for an interval, then write PNG plots and summary.md.
+
+It samples the status request every `--sample-s` for `--interval-s` seconds, then
+writes into `--out`: `l0_lifecycle.png` (the L0 block lifetime, idle-before-evict
+and reuse-gap histograms), `timeline.png` (GB/s, requests/s, hit rate and tier
+usage over the interval) and `summary.md` (the interval's measured totals, rates
+and percentiles, linking both figures). What an operator attaches to a ticket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from itertools import pairwise
+from pathlib import Path
+
+from kvflow.core.observe import units
+from kvflow.core.observe.snapshot import GB, Rates, Snapshot
+from kvflow.core.observe.top import DEFAULT_ENDPOINT
+from kvflow.core.server.client import KVFlowClient
+
+LIFECYCLE_PNG = "l0_lifecycle.png"
+TIMELINE_PNG = "timeline.png"
+SUMMARY_MD = "summary.md"
+
+
+def record(
+    client: KVFlowClient, interval_s: float, sample_s: float, *, log: bool = True
+) -> list[Snapshot]:
+    """Snapshots every `sample_s` for `interval_s` seconds (the first at once, at least two)."""
+    snaps = [Snapshot.of(client.status())]
+    start = time.monotonic()
+    n = 1
+    while True:
+        next_at = start + n * sample_s
+        if next_at > start + interval_s and len(snaps) >= 2:
+            break
+        time.sleep(max(next_at - time.monotonic(), 0.0))
+        snaps.append(Snapshot.of(client.status()))
+        n += 1
+        if log:
+            print(f"\rkvflow report: {len(snaps)} samples", end="", file=sys.stderr, flush=True)
+    if log:
+        print(file=sys.stderr)
+    return snaps
+
+
+def summary(snaps: Sequence[Snapshot]) -> str:
+    """The markdown summary of a recording: what happened between its first and last sample."""
+    first, last = snaps[0], snaps[-1]
+    whole = Rates.between(first, last)
+    steps = [Rates.between(a, b) for a, b in pairwise(snaps)]
+    delta = {k: last.totals[k] - first.totals.get(k, 0.0) for k in last.totals}
+    lines = [
+        "# kvflow report",
+        "",
+        f"Server `{last.endpoint}`, up {units.uptime(last.uptime_s)}; "
+        f"{len(snaps)} samples over {whole.seconds:.1f} s; "
+        f"{last.instances} instances (models: {', '.join(last.models) or 'none'}).",
+        "",
+        "## Operations over the interval",
+        "",
+        "| op | requests | errors | req/s | tokens | GB moved | mean GB/s | peak GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for op in ("store", "retrieve", "lookup"):
+        tokens = delta[f"{op}.requested_tokens" if op == "lookup" else f"{op}.tokens"]
+        moved = "" if op == "lookup" else f"{delta[f'{op}.bytes'] / GB:.4g}"
+        mean = "" if op == "lookup" else f"{whole.gb_s(op):.4g}"
+        peak = "" if op == "lookup" else f"{max((r.gb_s(op) for r in steps), default=0.0):.4g}"
+        lines.append(
+            f"| {op} | {delta[f'{op}.requests']:.0f} | {delta[f'{op}.errors']:.0f} | "
+            f"{whole.per_s[f'{op}.requests']:.4g} | {tokens:.0f} | {moved} | {mean} | {peak} |"
+        )
+    lines += ["", "## Cache effectiveness", ""]
+    lines.append(
+        f"- token hit rate over the interval: **{units.percent(whole.hit_rate)}** "
+        f"({delta['lookup.hit_tokens']:.0f} of {delta['lookup.requested_tokens']:.0f} tokens); "
+        f"since start: {units.percent(last.hit_rate())}"
+    )
+    asked = last.totals["lookup.requested_tokens"]
+    for tier_name, hits in sorted(last.hit_by_tier.items()):
+        lines.append(
+            f"  - {tier_name} (since start): {units.percent(hits / asked if asked else None)}"
+        )
+    lines += [
+        "",
+        "## Capacity at the end",
+        "",
+        "| tier | used | capacity | usage | objects | evictions in interval |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, tier in last.tiers.items():
+        evicted = tier.evicted_chunks - (
+            first.tiers[name].evicted_chunks if name in first.tiers else 0.0
+        )
+        lines.append(
+            f"| {name} | {units.size(tier.usage_bytes)} | {units.size(tier.capacity_bytes)} | "
+            f"{units.percent(tier.fraction)} | {tier.objects:.0f} | {evicted:.0f} |"
+        )
+    dropped = last.bus["dropped"] - first.bus["dropped"]
+    lines += [
+        "",
+        "## Event pipeline",
+        "",
+        f"- events dropped in the interval: {dropped:.0f} (since start {last.bus['dropped']:.0f}); "
+        f"max queue depth seen {max(s.bus['queue_depth'] for s in snaps):.0f} of "
+        f"{last.bus['capacity']:.0f}; max lag {units.seconds(max(s.bus['lag_s'] for s in snaps))}",
+        "",
+        f"## GPU block lifecycle (L0, sample rate {last.l0_sample_rate:g}, since start)",
+        "",
+        "| | values | p50 | p90 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, label in (
+        ("lifetime", "block lifetime"),
+        ("idle_before_evict", "idle before evict"),
+        ("reuse_gap", "reuse gap"),
+    ):
+        hist = last.l0.get(name) or {}
+        lines.append(
+            f"| {label} | {hist.get('count', 0)} | "
+            + " | ".join(
+                units.seconds(last.l0_quantile(name, q)) for q in ("p50_s", "p90_s", "p99_s")
+            )
+            + f" | {units.seconds(hist.get('max_s'))} |"
+        )
+    lines.append(
+        f"\nBlock reports in the interval: {delta['l0.allocation_records']:.0f} records, "
+        f"{delta['l0.allocated_blocks']:.0f} blocks."
+    )
+    lines += ["", f"![L0 lifecycle]({LIFECYCLE_PNG})", "", f"![timeline]({TIMELINE_PNG})", ""]
+    return "\n".join(lines)
+
+
+def write_report(snaps: Sequence[Snapshot], out: Path) -> list[Path]:
+    """Write the two figures and the summary into `out` (created if missing)."""
+    from kvflow.core.observe import plots  # matplotlib loads only when a report is written
+
+    out.mkdir(parents=True, exist_ok=True)
+    last = snaps[-1]
+    written = [
+        plots.lifecycle_figure(last.l0, out / LIFECYCLE_PNG, last.l0_sample_rate),
+        plots.timeline_figure(snaps, out / TIMELINE_PNG),
+    ]
+    (out / SUMMARY_MD).write_text(summary(snaps))
+    return [*written, out / SUMMARY_MD]
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [0.1, 86400], got {text}")
+    return value
+
+
+def parser(prog: str = "kvflow report") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the server's tcp://HOST:PORT")
+    p.add_argument("--out", type=Path, required=True, help="directory for the PNGs and summary.md")
+    p.add_argument("--interval-s", type=_seconds, default=60.0, help="how long to record")
+    p.add_argument("--sample-s", type=_seconds, default=1.0, help="seconds between samples")
+    p.add_argument("--timeout-s", type=_seconds, default=5.0, help="status request timeout")
+    return p
+
+
+def main(name: str, argv: list[str]) -> int:
+    """Entry point of `kvflow report`: 1 when the server does not answer."""
+    args = parser(f"kvflow {name}").parse_args(argv)
+    try:
+        with KVFlowClient(args.endpoint, timeout_s=args.timeout_s) as client:
+            snaps = record(client, args.interval_s, min(args.sample_s, args.interval_s))
+    except Exception as exc:
+        print(f"kvflow report: {args.endpoint} does not answer: {exc}", file=sys.stderr)
+        return 1
+    for path in write_report(snaps, args.out):
+        print(path)
+    return 0

@@ -1,0 +1,184 @@
+"""One server status read as numbers, and the rates between two of them.
+
+`Snapshot.of(status)` keeps what the views show (totals, usage, bus, L0 summary);
+`Rates.between(a, b)` divides the totals' differences by the seconds between the
+two snapshots on the server's monotonic clock, so a slow status reply does not
+distort a rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GB = 1e9
+
+
+def _num(mapping: Any, *path: str) -> float:
+    """mapping[path[0]][path[1]]... as a float; 0 when any step is missing or not a number."""
+    value: Any = mapping
+    for key in path:
+        if not isinstance(value, Mapping):
+            return 0.0
+        value = value.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+@dataclass
+class TierUsage:
+    """A storage tier's fill: bytes held, capacity, objects, evicted objects so far."""
+
+    usage_bytes: float
+    capacity_bytes: float
+    objects: float
+    evicted_chunks: float
+
+    @property
+    def fraction(self) -> float:
+        return self.usage_bytes / self.capacity_bytes if self.capacity_bytes > 0 else 0.0
+
+
+@dataclass
+class Snapshot:
+    """The numbers of one status reply (totals since the server started)."""
+
+    at_s: float
+    uptime_s: float
+    endpoint: str
+    totals: dict[str, float]
+    hit_by_tier: dict[str, float]
+    l2_bytes: dict[str, dict[str, float]]
+    inflight: dict[str, float]
+    tiers: dict[str, TierUsage]
+    bus: dict[str, float]
+    l0: dict[str, Any]
+    l0_sample_rate: float
+    instances: int
+    observed: bool = True
+    models: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, status: Mapping[str, Any]) -> Snapshot:
+        """Read a `KVFlowClient.status()` reply (or `CacheEngine.status()`)."""
+        activity = status.get("activity") or {}
+        ops = activity.get("ops") or {}
+        totals = {
+            f"{op}.{key}": _num(ops, op, key)
+            for op in ("store", "retrieve", "lookup")
+            for key in ("requests", "errors", "tokens", "bytes", "requested_tokens", "hit_tokens")
+        }
+        for kind in ("written", "read", "evicted"):
+            totals[f"l1.{kind}_bytes"] = _num(activity, "l1", f"{kind}_bytes")
+            totals[f"l1.{kind}_chunks"] = _num(activity, "l1", f"{kind}_chunks")
+        totals["l0.allocation_records"] = _num(activity, "l0", "allocation_records")
+        totals["l0.allocated_blocks"] = _num(activity, "l0", "allocated_blocks")
+        l2_activity = activity.get("l2") or {}
+        l2_bytes = {
+            name: {k: _num(t, k) for k in ("stored_bytes", "loaded_bytes", "evicted_chunks")}
+            for name, t in l2_activity.items()
+        }
+        tiers = {"l1": _usage(status.get("l1"))}
+        for name, tier in ((status.get("l2") or {}).get("tiers") or {}).items():
+            tiers[name] = _usage(tier)
+        lookup = ops.get("lookup") or {}
+        bus = status.get("bus") or {}
+        server = status.get("server") or {}
+        instances = status.get("instances") or {}
+        return cls(
+            at_s=_num(activity, "monotonic_s") or _num(server, "uptime_s"),
+            uptime_s=_num(server, "uptime_s"),
+            endpoint=str(server.get("endpoint", "")),
+            totals=totals,
+            hit_by_tier={
+                str(k): _num(lookup.get("hit_tokens_by_tier"), k)
+                for k in (lookup.get("hit_tokens_by_tier") or {})
+            },
+            l2_bytes=l2_bytes,
+            inflight={
+                str(k): _num(activity.get("inflight"), k) for k in (activity.get("inflight") or {})
+            },
+            tiers=tiers,
+            bus={
+                "queue_depth": _num(bus, "queue_depth"),
+                "capacity": _num(bus, "capacity"),
+                "lag_s": _num(bus, "oldest_lag_ns") / 1e9,
+                "dropped": _num(bus, "dropped"),
+                "published": _num(bus, "published"),
+                "subscriber_errors": sum(
+                    _num(bus.get("subscriber_errors"), k)
+                    for k in bus.get("subscriber_errors") or {}
+                ),
+            },
+            l0=dict(activity.get("l0_histograms") or {}),
+            l0_sample_rate=_num(status.get("config"), "observability", "l0_sample_rate"),
+            instances=len(instances),
+            observed=bool(activity),
+            models=sorted(
+                {str(i.get("model_name")) for i in instances.values() if isinstance(i, Mapping)}
+            ),
+        )
+
+    def hit_rate(self) -> float | None:
+        """Hit tokens / requested tokens since start (None before any lookup)."""
+        asked = self.totals["lookup.requested_tokens"]
+        return self.totals["lookup.hit_tokens"] / asked if asked else None
+
+    def l0_quantile(self, name: str, q: str) -> float | None:
+        """`p50_s`, `p90_s` or `p99_s` of an L0 histogram (lifetime, idle_before_evict,
+        reuse_gap); None before its first value or with metrics off."""
+        value = (self.l0.get(name) or {}).get(q)
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+def _usage(stats: Any) -> TierUsage:
+    return TierUsage(
+        usage_bytes=_num(stats, "usage_bytes"),
+        capacity_bytes=_num(stats, "capacity_bytes"),
+        objects=_num(stats, "objects"),
+        evicted_chunks=_num(stats, "evicted_chunks"),
+    )
+
+
+@dataclass
+class Rates:
+    """Per-second rates between two snapshots, and the hit rate over that interval."""
+
+    seconds: float
+    per_s: dict[str, float]
+    tier_gb_s: dict[str, tuple[float, float]]
+    tier_evictions_s: dict[str, float]
+    hit_rate: float | None
+
+    @classmethod
+    def between(cls, a: Snapshot, b: Snapshot) -> Rates:
+        """Rates from `a` to the later `b` (all zero when no time passed)."""
+        dt = b.at_s - a.at_s
+        scale = 1.0 / dt if dt > 0 else 0.0
+        per_s = {k: max(b.totals[k] - a.totals.get(k, 0.0), 0.0) * scale for k in b.totals}
+        tier_gb_s = {}
+        for name, t in b.l2_bytes.items():
+            before = a.l2_bytes.get(name, {})
+            tier_gb_s[name] = (
+                max(t["stored_bytes"] - before.get("stored_bytes", 0.0), 0.0) * scale / GB,
+                max(t["loaded_bytes"] - before.get("loaded_bytes", 0.0), 0.0) * scale / GB,
+            )
+        tier_gb_s["l1"] = (per_s["l1.written_bytes"] / GB, per_s["l1.read_bytes"] / GB)
+        evictions = {
+            name: max(u.evicted_chunks - a.tiers[name].evicted_chunks, 0.0) * scale
+            for name, u in b.tiers.items()
+            if name in a.tiers
+        }
+        asked = b.totals["lookup.requested_tokens"] - a.totals["lookup.requested_tokens"]
+        hits = b.totals["lookup.hit_tokens"] - a.totals["lookup.hit_tokens"]
+        return cls(
+            seconds=dt,
+            per_s=per_s,
+            tier_gb_s=tier_gb_s,
+            tier_evictions_s=evictions,
+            hit_rate=hits / asked if asked > 0 else None,
+        )
+
+    def gb_s(self, op: str) -> float:
+        """GB/s (1e9 bytes/s) moved by `store` (GPU -> L1) or `retrieve` (L1 -> GPU)."""
+        return self.per_s[f"{op}.bytes"] / GB

@@ -1,0 +1,257 @@
+"""`kvflow top`: a live terminal view of one server, refreshed every second; `q` quits.
+
+Each tick asks the server for its status (the existing request: no new port) and
+shows the rates since the previous tick: requests, token hit rate (overall and per
+tier), GB/s per direction and per tier, L1/L2 usage bars and evictions, in-flight
+operations, the event bus (queue depth, lag, drops) and the L0 block lifetime,
+idle-before-evict and reuse-gap percentiles. `render` is a pure function of two
+snapshots, so the view is testable without a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from collections.abc import Iterator
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from kvflow.core.observe import units
+from kvflow.core.observe.snapshot import Rates, Snapshot
+from kvflow.core.server.client import KVFlowClient
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+_OPS = ("store", "retrieve", "lookup")
+_INFLIGHT = ("store", "retrieve", "lookup", "prefetch", "l2_store", "l2_load")
+_L0 = (
+    ("lifetime", "block lifetime"),
+    ("idle_before_evict", "idle before evict"),
+    ("reuse_gap", "reuse gap"),
+)
+
+
+def _header(snap: Snapshot, interval_s: float) -> Text:
+    models = ", ".join(snap.models) if snap.models else "none"
+    text = Text()
+    text.append("kvflow top", style="bold")
+    text.append(f"  {snap.endpoint}  up {units.uptime(snap.uptime_s)}")
+    text.append(f"  instances {snap.instances} (models: {models})")
+    text.append(f"  every {interval_s:g} s  ")
+    text.append("q quits", style="reverse")
+    if not snap.observed:
+        text.append("\nobservability is off on this server: no totals", style="bold red")
+    return text
+
+
+def _requests(rates: Rates | None) -> Table:
+    table = Table(title="Requests", box=box.SIMPLE, title_justify="left", expand=False)
+    for column in ("op", "req/s", "errors/s", "tokens/s", "GB/s"):
+        table.add_column(column, justify="left" if column == "op" else "right")
+    for op in _OPS:
+        if rates is None:
+            table.add_row(op, "…", "…", "…", "…")
+            continue
+        tokens = rates.per_s[f"{op}.requested_tokens" if op == "lookup" else f"{op}.tokens"]
+        moved = "" if op == "lookup" else units.gb_s(rates.gb_s(op))
+        table.add_row(
+            op,
+            units.rate(rates.per_s[f"{op}.requests"]),
+            units.rate(rates.per_s[f"{op}.errors"]),
+            units.rate(tokens),
+            moved,
+        )
+    return table
+
+
+def _hits(snap: Snapshot, rates: Rates | None) -> Table:
+    table = Table(title="Token hit rate", box=box.SIMPLE, title_justify="left")
+    table.add_column("", justify="left")
+    table.add_column("last interval", justify="right")
+    table.add_column("since start", justify="right")
+    table.add_row(
+        "all tiers",
+        units.percent(rates.hit_rate if rates else None),
+        units.percent(snap.hit_rate()),
+    )
+    asked = snap.totals["lookup.requested_tokens"]
+    for tier, hits in sorted(snap.hit_by_tier.items()):
+        table.add_row(f"  {tier}", "", units.percent(hits / asked if asked else None))
+    return table
+
+
+def _usage(snap: Snapshot, rates: Rates | None) -> Table:
+    table = Table(title="Capacity and bandwidth", box=box.SIMPLE, title_justify="left")
+    for column in ("tier", "usage", "", "used / capacity", "objects", "evict/s", "write", "read"):
+        table.add_column(column, justify="left" if column in ("tier", "usage") else "right")
+    for name, tier in snap.tiers.items():
+        write, read = rates.tier_gb_s.get(name, (0.0, 0.0)) if rates else (0.0, 0.0)
+        table.add_row(
+            name,
+            units.bar(tier.fraction),
+            units.percent(tier.fraction),
+            f"{units.size(tier.usage_bytes)} / {units.size(tier.capacity_bytes)}",
+            f"{tier.objects:.0f}",
+            units.rate(rates.tier_evictions_s.get(name, 0.0)) if rates else "…",
+            units.gb_s(write) if rates else "…",
+            units.gb_s(read) if rates else "…",
+        )
+    return table
+
+
+def _pipeline(snap: Snapshot) -> Text:
+    inflight = "  ".join(f"{op} {snap.inflight.get(op, 0):.0f}" for op in _INFLIGHT)
+    bus = snap.bus
+    text = Text()
+    text.append("In flight  ", style="bold")
+    text.append(inflight + "\n")
+    text.append("Event bus  ", style="bold")
+    text.append(
+        f"queue {bus['queue_depth']:.0f} / {bus['capacity']:.0f}  "
+        f"lag {units.seconds(bus['lag_s'])}  "
+    )
+    text.append(f"dropped {bus['dropped']:.0f}", style="bold red" if bus["dropped"] else "")
+    text.append(f"  subscriber errors {bus['subscriber_errors']:.0f}")
+    return text
+
+
+def _l0(snap: Snapshot, rates: Rates | None) -> Table:
+    title = f"GPU blocks (L0, sample rate {snap.l0_sample_rate:g})"
+    table = Table(title=title, box=box.SIMPLE, title_justify="left")
+    for column in ("", "p50", "p90", "p99", "values"):
+        table.add_column(column, justify="left" if not column else "right")
+    for name, label in _L0:
+        count = (snap.l0.get(name) or {}).get("count", 0)
+        table.add_row(
+            label,
+            *(units.seconds(snap.l0_quantile(name, q)) for q in ("p50_s", "p90_s", "p99_s")),
+            str(count),
+        )
+    if rates is not None:
+        table.caption = (
+            f"allocations: {units.rate(rates.per_s['l0.allocation_records'])} records/s, "
+            f"{units.rate(rates.per_s['l0.allocated_blocks'])} blocks/s"
+        )
+        table.caption_justify = "left"
+    return table
+
+
+def render(
+    snap: Snapshot, rates: Rates | None, interval_s: float = 1.0, error: str | None = None
+) -> RenderableType:
+    """The whole view for the latest snapshot and the rates since the previous one."""
+    parts: list[RenderableType] = [_header(snap, interval_s)]
+    if error:
+        parts.append(Text(f"status failed: {error} (showing the last answer)", style="bold red"))
+    parts += [
+        _requests(rates),
+        _hits(snap, rates),
+        _usage(snap, rates),
+        _pipeline(snap),
+        _l0(snap, rates),
+    ]
+    return Group(*parts)
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[int | None]:
+    """stdin in cbreak mode (keys arrive unbuffered, unechoed) while the view runs; yields
+    its fd, or None when stdin is not a terminal (then only Ctrl-C stops the view)."""
+    if not sys.stdin.isatty():
+        yield None
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield fd
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _quit_pressed(fd: int | None, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for a key; True when it is q (or stdin closed)."""
+    if fd is None:
+        time.sleep(timeout)
+        return False
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            data = os.read(fd, 64)
+            if not data or b"q" in data.lower():
+                return True
+    return False
+
+
+def run(endpoint: str, interval_s: float, timeout_s: float, console: Console) -> int:
+    """Show the view until q or Ctrl-C; 1 when the server never answers the first status."""
+    with KVFlowClient(endpoint, timeout_s=timeout_s) as client:
+        try:
+            prev = Snapshot.of(client.status())
+        except Exception as exc:
+            print(f"kvflow top: {endpoint} does not answer: {exc}", file=sys.stderr)
+            return 1
+        view = render(prev, None, interval_s)
+        with _keys() as fd, Live(view, console=console, screen=True, auto_refresh=False) as live:
+            live.refresh()
+            try:
+                while not _quit_pressed(fd, interval_s):
+                    try:
+                        snap = Snapshot.of(client.status())
+                    except Exception as exc:
+                        live.update(render(prev, None, interval_s, error=str(exc)), refresh=True)
+                        continue
+                    live.update(render(snap, Rates.between(prev, snap), interval_s), refresh=True)
+                    prev = snap
+            except KeyboardInterrupt:
+                pass
+    return 0
+
+
+def once(endpoint: str, interval_s: float, timeout_s: float, console: Console) -> int:
+    """Print one view (rates over one interval) and exit: for scripts and logs."""
+    with KVFlowClient(endpoint, timeout_s=timeout_s) as client:
+        try:
+            first = Snapshot.of(client.status())
+            time.sleep(interval_s)
+            snap = Snapshot.of(client.status())
+        except Exception as exc:
+            print(f"kvflow top: {endpoint} does not answer: {exc}", file=sys.stderr)
+            return 1
+    console.print(render(snap, Rates.between(first, snap), interval_s))
+    return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [0.1, 3600], got {text}")
+    return value
+
+
+def parser(prog: str = "kvflow top") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the server's tcp://HOST:PORT")
+    p.add_argument("--interval-s", type=_positive, default=1.0, help="seconds between refreshes")
+    p.add_argument("--timeout-s", type=_positive, default=5.0, help="status request timeout")
+    p.add_argument("--once", action="store_true", help="print one view and exit")
+    return p
+
+
+def main(name: str, argv: list[str]) -> int:
+    """Entry point of `kvflow top`."""
+    args = parser(f"kvflow {name}").parse_args(argv)
+    console = Console()
+    if args.once:
+        return once(args.endpoint, args.interval_s, args.timeout_s, console)
+    return run(args.endpoint, args.interval_s, args.timeout_s, console)
