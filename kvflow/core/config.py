@@ -148,6 +148,11 @@ class ServerConfig:
     #: socket connect/read timeout of each Redis call, and connections (= I/O threads)
     l2_redis_timeout_s: float = 1.0
     l2_redis_pool_size: int = 8
+    #: CURVE: the server's NAME.key_secret file and the directory of authorised client
+    #: NAME.key files (both or neither); off, a non-loopback --host needs insecure_listen
+    curve_secret_key: str | None = None
+    curve_authorized_keys: str | None = None
+    insecure_listen: bool = False
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
@@ -163,6 +168,16 @@ class ServerConfig:
         if isinstance(mi, bool) or not isinstance(mi, int) or not 1 <= mi <= 4096:
             raise ValueError(f"--max-instances must be an integer in 1..4096, got {mi!r}")
         self._check_l2()
+        if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
+            raise ValueError(
+                "--curve-secret-key and --curve-authorized-keys go together: give both"
+                " (the server's key pair and the directory of authorised client keys) or neither"
+            )
+
+    @property
+    def curve(self) -> bool:
+        """Whether clients must authenticate with CURVE."""
+        return self.curve_secret_key is not None
 
     def _check_l2(self) -> None:
         paths = self.l2_disk_paths

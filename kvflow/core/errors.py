@@ -61,6 +61,12 @@ class L2BacklogError(KVFlowError):
     code = "l2_backlog"
 
 
+class AuthenticationError(KVFlowError):
+    """The server refused the connection's CURVE handshake (unknown key, or CURVE on one side only)."""
+
+    code = "unauthenticated"
+
+
 class RequestTimeoutError(KVFlowError, TimeoutError):
     """The server did not answer in time."""
 
@@ -79,6 +85,7 @@ ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
         TransferError,
         CapacityError,
         L2BacklogError,
+        AuthenticationError,
         RequestTimeoutError,
     )
 }

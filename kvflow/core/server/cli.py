@@ -173,6 +173,29 @@ OPTIONS = (
         "Redis connections, each with its I/O thread (default 8)",
     ),
     _Option(
+        "--curve-secret-key",
+        "curve_secret_key",
+        _S,
+        str,
+        "CURVE: the server's NAME.key_secret file from `kvflow keygen` (with"
+        " --curve-authorized-keys); clients then need the server's NAME.key",
+    ),
+    _Option(
+        "--curve-authorized-keys",
+        "curve_authorized_keys",
+        _S,
+        str,
+        "CURVE: directory of the client public keys (NAME.key) allowed to connect; re-read"
+        " when it changes",
+    ),
+    _Option(
+        "--insecure-listen",
+        "insecure_listen",
+        _S,
+        bool,
+        "allow a non-loopback --host without CURVE (anyone who reaches the port is a client)",
+    ),
+    _Option(
         "--disable-observability",
         "enabled",
         _O,
@@ -223,6 +246,14 @@ OPTIONS = (
         _O,
         float,
         "seconds between metric exports, 0.1..86400 (default 5)",
+    ),
+    _Option(
+        "--max-label-values",
+        "max_label_values",
+        _O,
+        int,
+        "distinct model names / instance ids per metric label before new ones count as"
+        " 'other', 1..65536 (default 256)",
     ),
 )
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
@@ -393,6 +424,12 @@ def _status(argv: list[str]) -> int:
     parser.add_argument(
         "--timeout-s", type=float, default=5.0, metavar="X", help="seconds to wait (default 5)"
     )
+    parser.add_argument(
+        "--curve-server-key", metavar="FILE", help="the server's CURVE public key (NAME.key)"
+    )
+    parser.add_argument(
+        "--curve-key", metavar="FILE", help="this client's CURVE key pair (NAME.key_secret)"
+    )
     args = parser.parse_args(argv)
     from kvflow.core.errors import KVFlowError
     from kvflow.core.server.client import KVFlowClient
@@ -406,10 +443,15 @@ def _status(argv: list[str]) -> int:
     if unresolved is not None:
         print(f"kvflow status: error: {unresolved}", file=sys.stderr)
         return 1
+    curve = {"curve_server_key": args.curve_server_key, "curve_key": args.curve_key}
+    if (args.curve_server_key is None) != (args.curve_key is None):
+        raise UsageError("--curve-server-key and --curve-key go together")
     try:
-        client = KVFlowClient(args.endpoint, timeout_s=args.timeout_s)
+        client = KVFlowClient(args.endpoint, timeout_s=args.timeout_s, **curve)
     except ValueError as exc:
-        raise UsageError(f"--{exc}") from None
+        message = str(exc)
+        flagged = message.startswith(("endpoint", "timeout_s"))  # name the flag, not the kwarg
+        raise UsageError(f"--{message}" if flagged else message) from None
     try:
         status = client.status()
     except KVFlowError as exc:
@@ -443,11 +485,36 @@ def _unresolvable_host(endpoint: str) -> str | None:
     return None
 
 
+def _keygen(argv: list[str]) -> int:
+    parser = _Parser(
+        prog="kvflow keygen",
+        description="Write a CURVE key pair: NAME.key (public: give it to the other side) and"
+        " NAME.key_secret (private, mode 0600). Put clients' NAME.key files in the server's"
+        " --curve-authorized-keys directory; clients take the server's NAME.key.",
+    )
+    parser.add_argument("name", help="the pair's file name, e.g. server or client-a")
+    parser.add_argument(
+        "--dir", default=".", metavar="DIR", help="where to write the files (default: here)"
+    )
+    args = parser.parse_args(argv)
+    from kvflow.core.server.curve import generate
+
+    try:
+        public, secret = generate(args.dir, args.name)
+    except (OSError, ValueError) as exc:
+        print(f"kvflow keygen: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
 def main(command: str, argv: list[str]) -> int:
-    """Run `kvflow server ...` or `kvflow status ...`; returns the exit status."""
+    """Run `kvflow server`, `kvflow status` or `kvflow keygen`; returns the exit status."""
     try:
         if command == "status":
             return _status(argv)
+        if command == "keygen":
+            return _keygen(argv)
         return _serve(resolve(argv))
     except UsageError as exc:
         print(f"kvflow {command}: error: {exc}", file=sys.stderr)

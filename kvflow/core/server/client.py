@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import threading
 import time
 import uuid
@@ -21,15 +22,18 @@ from typing import Any
 
 import numpy as np
 import zmq
+import zmq.utils.monitor
 
 from kvflow.core.arrays import as_int32_array
 from kvflow.core.errors import (
     ERRORS_BY_CODE,
+    AuthenticationError,
     InvalidRequestError,
     KVFlowError,
     ProtocolError,
     RequestTimeoutError,
 )
+from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.protocol import (
     AllocationRecord,
     CudaIpcMemory,
@@ -57,6 +61,9 @@ from kvflow.core.server.protocol import (
 from kvflow.core.server.sharing import describe_kv_caches
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+#: how often a waiting call looks for a failed handshake (so a refusal is reported at once)
+_HANDSHAKE_CHECK_S = 0.1
+_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 def _int_list(values: Any, where: str) -> list[int]:
@@ -66,6 +73,14 @@ def _int_list(values: Any, where: str) -> list[int]:
         return list(map(operator.index, values))
     except TypeError:
         raise InvalidRequestError(f"{where} must be a sequence of integers") from None
+
+
+def _close_pair(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
+    """Close a socket and its monitor (monitoring stops first, so no event is left queued)."""
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(0)
+    sock.close(0)
 
 
 #: the longest a call may wait for its reply, in seconds (a day)
@@ -85,10 +100,21 @@ class KVFlowClient:
     `client_id` re-registers its instance ids at once (the old registrations are
     released); otherwise `register_kv_caches(..., takeover=True)` takes over an
     instance id a dead client still holds.
+
+    For a server that requires CURVE (docs/SERVER.md), pass `curve_server_key`
+    (its NAME.key file, or the key's 40 Z85 characters) and `curve_key` (this
+    client's NAME.key_secret file from `kvflow keygen`); a refused handshake
+    raises AuthenticationError instead of waiting for the timeout.
     """
 
     def __init__(
-        self, endpoint: str, *, timeout_s: float = 30.0, client_id: str | None = None
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 30.0,
+        client_id: str | None = None,
+        curve_server_key: str | bytes | os.PathLike[str] | None = None,
+        curve_key: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(endpoint, str) or not endpoint.startswith(_SCHEMES):
             raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
@@ -105,11 +131,20 @@ class KVFlowClient:
         if client_id is not None and (not isinstance(client_id, str) or not client_id):
             raise ValueError(f"client_id must be a non-empty string, got {client_id!r}")
         self.client_id = client_id if client_id is not None else uuid.uuid4().hex
+        if (curve_server_key is None) != (curve_key is None):
+            raise ValueError(
+                "curve_server_key and curve_key go together: the server's public key and this"
+                " client's key pair (NAME.key_secret)"
+            )
+        self._curve: tuple[bytes, KeyPair] | None = None
+        if curve_server_key is not None and curve_key is not None:
+            self._curve = (load_public_key(curve_server_key), load_key_pair(curve_key))
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._sockets: set[zmq.Socket[Any]] = set()
+        #: every open socket -> the monitor socket reporting its failed handshakes
+        self._sockets: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
         self._events: dict[str, tuple[Any, int]] = {}
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
@@ -127,20 +162,53 @@ class KVFlowClient:
             # closes the connection (a graceful stop) is dropped unread. A request
             # queued for a server that is down dies with its socket on timeout.
             sock.sndtimeo = int(self.timeout_s * 1000)
+            if self._curve is not None:
+                secure_client(sock, *self._curve)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
             sock.connect(self.endpoint)
             with self._lock:
-                if self._closed:
-                    sock.close()
-                    raise KVFlowError("the client is closed")
-                self._sockets.add(sock)
+                closed = self._closed
+                if not closed:
+                    self._sockets[sock] = monitor
+            if closed:
+                _close_pair(sock, monitor)
+                raise KVFlowError("the client is closed")
             self._local.socket = sock
         return sock
 
     def _discard_socket(self, sock: zmq.Socket[Any]) -> None:
         with self._lock:
-            self._sockets.discard(sock)
-        sock.close(0)
+            monitor = self._sockets.pop(sock, None)
+        _close_pair(sock, monitor)
         self._local.socket = None
+
+    def _check_handshake(self, sock: zmq.Socket[Any]) -> None:
+        """Raise AuthenticationError if the server refused this socket's handshake."""
+        monitor = self._sockets.get(sock)
+        while monitor is not None:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = (
+                    f"the kvflow server at {self.endpoint} refused this client's CURVE key"
+                    " (its public key is not in the server's --curve-authorized-keys directory)"
+                )
+            elif self._curve is None:
+                why = (
+                    f"the kvflow server at {self.endpoint} requires CURVE authentication: give"
+                    " its public key (NAME.key) and this client's key pair (NAME.key_secret)"
+                    " as curve_server_key= and curve_key= (--curve-server-key, --curve-key)"
+                )
+            else:
+                why = (
+                    f"CURVE handshake with {self.endpoint} failed (protocol error"
+                    f" {event['value']:#x}): the server does not use CURVE, or its key differs"
+                    " from curve_server_key"
+                )
+            self._discard_socket(sock)
+            raise AuthenticationError(why)
 
     def _call(
         self, request: Request, payloads: Sequence[np.ndarray] = (), timeout_s: float | None = None
@@ -165,12 +233,21 @@ class KVFlowClient:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000))):
+            if remaining <= 0:
+                self._check_handshake(sock)
                 self._discard_socket(sock)
+                hint = (
+                    "is it running, and is curve_server_key its public key?"
+                    if self._curve is not None
+                    else "is it running?"
+                )
                 raise RequestTimeoutError(
                     f"no reply to {op} from the kvflow server at {self.endpoint} within"
-                    f" {timeout:g} s (is it running?)"
+                    f" {timeout:g} s ({hint})"
                 )
+            if not sock.poll(max(1, int(min(remaining, _HANDSHAKE_CHECK_S) * 1000))):
+                self._check_handshake(sock)
+                continue
             reply = decode_reply(sock.recv())
             if reply.id == request.id:
                 break
@@ -424,9 +501,9 @@ class KVFlowClient:
         if heartbeat is not None:
             heartbeat.join()
         with self._lock:
-            sockets, self._sockets = self._sockets, set()
-        for sock in sockets:
-            sock.close(0)
+            sockets, self._sockets = self._sockets, {}
+        for sock, monitor in sockets.items():
+            _close_pair(sock, monitor)
         self._ctx.term()
 
     def __enter__(self) -> KVFlowClient:

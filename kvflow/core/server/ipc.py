@@ -25,7 +25,7 @@ from kvflow.kernels.loader import pycuda_importable
 
 _lock = threading.Lock()
 #: IPC handle -> its open mapping, while any tensor views it (a handle opens once per process).
-_mappings: weakref.WeakValueDictionary[bytes, _CudaBytes] = weakref.WeakValueDictionary()
+_mappings: weakref.WeakValueDictionary[bytes, CudaMapping] = weakref.WeakValueDictionary()
 
 
 @contextmanager
@@ -78,10 +78,15 @@ def cuda_ipc_memory_of(tensor: torch.Tensor) -> CudaIpcMemory:
     )
 
 
-class _CudaBytes:
-    """A `__cuda_array_interface__` view of raw device bytes that keeps the IPC mapping open."""
+class CudaMapping:
+    """An opened IPC handle: a `__cuda_array_interface__` view of its device bytes.
 
-    def __init__(self, ptr: int, nbytes: int, mapping: Any) -> None:
+    Counts the registrations' tensors that use it; `release_cuda_ipc` closes the
+    mapping when the last one is released, so an unregistered instance's GPU
+    memory is unmapped at once rather than when the garbage collector runs.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, mapping: Any, device: int, handle: bytes) -> None:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -90,17 +95,27 @@ class _CudaBytes:
             "version": 3,
         }
         self._mapping = mapping
+        self.device = device
+        self.handle = handle
+        self.users = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._mapping is None
 
 
-def open_cuda_ipc(memory: CudaIpcMemory) -> torch.Tensor:
-    """The whole allocation `memory` lives in, as a uint8 tensor on this process's GPU.
+def open_cuda_ipc(memory: CudaIpcMemory) -> tuple[torch.Tensor, CudaMapping]:
+    """The whole allocation `memory` lives in, as a uint8 tensor on this process's GPU,
+    and its mapping (pass it to `release_cuda_ipc` once no tensor views it).
 
-    Each handle is opened once; while any tensor views its mapping, opening it
-    again reuses that mapping. The mapping closes when the last view is freed.
+    Each handle is opened once per process; opening it again while it is in use
+    reuses the mapping (CUDA refuses to open one handle twice).
     """
     index = device_index_of(memory.device_uuid)
     with _lock:
         holder = _mappings.get(memory.handle)
+        if holder is not None:
+            holder.users += 1
     if holder is None:
         with _driver_on(index) as drv:
             try:
@@ -109,10 +124,31 @@ def open_cuda_ipc(memory: CudaIpcMemory) -> torch.Tensor:
                 )
             except Exception as exc:  # PyCUDA raises its own LogicError/RuntimeError
                 raise InvalidRequestError(f"cannot open CUDA IPC memory handle: {exc}") from None
-        holder = _CudaBytes(int(mapping), memory.alloc_size, mapping)
+        holder = CudaMapping(int(mapping), memory.alloc_size, mapping, index, memory.handle)
+        holder.users = 1
         with _lock:
             _mappings[memory.handle] = holder
-    return torch.as_tensor(holder, device=f"cuda:{index}")
+    return torch.as_tensor(holder, device=f"cuda:{index}"), holder
+
+
+def release_cuda_ipc(holder: CudaMapping) -> None:
+    """One user fewer; the last one closes the mapping (every tensor on it must be gone)."""
+    with _lock:
+        holder.users -= 1
+        if holder.users > 0 or holder._mapping is None:
+            return
+        mapping, holder._mapping = holder._mapping, None
+        if _mappings.get(holder.handle) is holder:
+            del _mappings[holder.handle]
+    with _driver_on(holder.device):
+        torch.cuda.synchronize(holder.device)  # no queued copy may still read the memory
+        mapping.close()
+
+
+def open_mappings() -> int:
+    """How many IPC handles this process has open (for tests and status)."""
+    with _lock:
+        return sum(not h.closed for h in _mappings.values())
 
 
 def make_interprocess_event() -> torch.cuda.Event:

@@ -13,10 +13,12 @@ finishes in-flight work, then closes the engine (bus and exporters).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -38,6 +40,7 @@ from kvflow.core.errors import (
     ProtocolError,
     UnknownInstanceError,
 )
+from kvflow.core.server.curve import CurveServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
     Done,
@@ -116,6 +119,41 @@ def _check_host(host: str) -> None:
             f"--host {host!r} cannot be resolved ({exc.strerror}); give an IP address or a "
             "host name of this machine"
         ) from None
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether every address `host` names is a loopback one ("*" is every interface)."""
+    if host == "*":
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, None)
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _check_exposure(config: ServerConfig) -> None:
+    """ValueError unless the server listens on loopback only, uses CURVE, or is told not to care."""
+    if config.curve or config.insecure_listen or _loopback_only(config.host):
+        return
+    raise ValueError(
+        f"--host {config.host} accepts connections from other machines, and without"
+        " authentication any of them could store, retrieve and read KV: give"
+        " --curve-secret-key and --curve-authorized-keys (make keys with `kvflow keygen`),"
+        " or --insecure-listen to accept every client that reaches the port"
+    )
+
+
+def _cuda_ipc_mappings() -> int:
+    """CUDA IPC handles this process holds open (0 until a GPU client registers)."""
+    ipc = sys.modules.get("kvflow.core.server.ipc")
+    return int(ipc.open_mappings()) if ipc is not None else 0
+
+
+def _key_of(owner: str) -> str:
+    """The CURVE key part of an owner "KEY CLIENT_ID" (Z85 has no space)."""
+    return owner.partition(" ")[0]
 
 
 def _since(started_ns: int) -> int:
@@ -204,15 +242,24 @@ class KVFlowServer:
         # Frames up to twice the limit get an error reply; ZMQ drops larger ones (and the peer).
         self._router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
         port = "*" if self.config.port == 0 else str(self.config.port)
+        #: CURVE keys and the authenticator, when clients must authenticate
+        self._curve: CurveServer | None = None
         try:
             _check_host(self.config.host)
+            _check_exposure(self.config)
+            if self.config.curve_secret_key and self.config.curve_authorized_keys:
+                self._curve = CurveServer(
+                    self._ctx, self.config.curve_secret_key, self.config.curve_authorized_keys
+                )
+                self._curve.secure(self._router)
             self._router.bind(f"tcp://{self.config.host}:{port}")
-        except (zmq.ZMQError, OSError) as exc:
-            self._router.close(0)
-            self._ctx.term()
-            raise OSError(
-                f"cannot listen on {self.config.host}:{self.config.port}: {exc}"
-            ) from None
+        except BaseException as exc:
+            self._close_sockets()
+            if isinstance(exc, (zmq.ZMQError, OSError)):
+                raise OSError(
+                    f"cannot listen on {self.config.host}:{self.config.port}: {exc}"
+                ) from None
+            raise
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._results_addr = f"inproc://kvflow-results-{id(self):x}"
         self._results = self._ctx.socket(zmq.PULL)
@@ -221,8 +268,7 @@ class KVFlowServer:
             self.engine = engine if engine is not None else CacheEngine(self.config)
         except BaseException:
             self._results.close(0)
-            self._router.close(0)
-            self._ctx.term()
+            self._close_sockets()
             raise
         self._max_instances = int(self.config.max_instances)
         #: instance id -> registration; workers remove failed registrations (under the lock)
@@ -252,6 +298,13 @@ class KVFlowServer:
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------
+
+    def _close_sockets(self) -> None:
+        """Close the client socket, stop the authenticator and end the context (no waiting)."""
+        self._router.close(0)
+        if self._curve is not None:
+            self._curve.stop()
+        self._ctx.term()
 
     def request_stop(self) -> None:
         """Ask the loop to finish in-flight work and stop; a second call stops waiting for it."""
@@ -313,6 +366,8 @@ class KVFlowServer:
         del regs
         self._results.close(0)
         self._router.close()
+        if self._curve is not None:
+            self._curve.stop()
         if not busy:  # busy workers still hold sockets; the process is exiting anyway
             self._ctx.term()
         # closing the engine removed the log handler its pipeline installed (event logs on)
@@ -371,6 +426,8 @@ class KVFlowServer:
                     " bytes (--max-message-mb)"
                 )
             request, arrays = decode_request([f.buffer for f in frames])
+            if self._curve is not None:  # the key ZAP authenticated: no other client has it
+                request.client = f"{frames[0].get('User-Id')} {request.client}"
             self._last_seen[request.client] = time.monotonic()
             return self._dispatch(identity, request, arrays, started)
         except Exception as exc:
@@ -526,6 +583,15 @@ class KVFlowServer:
                 f" ({self._heartbeat_timeout:g} s) of its silence, or register with"
                 " takeover=True to take it over now"
             )
+        if (
+            old is not None
+            and self._curve is not None
+            and _key_of(old.client) != _key_of(request.client)
+        ):
+            raise PermissionDeniedError(
+                f"instance {iid!r} is registered with another CURVE key: only a client holding"
+                " that key may re-register or take it over"
+            )
         if old is None and len(self._registrations) >= self._max_instances:
             raise CapacityError(
                 f"the server already serves {len(self._registrations)} instances, its limit"
@@ -659,6 +725,9 @@ class KVFlowServer:
             "reaped_instances": self._reaped,
             "max_instances": self._max_instances,
             "workers": len(self._pool),
+            "cuda_ipc_mappings": _cuda_ipc_mappings(),
+            "authentication": "curve" if self._curve is not None else "none",
+            "authorized_keys": len(self._curve.authorized) if self._curve is not None else None,
             "instances": {
                 iid: {"client": reg.client, "registered_s_ago": round(now - reg.registered_at, 3)}
                 for iid, reg in registrations

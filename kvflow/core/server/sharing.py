@@ -93,19 +93,30 @@ def describe_tensor(tensor: torch.Tensor, where: str) -> TensorDesc:
 class OpenedKVCaches:
     """Rebuilt KV tensors (same nesting as the client's) and the GPU they live on, if any.
 
-    `release()` drops the tensors and unmaps the shared-memory segments at once
-    (CUDA IPC mappings close when their last tensor is freed, which dropping them
-    does), so an unregistered instance holds no memory until a garbage collection.
+    `release()` drops the tensors, unmaps the shared-memory segments and closes
+    the CUDA IPC mappings at once, so an unregistered instance holds no memory
+    until a garbage collection.
     """
 
     kv_caches: Any
     cuda_device: int | None = None
     segments: list[Segment] = field(default_factory=list)
+    #: the CUDA IPC mappings (ipc.CudaMapping) the tensors view, one entry per tensor
+    cuda_mappings: list[Any] = field(default_factory=list)
 
     def release(self) -> bool:
-        """Drop the tensors and unmap the segments; False if a view elsewhere kept one mapped."""
+        """Drop the tensors and unmap everything; False if a view elsewhere kept a segment."""
         self.kv_caches = None
+        _close_cuda(self.cuda_mappings)
         return _release_all(self.segments)
+
+
+def _close_cuda(mappings: list[Any]) -> None:
+    if mappings:
+        from kvflow.core.server.ipc import release_cuda_ipc
+
+        while mappings:
+            release_cuda_ipc(mappings.pop())
 
 
 def _release_all(segments: list[Segment]) -> bool:
@@ -129,15 +140,17 @@ def open_kv_caches(desc: KVCachesDesc) -> OpenedKVCaches:
     segments: list[Segment] = []
     devices: set[int] = set()
     tensors: list[torch.Tensor] = []
+    cuda: list[Any] = []
     try:
-        kv_caches, device = _open(desc, shm_cache, segments, devices, tensors)
+        kv_caches, device = _open(desc, shm_cache, segments, devices, tensors, cuda)
     except BaseException:
         # the traceback still holds views: the mappings go when it does (no cycle)
         del tensors[:]
         shm_cache.clear()
         segments.clear()
+        _close_cuda(cuda)
         raise
-    return OpenedKVCaches(kv_caches, device, segments)
+    return OpenedKVCaches(kv_caches, device, segments, cuda)
 
 
 def _open(
@@ -146,6 +159,7 @@ def _open(
     segments: list[Segment],
     devices: set[int],
     tensors: list[torch.Tensor],
+    cuda: list[Any],
 ) -> tuple[Any, int | None]:
     """open_kv_caches' work; what it maps goes into the caller's containers."""
     for i, tdesc in enumerate(desc.tensors):
@@ -160,7 +174,8 @@ def _open(
         else:
             from kvflow.core.server.ipc import open_cuda_ipc
 
-            raw = open_cuda_ipc(memory)
+            raw, mapping = open_cuda_ipc(memory)
+            cuda.append(mapping)
             devices.add(raw.device.index or 0)
         tensors.append(view_described(raw, tdesc, f"kv_caches tensor {i}"))
     if desc.kind == "tensor":

@@ -24,3 +24,41 @@ def test_cuda_ipc_round_trip_between_processes() -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_cuda_ipc_mappings_close_when_their_last_instance_goes() -> None:
+    """Two instances over one allocation share one mapping in the server; unregistering
+    one leaves the other working, unregistering both closes it at once (not at GC)."""
+    import torch
+
+    from kvflow.core import KVFlowClient
+    from tests.core.server.test_server import ServerProcess
+
+    srv = ServerProcess("--disable-observability")
+    try:
+        kv = torch.randn(2, 64, 16, 2, 64, device="cuda").half()  # one cudaMalloc allocation
+        with KVFlowClient(srv.endpoint, timeout_s=60) as client:
+
+            def mappings() -> int:
+                return int(client.status()["server"]["cuda_ipc_mappings"])
+
+            assert mappings() == 0
+            client.register_kv_caches("a", [kv], model_name="m")
+            client.register_kv_caches("b", [kv], model_name="m")
+            assert mappings() == 1
+            tokens = list(range(256))
+            assert client.store("a", tokens, list(range(16)), request_id="s") == 256
+            expected = kv[:, :16].clone()
+            client.unregister("a")
+            assert mappings() == 1  # "b" still views it
+            assert client.retrieve("b", tokens, list(range(16, 32)), request_id="r") == 256
+            torch.cuda.synchronize()
+            assert torch.equal(kv[:, 16:32], expected)
+            client.register_kv_caches("b", [kv], model_name="m")  # replace: reopen, release old
+            assert mappings() == 1
+            client.unregister("b")
+            assert mappings() == 0
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)

@@ -1,0 +1,270 @@
+"""CURVE authentication (docs/SERVER.md, "Authentication with CURVE"; issue 18).
+
+Real keys from `kvflow keygen`, a real server subprocess, real sockets: an
+authorised client works, an unknown key and a plain client are refused before
+any of their messages is processed, ownership follows the key, and a
+non-loopback --host needs CURVE or --insecure-listen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.config import ServerConfig
+from kvflow.core.errors import AlreadyRegisteredError, AuthenticationError, PermissionDeniedError
+from kvflow.core.server.curve import AuthorizedKeys, load_key_pair, load_public_key
+from tests.core.server.test_server import ServerProcess
+
+NB, BS, NH, HS = 32, 16, 2, 8
+FIRST, SECOND = list(range(16)), list(range(16, 32))  # one chunk's blocks each
+CHUNK = 256
+
+
+def _keygen(directory: Path, name: str) -> Path:
+    """`kvflow keygen NAME --dir DIR`; returns the secret key file."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "keygen", name, "--dir", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return directory / f"{name}.key_secret"
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("curve")
+    found = {name: _keygen(root / name, name) for name in ("server", "alice", "bob", "mallory")}
+    authorized = root / "authorized"
+    authorized.mkdir()
+    for name in ("alice", "bob"):
+        shutil.copy(root / name / f"{name}.key", authorized)
+    found["authorized"] = authorized
+    found["server_public"] = root / "server" / "server.key"
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(keys: dict[str, Path]) -> Iterator[ServerProcess]:
+    srv = ServerProcess(
+        "--disable-observability",
+        "--curve-secret-key",
+        str(keys["server"]),
+        "--curve-authorized-keys",
+        str(keys["authorized"]),
+    )
+    yield srv
+    assert srv.stop() == 0, "".join(srv.lines)
+
+
+def _client(
+    server: ServerProcess, keys: dict[str, Path], who: str | None, **kw: object
+) -> KVFlowClient:
+    if who is None:
+        return KVFlowClient(server.endpoint, timeout_s=10, **kw)  # type: ignore[arg-type]
+    return KVFlowClient(
+        server.endpoint,
+        timeout_s=10,
+        curve_server_key=keys["server_public"],
+        curve_key=keys[who],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _kv() -> list[torch.Tensor]:
+    kv = [empty_shared((2, NB, BS, NH, HS), torch.float16)]
+    kv[0].copy_(torch.randn(kv[0].shape).half())
+    return kv
+
+
+def _requests(server: ServerProcess, keys: dict[str, Path]) -> int:
+    with _client(server, keys, "alice") as admin:
+        return int(admin.status()["server"]["requests"])
+
+
+def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(keys: dict[str, Path]) -> None:
+    secret = keys["alice"]
+    public = secret.with_suffix(".key")
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    pair = load_key_pair(secret)
+    assert load_public_key(public) == pair.public and len(pair.public) == 40
+    assert load_public_key(pair.public.decode()) == pair.public  # the key itself, as text
+    again = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "keygen", "alice", "--dir", str(secret.parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 1 and "already exists" in again.stderr
+    assert load_key_pair(secret) == pair  # untouched
+    with pytest.raises(ValueError, match="holds no secret key"):
+        load_key_pair(public)
+
+
+def test_an_authorised_client_stores_and_retrieves(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    kv = _kv()
+    tokens = list(range(CHUNK))
+    with _client(server, keys, "alice") as alice:
+        status = alice.status()["server"]
+        assert status["authentication"] == "curve" and status["authorized_keys"] == 2
+        alice.register_kv_caches("alice-0", kv, model_name="m")
+        expected = kv[0][:, :16].clone()
+        assert alice.store("alice-0", tokens, FIRST, request_id="s") == CHUNK
+        assert alice.lookup(tokens, model_name="m") == CHUNK
+        assert alice.retrieve("alice-0", tokens, SECOND, request_id="r") == CHUNK
+        assert torch.equal(kv[0][:, 16:], expected)
+        alice.unregister("alice-0")
+
+
+@pytest.mark.parametrize(
+    ("who", "match"),
+    [("mallory", "refused this client's CURVE key"), (None, "requires CURVE authentication")],
+)
+def test_unknown_key_and_plain_client_are_refused_at_once(
+    server: ServerProcess, keys: dict[str, Path], who: str | None, match: str
+) -> None:
+    before = _requests(server, keys)
+    started = time.monotonic()
+    with _client(server, keys, who) as intruder, pytest.raises(AuthenticationError, match=match):
+        intruder.lookup(list(range(CHUNK)), model_name="m")
+    assert time.monotonic() - started < 5  # refused, not timed out (timeout_s is 10)
+    # none of the intruder's messages reached the request handler (only our status call did)
+    assert _requests(server, keys) == before + 1
+
+
+def test_raw_frames_without_curve_get_no_reply(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    """A hostile peer speaking plain ZMTP never gets a message processed."""
+    before = _requests(server, keys)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    for _ in range(20):
+        sock.send_multipart([b"\x00garbage", b"more"])
+    assert not sock.poll(1000)
+    sock.close(0)
+    ctx.term()
+    assert _requests(server, keys) == before + 1
+    assert server.proc.poll() is None
+
+
+def test_authorised_keys_are_reread_when_the_directory_changes(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    added = keys["authorized"] / "mallory.key"
+    shutil.copy(keys["mallory"].with_suffix(".key"), added)
+    try:
+        with _client(server, keys, "mallory") as mallory:
+            assert mallory.lookup(list(range(CHUNK)), model_name="m") >= 0
+    finally:
+        added.unlink()
+    with _client(server, keys, "mallory") as mallory, pytest.raises(AuthenticationError):
+        mallory.lookup(list(range(CHUNK)), model_name="m")
+
+
+def test_ownership_follows_the_key_not_the_claimed_client_id(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    """Bob claiming Alice's client_id still cannot touch, replace or take over her instance."""
+    kv = _kv()
+    tokens = list(range(CHUNK))
+    with (
+        _client(server, keys, "alice", client_id="shared-id") as alice,
+        _client(server, keys, "bob", client_id="shared-id") as bob,
+    ):
+        alice.register_kv_caches("alice-own", kv, model_name="m")
+        with pytest.raises(PermissionDeniedError):
+            bob.store("alice-own", tokens, FIRST, request_id="b")
+        with pytest.raises(AlreadyRegisteredError):
+            bob.register_kv_caches("alice-own", _kv(), model_name="m")
+        with pytest.raises(PermissionDeniedError, match="another CURVE key"):
+            bob.register_kv_caches("alice-own", _kv(), model_name="m", takeover=True)
+        alice.unregister("alice-own")
+
+
+def test_a_curve_client_of_a_plain_server_is_told_so(keys: dict[str, Path]) -> None:
+    srv = ServerProcess("--disable-observability")
+    try:
+        client = KVFlowClient(
+            srv.endpoint, timeout_s=10, curve_server_key=keys["server_public"],
+            curve_key=keys["alice"],
+        )  # fmt: skip
+        with client, pytest.raises(AuthenticationError, match="does not use CURVE"):
+            client.status()
+    finally:
+        assert srv.stop() == 0
+
+
+def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
+    """A server that must refuse to start: its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_non_loopback_listening_needs_curve_or_insecure_listen(keys: dict[str, Path]) -> None:
+    refused = _serve("--host", "0.0.0.0", "--disable-observability")
+    assert refused.returncode == 2
+    assert "--insecure-listen" in refused.stderr and "kvflow keygen" in refused.stderr
+    for flags in (
+        ("--insecure-listen",),
+        ("--curve-secret-key", str(keys["server"]), "--curve-authorized-keys",
+         str(keys["authorized"])),
+    ):  # fmt: skip
+        srv = ServerProcess("--host", "0.0.0.0", "--disable-observability", *flags)
+        assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (("--curve-secret-key", "/nonexistent.key_secret", "--curve-authorized-keys", "."),
+         "cannot read the secret key file"),
+        (("--curve-authorized-keys", "."), "go together"),
+    ],
+)  # fmt: skip
+def test_bad_curve_flags_exit_2_naming_the_problem(flags: tuple[str, ...], match: str) -> None:
+    refused = _serve("--disable-observability", *flags)
+    assert refused.returncode == 2 and match in refused.stderr, refused.stderr
+
+
+def test_a_public_key_is_not_a_server_secret_key(keys: dict[str, Path]) -> None:
+    refused = _serve(
+        "--disable-observability",
+        "--curve-secret-key",
+        str(keys["server_public"]),
+        "--curve-authorized-keys",
+        str(keys["authorized"]),
+    )
+    assert refused.returncode == 2 and "holds no secret key" in refused.stderr
+
+
+def test_authorized_keys_must_be_a_directory_and_skip_junk(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a directory"):
+        AuthorizedKeys(tmp_path / "missing")
+    (tmp_path / "junk.key").write_text("not a certificate\n")
+    assert len(AuthorizedKeys(tmp_path)) == 0
+    with pytest.raises(ValueError, match="go together"):
+        ServerConfig(curve_secret_key="x")
+    assert os.path.isdir(tmp_path)
