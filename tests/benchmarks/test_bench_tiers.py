@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,13 +15,12 @@ from typing import Any
 
 import pytest
 
+from tests.support.requirements import find, require_or_skip
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_tiers.py"
 SECTIONS = ("tiers", "scaling", "latency", "prefetch", "redis")
-HAVE_REDIS = shutil.which("redis-server") is not None
-NO_REDIS = (
-    "redis-server is not installed (apt-get install redis-server): the quick run had --no-redis"
-)
+HAVE_REDIS = find("redis-server") is not None
 
 
 def _figures(obj: object, path: str = "") -> list[tuple[str, float]]:
@@ -80,8 +78,7 @@ def test_quick_run_reports_every_figure(quick: tuple[dict[str, Any], str, Path])
 
 @pytest.mark.slow
 def test_quick_run_covers_the_redis_tier(quick: tuple[dict[str, Any], str, Path]) -> None:
-    if not HAVE_REDIS:
-        pytest.skip(NO_REDIS)
+    require_or_skip("redis-server", "the benchmark's Redis section (the quick run had --no-redis)")
     res, output, _ = quick
     server = res["machine"]["redis"]
     assert server["started_here"] and server["local"]

@@ -5,7 +5,6 @@ made on a thread with no current context. Runs without a GPU (needs a C compiler
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -18,9 +17,10 @@ from kvflow.cuda import context, driver
 from kvflow.cuda.context import CurrentContext, primary_context, stream_context
 from kvflow.cuda.driver import CU_EVENT_DISABLE_TIMING, Driver
 from kvflow.cuda.enqueue import DriverEvent, copy_async
+from tests.support.requirements import find
 
-CC = shutil.which("gcc") or shutil.which("cc")
-pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler")
+CC = find("cc")
+pytestmark = pytest.mark.needs("cc", why="the fake libcuda these tests bind to is built from C")
 CTX0, CTX1 = 0xC0000, 0xC1000
 
 

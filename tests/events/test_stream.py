@@ -21,7 +21,7 @@ from kvflow.events.stream import NativeStreamStamper, attach_native_stamper, str
 from kvflow.events.testing import RecordingSubscriber
 
 T = EventType
-needs_cc = pytest.mark.skipif(native.find_compiler() is None, reason="no C compiler")
+needs_cc = pytest.mark.needs("cc", why="the native stream stamper is a C extension built here")
 
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)

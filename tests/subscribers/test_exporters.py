@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import urllib.request
 
 import pytest
@@ -41,10 +40,7 @@ def publish_workload(bus: EventBus) -> EventScript:
     return s
 
 
-@pytest.mark.skipif(
-    shutil.which("prometheus") is None,
-    reason="the Debian package prometheus is not installed (`make pytest` installs it)",
-)
+@pytest.mark.needs("prometheus", why="a real Prometheus scrapes kvflow's metrics endpoint")
 def test_prometheus_scrapes_kvflow_metrics() -> None:
     """A real Prometheus scrapes the kvflow endpoint; metrics read back through its query API."""
     port = free_port()

@@ -29,23 +29,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 
 from tests.support.collectors import free_port
+from tests.support.requirements import require_or_skip
 
 START_TIMEOUT_S = 20.0
 SLOTS = 16384
 
 
 def require_redis_binaries() -> None:
-    """Skip the calling test unless redis-server and redis-cli are installed."""
-    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
-    if missing:
-        pytest.skip(
-            f"{' and '.join(missing)} not found on PATH (Debian: apt-get install "
-            "redis-server redis-tools, or `make redis`): real Redis Cluster tests need them"
-        )
+    """Fail (CI) or skip (elsewhere) the calling test unless redis-server and redis-cli
+    are installed (tests/support/requirements.py)."""
+    for binary in ("redis-server", "redis-cli"):
+        require_or_skip(binary, "real Redis Cluster tests run a cluster of redis-servers")
 
 
 @dataclass

@@ -7,8 +7,9 @@ with `maxmemory` and a policy. It starts, stops (SIGTERM), restarts on the same 
 and hangs (SIGSTOP) and resumes (SIGCONT). `shared_server()` is one plain server per
 test process (the tier contract's); callers flush it.
 
-Everything skips the calling test (pytest.skip, with the reason) when `redis-server`
-is not installed; `tls_unsupported()` says why TLS cannot be tested, or None.
+Everything needing `redis-server` (or `openssl`, for TLS) that is not installed fails
+the calling test under CI and skips it elsewhere (tests/support/requirements.py);
+`require_tls()` does the same when TLS cannot be tested, `tls_unsupported()` says why.
 """
 
 from __future__ import annotations
@@ -28,18 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-OPENSSL = shutil.which("openssl")
+from tests.support.requirements import find, missing, require_or_skip
+
+REDIS_SERVER = find("redis-server") or "/usr/bin/redis-server"
+OPENSSL = find("openssl")
 
 
 def require_redis_server() -> str:
-    """The redis-server binary, or skip the test saying it is missing."""
-    if not os.access(REDIS_SERVER, os.X_OK):
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    return REDIS_SERVER
+    """The redis-server binary; missing, the test fails under CI and skips elsewhere."""
+    return require_or_skip("redis-server", "the test runs a real redis-server")
 
 
 def free_port() -> int:
@@ -237,12 +237,11 @@ def redis_server(**kwargs: Any) -> Iterator[RedisServer]:
 def make_certs(directory: Path) -> None:
     """A throw-away CA (ca.crt) and a server certificate for 127.0.0.1/localhost
     (server.crt, server.key) signed by it, made with openssl (EC P-256, one day)."""
-    if OPENSSL is None:
-        pytest.skip("openssl is not installed: no certificates for the TLS test")
+    openssl = require_or_skip("openssl", "it makes the certificates of the TLS test")
     d = str(directory)
 
     def run(*args: str) -> None:
-        subprocess.run([OPENSSL, *args], cwd=d, check=True, capture_output=True)
+        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
@@ -267,6 +266,15 @@ def tls_unsupported() -> str | None:
                 return None
         except RuntimeError as e:
             return f"this redis-server cannot serve TLS: {str(e)[-300:]}"
+
+
+def require_tls() -> None:
+    """Fail (CI) or skip (elsewhere) the calling test unless a TLS redis-server can run."""
+    require_redis_server()
+    require_or_skip("openssl", "it makes the certificates of the TLS test")
+    reason = tls_unsupported()
+    if reason is not None:
+        missing("a redis-server built with TLS", reason, "the Debian package redis-server")
 
 
 # -- one server per test process ----------------------------------------------------------

@@ -25,8 +25,8 @@ from tests.support.redis_servers import (
     AclUser,
     RedisServer,
     redis_server,
+    require_tls,
     shared_server,
-    tls_unsupported,
 )
 
 T = TypeVar("T")
@@ -339,9 +339,7 @@ def test_an_acl_user_logs_in_with_its_password_and_not_with_a_wrong_one(
 def test_tls_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rediss:// URL talks TLS to a TLS-only server whose CA is named by
     KVFLOW_REDIS_CA; without that CA the certificate is refused (never fatal)."""
-    reason = tls_unsupported()
-    if reason is not None:
-        pytest.skip(reason)
+    require_tls()
     with RedisServer(tmp_path, tls=True, password=SECRET) as server:
         url = server.url(password=SECRET)
         assert url.startswith("rediss://")
@@ -363,9 +361,7 @@ def test_tls_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_a_plain_client_cannot_talk_to_a_tls_only_port() -> None:
     """(Sanity of the TLS test) the TLS server is not reachable without TLS."""
-    reason = tls_unsupported()
-    if reason is not None:
-        pytest.skip(reason)
+    require_tls()
     with redis_server(tls=True) as server:
         plain = redis.Redis(
             host="127.0.0.1", port=server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)

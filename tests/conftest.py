@@ -1,0 +1,21 @@
+"""Suite-wide: the `needs` mark (a real part the test exercises; tests/support/requirements.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.requirements import PARTS, require_or_skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "needs(part, why): the test exercises a real part (one of "
+        f"{', '.join(PARTS)}); missing, it fails under CI and skips elsewhere",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        (part,) = mark.args
+        require_or_skip(part, mark.kwargs.get("why", "this test exercises it"))
