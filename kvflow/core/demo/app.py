@@ -271,7 +271,7 @@ def _traffic_rows(report: DemoReport) -> list[tuple[str, str]]:
                             f"{requested:,} prompt tokens; by tier: {by_tier})"),
         ("engine-local hits", f"{sum(o.local_hit_tokens for _, o in report.outcomes):,} "
                               "tokens (skipped by retrieve)"),
-        ("stored (to L1)", _ops_row(ops[EventType.STORE_START], "tokens")),
+        ("stored (new to L1)", _ops_row(ops[EventType.STORE_START], "tokens")),
         ("retrieved (from L1)", _ops_row(ops[EventType.RETRIEVE_START], "tokens")),
     ]  # fmt: skip
     if report.prefetch is not None:
@@ -280,6 +280,12 @@ def _traffic_rows(report: DemoReport) -> list[tuple[str, str]]:
             ("L2 loads", _ops_row(ops[EventType.L2_LOAD_START], "bytes")),
         ]
     rows.append(("verified", f"{report.verified_blocks:,} retrieved blocks bit-exact"))
+    rows += [
+        ("about GB/s", "bytes per second of op time, on this CPU in one process with the"
+                       " simulated engine and its checks;"),
+        ("", "stores also hash chunks and place L1 objects, so they run slower than"
+             " retrieves. GPU figures: docs/PERFORMANCE.md"),
+    ]  # fmt: skip
     return rows
 
 
@@ -523,6 +529,12 @@ def _run_engine(
     if obs.prometheus_port:
         print(f"metrics: http://{obs.prometheus_host}:{obs.prometheus_port}/metrics")
     print(f"serving {len(requests)} requests ({args.format} KV cache on {device})")
+    print(
+        "  per request, in tokens: prompt; local = already in the engine's blocks; hit = the"
+        " lookup's hits by tier;\n  retrieved = copied back into the engine; stored = the"
+        " prompt's full chunks in L1 after its store\n  (already-cached chunks included: the"
+        " summary's 'stored (new to L1)' counts only newly written tokens)"
+    )
     t0 = time.perf_counter()
     outcomes = _serve(args, engine, sim, trace, requests)
     wall = time.perf_counter() - t0
