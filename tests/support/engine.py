@@ -16,7 +16,7 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.tiers.base import StorageTier
 from kvflow.events import END_TO_START, START_TO_END, Event, EventBus, EventType
 from kvflow.events.testing import RecordingSubscriber
-from kvflow.kernels.synthetic import block_bytes as block_bytes  # re-exported for the tests
+from kvflow.kernels.formats import KVFormat
 from kvflow.kernels.synthetic import make_kv_caches
 
 BLOCK = 4
@@ -63,6 +63,43 @@ def small_engine(
         **config,
     )
     return CacheEngine(server_config, bus=bus, l2_tiers=l2_tiers), recorder
+
+
+def _block_pieces(kv_caches: Any, kwargs: dict[str, Any], block: int) -> list[torch.Tensor]:
+    """Block `block` of every layer's K and V (or MLA latent), indexed straight from the
+    tensors as the engine formats lay them out (docs/KERNELS.md's format table): each piece
+    is [block_size, heads, head_size] or [block_size, dim] in logical token order."""
+    fmt = KVFormat(kwargs["kv_format"])
+    if fmt is KVFormat.VLLM_CROSS_LAYER:  # [blocks, layers, 2, block_size, heads, head_size]
+        return [kv_caches[block, layer, kv] for layer in range(kv_caches.shape[1]) for kv in (0, 1)]
+    if fmt is KVFormat.VLLM_FLASH_ATTN:  # layers x [2, blocks, block_size, heads, head_size]
+        return [layer[kv, block] for layer in kv_caches for kv in (0, 1)]
+    if fmt is KVFormat.VLLM_FLASHINFER:  # layers x [blocks, 2, block_size, heads, head_size]
+        return [layer[block, kv] for layer in kv_caches for kv in (0, 1)]
+    if fmt is KVFormat.VLLM_MLA:  # layers x [blocks, block_size, dim]
+        return [layer[block] for layer in kv_caches]
+    rows = slice(block * kwargs["block_size"], (block + 1) * kwargs["block_size"])
+    if fmt is KVFormat.SGLANG_MHA:  # (K layers, V layers) x [tokens, heads, head_size]
+        keys, values = kv_caches
+        return [t[rows] for pair in zip(keys, values, strict=True) for t in pair]
+    assert fmt is KVFormat.SGLANG_MLA, fmt  # layers x [tokens, 1, dim]
+    return [layer[rows, 0] for layer in kv_caches]
+
+
+def block_bytes(kv_caches: Any, kwargs: dict[str, Any], block_ids: Sequence[int]) -> torch.Tensor:
+    """Each listed block's bytes, one row per block: what round-trip checks compare.
+
+    Read by plain indexing of the caches, block by block (a Python loop), never through
+    KVLayout or the transfer code the engine moves blocks with: a bug shared by the
+    engine's gather and scatter (wrong block, wrong layer, wrong token order) shows here
+    instead of cancelling out. Rows of caches in different formats holding the same KV
+    compare equal (layer by layer, K then V, tokens in order).
+    """
+    rows = []
+    for block in block_ids:
+        pieces = _block_pieces(kv_caches, kwargs, block)
+        rows.append(torch.cat([p.cpu().contiguous().view(torch.uint8).view(-1) for p in pieces]))
+    return torch.stack(rows) if rows else torch.empty((0, 0), dtype=torch.uint8)
 
 
 def caches(fmt: str, seed: int, **kw: Any) -> tuple[Any, dict[str, Any]]:
