@@ -14,6 +14,9 @@ from typing import Any
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OTLP_PROTOCOLS = ("grpc", "http")
+EVENT_LOG_FSYNC = ("none", "segment", "batch")
+EVENT_LOG_MAX_MB_RANGE = (1.0, float(1 << 30))  # 1 MiB .. 1 PiB
+EVENT_LOG_SEGMENT_MB_RANGE = (0.0625, 4096.0)  # 64 KiB .. 4 GiB
 L2_DISK_SHARDINGS = ("by_gpu",)
 REDIS_SCHEMES = ("redis://", "rediss://")
 #: fields whose values are credentials: never printed, logged or shown by status
@@ -75,8 +78,15 @@ class ObservabilityConfig:
     #: distinct client-chosen values (model names, instance ids) per metric label;
     #: later new ones are counted under "other" (bounds /metrics against hostile clients)
     max_label_values: int = 256
+    #: the durable event log (docs/EVENTLOG.md): its directory (None = off), total size
+    #: (oldest segments deleted first), segment size and fsync policy
+    event_log_dir: str | None = None
+    event_log_max_mb: float = 1024.0
+    event_log_segment_mb: float = 64.0
+    event_log_fsync: str = "segment"
 
     def __post_init__(self) -> None:
+        self._check_event_log()
         if self.tracing_enabled and not self.otlp_endpoint:
             raise ValueError("--enable-tracing requires --otlp-endpoint (an OTLP collector URL)")
         if not isinstance(self.l0_sample_rate, (int, float)) or not (
@@ -114,6 +124,21 @@ class ObservabilityConfig:
         _check_range(
             "--export-interval-s", self.export_interval_s, *EXPORT_INTERVAL_S_RANGE, "seconds"
         )
+
+    def _check_event_log(self) -> None:
+        if self.event_log_dir is not None and not (
+            isinstance(self.event_log_dir, str) and self.event_log_dir
+        ):
+            raise ValueError(f"--event-log must be a directory path, got {self.event_log_dir!r}")
+        _check_range("--event-log-max-mb", self.event_log_max_mb, *EVENT_LOG_MAX_MB_RANGE, "MiB")
+        _check_range(
+            "--event-log-segment-mb", self.event_log_segment_mb, *EVENT_LOG_SEGMENT_MB_RANGE, "MiB"
+        )
+        if self.event_log_fsync not in EVENT_LOG_FSYNC:
+            allowed = ", ".join(EVENT_LOG_FSYNC)
+            raise ValueError(
+                f"--event-log-fsync must be one of {allowed}, got {self.event_log_fsync!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvflow.events import EventBus, Subscriber
 from kvflow.events.deadline import run_by_deadline
+from kvflow.subscribers.eventlog import EventLogSubscriber
 from kvflow.subscribers.l0 import L0LifecycleSubscriber
 from kvflow.subscribers.logs import LoggingSetup, LoggingSubscriber, configure_logging
 from kvflow.subscribers.metrics import L1Stats, MetricsSubscriber
@@ -29,7 +30,7 @@ from kvflow.subscribers.providers import (
     otlp_metric_reader,
     otlp_span_exporter,
 )
-from kvflow.subscribers.settings import ObservabilitySettings
+from kvflow.subscribers.settings import EventLogSettings, ObservabilitySettings
 from kvflow.subscribers.tiers import TierStats
 from kvflow.subscribers.tracing import TracingSubscriber
 
@@ -171,6 +172,9 @@ def build_subscribers(
                     config.log_level, config.log_format, stream=log_stream
                 )
             pipeline.subscribers += (LoggingSubscriber(bus=bus),)
+        event_log = _event_log(config)
+        if event_log is not None:
+            pipeline.subscribers += (event_log,)
     except BaseException:
         pipeline.bus = None  # the caller's bus is not ours to stop on a failed build
         pipeline.shutdown(timeout=1.0)
@@ -242,6 +246,24 @@ def _populate(
                 meter_provider=pipeline.meter_provider,
             ),
         )
+
+
+def _event_log(config: ObservabilitySettings) -> EventLogSubscriber | None:
+    """The event log subscriber when the settings name a directory (`--event-log`).
+
+    Read with getattr: settings objects written before the event log existed
+    (duck-typed `ObservabilitySettings`) simply build none.
+    """
+    directory = getattr(config, "event_log_dir", None)
+    if not directory:
+        return None
+    settings: EventLogSettings = config  # type: ignore[assignment]
+    return EventLogSubscriber(
+        directory,
+        max_mb=settings.event_log_max_mb,
+        segment_mb=settings.event_log_segment_mb,
+        fsync=settings.event_log_fsync,
+    )
 
 
 def _start_prometheus(endpoint: PrometheusEndpoint) -> None:

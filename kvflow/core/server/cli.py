@@ -255,6 +255,35 @@ OPTIONS = (
         "distinct model names / instance ids per metric label before new ones count as"
         " 'other', 1..65536 (default 256)",
     ),
+    _Option(
+        "--event-log",
+        "event_log_dir",
+        _O,
+        str,
+        "keep every event in segment files in this directory, for kvflow replay and kvflow"
+        " whatif (docs/EVENTLOG.md); off when not given",
+    ),
+    _Option(
+        "--event-log-max-mb",
+        "event_log_max_mb",
+        _O,
+        float,
+        "total size of the event log in MiB; the oldest segments are deleted first (default 1024)",
+    ),
+    _Option(
+        "--event-log-segment-mb",
+        "event_log_segment_mb",
+        _O,
+        float,
+        "size at which the event log starts a new segment, in MiB, 0.0625..4096 (default 64)",
+    ),
+    _Option(
+        "--event-log-fsync",
+        "event_log_fsync",
+        _O,
+        str,
+        "when the event log fsyncs: none, segment (when a segment closes; default) or batch",
+    ),
 )
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
 #: the longest `kvflow status --timeout-s` waits (a larger value is a typo, not a wish)
