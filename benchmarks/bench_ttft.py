@@ -1,0 +1,407 @@
+"""Time to first token with a real transformer: recompute vs a prefix retrieved from kvflow.
+
+For each model shape and prompt length, in one run on one device:
+  (a) recompute   full prefill of the prompt (what happens without a KV cache)
+  (b) kvflow      retrieve the prompt's cached prefix from a `kvflow server` subprocess
+                  into a paged cache (CUDA IPC on a GPU, shared memory on the CPU),
+                  then prefill only the rest (the last partial chunk)
+  (c) copy        the same prefix bytes moved by one pinned host-to-device copy
+  (d) suffix      the prefill of (b) with the prefix's KV already in the paged cache
+so (c) + (d) is the floor for (b). Medians of --repeat runs. The logits of (b)
+must equal those of (d) exactly (the retrieved KV is bit-exact) and those of (a)
+within bf16 tolerance; a failed check exits 1. Prints a table; `--json` keeps
+the rows, `--plot ROWS.json --png OUT.png` draws TTFT against prompt length.
+
+Models are Llama-architecture from a config with random weights (no download):
+1b = 16 layers, 2048 hidden, 8 KV heads x 64; 8b = 32 layers, 4096 hidden,
+8 KV heads x 128; toy = a few MB, for the CPU path in CI.
+
+    python benchmarks/bench_ttft.py --models 1b,8b --lengths 2048,8192,32768
+    python benchmarks/bench_ttft.py --device cpu --models toy --lengths 512,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHUNK = 256
+BLOCK = 16
+#: relative error of (b)'s last logits against a full recompute, in bf16
+BF16_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-architecture model's size."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+
+SHAPES = {
+    "toy": Shape(2, 128, 4, 2, 32, 256, 512),
+    "1b": Shape(16, 2048, 32, 8, 64, 8192, 32000),
+    "8b": Shape(32, 4096, 32, 8, 128, 14336, 128256),
+}
+
+
+@dataclass
+class Row:
+    """One (model, prompt length) result; times in milliseconds (medians)."""
+
+    model: str
+    prompt: int
+    prefix: int
+    suffix: int
+    prefix_gib: float
+    recompute_ms: float
+    kvflow_ms: float
+    copy_ms: float
+    suffix_ms: float
+    retrieve_ms: float
+    logits_rel_err: float
+
+    @property
+    def ratio(self) -> float:
+        """(b) / (a): the share of a recompute's TTFT that a kvflow hit costs."""
+        return self.kvflow_ms / self.recompute_ms
+
+    @property
+    def over_copy(self) -> float:
+        """((b) - (d)) / (c): kvflow's part of the TTFT against a plain pinned copy."""
+        return (self.kvflow_ms - self.suffix_ms) / self.copy_ms
+
+
+def build_model(shape: Shape, dtype: torch.dtype, device: torch.device) -> Any:
+    """A Llama with random weights, built directly on `device` (fast even at 8B)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=65536,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+class PagedCache:
+    """A vLLM-flash-attention paged KV cache: per layer `[2, blocks, BLOCK, kv_heads, head_dim]`."""
+
+    def __init__(
+        self, shape: Shape, num_blocks: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        page = (num_blocks, BLOCK, shape.kv_heads, shape.head_dim)
+        if device.type == "cpu":
+            from kvflow.core import empty_shared
+
+            self.layers = [empty_shared((2, *page), dtype) for _ in range(shape.layers)]
+        else:
+            self.layers = [torch.empty((2, *page), dtype=dtype, device=device)]
+            self.layers += [torch.empty_like(self.layers[0]) for _ in range(shape.layers - 1)]
+        self.num_blocks = num_blocks
+
+    def write(self, past: Any, num_tokens: int, table: torch.Tensor) -> None:
+        """Put the first `num_tokens` (a multiple of BLOCK) of a transformers cache into `table`."""
+        n = num_tokens // BLOCK
+        for layer, view in enumerate(self.layers):
+            for side, states in enumerate((past.layers[layer].keys, past.layers[layer].values)):
+                # [1, H, T, D] -> [n, BLOCK, H, D]
+                pages = states[0, :, :num_tokens].transpose(0, 1).unflatten(0, (n, BLOCK))
+                view[side, table.to(view.device)] = pages
+
+    def past(self, model: Any, num_tokens: int, table: torch.Tensor) -> Any:
+        """A transformers cache holding the KV of `table`'s first `num_tokens` tokens."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        index = table.to(self.layers[0].device)
+        for layer, view in enumerate(self.layers):
+            kv = view[:, index].flatten(1, 2)[:, :num_tokens]  # [2, T, H, D]
+            kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, H, T, D]
+            cache.update(kv[0], kv[1], layer)
+        return cache
+
+    def fill(self, table: torch.Tensor, value: float) -> None:
+        for view in self.layers:
+            view[:, table.to(view.device)] = value
+
+    def blocks(self, table: torch.Tensor) -> list[torch.Tensor]:
+        return [view[:, table.to(view.device)] for view in self.layers]
+
+
+@contextlib.contextmanager
+def kvflow_server(l1_gib: float, log: Path) -> Iterator[str]:
+    """A `kvflow server` subprocess on a free port; yields its endpoint."""
+    cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--prometheus-port", "0"]
+    cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{l1_gib:g}", "--log-format", "console"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stderr=out, stdout=out, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "listening on" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvflow server did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        endpoint = log.read_text().split("listening on ")[1].split()[0]
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def _last_logits(model: Any, ids: torch.Tensor, past: Any = None) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids.unsqueeze(0), past_key_values=past, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
+def _copy_ms(nbytes: int, repeat: int, device: torch.device) -> float:
+    """Median time of one host-to-device copy of `nbytes` from pinned memory."""
+    pinned = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dest.copy_(host, non_blocking=pinned)  # warm-up
+    return _median_ms(lambda: dest.copy_(host, non_blocking=pinned), repeat, device)
+
+
+def measure(
+    client: Any,
+    name: str,
+    model: Any,
+    cache: PagedCache,
+    shape: Shape,
+    length: int,
+    repeat: int,
+    device: torch.device,
+) -> Row:
+    """One row: (a)-(d) for a prompt of `length` tokens, checks included (AssertionError)."""
+    gen = torch.Generator().manual_seed(length)
+    tokens = torch.randint(0, shape.vocab, (length,), generator=gen)
+    ids = tokens.to(device)
+    prefix = (length - 1) // CHUNK * CHUNK
+    n_blocks = prefix // BLOCK
+    order = torch.randperm(cache.num_blocks, generator=gen)
+    stored_at, retrieved_at = order[:n_blocks], order[n_blocks : 2 * n_blocks]
+    instance, model_name = f"ttft-{name}", f"ttft-{name}"
+
+    expected = _last_logits(model, ids)  # (a), once for the check
+    recompute_ms = _median_ms(lambda: _last_logits(model, ids), repeat, device)
+    with torch.no_grad():
+        full = model(ids[:prefix].unsqueeze(0), use_cache=True, logits_to_keep=1)
+    cache.write(full.past_key_values, prefix, stored_at)
+    del full
+    _sync(device)
+    stored = client.store(instance, tokens[:prefix], stored_at, request_id=f"{name}-{length}-s")
+    assert stored == prefix, f"stored {stored} of {prefix} tokens"
+    assert client.lookup(tokens, model_name=model_name) == prefix
+
+    requests = iter(range(1 << 30))
+
+    def with_kvflow() -> torch.Tensor:
+        rid = f"{name}-{length}-r{next(requests)}"
+        started = time.perf_counter()
+        got = client.retrieve(instance, tokens[:prefix], retrieved_at, request_id=rid)
+        retrieve_s.append(time.perf_counter() - started)
+        assert got == prefix, f"retrieved {got} of {prefix} tokens"
+        client.end_session(rid)
+        return _last_logits(model, ids[prefix:], cache.past(model, prefix, retrieved_at))
+
+    retrieve_s: list[float] = []
+    cache.fill(retrieved_at, float("nan"))  # a retrieve that wrote nothing shows as NaN logits
+    got_logits = with_kvflow()
+    for a, b in zip(cache.blocks(stored_at), cache.blocks(retrieved_at), strict=True):
+        assert torch.equal(a, b), "retrieved blocks differ from the stored ones"
+    retrieve_s.clear()
+    kvflow_ms = _median_ms(with_kvflow, repeat, device)
+
+    def suffix_only() -> torch.Tensor:
+        return _last_logits(model, ids[prefix:], cache.past(model, prefix, retrieved_at))
+
+    floor_logits = suffix_only()
+    suffix_ms = _median_ms(suffix_only, repeat, device)
+    assert torch.equal(got_logits, floor_logits), "(b) and (d) logits differ"
+    err = float((got_logits - expected).abs().max() / expected.abs().max())
+    assert err <= BF16_TOLERANCE, f"logits off a full recompute by {err:.3g} (relative)"
+    nbytes = prefix * shape.kv_bytes_per_token(cache.layers[0].dtype)
+    return Row(
+        model=name,
+        prompt=length,
+        prefix=prefix,
+        suffix=length - prefix,
+        prefix_gib=nbytes / (1 << 30),
+        recompute_ms=recompute_ms,
+        kvflow_ms=kvflow_ms,
+        copy_ms=_copy_ms(nbytes, repeat, device),
+        suffix_ms=suffix_ms,
+        retrieve_ms=1e3 * statistics.median(retrieve_s),
+        logits_rel_err=err,
+    )
+
+
+def run(args: argparse.Namespace, device: torch.device) -> list[Row]:
+    from kvflow.core import KVFlowClient
+
+    dtype = torch.bfloat16
+    lengths = sorted(args.lengths)
+    shapes = {name: SHAPES[name] for name in args.models}
+    largest = max(s.kv_bytes_per_token(dtype) for s in shapes.values()) * lengths[-1]
+    rows: list[Row] = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        kvflow_server(
+            args.l1_size_gb or max(1.0, 1.5 * largest / (1 << 30)), Path(tmp) / "server.log"
+        ) as endpoint,
+        KVFlowClient(endpoint, timeout_s=600) as client,
+    ):
+        for name, shape in shapes.items():
+            model = build_model(shape, dtype, device)
+            cache = PagedCache(shape, 2 * (lengths[-1] // BLOCK) + 16, dtype, device)
+            client.register_kv_caches(f"ttft-{name}", cache.layers, model_name=f"ttft-{name}")
+            try:
+                _last_logits(model, torch.zeros(CHUNK, dtype=torch.long, device=device))  # warm
+                for length in lengths:
+                    rows.append(measure(client, name, model, cache, shape, length, args.repeat,
+                                        device))  # fmt: skip
+                    print(_format([rows[-1]], header=len(rows) == 1), flush=True)
+            finally:
+                client.unregister(f"ttft-{name}")
+                del model, cache
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _format(rows: list[Row], header: bool = True) -> str:
+    head = (
+        f"{'model':<5} {'prompt':>6} {'prefix':>6} {'suffix':>6} {'GiB':>6} "
+        f"{'(a) recompute':>13} {'(b) kvflow':>10} {'(c) copy':>9} {'(d) suffix':>10} "
+        f"{'retrieve':>9} {'b/a':>6} {'(b-d)/c':>7} {'logit err':>9}"
+    )
+    lines = [head] if header else []
+    for r in rows:
+        lines.append(
+            f"{r.model:<5} {r.prompt:>6} {r.prefix:>6} {r.suffix:>6} {r.prefix_gib:>6.3f} "
+            f"{r.recompute_ms:>10.2f} ms {r.kvflow_ms:>7.2f} ms {r.copy_ms:>6.2f} ms "
+            f"{r.suffix_ms:>7.2f} ms {r.retrieve_ms:>6.2f} ms {r.ratio:>6.3f} "
+            f"{r.over_copy:>7.2f} {r.logits_rel_err:>9.2e}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], png: Path) -> None:
+    """TTFT against prompt length: four lines per model, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows}, key=[*SHAPES].index)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    series = [("recompute_ms", "(a) recompute"), ("kvflow_ms", "(b) kvflow retrieve + suffix"),
+              ("copy_ms", "(c) pinned copy of the prefix"), ("suffix_ms", "(d) suffix prefill")]  # fmt: skip
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["prompt"])
+        for key, label in series:
+            ax.plot([r["prompt"] for r in mine], [r[key] for r in mine], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms",
+               title=f"time to first token, {model}")  # fmt: skip
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=["1b", "8b"])
+    parser.add_argument("--lengths", type=_ints, default=[2048, 8192, 32768])
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (median)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--l1-size-gb", type=float, help="server L1 (default: 1.5 x largest)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--plot", type=Path, metavar="ROWS.json", help="only draw these rows")
+    parser.add_argument("--png", type=Path, help="with --plot (or a run): the PNG to write")
+    args = parser.parse_args(argv)
+    if args.plot is not None:
+        plot(json.loads(args.plot.read_text()), args.png or args.plot.with_suffix(".png"))
+        return 0
+    unknown = [m for m in args.models if m not in SHAPES]
+    if unknown or args.repeat < 1 or not args.lengths or min(args.lengths) <= CHUNK:
+        parser.error(f"--models from {', '.join(SHAPES)}; --repeat >= 1; --lengths > {CHUNK}")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_ttft: no CUDA device (use --device cpu)", file=sys.stderr)
+        return 1
+    torch.set_grad_enabled(False)
+    try:
+        rows = run(args, device)
+    except AssertionError as exc:
+        print(f"bench_ttft: check failed: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print(_format(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.png is not None:
+        plot([asdict(r) for r in rows], args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""benchmarks/bench_ttft.py on the CPU at toy size: the whole flow (a real server
+subprocess over shared memory, a real transformer, the paged cache) runs and its checks
+hold; the figures themselves are GPU measurements (docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "bench_ttft.py"
+
+
+def _load() -> object:
+    spec = importlib.util.spec_from_file_location("bench_ttft", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_ttft"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_toy_run_on_cpu_checks_logits_and_writes_rows_and_plot(tmp_path: Path) -> None:
+    rows_path, png = tmp_path / "rows.json", tmp_path / "ttft.png"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "toy", "--lengths",
+         "512,1024", "--repeat", "1", "--json", str(rows_path), "--png", str(png)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(rows_path.read_text())
+    assert [(r["prompt"], r["prefix"], r["suffix"]) for r in rows] == [
+        (512, 256, 256),
+        (1024, 768, 256),
+    ]
+    for row in rows:
+        assert row["logits_rel_err"] <= 0.05
+        assert row["prefix_gib"] == row["prefix"] * 2 * 2 * 2 * 32 * 2 / (1 << 30)
+        for key in ("recompute_ms", "kvflow_ms", "copy_ms", "suffix_ms", "retrieve_ms"):
+            assert row[key] > 0, key
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "(a) recompute" in done.stdout and "(b-d)/c" in done.stdout
+
+
+def test_paged_cache_round_trips_a_transformers_cache() -> None:
+    """write() then past() gives back the prefix's K and V exactly (independent of kvflow)."""
+    import torch
+    from transformers import DynamicCache
+
+    bench = _load()
+    shape = bench.SHAPES["toy"]  # type: ignore[attr-defined]
+    model = bench.build_model(shape, torch.bfloat16, torch.device("cpu"))  # type: ignore[attr-defined]
+    cache = bench.PagedCache(shape, 8, torch.bfloat16, torch.device("cpu"))  # type: ignore[attr-defined]
+    past = DynamicCache(config=model.config)
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(shape.layers):
+        k, v = (torch.randn(1, shape.kv_heads, 40, shape.head_dim, generator=gen).bfloat16()
+                for _ in range(2))  # fmt: skip
+        past.update(k, v, layer)
+    table = torch.tensor([5, 2, 7])
+    cache.write(past, 32, table[:2])
+    back = cache.past(model, 32, table[:2])
+    for layer in range(shape.layers):
+        assert torch.equal(back.layers[layer].keys, past.layers[layer].keys[:, :, :32])
+        assert torch.equal(back.layers[layer].values, past.layers[layer].values[:, :, :32])
+    # token t of the prefix lives in block table[t // 16] at row t % 16 (the engine layout)
+    assert torch.equal(cache.layers[0][0, 2, 3], past.layers[0].keys[0, :, 19])
+
+
+@pytest.mark.parametrize("argv", [["--models", "nope"], ["--lengths", "100"], ["--repeat", "0"]])
+def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", *argv],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--models from" in done.stderr
