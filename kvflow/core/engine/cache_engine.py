@@ -452,7 +452,11 @@ class CacheEngine:
             op.fail(exc, **result)
             raise
         hit_tokens = hit * self.chunk_size
-        op.end(requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier)
+        # chunk_hashes: the list the key cache returned (no copy), for kvflow whatif
+        op.end(
+            requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier,
+            chunk_hashes=hashes, chunk_size=self.chunk_size, world_size=world_size,
+        )  # fmt: skip
         return hit_tokens
 
     def _check_query(
@@ -613,6 +617,9 @@ class CacheEngine:
                     result = {
                         "tokens": len(plan.new) * self.chunk_size,
                         "bytes": len(plan.new) * inst.chunk_nbytes,
+                        # the chunks now in L1 and their object size, for kvflow whatif
+                        "chunk_hashes": [cast(ObjectKey, k)[0] for k in plan.keys[: plan.covered]],
+                        "chunk_bytes": inst.chunk_nbytes,
                     }
                     inst.mover.flush()
                     self._publish_evictions(plan, request_id)  # events once the GPU is busy
@@ -716,6 +723,8 @@ class CacheEngine:
                         "hit_tokens": hit_chunks * self.chunk_size,
                         "chunks": chunks,
                         "l2_chunks": from_l2,
+                        # the hit prefix (L1 refreshes its recency), for kvflow whatif
+                        "chunk_hashes": [o.key[0] for o in objs[:hit_chunks]],
                     }
                     op.end(inst.mover.retrieve_stream, **result)
                     inst.mover.wait()
