@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "bench": ("kvflow.core.demo.bench", "run a benchmark from benchmarks/"),
     "top": ("kvflow.core.observe.top", "live terminal view of a running server"),
     "report": ("kvflow.core.observe.report", "plots and a summary of a server over an interval"),
+    "replay": ("kvflow.core.replay.replay", "feed a recorded event log through the subscribers"),
+    "whatif": ("kvflow.core.replay.whatif", "L1 hit rate at other sizes, from an event log"),
 }
 
 

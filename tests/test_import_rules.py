@@ -23,6 +23,8 @@ CORE_FORBIDDEN = {
     "tiers": {"engine", "server", "demo", "observe"},
     "server": {"demo", "observe"},
     "observe": {"demo"},
+    # replay and whatif read logs through kvflow.events/subscribers and kvflow.core.config only
+    "replay": {"engine", "tiers", "server", "demo", "observe"},
 }
 
 

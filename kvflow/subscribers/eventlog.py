@@ -36,7 +36,8 @@ class EventLogSubscriber:
     `fsync`: `none` leaves flushing to the OS (a machine crash may lose the last
     seconds; a process crash loses nothing written), `segment` fsyncs a segment
     when it is closed, `batch` after every batch (durable, slowest). Whatever the
-    policy, a torn last frame is detected and skipped on read.
+    policy, a torn last frame is detected and skipped on read. `l0_sample_rate`
+    and `sample_seed` (the run's L0 sampling) are recorded in segment headers.
     """
 
     name = "event_log"
@@ -49,6 +50,8 @@ class EventLogSubscriber:
         max_mb: float = 1024.0,
         segment_mb: float = 64.0,
         fsync: str = "segment",
+        l0_sample_rate: float | None = None,
+        sample_seed: int | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"--event-log-fsync must be one of {', '.join(FSYNC_POLICIES)}")
@@ -57,6 +60,7 @@ class EventLogSubscriber:
         self.max_bytes = int(max_mb * MIB)
         self.segment_bytes = max(int(min(segment_mb * MIB, self.max_bytes)), 4096)
         self.fsync = fsync
+        self._sampling = (l0_sample_rate, sample_seed)  # recorded in each header for replay
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._size = 0
@@ -76,7 +80,8 @@ class EventLogSubscriber:
         self._sequence += 1
         path = self.directory / segment_name(self._sequence)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        header = new_header(self._sequence, time.time_ns() - time.monotonic_ns(), time.time_ns())
+        offset = time.time_ns() - time.monotonic_ns()
+        header = new_header(self._sequence, offset, time.time_ns(), *self._sampling)
         data = frame(encode_header(header))
         os.write(fd, data)
         self._fd, self._size = fd, len(data)

@@ -44,7 +44,8 @@ class SegmentHeader(msgspec.Struct, tag="kvflow-event-log", frozen=True):
     """What a segment says about itself: who wrote it and how to read its events.
 
     `epoch_offset_ns` converts its events' monotonic `ts_ns` to Unix time
-    (epoch = ts_ns + offset) for `kvflow replay --from/--to`.
+    (epoch = ts_ns + offset) for `kvflow replay --from/--to`. The L0 sampling
+    settings of the run are kept so a replay can default to them.
     """
 
     format_version: int
@@ -53,6 +54,8 @@ class SegmentHeader(msgspec.Struct, tag="kvflow-event-log", frozen=True):
     sequence: int
     created_unix_ns: int
     epoch_offset_ns: int
+    l0_sample_rate: float | None = None
+    sample_seed: int | None = None
 
 
 def segment_name(sequence: int) -> str:
@@ -142,7 +145,13 @@ def decode_batch(payload: bytes) -> list[Event]:
     return events
 
 
-def new_header(sequence: int, epoch_offset_ns: int, created_unix_ns: int) -> SegmentHeader:
+def new_header(
+    sequence: int,
+    epoch_offset_ns: int,
+    created_unix_ns: int,
+    l0_sample_rate: float | None = None,
+    sample_seed: int | None = None,
+) -> SegmentHeader:
     """The header of a segment this kvflow writes now."""
     return SegmentHeader(
         format_version=FORMAT_VERSION,
@@ -151,4 +160,6 @@ def new_header(sequence: int, epoch_offset_ns: int, created_unix_ns: int) -> Seg
         sequence=sequence,
         created_unix_ns=created_unix_ns,
         epoch_offset_ns=epoch_offset_ns,
+        l0_sample_rate=l0_sample_rate,
+        sample_seed=sample_seed,
     )

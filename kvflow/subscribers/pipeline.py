@@ -263,6 +263,8 @@ def _event_log(config: ObservabilitySettings) -> EventLogSubscriber | None:
         max_mb=settings.event_log_max_mb,
         segment_mb=settings.event_log_segment_mb,
         fsync=settings.event_log_fsync,
+        l0_sample_rate=config.l0_sample_rate,
+        sample_seed=config.sample_seed,
     )
 
 

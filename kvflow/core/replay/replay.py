@@ -1,0 +1,243 @@
+"""`kvflow replay DIR`: a recorded run's events through the server's own subscribers.
+
+The subscribers are built by `build_subscribers` from an `ObservabilityConfig`, as
+in a server, with a MeterProvider of two readers in place of the exporters: the
+Prometheus reader (its text is the `--format prometheus` dump) and an in-memory
+one (`--format json`). Every subscriber computes from event timestamps, so the
+counters and histograms equal the live run's for the same settings; the L0
+sampling rate and seed may differ (`--l0-sample-rate`, `--sample-seed`).
+Gauges read from the live process (L1/L2 occupancy, bus statistics) are not in a
+log and are absent from a replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any, NoReturn
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    NumberDataPoint,
+)
+from prometheus_client import generate_latest
+
+from kvflow.core.config import ObservabilityConfig
+from kvflow.core.replay.window import parse_time
+from kvflow.events import Event
+from kvflow.subscribers import PrometheusEndpoint, build_subscribers, make_meter_provider
+from kvflow.subscribers.eventlog_read import EventLogError, LogReader
+
+DEFAULT_L0_SAMPLE_RATE = ObservabilityConfig().l0_sample_rate
+
+
+class UsageError(Exception):
+    """A bad argument: one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+@dataclass
+class ReplayResult:
+    """What a replay fed through the subscribers and what they made of it."""
+
+    reader: LogReader
+    events: int
+    first_ts_ns: int | None
+    last_ts_ns: int | None
+    l0_sample_rate: float
+    sample_seed: int
+
+
+def replay(
+    reader: LogReader,
+    meter_provider: MeterProvider,
+    *,
+    l0_sample_rate: float | None = None,
+    sample_seed: int | None = None,
+    start_ns: int | None = None,
+    end_ns: int | None = None,
+    log_stream: IO[str] | None = None,
+    log_level: str = "info",
+) -> ReplayResult:
+    """Feed the log's events in [start_ns, end_ns) through metrics, L0 and (with
+    `log_stream`) logging subscribers recording into `meter_provider`, batch by batch
+    as the bus delivered them. Sampling defaults to the run's, as its log recorded."""
+    header = reader.first_header
+    rate = l0_sample_rate
+    if rate is None:
+        rate = header.l0_sample_rate if header and header.l0_sample_rate is not None else None
+    rate = DEFAULT_L0_SAMPLE_RATE if rate is None else rate
+    seed = sample_seed
+    if seed is None:
+        seed = header.sample_seed if header and header.sample_seed is not None else 0
+    try:
+        config = ObservabilityConfig(
+            prometheus_port=0,
+            logging_enabled=log_stream is not None,
+            l0_sample_rate=rate,
+            sample_seed=seed,
+            log_level=log_level,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    pipeline = build_subscribers(
+        config,
+        meter_provider=meter_provider,
+        configure_root_logging=log_stream is not None,
+        log_stream=log_stream,
+    )
+    count, first, last = 0, None, None
+    try:
+        for batch in reader.batches_of_events():
+            events: Sequence[Event] = batch
+            if start_ns is not None or end_ns is not None:
+                lo = -1 if start_ns is None else start_ns
+                hi = 1 << 64 if end_ns is None else end_ns
+                events = [ev for ev in batch if lo <= ev.ts_ns < hi]
+            if not events:
+                continue
+            for sub in pipeline.subscribers:
+                wanted = sub.event_types
+                mine = events if wanted is None else [e for e in events if e.type in wanted]
+                if mine:
+                    sub.on_events(mine)
+            count += len(events)
+            first = events[0].ts_ns if first is None else first
+            last = events[-1].ts_ns
+    finally:
+        pipeline.shutdown(timeout=5.0)
+    return ReplayResult(reader, count, first, last, rate, seed)
+
+
+def _points_json(reader: InMemoryMetricReader) -> list[dict[str, Any]]:
+    """Every data point as a plain dict: metric name, labels, and its value(s)."""
+    out: list[dict[str, Any]] = []
+    data = reader.get_metrics_data()
+    if data is None:
+        return out
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for p in metric.data.data_points:
+                    row: dict[str, Any] = {"name": metric.name, "labels": dict(p.attributes or {})}
+                    if isinstance(p, HistogramDataPoint):
+                        row.update(count=p.count, sum=p.sum, bucket_counts=list(p.bucket_counts),
+                                   explicit_bounds=list(p.explicit_bounds))  # fmt: skip
+                    elif isinstance(p, NumberDataPoint):
+                        row["value"] = p.value
+                    out.append(row)
+    return sorted(out, key=lambda r: (r["name"], sorted(r["labels"].items())))
+
+
+def _summary(result: ReplayResult) -> list[str]:
+    reader = result.reader
+    span = "no events in the window"
+    if result.first_ts_ns is not None and result.last_ts_ns is not None:
+        span = f"{(result.last_ts_ns - result.first_ts_ns) / 1e9:.3f} s of events"
+        if reader.first_header is not None:
+            off = reader.first_header.epoch_offset_ns
+            start = (result.first_ts_ns + off) / 1e9
+            span += f" from unix time {start:.3f}"
+    readable = sum(1 for s in reader.segments if s.header is not None)
+    return [
+        f"replayed {result.events} events ({reader.batches} batches, {readable} of "
+        f"{len(reader.segments)} segments) from {reader.directory}",
+        span,
+        f"L0 sample rate {result.l0_sample_rate:g}, seed {result.sample_seed}",
+        *(f"skipped: {p}" for p in reader.problems),
+    ]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="kvflow replay",
+        description="Feed a recorded event log through the server's subscribers and print"
+        " the metrics they compute (docs/EVENTLOG.md).",
+    )
+    p.add_argument("directory", metavar="DIR", help="the --event-log directory of a run")
+    p.add_argument("--from", dest="start", metavar="T",
+                   help="first time replayed: seconds after the log's first event, or an"
+                        " ISO-8601 time (UTC unless zoned)")  # fmt: skip
+    p.add_argument("--to", dest="end", metavar="T", help="end of the window (exclusive), as --from")
+    p.add_argument("--l0-sample-rate", type=float, metavar="R",
+                   help="L0 lifecycle sampling rate (default: the run's)")  # fmt: skip
+    p.add_argument(
+        "--sample-seed", type=int, metavar="N", help="L0 sampler seed (default: the run's)"
+    )
+    p.add_argument("--format", choices=("prometheus", "json"), default="prometheus",
+                   help="metrics as Prometheus text (default) or JSON data points")  # fmt: skip
+    p.add_argument("--logs", metavar="FILE",
+                   help="also run the logging subscriber, writing its lines to FILE")  # fmt: skip
+    p.add_argument("--log-level", default="info", help="level of those log lines (default info)")
+    return p
+
+
+def _first_ts(reader: LogReader) -> int:
+    for batch in reader.batches_of_events():
+        if batch:
+            return batch[0].ts_ns
+    return 0
+
+
+def run(argv: list[str], out: IO[str]) -> int:
+    """Parse, replay, print the summary (as comments) and the metrics; the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        reader = LogReader.open(args.directory)
+    except EventLogError as exc:
+        print(f"kvflow replay: error: {exc}", file=sys.stderr)
+        return 1
+    start = end = None
+    if args.start is not None or args.end is not None:
+        first = _first_ts(LogReader.open(args.directory))
+        offset = reader.first_header.epoch_offset_ns if reader.first_header else 0
+        try:
+            if args.start is not None:
+                start = parse_time(args.start, "--from", first_ts_ns=first, epoch_offset_ns=offset)
+            if args.end is not None:
+                end = parse_time(args.end, "--to", first_ts_ns=first, epoch_offset_ns=offset)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    endpoint = PrometheusEndpoint(port=0)  # never started: its reader renders the text
+    memory = InMemoryMetricReader()
+    provider = make_meter_provider([endpoint.reader, memory])
+    log_file = open(args.logs, "w") if args.logs else None  # noqa: SIM115 - closed below
+    try:
+        result = replay(
+            reader, provider, l0_sample_rate=args.l0_sample_rate, sample_seed=args.sample_seed,
+            start_ns=start, end_ns=end, log_stream=log_file, log_level=args.log_level,
+        )  # fmt: skip
+        summary = _summary(result)
+        if result.events == 0 and not reader.problems:
+            summary.append("the log holds no events (an empty log: the run published none)")
+        if args.format == "json":
+            doc = {"summary": summary, "metrics": _points_json(memory)}
+            out.write(json.dumps(doc, indent=1, default=str) + "\n")
+        else:
+            out.write("".join(f"# {line}\n" for line in summary))
+            out.write(generate_latest(endpoint.registry).decode())
+    finally:
+        provider.shutdown()
+        if log_file is not None:
+            log_file.close()
+    for problem in reader.problems:
+        print(f"kvflow replay: skipped: {problem}", file=sys.stderr)
+    return 0
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Entry point of `kvflow replay` (see `kvflow replay --help`)."""
+    try:
+        return run(argv, sys.stdout)
+    except UsageError as exc:
+        print(f"kvflow {command}: error: {exc}", file=sys.stderr)
+        return 2
