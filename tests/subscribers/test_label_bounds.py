@@ -172,7 +172,10 @@ def test_max_label_values_setting_bounds_the_built_subscribers(cap: MetricsCaptu
         engine.lookup(np.arange(CHUNK, dtype=np.int32), model_name=f"model-{i}")
     assert bus.flush(10.0)
     assert _values(cap, "model_name")["kvflow.lookup.requests"] == {
-        "model-0", "model-1", "model-2", FOLDED_VALUE
+        "model-0",
+        "model-1",
+        "model-2",
+        FOLDED_VALUE,
     }
     assert cap.total("kvflow.lookup.requests", model_name=FOLDED_VALUE) == 2
     pipeline.shutdown()
@@ -181,5 +184,5 @@ def test_max_label_values_setting_bounds_the_built_subscribers(cap: MetricsCaptu
 
 @pytest.mark.parametrize("bad", [0, -1, 65537, 2.5, True])
 def test_max_label_values_out_of_range_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match="--max-label-values must be an integer in 1..65536"):
+    with pytest.raises(ValueError, match=r"--max-label-values must be an integer in 1\.\.65536"):
         ObservabilityConfig(max_label_values=bad)  # type: ignore[arg-type]
