@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the metrics endpoint up this many seconds after the summary",
     )
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+    p.add_argument(
+        "--event-log",
+        metavar="DIR",
+        default=None,
+        help="keep the run's event log in DIR (default: a new temporary directory, kept and"
+        " printed at the end, for kvflow replay and kvflow whatif)",
+    )
+    p.add_argument("--no-event-log", action="store_true", help="record no event log")
     return p
 
 
@@ -366,6 +374,7 @@ def _configs(args: argparse.Namespace) -> tuple[ServerConfig, WorkloadShape]:
             prometheus_port=args.prometheus_port,
             l0_sample_rate=args.l0_sample_rate,
             log_level=args.log_level,
+            event_log_dir=_event_log_dir(args),
         )
         config = ServerConfig(
             chunk_size=args.chunk_size,
@@ -384,6 +393,16 @@ def _configs(args: argparse.Namespace) -> tuple[ServerConfig, WorkloadShape]:
             "(another kvflow?); pass a free port, or 0 to run without the endpoint"
         )
     return config, workload
+
+
+def _event_log_dir(args: argparse.Namespace) -> str | None:
+    """--event-log, or a fresh temporary directory (kept: the summary names it), or None
+    with --no-event-log."""
+    if args.no_event_log:
+        return None
+    if args.event_log is not None:
+        return str(args.event_log)
+    return tempfile.mkdtemp(prefix="kvflow-demo-events-")
 
 
 def _sized(
@@ -507,6 +526,10 @@ def run(args: argparse.Namespace) -> DemoReport:
         finally:
             clean = engine.close()
         report.clean = clean
+    log_dir = config.observability.event_log_dir
+    if log_dir is not None:  # after close: every event is in the log
+        print(f"  event log: {log_dir} (kvflow replay {log_dir}; kvflow whatif {log_dir}"
+              f" --l1-size-gb {config.l1_size_gb:.4g},{2 * config.l1_size_gb:.4g})")  # fmt: skip
     return report
 
 
