@@ -1,0 +1,184 @@
+"""Replay gives the live run's metric values; whatif's exact mode gives its L1 hit tokens.
+
+A live run: the demo's synthetic engine serves the demo workload through an
+in-process CacheEngine (CPU, no L2) whose bus feeds the server's subscribers (into
+an in-memory MetricsCapture) and the event log. Then the log is replayed and
+simulated, and the results compared exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import HistogramDataPoint
+
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.demo.sim import ModelShape, SimEngine, kv_bytes_per_token
+from kvflow.core.demo.workload import WorkloadShape, make_workload
+from kvflow.core.engine.cache_engine import GIB, CacheEngine
+from kvflow.core.replay import replay as replay_cli
+from kvflow.core.replay import whatif as whatif_cli
+from kvflow.core.replay.lru import simulate
+from kvflow.core.replay.replay import replay
+from kvflow.core.replay.trace import read_trace
+from kvflow.core.replay.whatif import curve
+from kvflow.events import EventBus
+from kvflow.subscribers import build_subscribers
+from kvflow.subscribers.eventlog_format import segment_name
+from kvflow.subscribers.eventlog_read import LogReader
+from kvflow.subscribers.testing import MetricsCapture
+
+CHUNK = 256
+FORMAT = "vllm_flash_attn"
+#: read from the live process, not from events: absent from (or different in) a replay
+NOT_FROM_EVENTS = ("kvflow.bus.",)
+
+
+@dataclass
+class LiveRun:
+    log: Path
+    capture: MetricsCapture
+    l1_chunks: int
+    lookup_hit_tokens: int
+
+
+def live_run(log: Path, l1_chunks: int, *, l0_rate: float = 1.0) -> LiveRun:
+    """Serve the demo workload with an L1 of `l1_chunks` chunks; log and capture it."""
+    shape = ModelShape()
+    chunk_nbytes = kv_bytes_per_token(FORMAT, shape) * CHUNK
+    obs = ObservabilityConfig(prometheus_port=0, logging_enabled=False, l0_sample_rate=l0_rate,
+                              event_log_dir=str(log))  # fmt: skip
+    config = ServerConfig(chunk_size=CHUNK, l1_size_gb=l1_chunks * chunk_nbytes / GIB,
+                          observability=obs)  # fmt: skip
+    capture = MetricsCapture(kvflow_provider=True)
+    bus = EventBus(capacity=1_000_000)
+    pipeline = build_subscribers(obs, bus=bus, meter_provider=capture.provider)
+    bus.start()
+    engine = CacheEngine(config, bus=bus)
+    sim = SimEngine(engine, kv_format=FORMAT, shape=shape, device="cpu")
+    hits = 0
+    for req in make_workload(WorkloadShape(chats=5, turns=3, docs=3, questions=4), seed=1):
+        hits += sim.serve(req).lookup_hit_tokens
+    sim.close()
+    engine.close()
+    assert pipeline.shutdown(10.0)
+    assert bus.stats().total_dropped == 0
+    return LiveRun(log, capture, l1_chunks, hits)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> LiveRun:
+    return live_run(tmp_path_factory.mktemp("live") / "log", l1_chunks=20)
+
+
+def _points(capture: MetricsCapture, *, skip_l0: bool = False) -> dict[tuple[Any, ...], Any]:
+    """Every metric point keyed by (name, labels): value, or (count, sum, buckets)."""
+    out: dict[tuple[Any, ...], Any] = {}
+    data = capture.reader.get_metrics_data()
+    assert data is not None
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.name.startswith(NOT_FROM_EVENTS) or (
+                    skip_l0 and m.name.startswith("kvflow.l0")
+                ):
+                    continue
+                for p in m.data.data_points:
+                    key = (m.name, tuple(sorted((p.attributes or {}).items())))
+                    if isinstance(p, HistogramDataPoint):
+                        out[key] = (p.count, p.sum, tuple(p.bucket_counts))
+                    else:
+                        out[key] = p.value  # type: ignore[union-attr]
+    return out
+
+
+def test_replay_gives_the_live_metric_values(run: LiveRun) -> None:
+    replayed = MetricsCapture(kvflow_provider=True)
+    result = replay(LogReader.open(run.log), replayed.provider)
+    assert result.l0_sample_rate == 1.0, "defaults to the run's rate, from the log"
+    live, again = _points(run.capture), _points(replayed)
+    names = {k[0] for k in live}
+    assert {"kvflow.store.tokens", "kvflow.lookup.hit_tokens", "kvflow.store.duration",
+            "kvflow.l0.block_lifetime", "kvflow.l0.allocated_blocks"} <= names  # fmt: skip
+    assert again == live
+    replayed.shutdown()
+
+
+def test_replay_at_another_l0_rate_changes_only_l0(run: LiveRun) -> None:
+    replayed = MetricsCapture(kvflow_provider=True)
+    replay(LogReader.open(run.log), replayed.provider, l0_sample_rate=0.25, sample_seed=7)
+    assert _points(replayed, skip_l0=True) == _points(run.capture, skip_l0=True)
+    l0 = {k: v for k, v in _points(replayed).items() if k[0] == "kvflow.l0.block_lifetime"}
+    live_l0 = {k: v for k, v in _points(run.capture).items() if k[0] == "kvflow.l0.block_lifetime"}
+    assert l0 and l0 != live_l0
+    replayed.shutdown()
+
+
+def test_whatif_exact_reproduces_the_live_l1_hit_tokens(run: LiveRun, tmp_path: Path) -> None:
+    """At the size the run had, the simulation's L1 hit tokens are the lookups' own; at
+    other sizes they equal live runs at those sizes."""
+    trace = read_trace(LogReader.open(run.log))
+    assert trace.live_l1_hit_tokens == run.lookup_hit_tokens > 0
+    dist = simulate(trace)
+    obj = trace.object_bytes()
+    other = live_run(tmp_path / "log2", l1_chunks=45)
+    sizes = [n * obj / GIB for n in (run.l1_chunks, other.l1_chunks)]
+    rows = curve(trace, dist, sizes)
+    assert [r.objects for r in rows] == [run.l1_chunks, other.l1_chunks]
+    assert rows[0].hit_tokens == run.lookup_hit_tokens
+    assert rows[1].hit_tokens == other.lookup_hit_tokens > run.lookup_hit_tokens
+    assert rows[0].hit_rate == run.lookup_hit_tokens / trace.requested_tokens
+
+
+def test_cli_prints_metrics_table_and_png(run: LiveRun, tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert replay_cli.run([str(run.log), "--format", "json", "--from", "0"], out) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["summary"][0].startswith("replayed ")
+    assert any(p["name"] == "kvflow.store.requests" for p in doc["metrics"])
+    out = io.StringIO()
+    assert replay_cli.run([str(run.log), "--to", "0"], out) == 0  # an empty window
+    assert "no events in the window" in out.getvalue()
+    out = io.StringIO()
+    args = [str(run.log), "--l1-size-gb", "0.01,0.02,1", "--out", str(tmp_path)]
+    assert whatif_cli.run(args, out) == 0
+    assert "hit rate" in out.getvalue() and (tmp_path / "whatif.png").stat().st_size > 1000
+    assert len((tmp_path / "whatif.csv").read_text().splitlines()) == 4
+
+
+def test_cli_bad_input_is_one_clear_line(run: LiveRun, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    assert replay_cli.main("replay", [str(tmp_path)]) == 1
+    assert "not an event log" in capsys.readouterr().err
+    assert whatif_cli.main("whatif", [str(tmp_path / "nope"), "--l1-size-gb", "1"]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert whatif_cli.main("whatif", [str(run.log), "--l1-size-gb", "x"]) == 2
+    assert "--l1-size-gb must be sizes in GiB" in capsys.readouterr().err
+    assert whatif_cli.main("whatif", [str(run.log), "--l1-size-gb", "1", "--chunk-size", "16"]) == 2
+    assert "differs from the log's 256" in capsys.readouterr().err
+    assert replay_cli.main("replay", [str(run.log), "--from", "yesterday"]) == 2
+    assert "--from must be seconds" in capsys.readouterr().err
+    # a torn copy of the log: the readable part is replayed, the damage named
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    data = (run.log / segment_name(1)).read_bytes()
+    (torn / segment_name(1)).write_bytes(data[: len(data) - 100])
+    out = io.StringIO()
+    assert replay_cli.run([str(torn)], out) == 0
+    assert "torn last record" in capsys.readouterr().err
+    assert "kvflow_store_requests" in out.getvalue()
+    # an empty log (header only) is not an error for replay, and a clear one for whatif
+    empty = tmp_path / "empty"
+    from kvflow.subscribers.eventlog import EventLogSubscriber
+
+    EventLogSubscriber(empty).shutdown()
+    out = io.StringIO()
+    assert replay_cli.run([str(empty)], out) == 0
+    assert "the log holds no events" in out.getvalue()
+    assert whatif_cli.main("whatif", [str(empty), "--l1-size-gb", "1"]) == 1
+    assert "no lookups in the log" in capsys.readouterr().err
