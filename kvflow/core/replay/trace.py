@@ -41,13 +41,15 @@ class _Attrs(msgspec.Struct):
 
 
 class _Ev(msgspec.Struct):
-    """An event as whatif reads it: its type and the attrs above."""
+    """An event as whatif reads it: its type, and its attrs left encoded until the type
+    says they are needed (most events are not lookups, stores or retrieves)."""
 
     type: int
-    attrs: _Attrs = msgspec.field(default_factory=_Attrs)
+    attrs: msgspec.Raw = msgspec.Raw(b"\x80")
 
 
 _decoder = msgspec.msgpack.Decoder(list[_Ev])
+_attrs_decoder = msgspec.msgpack.Decoder(_Attrs)
 _WANTED = {
     int(EventType.LOOKUP_END),
     int(EventType.STORE_END),
@@ -118,7 +120,11 @@ def read_trace(reader: LogReader) -> Trace:
             t = ev.type
             if t not in _WANTED:
                 continue
-            a = ev.attrs
+            try:
+                a = _attrs_decoder.decode(ev.attrs)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                reader.problems.append(f"an event's attrs did not decode for whatif ({exc})")
+                continue
             if t == EventType.REGISTER:
                 instances[a.instance_id] = (a.model_name, a.world_size, a.rank)
                 continue
