@@ -80,7 +80,8 @@ class Row:
     kvflow_ms: float
     copy_ms: float
     suffix_ms: float
-    retrieve_ms: float
+    retrieve_ms: float  # the client's retrieve call
+    retrieve_server_ms: float  # of which the server's own handling (receipt to reply)
     logits_rel_err: float
 
     @property
@@ -190,15 +191,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - started
+
+
 def _median_ms(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeat):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(_seconds(fn, device) for _ in range(repeat))
 
 
 def _last_logits(model: Any, ids: torch.Tensor, past: Any = None) -> torch.Tensor:
@@ -254,24 +256,30 @@ def measure(
         started = time.perf_counter()
         got = client.retrieve(instance, tokens[:prefix], retrieved_at, request_id=rid)
         retrieve_s.append(time.perf_counter() - started)
+        server_s.append(client.last_server_time_s)
         assert got == prefix, f"retrieved {got} of {prefix} tokens"
         client.end_session(rid)
         return _last_logits(model, ids[prefix:], cache.past(model, prefix, retrieved_at))
 
     retrieve_s: list[float] = []
+    server_s: list[float] = []
     cache.fill(retrieved_at, float("nan"))  # a retrieve that wrote nothing shows as NaN logits
     got_logits = with_kvflow()
     for a, b in zip(cache.blocks(stored_at), cache.blocks(retrieved_at), strict=True):
         assert torch.equal(a, b), "retrieved blocks differ from the stored ones"
     retrieve_s.clear()
-    kvflow_ms = _median_ms(with_kvflow, repeat, device)
+    server_s.clear()
 
     def suffix_only() -> torch.Tensor:
         return _last_logits(model, ids[prefix:], cache.past(model, prefix, retrieved_at))
 
     floor_logits = suffix_only()
-    suffix_ms = _median_ms(suffix_only, repeat, device)
     assert torch.equal(got_logits, floor_logits), "(b) and (d) logits differ"
+    # (b) and (d) alternate, so drift (clocks, other work) touches both alike
+    kvflow_s, suffix_s = [], []
+    for _ in range(repeat):
+        kvflow_s.append(_seconds(with_kvflow, device))
+        suffix_s.append(_seconds(suffix_only, device))
     err = float((got_logits - expected).abs().max() / expected.abs().max())
     assert err <= BF16_TOLERANCE, f"logits off a full recompute by {err:.3g} (relative)"
     nbytes = prefix * shape.kv_bytes_per_token(cache.layers[0].dtype)
@@ -282,10 +290,11 @@ def measure(
         suffix=length - prefix,
         prefix_gib=nbytes / (1 << 30),
         recompute_ms=recompute_ms,
-        kvflow_ms=kvflow_ms,
+        kvflow_ms=1e3 * statistics.median(kvflow_s),
         copy_ms=_copy_ms(nbytes, repeat, device),
-        suffix_ms=suffix_ms,
+        suffix_ms=1e3 * statistics.median(suffix_s),
         retrieve_ms=1e3 * statistics.median(retrieve_s),
+        retrieve_server_ms=1e3 * statistics.median(server_s),
         logits_rel_err=err,
     )
 
@@ -327,14 +336,15 @@ def _format(rows: list[Row], header: bool = True) -> str:
     head = (
         f"{'model':<5} {'prompt':>6} {'prefix':>6} {'suffix':>6} {'GiB':>6} "
         f"{'(a) recompute':>13} {'(b) kvflow':>10} {'(c) copy':>9} {'(d) suffix':>10} "
-        f"{'retrieve':>9} {'b/a':>6} {'(b-d)/c':>7} {'logit err':>9}"
+        f"{'retrieve':>9} {'server':>9} {'b/a':>6} {'(b-d)/c':>7} {'logit err':>9}"
     )
     lines = [head] if header else []
     for r in rows:
         lines.append(
             f"{r.model:<5} {r.prompt:>6} {r.prefix:>6} {r.suffix:>6} {r.prefix_gib:>6.3f} "
             f"{r.recompute_ms:>10.2f} ms {r.kvflow_ms:>7.2f} ms {r.copy_ms:>6.2f} ms "
-            f"{r.suffix_ms:>7.2f} ms {r.retrieve_ms:>6.2f} ms {r.ratio:>6.3f} "
+            f"{r.suffix_ms:>7.2f} ms {r.retrieve_ms:>6.2f} ms {r.retrieve_server_ms:>6.2f} ms "
+            f"{r.ratio:>6.3f} "
             f"{r.over_copy:>7.2f} {r.logits_rel_err:>9.2e}"
         )
     return "\n".join(lines)
