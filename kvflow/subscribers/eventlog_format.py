@@ -116,8 +116,9 @@ def _compact(events: Sequence[Event]) -> Sequence[Event]:
             continue
         if out is None:
             out = list(events[:i])
-        attrs = {k: v for k, v in ev.attrs.items() if k != CHUNK_HASHES}
-        attrs[CHUNK_KEYS] = b"".join(bytes(h[:8]) for h in hashes)
+        attrs = dict(ev.attrs)
+        del attrs[CHUNK_HASHES]
+        attrs[CHUNK_KEYS] = b"".join([h[:8] for h in hashes])  # bytes slices: copies of 8
         out.append(Event(ev.type, ev.ts_ns, ev.session_id, ev.op_id, attrs))
     return events if out is None else out
 
