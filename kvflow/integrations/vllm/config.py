@@ -1,0 +1,110 @@
+"""The connector's settings: the `kvflow.`-prefixed keys of vLLM's `kv_connector_extra_config`.
+
+Parsed and validated without vLLM, so the rules are testable anywhere. Every bad
+value raises ValueError naming the key (docs/VLLM.md lists them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+PREFIX = "kvflow."
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PREFIX}{key} must be a boolean, got {value!r}")
+
+
+def _seconds(key: str, value: Any, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(number) or not low <= number <= high:
+        raise ValueError(f"{PREFIX}{key} must be in [{low:g}, {high:g}] seconds, got {value!r}")
+    return number
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{PREFIX}{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What the connector reads from `kv_connector_extra_config` (docs/VLLM.md, Config keys)."""
+
+    #: the kvflow server's ZMQ endpoint
+    endpoint: str = "tcp://127.0.0.1:5555"
+    #: the longest a store, retrieve or registration waits for the server
+    timeout_s: float = 30.0
+    #: the longest the scheduler's background lookup waits; then the request runs as a miss
+    lookup_timeout_s: float = 5.0
+    #: the model name chunk keys are made with (default: vLLM's model and dtype)
+    model_name: str | None = None
+    #: a salt mixed into every key (requests' own `cache_salt` wins)
+    cache_salt: str | None = None
+    #: load hits into vLLM's blocks
+    load: bool = True
+    #: store the prompts' full chunks after each forward pass
+    store: bool = True
+    #: report block allocations to the server (its L0 lifecycle subscriber)
+    report_allocations: bool = True
+    #: load asynchronously (vLLM's WAITING_FOR_REMOTE_KVS) instead of before the forward pass
+    async_load: bool = False
+    #: the prefix of the registered instance ids (`<prefix>-rank<r>`; default: vLLM's engine id)
+    instance_id: str | None = None
+    #: CURVE: the server's public key (NAME.key or its 40 Z85 characters) ...
+    curve_server_key: str | None = None
+    #: ... and this client's key pair (NAME.key_secret)
+    curve_key: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Read the `kvflow.*` keys; other keys are left to others, unknown `kvflow.*` ones refused."""
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for full_key, value in (extra or {}).items():
+            if not isinstance(full_key, str) or not full_key.startswith(PREFIX):
+                continue
+            key = full_key[len(PREFIX) :]
+            if key not in known:
+                raise ValueError(
+                    f"unknown kv_connector_extra_config key {full_key!r}; known:"
+                    f" {', '.join(PREFIX + k for k in sorted(known))}"
+                )
+            values[key] = cls._parse(key, value)
+        config = cls(**values)
+        if (config.curve_server_key is None) != (config.curve_key is None):
+            raise ValueError(
+                f"{PREFIX}curve_server_key and {PREFIX}curve_key go together (the server's"
+                " public key and this client's NAME.key_secret)"
+            )
+        return config
+
+    @staticmethod
+    def _parse(key: str, value: Any) -> Any:
+        if key == "endpoint":
+            text = _text(key, value)
+            if not text.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{PREFIX}endpoint must look like tcp://HOST:PORT, got {value!r}")
+            return text
+        if key == "timeout_s":
+            return _seconds(key, value, 0.001, 86400.0)
+        if key == "lookup_timeout_s":
+            return _seconds(key, value, 0.001, 600.0)
+        if key in ("load", "store", "report_allocations", "async_load"):
+            return _bool(key, value)
+        return _text(key, value)

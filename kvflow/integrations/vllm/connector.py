@@ -1,0 +1,186 @@
+"""`KVFlowConnector`: vLLM's KV connector API (KVConnectorBase_V1) over a kvflow server.
+
+This module imports vLLM; `kvflow.integrations.vllm` imports it only when vLLM asks
+for the class. The logic lives in `scheduler.SchedulerSide` and `worker.WorkerSide`
+(which need no vLLM); this is the thin adapter between them and vLLM's hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.plan import StepPlan
+from kvflow.integrations.vllm.scheduler import SchedulerSide
+from kvflow.integrations.vllm.shared_kv import SharedZeros
+from kvflow.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvflow.integrations.vllm")
+
+
+def _log_through_vllm() -> None:
+    """Send this package's log lines to vLLM's handlers (vLLM configures only its own logger)."""
+    ours = logging.getLogger("kvflow.integrations.vllm")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+class KVFlowConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, sent by vLLM from the scheduler to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def default_model_name(vllm_config: VllmConfig) -> str:
+    """`<model>:<dtype>[:<kv cache dtype>]`: engines whose KV bytes differ never share keys."""
+    model = vllm_config.model_config
+    name = f"{model.model}:{str(model.dtype).removeprefix('torch.')}"
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    return name if cache_dtype == "auto" else f"{name}:{cache_dtype}"
+
+
+def parallel_layout(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(world_size, rank) over tensor x pipeline parallelism; rank 0 outside a worker."""
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    pp = int(parallel.pipeline_parallel_size)
+    rank = 0
+    with contextlib.suppress(Exception):  # no process group: the scheduler, or a test
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
+    return tp * pp, rank
+
+
+class KVFlowConnector(KVConnectorBase_V1):
+    """Loads prompt prefixes from a kvflow server and stores prompts' chunks into it.
+
+    Configured by the `kvflow.*` keys of `kv_connector_extra_config` (docs/VLLM.md).
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
+        transfer = vllm_config.kv_transfer_config
+        self.kvflow_config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        model_name = self.kvflow_config.model_name or default_model_name(vllm_config)
+        world_size, rank = parallel_layout(vllm_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._zeros: SharedZeros | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.kvflow_config,
+                model_name=model_name,
+                world_size=world_size,
+                block_size=self._block_size,
+            )
+        else:
+            prefix = self.kvflow_config.instance_id or f"vllm-{transfer.engine_id}"
+            self._worker = WorkerSide(
+                self.kvflow_config,
+                model_name=model_name,
+                world_size=world_size,
+                rank=rank,
+                instance_id=f"{prefix}-rank{rank}",
+            )
+        log.info(
+            "kvflow connector (%s) for %s, world_size %d rank %d, server %s",
+            role.name.lower(),
+            model_name,
+            world_size,
+            rank,
+            self.kvflow_config.endpoint,
+        )
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> Any:
+        """On CPU, vLLM allocates the KV cache inside this: in shared memory (shared_kv.py)."""
+        if self._worker is None or torch.cuda.is_available():
+            return None
+        self._zeros = SharedZeros()
+        return self._zeros
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, self._block_size)
+
+    def _plan(self) -> StepPlan | None:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, KVFlowConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if self._worker is not None and plan is not None and plan.loads:
+            self._worker.load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: start_load_kv loaded every layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: wait_for_save stores every layer of the planned chunks."""
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if self._worker is not None and plan is not None:
+            self._worker.save(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Loads and stores complete within their step: nothing finishes later."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return KVFlowConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request)
+        return False, None

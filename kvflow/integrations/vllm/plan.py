@@ -1,0 +1,40 @@
+"""What the scheduler side tells the workers each step: plain, picklable data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadSpec:
+    """Retrieve `token_ids`' chunks into `block_ids`, leaving the first `skip_tokens` alone."""
+
+    req_id: str
+    #: the prompt's tokens up to the end of the hit (whole chunks)
+    token_ids: list[int]
+    #: the request's blocks covering `token_ids`
+    block_ids: list[int]
+    #: tokens vLLM computed itself (a multiple of the block size): not loaded
+    skip_tokens: int
+    cache_salt: str | None = None
+
+
+@dataclass
+class StoreSpec:
+    """Store the full chunks of `token_ids` from `block_ids` after this step's forward pass."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass
+class StepPlan:
+    """One scheduler step's loads (before the forward pass), stores (after) and the block
+    allocations to report (rank 0 reports them)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    #: (req_id, new block ids, the tokens those blocks hold) per allocation
+    allocations: list[tuple[str, list[int], list[int]]] = field(default_factory=list)

@@ -1,0 +1,156 @@
+"""Make vLLM's CPU KV cache shareable with a kvflow server without copying it per step.
+
+First choice, `SharedZeros`: vLLM asks a connector for a KV cache allocation context
+(`get_mem_pool_context`) and allocates the KV buffer inside it with `torch.zeros`;
+within this context a CPU `torch.zeros` returns a tensor from
+`kvflow.core.empty_shared` (a fresh segment reads as zeros), so the cache lives
+in shared memory from the start and nothing is copied.
+
+Fallback, `SharedKV` (a vLLM that allocates otherwise): vLLM allocates the CPU KV cache itself (one `torch.zeros` buffer that every layer
+views, through tensors the connector never sees) before the connector gets it,
+so the memory cannot be swapped for a tensor from `kvflow.core.empty_shared`:
+the attention layers would keep writing the old buffer. Instead the *pages* are
+swapped, at the same virtual addresses: a shared-memory segment of the buffer's
+page span is created with `empty_shared`, the buffer's bytes are copied into it,
+and the segment is mapped over the buffer with `mmap(MAP_SHARED | MAP_FIXED)`,
+piece by piece (so at most one piece is held twice). Every existing view of the
+buffer, wherever vLLM keeps it, now reads and writes the segment, which the
+server maps too; the copy happens once, at registration.
+
+The page span may hold bytes of neighbouring small allocations (a buffer below
+glibc's mmap threshold shares pages with the heap); they are copied along and
+keep working, in memory the server could map but is never told about. vLLM's
+KV buffers are far above the threshold, so in practice the span is the buffer's
+own mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvflow.core import empty_shared
+from kvflow.core.server.shm import SHM_DIR, shared_memory_of
+
+#: bytes copied and remapped at a time
+PIECE_BYTES = 64 << 20
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]  # fmt: skip
+
+
+def _remap(address: int, length: int, fd: int, offset: int) -> None:
+    flags = mmap.MAP_SHARED | 0x10  # MAP_FIXED
+    got = _libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+    if got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap(MAP_FIXED) over the KV cache failed: {os.strerror(err)}")
+
+
+class SharedKV:
+    """The shared-memory segments now behind some CPU tensors, and aliases of those tensors.
+
+    `alias(t)` is a tensor over the segment with `t`'s shape, strides and dtype:
+    the same bytes as `t` (through another mapping), which kvflow's client can
+    describe to the server. Keep this object as long as the tensors are registered.
+    """
+
+    def __init__(self) -> None:
+        #: storage base address -> (page-aligned start, the segment's uint8 tensor)
+        self._spans: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def share(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Put `tensor`'s whole storage in shared memory, in place; return its alias."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"only CPU tensors are shared this way, got {tensor.device}")
+        if shared_memory_of(tensor) is not None:
+            return tensor
+        storage = tensor.untyped_storage()
+        base = storage.data_ptr()
+        if base not in self._spans:
+            self._spans[base] = self._move(base, storage.nbytes())
+        start, segment = self._spans[base]
+        itemsize = tensor.element_size()
+        offset = tensor.data_ptr() - start
+        if offset % itemsize:
+            raise ValueError(f"tensor at byte {offset} of its pages is not {itemsize}-aligned")
+        return segment.view(tensor.dtype).as_strided(
+            tuple(tensor.shape), tuple(tensor.stride()), offset // itemsize
+        )
+
+    @staticmethod
+    def _move(base: int, nbytes: int) -> tuple[int, torch.Tensor]:
+        page = mmap.PAGESIZE
+        start = base - base % page
+        end = -(-(base + max(nbytes, 1)) // page) * page
+        length = end - start
+        segment = empty_shared((length,), torch.uint8)
+        memory = shared_memory_of(segment)
+        assert memory is not None  # empty_shared's tensor is always described
+        fd = os.open(os.path.join(SHM_DIR, memory.name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            for off in range(0, length, PIECE_BYTES):
+                n = min(PIECE_BYTES, length - off)
+                ctypes.memmove(segment.data_ptr() + off, start + off, n)
+                _remap(start + off, n, fd, off)
+        finally:
+            os.close(fd)
+        return start, segment
+
+
+def share_all(tensors: Sequence[torch.Tensor], shared: SharedKV) -> list[torch.Tensor]:
+    """`shared.share` of each tensor (CUDA tensors are returned as they are)."""
+    return [t if t.device.type != "cpu" else shared.share(t) for t in tensors]
+
+
+class SharedZeros(TorchFunctionMode):
+    """While active, CPU `torch.zeros` of at least `min_bytes` come from `empty_shared`."""
+
+    def __init__(self, min_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        self.min_bytes = min_bytes
+        #: the shared tensors handed out (kept alive here too)
+        self.allocated: list[torch.Tensor] = []
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.zeros and self._shareable(args, kwargs):
+            shape = args[0] if len(args) == 1 and not isinstance(args[0], int) else args
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            tensor = empty_shared(tuple(int(d) for d in shape), dtype)
+            self.allocated.append(tensor)
+            return tensor
+        return func(*args, **kwargs)
+
+    def _shareable(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        if set(kwargs) - {"dtype", "device"} or not args:
+            return False
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return False
+        shape = args[0] if len(args) == 1 and not isinstance(args[0], int) else args
+        try:
+            dims = [int(d) for d in shape]
+        except TypeError:
+            return False
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = itemsize
+        for d in dims:
+            nbytes *= d
+        return nbytes >= self.min_bytes

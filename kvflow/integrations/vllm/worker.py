@@ -1,0 +1,167 @@
+"""The connector's worker side: registration, retrieves before the forward pass, stores after.
+
+Runs in every vLLM worker (one per tensor-parallel rank), each registering its own
+KV caches as instance `<prefix>-rank<r>`. Loads run synchronously in
+`start_load_kv` (before any layer reads the cache) and stores in `wait_for_save`
+(after the forward pass wrote it); a load that falls short or fails reports the
+blocks it did not fill through `take_load_errors`, so vLLM recomputes them. A
+failed store is only a future miss: it is logged, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvflow.core import KVFlowClient
+from kvflow.core.server.shm import shared_memory_of
+from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.layout import KV_FORMAT, kvflow_views, split_for_device
+from kvflow.integrations.vllm.plan import StepPlan
+from kvflow.integrations.vllm.shared_kv import SharedKV
+
+log = logging.getLogger("kvflow.integrations.vllm")
+
+
+class WorkerSide:
+    """Everything `KVFlowConnector` does in one vLLM worker process."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        model_name: str,
+        world_size: int,
+        rank: int,
+        instance_id: str,
+        client_factory: Callable[[], KVFlowClient] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.world_size = world_size
+        self.rank = rank
+        self.instance_id = instance_id
+        factory = client_factory or (
+            lambda: KVFlowClient(
+                config.endpoint,
+                timeout_s=config.timeout_s,
+                client_id=instance_id,
+                curve_server_key=config.curve_server_key,
+                curve_key=config.curve_key,
+            )
+        )
+        self._client = factory()
+        self._shared = SharedKV()
+        self._block_size = 0
+        self.registered = False
+        self._load_errors: set[int] = set()
+        self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvflow-report")
+        #: tokens retrieved and stored by this worker, for tests and logs
+        self.loaded_tokens = 0
+        self.stored_tokens = 0
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], block_size: int) -> None:
+        """Register vLLM's KV caches (CPU ones are first moved into shared memory, in place)."""
+        if not kv_caches:
+            raise ValueError("vLLM passed no KV caches to register")
+        self._block_size = block_size
+        device = next(iter(kv_caches.values())).device
+        how = "CUDA IPC"
+        if device.type == "cpu":
+            already = all(shared_memory_of(t) is not None for t in kv_caches.values())
+            how = "shared memory (allocated there)" if already else "shared memory (remapped)"
+            kv_caches = {name: self._shared.share(t) for name, t in kv_caches.items()}
+        views = kvflow_views(kv_caches, split_for_device(device))
+        try:
+            self._client.register_kv_caches(
+                self.instance_id,
+                views,
+                model_name=self.model_name,
+                world_size=self.world_size,
+                rank=self.rank,
+                block_size=block_size,
+                kv_format=KV_FORMAT,
+                takeover=True,
+            )
+        except Exception as exc:
+            log.error(
+                "kvflow: registering %s with %s failed, this worker will neither load nor"
+                " store: %s",
+                self.instance_id,
+                self.config.endpoint,
+                exc,
+            )
+            return
+        self.registered = True
+        log.info(
+            "kvflow: registered %d layers of %s as %s through %s",
+            len(views),
+            device,
+            self.instance_id,
+            how,
+        )
+
+    def load(self, plan: StepPlan) -> None:
+        """Retrieve every planned load into vLLM's blocks; shortfalls become load errors."""
+        bs = self._block_size
+        for spec in plan.loads:
+            got = 0
+            if self.registered:
+                try:
+                    got = self._client.retrieve(
+                        self.instance_id,
+                        spec.token_ids,
+                        spec.block_ids,
+                        request_id=spec.req_id,
+                        skip_first_n_tokens=spec.skip_tokens,
+                        cache_salt=spec.cache_salt,
+                    )
+                except Exception as exc:
+                    log.warning("kvflow: retrieve for %s failed: %s", spec.req_id, exc)
+            got = max(got, spec.skip_tokens)
+            if got < len(spec.token_ids):
+                self._load_errors.update(spec.block_ids[got // bs :] if bs else spec.block_ids)
+            self.loaded_tokens += max(min(got, len(spec.token_ids)) - spec.skip_tokens, 0)
+
+    def save(self, plan: StepPlan) -> None:
+        """Store every planned prompt chunk; rank 0 reports the step's block allocations."""
+        if not self.registered:
+            return
+        for spec in plan.stores:
+            try:
+                self.stored_tokens += self._client.store(
+                    self.instance_id,
+                    spec.token_ids,
+                    spec.block_ids,
+                    request_id=spec.req_id,
+                    cache_salt=spec.cache_salt,
+                )
+            except Exception as exc:
+                log.warning("kvflow: store for %s failed: %s", spec.req_id, exc)
+        if plan.allocations and self.rank == 0:
+            self._reports.submit(self._report, list(plan.allocations))
+
+    def _report(self, records: list[tuple[str, list[int], list[int]]]) -> None:
+        try:
+            self._client.report_block_allocations(self.instance_id, records)
+        except Exception as exc:
+            log.warning("kvflow: reporting block allocations failed: %s", exc)
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks that loads since the last call left unfilled (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Finish queued reports, unregister, close the client."""
+        self._reports.shutdown(wait=True)
+        if self.registered:
+            try:
+                self._client.unregister(self.instance_id)
+            except Exception as exc:
+                log.warning("kvflow: unregister %s failed: %s", self.instance_id, exc)
+            self.registered = False
+        self._client.close()

