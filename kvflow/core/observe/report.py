@@ -17,8 +17,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from kvflow.core.observe import units
+from kvflow.core.observe.connect import add_connection_args, connect
 from kvflow.core.observe.snapshot import GB, Rates, Snapshot
-from kvflow.core.observe.top import DEFAULT_ENDPOINT
 from kvflow.core.server.client import KVFlowClient
 
 LIFECYCLE_PNG = "l0_lifecycle.png"
@@ -158,19 +158,21 @@ def _seconds(text: str) -> float:
 
 def parser(prog: str = "kvflow report") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the server's tcp://HOST:PORT")
+    add_connection_args(p, _seconds)
     p.add_argument("--out", type=Path, required=True, help="directory for the PNGs and summary.md")
     p.add_argument("--interval-s", type=_seconds, default=60.0, help="how long to record")
     p.add_argument("--sample-s", type=_seconds, default=1.0, help="seconds between samples")
-    p.add_argument("--timeout-s", type=_seconds, default=5.0, help="status request timeout")
     return p
 
 
 def main(name: str, argv: list[str]) -> int:
     """Entry point of `kvflow report`: 1 when the server does not answer."""
-    args = parser(f"kvflow {name}").parse_args(argv)
+    p = parser(f"kvflow {name}")
+    args = p.parse_args(argv)
+    if (args.curve_server_key is None) != (args.curve_key is None):
+        p.error("--curve-server-key and --curve-key go together")
     try:
-        with KVFlowClient(args.endpoint, timeout_s=args.timeout_s) as client:
+        with connect(args) as client:
             snaps = record(client, args.interval_s, min(args.sample_s, args.interval_s))
     except Exception as exc:
         print(f"kvflow report: {args.endpoint} does not answer: {exc}", file=sys.stderr)

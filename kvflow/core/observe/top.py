@@ -27,10 +27,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvflow.core.observe import units
+from kvflow.core.observe.connect import add_connection_args, connect
 from kvflow.core.observe.snapshot import Rates, Snapshot
-from kvflow.core.server.client import KVFlowClient
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 _OPS = ("store", "retrieve", "lookup")
 _INFLIGHT = ("store", "retrieve", "lookup", "prefetch", "l2_store", "l2_load")
 _L0 = (
@@ -193,9 +192,10 @@ def _quit_pressed(fd: int | None, timeout: float) -> bool:
     return False
 
 
-def run(endpoint: str, interval_s: float, timeout_s: float, console: Console) -> int:
+def run(args: argparse.Namespace, console: Console) -> int:
     """Show the view until q or Ctrl-C; 1 when the server never answers the first status."""
-    with KVFlowClient(endpoint, timeout_s=timeout_s) as client:
+    endpoint, interval_s = args.endpoint, args.interval_s
+    with connect(args) as client:
         try:
             prev = Snapshot.of(client.status())
         except Exception as exc:
@@ -218,9 +218,10 @@ def run(endpoint: str, interval_s: float, timeout_s: float, console: Console) ->
     return 0
 
 
-def once(endpoint: str, interval_s: float, timeout_s: float, console: Console) -> int:
+def once(args: argparse.Namespace, console: Console) -> int:
     """Print one view (rates over one interval) and exit: for scripts and logs."""
-    with KVFlowClient(endpoint, timeout_s=timeout_s) as client:
+    endpoint, interval_s = args.endpoint, args.interval_s
+    with connect(args) as client:
         try:
             first = Snapshot.of(client.status())
             time.sleep(interval_s)
@@ -241,17 +242,21 @@ def _positive(text: str) -> float:
 
 def parser(prog: str = "kvflow top") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the server's tcp://HOST:PORT")
+    add_connection_args(p, _positive)
     p.add_argument("--interval-s", type=_positive, default=1.0, help="seconds between refreshes")
-    p.add_argument("--timeout-s", type=_positive, default=5.0, help="status request timeout")
     p.add_argument("--once", action="store_true", help="print one view and exit")
     return p
 
 
 def main(name: str, argv: list[str]) -> int:
     """Entry point of `kvflow top`."""
-    args = parser(f"kvflow {name}").parse_args(argv)
+    p = parser(f"kvflow {name}")
+    args = p.parse_args(argv)
+    if (args.curve_server_key is None) != (args.curve_key is None):
+        p.error("--curve-server-key and --curve-key go together")
     console = Console()
-    if args.once:
-        return once(args.endpoint, args.interval_s, args.timeout_s, console)
-    return run(args.endpoint, args.interval_s, args.timeout_s, console)
+    try:
+        return once(args, console) if args.once else run(args, console)
+    except ValueError as exc:  # a key file that is not one
+        print(f"kvflow {name}: error: {exc}", file=sys.stderr)
+        return 2

@@ -268,3 +268,17 @@ def test_authorized_keys_must_be_a_directory_and_skip_junk(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="go together"):
         ServerConfig(curve_secret_key="x")
     assert os.path.isdir(tmp_path)
+
+
+@pytest.mark.parametrize("command", [["status"], ["top", "--once", "--interval-s", "0.2"]])
+def test_status_and_top_take_the_curve_keys(
+    server: ServerProcess, keys: dict[str, Path], command: list[str]
+) -> None:
+    base = [sys.executable, "-m", "kvflow.cli", *command, "--endpoint", server.endpoint]
+    with_keys = base + ["--curve-server-key", str(keys["server_public"])]
+    with_keys += ["--curve-key", str(keys["alice"])]
+    done = subprocess.run(with_keys, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "requires CURVE" in refused.stderr
