@@ -15,6 +15,8 @@ ALLOWED = {
     "events": {"cuda"},
     "subscribers": {"events"},
     "kernels": {"cuda"},
+    # engine adapters (docs/VLLM.md) drive the server through kvflow.core's client
+    "integrations": {"core"},
 }
 
 #: room of kvflow.core -> the rooms of kvflow.core its modules must not import
