@@ -20,6 +20,7 @@ import argparse
 import json
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -71,9 +72,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: with --event-log, the observed engine also records its events here (a temporary directory)
+EVENT_LOG_DIR: str | None = None
+
+
 def _engine(case: Case, l1_bytes: int, observe: bool) -> CacheEngine:
     obs = (
-        ObservabilityConfig(prometheus_port=_free_port(), l0_sample_rate=0.01)
+        ObservabilityConfig(
+            prometheus_port=_free_port(), l0_sample_rate=0.01, event_log_dir=EVENT_LOG_DIR
+        )
         if observe
         else ObservabilityConfig(enabled=False)
     )
@@ -238,7 +245,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true",
                         help="4 layers and 2 chunks per op: a quick CPU sanity run")  # fmt: skip
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--event-log", action="store_true",
+                        help="the observed engine also writes an event log (temporary directory);"
+                             " compare its on/off with a run without")  # fmt: skip
     args = parser.parse_args()
+    global EVENT_LOG_DIR
+    if args.event_log:
+        EVENT_LOG_DIR = tempfile.mkdtemp(prefix="kvflow-bench-engine-events-")
     use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
     if use_cuda and not cuda_available():
         raise SystemExit("bench_engine --device cuda needs a CUDA GPU and pycuda")

@@ -28,10 +28,17 @@ def test_every_start_has_one_end_on_success() -> None:
     events = events_of(recorder, engine)
     done = {start.type: end.attrs for start, end in pairs(events)}
     nbytes = 2 * engine.status()["instances"]["a"]["chunk_nbytes"]
+    hashes = done[EventType.LOOKUP_START]["chunk_hashes"]  # the two full chunks' keys
+    assert len(hashes) == 2 and all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
     assert done[EventType.STORE_START] == {
         "instance_id": "a", "model_name": "m", "tokens": 2 * CHUNK, "bytes": nbytes,
-        "ok": True, "error": None,
+        "ok": True, "error": None, "chunk_hashes": hashes, "chunk_bytes": nbytes // 2,
     }  # fmt: skip
+    assert done[EventType.RETRIEVE_START]["chunk_hashes"] == hashes
+    assert (
+        done[EventType.LOOKUP_START]["chunk_size"],
+        done[EventType.LOOKUP_START]["world_size"],
+    ) == (CHUNK, 1)
     assert done[EventType.RETRIEVE_START]["bytes"] == nbytes
     assert done[EventType.RETRIEVE_START]["hit_tokens"] == 2 * CHUNK
     lookup = done[EventType.LOOKUP_START]
