@@ -1,0 +1,369 @@
+"""KVFlowConnector's logic without vLLM: config, layout, shared memory, both sides.
+
+The scheduler and worker sides run against a real `kvflow server` subprocess over
+real ZMQ; vLLM's objects they read (Request, KVCacheBlocks, SchedulerOutput) are
+stood in for by namespaces carrying the same attributes, since vLLM is not in
+this venv (tests/integrations/vllm/test_vllm_e2e.py drives the real ones).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow.core.server.shm import map_shared, shared_memory_of
+from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views
+from kvflow.integrations.vllm.plan import LoadSpec, StepPlan
+from kvflow.integrations.vllm.scheduler import SchedulerSide
+from kvflow.integrations.vllm.shared_kv import SharedKV, SharedZeros
+from kvflow.integrations.vllm.worker import WorkerSide
+from kvflow.kernels import KVLayout
+from tests.e2e.server_proc import running_server
+from tests.support.collectors import free_port
+
+BLOCK = 16
+CHUNK = 32
+LAYERS, BLOCKS, HEADS, HEAD = 2, 24, 2, 8
+MODEL = "tiny:float32"
+
+
+# -- the package and its config ------------------------------------------------------------
+
+
+def test_the_package_imports_without_vllm() -> None:
+    import kvflow.integrations.vllm as pkg
+
+    assert pkg.__all__ == ["KVFlowConnector"]
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="vllm"):
+            _ = pkg.KVFlowConnector
+    with pytest.raises(AttributeError):
+        _ = pkg.Nothing
+
+
+def test_config_reads_only_kvflow_keys() -> None:
+    config = ConnectorConfig.from_extra_config(
+        {
+            "kvflow.endpoint": "tcp://10.0.0.1:6000",
+            "kvflow.timeout_s": "5",
+            "other.key": 1,
+            "kvflow.store": "off",
+            "kvflow.model_name": "m",
+        }
+    )
+    assert config.endpoint == "tcp://10.0.0.1:6000" and config.timeout_s == 5.0
+    assert config.store is False and config.load is True and config.model_name == "m"
+    assert ConnectorConfig.from_extra_config(None) == ConnectorConfig()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvflow.endpont": "tcp://x:1"}, "unknown kv_connector_extra_config key 'kvflow.endpont'"),
+        ({"kvflow.endpoint": "http://x"}, "kvflow.endpoint must look like tcp://"),
+        ({"kvflow.timeout_s": float("inf")}, r"kvflow.timeout_s must be in"),
+        ({"kvflow.lookup_timeout_s": True}, "kvflow.lookup_timeout_s must be a number"),
+        ({"kvflow.load": "maybe"}, "kvflow.load must be a boolean"),
+        ({"kvflow.curve_key": "c.key_secret"}, "go together"),
+    ],
+)
+def test_config_refuses_bad_values(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorConfig.from_extra_config(extra)
+
+
+# -- layout: vLLM's manager views as kvflow's vllm_flash_attn format -----------------------
+
+
+def _manager_view(buf: torch.Tensor, layer: int) -> torch.Tensor:
+    """vLLM's per-layer [B, H, N, 2*D] view of a layer-major float32 buffer."""
+    per_layer = BLOCKS * HEADS * BLOCK * 2 * HEAD
+    return buf.view(torch.float32)[layer * per_layer : (layer + 1) * per_layer].view(
+        BLOCKS, HEADS, BLOCK, 2 * HEAD
+    )
+
+
+def test_rows_view_matches_the_cpu_backends_k_and_v() -> None:
+    layer = torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    # vLLM's CPU attention: view [B, H, 2N, D] and chunk dim 2 into K and V
+    key, value = layer.view(BLOCKS, HEADS, 2 * BLOCK, HEAD).chunk(2, dim=2)
+    view = kvflow_view(layer, "rows")
+    assert view.shape == (2, BLOCKS, BLOCK, HEADS, HEAD)
+    assert torch.equal(view[0], key.transpose(1, 2)) and torch.equal(view[1], value.transpose(1, 2))
+    assert view.data_ptr() == layer.data_ptr()
+
+
+def test_channels_view_matches_flash_attentions_k_and_v() -> None:
+    layer = torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    # vLLM's FlashAttention: (B, H, N, 2D) -> transpose(1, 2).split(D, dim=-1)
+    key, value = layer.transpose(1, 2).split(HEAD, dim=-1)
+    view = kvflow_view(layer, "channels")
+    assert torch.equal(view[0], key) and torch.equal(view[1], value)
+
+
+def test_views_fit_kvflows_format_and_refuse_other_shapes() -> None:
+    buf = torch.zeros(LAYERS * BLOCKS * HEADS * BLOCK * 2 * HEAD * 4, dtype=torch.int8)
+    caches = {f"model.layers.{i}.self_attn.attn": _manager_view(buf, i) for i in range(LAYERS)}
+    caches["shared"] = caches["model.layers.0.self_attn.attn"]  # a layer reusing another's
+    views = kvflow_views(caches, "rows")
+    assert len(views) == LAYERS
+    layout = KVLayout.from_kv_caches(views, block_size=None, kv_format="vllm_flash_attn")
+    assert (layout.num_layers, layout.num_blocks, layout.block_size) == (LAYERS, BLOCKS, BLOCK)
+    with pytest.raises(ValueError, match="2 \\* head_size"):
+        kvflow_view(torch.zeros(4, 2, 16, 7), "rows")
+    with pytest.raises(ValueError, match="split must be"):
+        kvflow_view(torch.zeros(4, 2, 16, 8), "cols")
+
+
+# -- shared memory --------------------------------------------------------------------------
+
+
+def test_shared_zeros_allocates_vllms_buffer_in_shared_memory() -> None:
+    zeros = SharedZeros(min_bytes=1 << 16)
+    with zeros:
+        big = torch.zeros(1 << 20, dtype=torch.int8, device=torch.device("cpu"))
+        small = torch.zeros(16)
+        elsewhere = torch.zeros(1 << 20, dtype=torch.int8, device="meta")
+    assert shared_memory_of(big) is not None and shared_memory_of(small) is None
+    assert elsewhere.device.type == "meta"  # only CPU allocations are taken over
+    assert int(big.abs().sum()) == 0 and len(zeros.allocated) == 1
+
+
+def test_remapping_in_place_shares_every_existing_view() -> None:
+    """The fallback: a buffer vLLM allocated privately is moved into shared memory in place,
+    so views taken before the move (the layers') write what the server maps."""
+    buf = torch.zeros(LAYERS * BLOCKS * HEADS * BLOCK * 2 * HEAD * 4, dtype=torch.int8)
+    layer1 = _manager_view(buf, 1)
+    before = layer1[:, :, :, :]  # a view vLLM took earlier, never shown to the connector
+    shared = SharedKV()
+    alias = shared.share(layer1)
+    assert shared.share(alias) is alias  # already shared: unchanged
+    before[5, 1, 3, 7] = 42.0
+    memory = shared_memory_of(alias)
+    assert memory is not None
+    server_side = map_shared(memory)[memory.offset :].view(torch.float32)
+    assert alias[5, 1, 3, 7] == 42.0
+    assert server_side[((5 * HEADS + 1) * BLOCK + 3) * 2 * HEAD + 7] == 42.0
+    server_side[0] = 7.0
+    assert layer1[0, 0, 0, 0] == 7.0
+
+
+# -- both sides against a real server -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("kvflow-server") / "server.log"
+    with running_server(CHUNK, log) as ep:
+        yield ep
+
+
+def _config(endpoint: str, **kw: Any) -> ConnectorConfig:
+    return ConnectorConfig(endpoint=endpoint, timeout_s=10.0, lookup_timeout_s=5.0, **kw)
+
+
+def _request(req_id: str, prompt: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        all_token_ids=list(prompt),
+        num_tokens=len(prompt),
+        cache_salt=None,
+    )
+
+
+def _blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def _new_step(req: SimpleNamespace, blocks: list[int], computed: int, scheduled: int) -> Any:
+    new = SimpleNamespace(req_id=req.request_id, block_ids=(blocks,), num_computed_tokens=computed)
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: scheduled},
+    )
+
+
+def _match(side: SchedulerSide, req: SimpleNamespace, computed: int = 0) -> tuple[int | None, bool]:
+    """Ask as vLLM does, step after step, until the lookup's answer is in."""
+    first = side.get_num_new_matched_tokens(req, computed)
+    assert first == (None, False), "the first ask must not wait for the server"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        answer = side.get_num_new_matched_tokens(req, computed)
+        if answer[0] is not None:
+            return answer
+        time.sleep(0.01)
+    raise AssertionError("the lookup never answered")
+
+
+def _wait_chunk_size(side: SchedulerSide) -> None:
+    deadline = time.monotonic() + 10
+    while side.chunk_size() is None:
+        assert time.monotonic() < deadline, "the server's chunk size never came"
+        time.sleep(0.01)
+
+
+def _vllm_cpu_caches() -> dict[str, torch.Tensor]:
+    """Caches as vLLM's CPU worker makes them: one zeros buffer, in the connector's context."""
+    with SharedZeros():
+        buf = torch.zeros(LAYERS * BLOCKS * HEADS * BLOCK * 2 * HEAD * 4, dtype=torch.int8)
+    return {f"model.layers.{i}.self_attn.attn": _manager_view(buf, i) for i in range(LAYERS)}
+
+
+def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: str) -> None:
+    scheduler = SchedulerSide(_config(endpoint), model_name=MODEL, world_size=1, block_size=BLOCK)
+    worker = WorkerSide(
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="test-rank0"
+    )
+    try:
+        caches = _vllm_cpu_caches()
+        worker.register(caches, BLOCK)
+        assert worker.registered
+        views = kvflow_views(caches, "rows")
+        _wait_chunk_size(scheduler)
+
+        prompt = list(range(100, 100 + 2 * CHUNK + 5))  # two whole chunks and 5 tokens
+        first = _request("a", prompt)
+        assert _match(scheduler, first) == (0, False)  # nothing stored yet
+        scheduler.update_state_after_alloc(first, _blocks([]), 0)
+        a_blocks = [3, 7, 1, 9, 4]
+        for view in views:  # the forward pass writes the prompt's KV
+            view[:, a_blocks].copy_(torch.randn_like(view[:, a_blocks]))
+        plan = scheduler.build_plan(_new_step(first, a_blocks, 0, len(prompt)))
+        assert not plan.loads
+        (store,) = plan.stores
+        assert store.token_ids == prompt[: 2 * CHUNK] and store.block_ids == a_blocks[:4]
+        assert plan.allocations == [("a", a_blocks, prompt)]
+        worker.save(plan)
+        assert worker.stored_tokens == 2 * CHUNK
+        # a later step stores nothing new: the prompt's chunks are in
+        assert not scheduler.build_plan(_new_step(first, a_blocks, len(prompt), 1)).stores
+
+        second = _request("b", [*prompt[: 2 * CHUNK], 1, 2, 3])
+        assert _match(scheduler, second) == (2 * CHUNK, False)
+        b_blocks = [11, 12, 13, 14, 15]
+        scheduler.update_state_after_alloc(second, _blocks(b_blocks), 2 * CHUNK)
+        plan = scheduler.build_plan(_new_step(second, b_blocks, 2 * CHUNK, 3))
+        (load,) = plan.loads
+        assert load.token_ids == prompt[: 2 * CHUNK] and load.block_ids == b_blocks[:4]
+        assert load.skip_tokens == 0 and not plan.stores  # loaded chunks are not stored again
+        worker.load(plan)
+        assert worker.take_load_errors() == set()
+        for view in views:
+            assert torch.equal(view[:, b_blocks[:4]], view[:, a_blocks[:4]])
+
+        # a prompt that is all hits leaves its last token for vLLM to compute
+        whole = _request("c", prompt[: 2 * CHUNK])
+        assert _match(scheduler, whole) == (2 * CHUNK - 1, False)
+        # tokens vLLM has itself (a local prefix-cache hit) are not asked for again
+        local = _request("d", second.prompt_token_ids)
+        assert _match(scheduler, local, computed=CHUNK) == (CHUNK, False)
+
+        for req in (first, second, whole, local):
+            scheduler.request_finished(req)
+        assert scheduler.tracked() == []
+        assert scheduler.lookups == 4 and scheduler.matched_tokens == 3 * 2 * CHUNK
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_a_load_the_server_cannot_serve_reports_its_blocks(endpoint: str) -> None:
+    worker = WorkerSide(
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="errors-rank0"
+    )
+    try:
+        worker.register(_vllm_cpu_caches(), BLOCK)
+        missing = LoadSpec("x", list(range(9000, 9000 + 2 * CHUNK)), [5, 6, 7, 8], skip_tokens=0)
+        worker.load(StepPlan(loads=[missing]))
+        assert worker.take_load_errors() == {5, 6, 7, 8}
+        assert worker.take_load_errors() == set()  # reported once
+        # the blocks vLLM computed itself (skip_tokens) are never reported
+        skipped = LoadSpec(
+            "y", list(range(9500, 9500 + 2 * CHUNK)), [1, 2, 3, 4], skip_tokens=CHUNK
+        )
+        worker.load(StepPlan(loads=[skipped]))
+        assert worker.take_load_errors() == {3, 4}
+    finally:
+        worker.shutdown()
+
+
+def test_an_unregistered_worker_fails_its_loads_so_vllm_recomputes(tmp_path: Path) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    worker = WorkerSide(
+        ConnectorConfig(endpoint=dead, timeout_s=0.3),
+        model_name=MODEL,
+        world_size=1,
+        rank=0,
+        instance_id="dead-rank0",
+    )
+    try:
+        worker.register(_vllm_cpu_caches(), BLOCK)
+        assert not worker.registered
+        worker.load(StepPlan(loads=[LoadSpec("z", list(range(CHUNK)), [2, 3], skip_tokens=0)]))
+        assert worker.take_load_errors() == {2, 3}
+        worker.save(StepPlan())  # nothing to do, nothing raised
+    finally:
+        worker.shutdown()
+
+
+def test_a_server_that_does_not_answer_never_stalls_the_scheduler() -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    side = SchedulerSide(
+        ConnectorConfig(endpoint=dead, lookup_timeout_s=0.3),
+        model_name=MODEL,
+        world_size=1,
+        block_size=BLOCK,
+    )
+    try:
+        req = _request("slow", list(range(2 * CHUNK)))
+        started = time.monotonic()
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert time.monotonic() - started < 0.1  # answered at once, not after the timeout
+        assert _match_after_first(side, req) == (0, False)  # the timed-out lookup is a miss
+        # without the chunk size no store is planned, and the scheduler goes on
+        plan = side.build_plan(_new_step(req, [0, 1, 2, 3], 0, 2 * CHUNK))
+        assert plan.stores == [] and plan.loads == []
+        side.request_finished(req)
+    finally:
+        side.shutdown()
+
+
+def _match_after_first(side: SchedulerSide, req: SimpleNamespace) -> tuple[int | None, bool]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        answer = side.get_num_new_matched_tokens(req, 0)
+        if answer[0] is not None:
+            return answer
+        time.sleep(0.02)
+    raise AssertionError("the lookup never gave up")
+
+
+def test_load_and_store_switches(endpoint: str) -> None:
+    side = SchedulerSide(
+        _config(endpoint, load=False, store=False, report_allocations=False),
+        model_name=MODEL,
+        world_size=1,
+        block_size=BLOCK,
+    )
+    try:
+        _wait_chunk_size(side)
+        req = _request("off", list(range(2 * CHUNK)))
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # no lookup at all
+        plan = side.build_plan(_new_step(req, [0, 1, 2, 3], 0, 2 * CHUNK))
+        assert plan == StepPlan()
+    finally:
+        side.shutdown()
