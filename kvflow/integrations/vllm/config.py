@@ -62,8 +62,9 @@ class ConnectorConfig:
     store: bool = True
     #: report block allocations to the server (its L0 lifecycle subscriber)
     report_allocations: bool = True
-    #: load asynchronously (vLLM's WAITING_FOR_REMOTE_KVS) instead of before the forward pass
-    async_load: bool = False
+    #: set vLLM's kv_load_failure_policy to "recompute": a chunk lost between lookup and
+    #: load is recomputed, never an error (vLLM's own default, "fail", ends the request)
+    recompute_failed_loads: bool = True
     #: the prefix of the registered instance ids (`<prefix>-rank<r>`; default: vLLM's engine id)
     instance_id: str | None = None
     #: CURVE: the server's public key (NAME.key or its 40 Z85 characters) ...
@@ -105,6 +106,6 @@ class ConnectorConfig:
             return _seconds(key, value, 0.001, 86400.0)
         if key == "lookup_timeout_s":
             return _seconds(key, value, 0.001, 600.0)
-        if key in ("load", "store", "report_allocations", "async_load"):
+        if key in ("load", "store", "report_allocations", "recompute_failed_loads"):
             return _bool(key, value)
         return _text(key, value)

@@ -90,6 +90,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._zeros: SharedZeros | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self.kvflow_config.recompute_failed_loads:
+                # vLLM's scheduler reads the policy right after creating its connector
+                transfer.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(
                 self.kvflow_config,
                 model_name=model_name,

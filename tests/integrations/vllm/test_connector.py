@@ -72,6 +72,7 @@ def test_config_reads_only_kvflow_keys() -> None:
         ({"kvflow.timeout_s": float("inf")}, r"kvflow.timeout_s must be in"),
         ({"kvflow.lookup_timeout_s": True}, "kvflow.lookup_timeout_s must be a number"),
         ({"kvflow.load": "maybe"}, "kvflow.load must be a boolean"),
+        ({"kvflow.recompute_failed_loads": 2}, "kvflow.recompute_failed_loads must be a boolean"),
         ({"kvflow.curve_key": "c.key_secret"}, "go together"),
     ],
 )
