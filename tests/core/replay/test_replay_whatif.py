@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from opentelemetry.sdk.metrics.export import HistogramDataPoint
 
@@ -27,7 +28,7 @@ from kvflow.core.replay.lru import simulate
 from kvflow.core.replay.replay import replay
 from kvflow.core.replay.trace import read_trace
 from kvflow.core.replay.whatif import curve
-from kvflow.events import EventBus
+from kvflow.events import EventBus, Sampler
 from kvflow.subscribers import build_subscribers
 from kvflow.subscribers.eventlog_format import segment_name
 from kvflow.subscribers.eventlog_read import LogReader
@@ -182,3 +183,18 @@ def test_cli_bad_input_is_one_clear_line(run: LiveRun, tmp_path: Path,
     assert "the log holds no events" in out.getvalue()
     assert whatif_cli.main("whatif", [str(empty), "--l1-size-gb", "1"]) == 1
     assert "no lookups in the log" in capsys.readouterr().err
+
+
+def test_sampled_mode_keeps_the_samplers_keys_and_is_deterministic(run: LiveRun) -> None:
+    """Rate 1 is the exact simulation; a rate < 1 simulates the keys `Sampler` keeps
+    (the L0 subscriber's hash), the same ones on every run for one seed."""
+    trace = read_trace(LogReader.open(run.log))
+    exact = simulate(trace)
+    assert simulate(trace, rate=1.0).distances.tolist() == exact.distances.tolist()
+    a, b = simulate(trace, rate=0.5, seed=3), simulate(trace, rate=0.5, seed=3)
+    assert a.distances.tolist() == b.distances.tolist()
+    kept = Sampler(0.5, 3).keep_mask(ids=trace.keys.view(np.int64))
+    lookups = np.repeat(trace.kind == 0, np.diff(trace.start))
+    assert len(a.distances) == int((kept & lookups).sum()) < len(exact.distances)
+    rows = curve(trace, a, [1.0])
+    assert 0.0 <= rows[0].hit_rate <= 1.0
