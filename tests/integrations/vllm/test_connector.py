@@ -252,6 +252,13 @@ def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: s
         assert worker.stored_tokens == 2 * CHUNK
         # a later step stores nothing new: the prompt's chunks are in
         assert not scheduler.build_plan(_new_step(first, a_blocks, len(prompt), 1)).stores
+        # a worker reports block 2 (tokens 32..47, chunk 1) unfilled: once vLLM recomputed
+        # it, that chunk is stored again
+        scheduler.load_failed({a_blocks[2]})
+        (again,) = scheduler.build_plan(_new_step(first, a_blocks, len(prompt), 1)).stores
+        assert again.token_ids == prompt[: 2 * CHUNK]
+        scheduler.load_failed({999})  # no request holds it: nothing changes
+        assert not scheduler.build_plan(_new_step(first, a_blocks, len(prompt), 1)).stores
 
         second = _request("b", [*prompt[: 2 * CHUNK], 1, 2, 3])
         assert _match(scheduler, second) == (2 * CHUNK, False)

@@ -30,52 +30,16 @@ import pytest
 
 from kvflow.core import KVFlowClient
 from tests.e2e.server_proc import running_server
-from tests.support.requirements import PARTS, missing, require_or_skip
+from tests.integrations.vllm.tiny_model import build_tiny_llama
+from tests.integrations.vllm.vllm_venv import ROOT, vllm_python
 
 CHUNK = 256
 PROMPT_TOKENS = 2 * CHUNK
 SUFFIX_TOKENS = 40
 RUNNER = Path(__file__).with_name("vllm_run.py")
-ROOT = Path(__file__).resolve().parents[3]
 ENGINE_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.slow
-
-
-def _build_model(path: Path) -> None:
-    """The tiny random Llama vLLM loads (weights from a fixed seed, no tokenizer)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=64,  # vLLM's CPU attention has no head size 16 kernel
-        max_position_embeddings=2048,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-
-
-def _vllm_python() -> str:
-    python = require_or_skip("vllm-venv", "the vLLM end-to-end test runs a real vLLM engine")
-    probe = subprocess.run(
-        [python, "-c", "import vllm, kvflow.integrations.vllm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if probe.returncode != 0:
-        missing(
-            f"vLLM in {python}",
-            f"the venv cannot import vllm and kvflow ({probe.stderr.strip().splitlines()[-1:]})",
-            PARTS["vllm-venv"].install + " (`make vllm-venv`)",
-        )
-    return python
 
 
 def _engine(
@@ -116,9 +80,8 @@ def _activity(endpoint: str) -> dict:
 
 
 def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
-    python = _vllm_python()
-    model = tmp_path / "tiny-llama"
-    _build_model(model)
+    python = vllm_python()
+    model = build_tiny_llama(tmp_path / "tiny-llama")
     rng = random.Random(1)
     prompt = [rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)]
     longer = prompt + [rng.randrange(1, 500) for _ in range(SUFFIX_TOKENS)]
