@@ -23,6 +23,6 @@ def vllm_python() -> str:
         missing(
             f"vLLM in {python}",
             f"the venv cannot import vllm and kvflow ({probe.stderr.strip().splitlines()[-1:]})",
-            PARTS["vllm-venv"].install + " (`make vllm-venv`)",
+            PARTS["vllm-venv"].install,
         )
     return python
