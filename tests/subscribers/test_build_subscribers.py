@@ -151,6 +151,7 @@ class Settings:
     log_format: str = "json"
     tracing_ttl_s: float = 300.0
     export_interval_s: float = 5.0
+    max_label_values: int = 256
 
 
 def test_settings_protocol_is_duck_typed() -> None:

@@ -275,7 +275,7 @@ def test_status_and_top_take_the_curve_keys(
     server: ServerProcess, keys: dict[str, Path], command: list[str]
 ) -> None:
     base = [sys.executable, "-m", "kvflow.cli", *command, "--endpoint", server.endpoint]
-    with_keys = base + ["--curve-server-key", str(keys["server_public"])]
+    with_keys = [*base, "--curve-server-key", str(keys["server_public"])]
     with_keys += ["--curve-key", str(keys["alice"])]
     done = subprocess.run(with_keys, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
