@@ -1,0 +1,249 @@
+"""`make mutation`: mutmut over one module at a time, with only the tests that cover it.
+
+    python -m tests.support.mutation kvflow/core/tiers/diskfile.py   # one module
+    python -m tests.support.mutation                                 # every module in MODULES
+
+For each module this copies the working tree (git's tracked and untracked-but-not-ignored
+files) into a scratch folder outside the repo ($KVFLOW_MUTATION_DIR, default
+/tmp/kvflow-mutation/<module>), appends a [tool.mutmut] table to that copy's pyproject.toml
+(mutate only this module; test selection: its tests from TESTS_BY_MODULE) and runs
+`mutmut run` there. mutmut (3.x) first runs the selected tests once to record which test
+reaches which function, then runs each mutant against only those tests. Nothing is written
+into the repo. The summary line per module is what docs/TESTING.md records; the survivors are
+listed (and written to <folder>/survivors.txt); `mutmut show <name>` in the folder shows one.
+
+Score = (killed + timeout) / (total - skipped). "no tests" mutants (code no selected test
+reaches) count as not killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The modules issue 23 names (engine, tiers, server, bus), each with the CPU tests that
+# exercise it. A module missing here gets the test_<name>*.py files of its mirrored tests
+# folder (kvflow/core/tiers/disk.py -> tests/core/tiers/test_disk*.py), or the whole folder.
+TESTS_BY_MODULE: dict[str, list[str]] = {
+    "kvflow/events/bus.py": ["tests/events/test_bus.py", "tests/core/engine/test_engine_events.py"],
+    "kvflow/core/tiers/diskfile.py": [
+        "tests/core/tiers/test_disk.py",
+        "tests/core/tiers/test_disk_faults.py",
+    ],
+    "kvflow/core/tiers/disk.py": [
+        "tests/core/tiers/test_disk.py",
+        "tests/core/tiers/test_disk_faults.py",
+        "tests/core/tiers/test_tier_contract.py",
+    ],
+    "kvflow/core/tiers/l1.py": [
+        "tests/core/tiers/test_l1.py",
+        "tests/core/tiers/test_tier_contract.py",
+    ],
+    "kvflow/core/tiers/base.py": [
+        "tests/core/tiers/test_tier_contract.py",
+        "tests/core/engine/test_engine_l2.py",
+    ],
+    "kvflow/core/tiers/sharding.py": ["tests/core/tiers/test_sharding.py"],
+    "kvflow/core/tiers/hostmem.py": [
+        "tests/core/tiers/test_l1.py",
+        "tests/core/tiers/test_tier_contract.py",
+    ],
+    "kvflow/core/tiers/redis.py": [
+        "tests/core/tiers/test_redis.py",
+        "tests/core/tiers/test_redis_faults.py",
+        "tests/core/tiers/test_redis_cluster.py",
+        "tests/core/tiers/test_tier_contract.py",
+    ],
+    "kvflow/core/tiers/redis_target.py": ["tests/core/tiers/test_redis_target.py"],
+    "kvflow/core/server/protocol.py": [
+        "tests/core/server/test_protocol.py",
+        "tests/core/server/test_fuzz.py",
+        "tests/core/server/test_server_hardening.py",
+    ],
+    "kvflow/core/server/shm.py": ["tests/core/server/test_shm.py"],
+    "kvflow/core/server/curve.py": ["tests/core/server/test_curve.py"],
+    "kvflow/core/server/cli.py": ["tests/core/server/test_server_cli.py"],
+    "kvflow/core/server/client.py": [
+        "tests/core/server/test_client.py",
+        "tests/core/server/test_server.py",
+    ],
+    "kvflow/core/server/server.py": [
+        "tests/core/server/test_server.py",
+        "tests/core/server/test_server_hardening.py",
+        "tests/core/server/test_server_shutdown.py",
+        "tests/core/server/test_server_events.py",
+    ],
+    "kvflow/core/server/ipc.py": [
+        "tests/core/server/test_server.py",
+        "tests/core/server/test_client.py",
+    ],
+    "kvflow/core/server/sharing.py": ["tests/core/server/test_server.py"],
+    "kvflow/core/engine/keys.py": ["tests/core/engine/test_keys.py"],
+    "kvflow/core/engine/request.py": ["tests/core/engine/test_request.py"],
+    "kvflow/core/engine/observability.py": ["tests/core/engine/test_observability.py"],
+}
+ENGINE_TESTS = ["tests/core/engine"]
+
+# Smallest and most central first: the default loop measures these in this order.
+MODULES = [
+    "kvflow/events/bus.py",
+    "kvflow/core/tiers/diskfile.py",
+    "kvflow/core/tiers/l1.py",
+    "kvflow/core/server/protocol.py",
+    "kvflow/core/engine/writethrough.py",
+    "kvflow/core/tiers/sharding.py",
+    "kvflow/core/tiers/base.py",
+    "kvflow/core/tiers/hostmem.py",
+    "kvflow/core/tiers/disk.py",
+    "kvflow/core/tiers/redis.py",
+    "kvflow/core/tiers/redis_target.py",
+    "kvflow/core/engine/keys.py",
+    "kvflow/core/engine/request.py",
+    "kvflow/core/engine/ops.py",
+    "kvflow/core/engine/instances.py",
+    "kvflow/core/engine/observability.py",
+    "kvflow/core/engine/activity.py",
+    "kvflow/core/engine/tiering.py",
+    "kvflow/core/engine/loads.py",
+    "kvflow/core/engine/movers.py",
+    "kvflow/core/engine/cache_engine.py",
+    "kvflow/core/server/shm.py",
+    "kvflow/core/server/curve.py",
+    "kvflow/core/server/ipc.py",
+    "kvflow/core/server/sharing.py",
+    "kvflow/core/server/client.py",
+    "kvflow/core/server/server.py",
+    "kvflow/core/server/cli.py",
+]
+
+
+def tests_for(module: str) -> list[str]:
+    if module in TESTS_BY_MODULE:
+        return TESTS_BY_MODULE[module]
+    if module.startswith("kvflow/core/engine/"):
+        return ENGINE_TESTS
+    path = Path(module)
+    folder = Path("tests", *path.parent.parts[1:])
+    matches = sorted(
+        str(p.relative_to(REPO)) for p in (REPO / folder).glob(f"test_{path.stem}*.py")
+    )
+    return matches or [str(folder)]
+
+
+def copy_tree(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = REPO / os.fsdecode(name)
+        if src.is_file():
+            target = dest / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+
+
+def mutmut_table(work: Path, module: str, tests: list[str]) -> str:
+    # Copied into mutmut's mutants/ folder, where the tests run: every top-level entry of the
+    # copy the tests may read (docs, benchmarks, Makefile ...), besides tests/ and pyproject.toml.
+    also_copy = sorted(
+        p.name for p in work.iterdir() if p.name not in {"kvflow", "tests", "mutants"}
+    )
+    return (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["kvflow"]\n'
+        f"only_mutate = {json.dumps([module])}\n"
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        # -p no:randomly: mutmut records per-test timings and runs tests in its own order.
+        # The I/O-niceness test fails in a process already at nice >= 10 (make mutation runs
+        # under nice; IO_NICENESS is absolute, docs/TESTING.md), so it is left out here.
+        'pytest_add_cli_args = ["-p", "no:randomly", "-m", "not gpu", "--deselect",'
+        ' "tests/core/tiers/test_disk.py::test_io_threads_run_nicer_than_the_caller"]\n'
+        f"also_copy = {json.dumps(also_copy)}\n"
+    )
+
+
+def score(stats: dict[str, int]) -> float:
+    counted = stats["total"] - stats["skipped"]
+    return 100.0 * (stats["killed"] + stats["timeout"]) / counted if counted else 0.0
+
+
+def run_module(module: str, root: Path, max_children: int) -> dict[str, int] | None:
+    if not (REPO / module).is_file():
+        sys.exit(f"make mutation: no such module: {module}")
+    tests = tests_for(module)
+    work = root / module.removesuffix(".py").replace("/", ".")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    copy_tree(work)
+    pyproject = work / "pyproject.toml"
+    if "mutmut" in tomllib.loads(pyproject.read_text()).get("tool", {}):
+        sys.exit("make mutation: pyproject.toml has a [tool.mutmut] table of its own; remove it")
+    pyproject.write_text(pyproject.read_text() + mutmut_table(work, module, tests))
+    print(f"== {module}: tests {' '.join(tests)} (in {work})", flush=True)
+    mutmut = [sys.executable, "-m", "mutmut"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    run = subprocess.run([*mutmut, "run", "--max-children", str(max_children)], cwd=work, env=env)
+    if run.returncode != 0:
+        print(f"== {module}: mutmut run failed (exit {run.returncode})", flush=True)
+        return None
+    subprocess.run(
+        [*mutmut, "export-cicd-stats"], cwd=work, env=env, check=True, capture_output=True
+    )
+    stats: dict[str, int] = json.loads((work / "mutants" / "mutmut-cicd-stats.json").read_text())
+    survivors = subprocess.run(
+        [*mutmut, "results"], cwd=work, env=env, check=True, capture_output=True, text=True
+    ).stdout
+    (work / "survivors.txt").write_text(survivors)
+    print(survivors, end="")
+    print(
+        f"== {module}: killed {stats['killed'] + stats['timeout']}/{stats['total'] - stats['skipped']}"
+        f" = {score(stats):.1f}% (survived {stats['survived']}, no tests {stats['no_tests']},"
+        f" timeout {stats['timeout']}, suspicious {stats['suspicious']}, skipped {stats['skipped']})",
+        flush=True,
+    )
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "modules", nargs="*", help="kvflow/... .py paths (default: every module in MODULES)"
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(os.environ.get("KVFLOW_MUTATION_DIR", "/tmp/kvflow-mutation")),
+        help="scratch folder, outside the repo (default $KVFLOW_MUTATION_DIR or /tmp/kvflow-mutation)",
+    )
+    parser.add_argument("--max-children", type=int, default=1, help="parallel mutants (default 1)")
+    args = parser.parse_args()
+    root = args.dir.resolve()
+    if root == REPO or REPO in root.parents:
+        sys.exit("make mutation: the scratch folder must be outside the repo")
+    results = {m: run_module(m, root, args.max_children) for m in (args.modules or MODULES)}
+    print("\nmodule | killed/total | score")
+    for module, stats in results.items():
+        if stats is None:
+            print(f"{module} | failed | -")
+        else:
+            counted = stats["total"] - stats["skipped"]
+            print(
+                f"{module} | {stats['killed'] + stats['timeout']}/{counted} | {score(stats):.1f}%"
+            )
+
+
+if __name__ == "__main__":
+    main()
