@@ -168,7 +168,8 @@ class PagedCache:
 
 @contextlib.contextmanager
 def kvflow_server(l1_gib: float, log: Path) -> Iterator[str]:
-    """A `kvflow server` subprocess on a free port; yields its endpoint."""
+    """A `kvflow server` subprocess on a free port (chunks of CHUNK tokens, L1 of `l1_gib`
+    GiB, its log in `log`); yields its endpoint. bench_two_gpus uses it too."""
     cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--prometheus-port", "0"]
     cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{l1_gib:g}", "--log-format", "console"]
     with log.open("w") as out:

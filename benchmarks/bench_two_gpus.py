@@ -17,43 +17,23 @@ same flow over shared memory (two "ranks" in host memory), for CI.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_ttft import kvflow_server  # this folder is on sys.path when run as a script
 
 CHUNK = 256
 BLOCK = 16
 LAYERS, KV_HEADS_PER_RANK, HEAD_DIM = 32, 4, 128  # 8B shape (8 KV heads) at TP=2
 WORLD = 2
-
-
-@contextlib.contextmanager
-def kvflow_server(l1_gib: float, log: Path) -> Iterator[str]:
-    """A `kvflow server` subprocess on a free port; yields its endpoint."""
-    cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--prometheus-port", "0"]
-    cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{l1_gib:g}", "--log-format", "console"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stderr=out, stdout=out, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        while "listening on" not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvflow server did not start:\n{log.read_text()}")
-            time.sleep(0.1)
-        yield log.read_text().split("listening on ")[1].split()[0]
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 class Rank:
