@@ -15,6 +15,28 @@ from kvflow.core.server.client import KVFlowClient
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 
 
+def seconds_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number of seconds in [low, high] (a clear error otherwise)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds in [{low:g}, {high:g}], got {text}"
+            )
+        return value
+
+    return parse
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`p.parse_args(argv)`, refusing one CURVE flag without the other (exit 2)."""
+    args = p.parse_args(argv)
+    if (args.curve_server_key is None) != (args.curve_key is None):
+        p.error("--curve-server-key and --curve-key go together")
+    return args
+
+
 def add_connection_args(p: argparse.ArgumentParser, timeout: Callable[[str], float]) -> None:
     """--endpoint, --timeout-s (parsed by `timeout`), --curve-server-key and --curve-key."""
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the server's tcp://HOST:PORT")

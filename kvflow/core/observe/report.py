@@ -17,7 +17,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from kvflow.core.observe import units
-from kvflow.core.observe.connect import add_connection_args, connect
+from kvflow.core.observe.connect import add_connection_args, connect, parse_args, seconds_in
 from kvflow.core.observe.snapshot import GB, Rates, Snapshot
 from kvflow.core.server.client import KVFlowClient
 
@@ -149,11 +149,7 @@ def write_report(snaps: Sequence[Snapshot], out: Path) -> list[Path]:
     return [*written, out / SUMMARY_MD]
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in [0.1, 86400], got {text}")
-    return value
+_seconds = seconds_in(0.1, 86400)
 
 
 def parser(prog: str = "kvflow report") -> argparse.ArgumentParser:
@@ -167,10 +163,7 @@ def parser(prog: str = "kvflow report") -> argparse.ArgumentParser:
 
 def main(name: str, argv: list[str]) -> int:
     """Entry point of `kvflow report`: 1 when the server does not answer."""
-    p = parser(f"kvflow {name}")
-    args = p.parse_args(argv)
-    if (args.curve_server_key is None) != (args.curve_key is None):
-        p.error("--curve-server-key and --curve-key go together")
+    args = parse_args(parser(f"kvflow {name}"), argv)
     try:
         with connect(args) as client:
             snaps = record(client, args.interval_s, min(args.sample_s, args.interval_s))

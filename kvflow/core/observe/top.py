@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvflow.core.observe import units
-from kvflow.core.observe.connect import add_connection_args, connect
+from kvflow.core.observe.connect import add_connection_args, connect, parse_args, seconds_in
 from kvflow.core.observe.snapshot import Rates, Snapshot
 
 _OPS = ("store", "retrieve", "lookup")
@@ -233,11 +233,7 @@ def once(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in [0.1, 3600], got {text}")
-    return value
+_positive = seconds_in(0.1, 3600)
 
 
 def parser(prog: str = "kvflow top") -> argparse.ArgumentParser:
@@ -250,10 +246,7 @@ def parser(prog: str = "kvflow top") -> argparse.ArgumentParser:
 
 def main(name: str, argv: list[str]) -> int:
     """Entry point of `kvflow top`."""
-    p = parser(f"kvflow {name}")
-    args = p.parse_args(argv)
-    if (args.curve_server_key is None) != (args.curve_key is None):
-        p.error("--curve-server-key and --curve-key go together")
+    args = parse_args(parser(f"kvflow {name}"), argv)
     console = Console()
     try:
         return once(args, console) if args.once else run(args, console)
