@@ -14,7 +14,8 @@ with vLLM's own prefix caching off and greedy decoding of a tiny random Llama
    engine 2's, which they can only do if the retrieved KV is A's.
 
 The server's status (its activity totals, counted from the engine's events) must show
-the one retrieve of 512 tokens and the engines' block allocations.
+the one retrieve of 512 tokens and the engines' block allocations. A second test does
+the same with tensor parallelism 2 (two CPU workers, each with its own shard).
 """
 
 from __future__ import annotations
@@ -43,13 +44,23 @@ pytestmark = pytest.mark.slow
 
 
 def _engine(
-    python: str, model: Path, prompts: list[list[int]], tmp: Path, name: str, endpoint: str | None
+    python: str,
+    model: Path,
+    prompts: list[list[int]],
+    tmp: Path,
+    name: str,
+    endpoint: str | None,
+    tp: int = 1,
 ) -> tuple[dict, str]:
     """Run one engine over `prompts`; its results and its log."""
     (tmp / f"{name}.prompts.json").write_text(json.dumps(prompts))
     out = tmp / f"{name}.out.json"
     args = [python, str(RUNNER), str(model), str(tmp / f"{name}.prompts.json"), str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    if tp > 1:  # vLLM binds each CPU worker's threads to a NUMA node; one node here: by hand
+        cores = os.cpu_count() or 1
+        env["VLLM_RUN_TP"] = str(tp)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % cores) for rank in range(tp))
     proc = subprocess.run(
         args + ([endpoint] if endpoint else []),
         capture_output=True,
@@ -109,3 +120,28 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
     assert reference["results"][0]["num_cached_tokens"] == 0
     assert second["results"][0]["tokens"] == reference["results"][0]["tokens"]
     assert first["results"][0]["tokens"]  # engine 1 generated too
+
+
+def test_tensor_parallel_ranks_each_store_and_load_their_shard(tmp_path: Path) -> None:
+    """TP=2 (two CPU workers, a model with two KV heads): each rank registers, stores and
+    retrieves its own shard, the lookup asks for both, and the output is unchanged."""
+    python = vllm_python()
+    model = build_tiny_llama(tmp_path / "tiny-llama-2-heads", heads=2)
+    rng = random.Random(2)
+    prompt = [rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)]
+    longer = prompt + [rng.randrange(1, 500) for _ in range(SUFFIX_TOKENS)]
+
+    with running_server(CHUNK, tmp_path / "server.log") as endpoint:
+        # one engine: A stores, then A + suffix (vLLM's prefix cache off) loads from kvflow
+        run, log = _engine(python, model, [prompt, longer], tmp_path, "tp2", endpoint, tp=2)
+        assert _matched(log) == [(0, PROMPT_TOKENS), (PROMPT_TOKENS, len(longer))], log[-4000:]
+        assert re.search(r"registered 2 layers of cpu as \S+-rank0", log)
+        assert re.search(r"registered 2 layers of cpu as \S+-rank1", log)
+        assert run["results"][1]["num_cached_tokens"] == PROMPT_TOKENS
+        ops = _activity(endpoint)["ops"]
+        # one store and one retrieve of A's chunks per rank
+        assert (ops["store"]["requests"], ops["store"]["tokens"]) == (2, 2 * PROMPT_TOKENS), ops
+        assert (ops["retrieve"]["requests"], ops["retrieve"]["tokens"]) == (2, 2 * PROMPT_TOKENS)
+
+    reference, _ = _engine(python, model, [longer], tmp_path, "tp2-reference", None, tp=2)
+    assert run["results"][1]["tokens"] == reference["results"][0]["tokens"]

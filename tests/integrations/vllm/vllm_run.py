@@ -5,7 +5,8 @@ Runs in the vLLM venv (.venv-vllm), never in the main suite's:
     python tests/integrations/vllm/vllm_run.py MODEL_DIR PROMPTS_JSON OUT_JSON [ENDPOINT]
 
 With ENDPOINT the engine uses `KVFlowConnector` against that kvflow server (chunk
-size from the server); without it, no connector (the reference run). vLLM's own
+size from the server); without it, no connector (the reference run).
+VLLM_RUN_TP sets the tensor-parallel size (default 1). vLLM's own
 prefix caching is off, decoding greedy. Writes each prompt's generated token ids
 and vLLM's `num_cached_tokens` (tokens it did not compute: here, the connector's
 loads) to OUT_JSON.
@@ -14,6 +15,7 @@ loads) to OUT_JSON.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -44,6 +46,7 @@ def main() -> None:
         max_model_len=1024,
         dtype="float32",
         enforce_eager=True,
+        tensor_parallel_size=int(os.environ.get("VLLM_RUN_TP", "1")),
         seed=0,
         kv_transfer_config=transfer,
     )
