@@ -168,7 +168,7 @@ def test_stop_delivers_everything_admitted_even_while_publishing() -> None:
     t = threading.Thread(target=publisher)
     t.start()
     time.sleep(0.1)
-    assert bus.stop(10) is True
+    assert bus.stop(60) is True  # a claim about delivery, not speed: loaded CI boxes are slow
     halt.set()
     t.join()
     assert admitted > 0
