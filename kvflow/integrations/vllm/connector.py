@@ -121,7 +121,9 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def get_mem_pool_context(self) -> Any:
         """On CPU, vLLM allocates the KV cache inside this: in shared memory (shared_kv.py)."""
-        if self._worker is None or torch.cuda.is_available():
+        from vllm.platforms import current_platform
+
+        if self._worker is None or not current_platform.is_cpu():
             return None
         self._zeros = SharedZeros()
         return self._zeros

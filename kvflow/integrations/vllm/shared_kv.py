@@ -1,8 +1,8 @@
 """Make vLLM's CPU KV cache shareable with a kvflow server without copying it per step.
 
 First choice, `SharedZeros`: vLLM asks a connector for a KV cache allocation context
-(`get_mem_pool_context`) and allocates the KV buffer inside it with `torch.zeros`;
-within this context a CPU `torch.zeros` returns a tensor from
+(`get_mem_pool_context`) and allocates the KV buffer inside it with `torch.zeros`
+(one int8 buffer); within this context a CPU int8 `torch.zeros` returns a tensor from
 `kvflow.core.empty_shared` (a fresh segment reads as zeros), so the cache lives
 in shared memory from the start and nothing is copied.
 
@@ -113,7 +113,8 @@ def share_all(tensors: Sequence[torch.Tensor], shared: SharedKV) -> list[torch.T
 
 
 class SharedZeros(TorchFunctionMode):
-    """While active, CPU `torch.zeros` of at least `min_bytes` come from `empty_shared`."""
+    """While active, CPU `torch.zeros` of int8 (vLLM's raw KV buffer dtype) and at least
+    `min_bytes` come from `empty_shared`; every other call runs as usual."""
 
     def __init__(self, min_bytes: int = 1 << 20) -> None:
         super().__init__()
@@ -148,9 +149,9 @@ class SharedZeros(TorchFunctionMode):
             dims = [int(d) for d in shape]
         except TypeError:
             return False
-        dtype = kwargs.get("dtype") or torch.get_default_dtype()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = itemsize
+        if kwargs.get("dtype") is not torch.int8:
+            return False
+        nbytes = 1
         for d in dims:
             nbytes *= d
         return nbytes >= self.min_bytes

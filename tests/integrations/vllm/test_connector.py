@@ -131,10 +131,12 @@ def test_shared_zeros_allocates_vllms_buffer_in_shared_memory() -> None:
     zeros = SharedZeros(min_bytes=1 << 16)
     with zeros:
         big = torch.zeros(1 << 20, dtype=torch.int8, device=torch.device("cpu"))
-        small = torch.zeros(16)
+        small = torch.zeros(16, dtype=torch.int8)
+        floats = torch.zeros(1 << 20)
         elsewhere = torch.zeros(1 << 20, dtype=torch.int8, device="meta")
     assert shared_memory_of(big) is not None and shared_memory_of(small) is None
-    assert elsewhere.device.type == "meta"  # only CPU allocations are taken over
+    assert shared_memory_of(floats) is None  # only vLLM's raw int8 KV buffer is taken over
+    assert elsewhere.device.type == "meta"  # and only on the CPU
     assert int(big.abs().sum()) == 0 and len(zeros.allocated) == 1
 
 
