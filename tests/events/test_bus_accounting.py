@@ -1,0 +1,196 @@
+"""The bus's room accounting for stream events, its backlog lag, and its eventfd's lifetime.
+
+A stream stamper (the native one in kvflow.events.stream) reserves room with
+`try_reserve` before marking an event on a GPU stream, hands the stamped events back
+through `collect`, and gives a reservation back with `release_reservation` when its
+enqueue fails. `_Stamper` below does the same on the CPU, so these tests check the
+bus's side of that contract without a GPU. (Written against surviving mutants,
+docs/TESTING.md "Mutation testing".)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvflow.events import Event, EventBus, EventType
+from kvflow.events.testing import RecordingSubscriber
+
+T = EventType
+STREAM = object()  # any non-None stream: the bus hands it to the stamper untouched
+
+
+class _Stamper:
+    """A CPU stream stamper on the bus's reservation hooks, as the native one is."""
+
+    def __init__(self, bus: EventBus, *, enqueue_fails: bool = False) -> None:
+        self._bus = bus
+        self.enqueue_fails = enqueue_fails
+        self._lock = threading.Lock()
+        self._waiting: list[Event] = []
+        self._done: list[Event] = []
+
+    def enqueue(self, stream: Any, event: Event) -> bool:
+        if not self._bus.try_reserve(event.type):
+            return False
+        if self.enqueue_fails:  # e.g. no CUDA event free after reserving
+            self._bus.release_reservation(event.type)
+            return False
+        with self._lock:
+            self._waiting.append(event)
+        return True
+
+    def complete(self) -> None:
+        """The stream reached every marked point: stamp them and wake the dispatcher."""
+        with self._lock:
+            for event in self._waiting:
+                event.ts_ns = time.monotonic_ns()
+            self._done += self._waiting
+            self._waiting = []
+        os.eventfd_write(self._bus.wake_fd, 1)
+
+    def collect(self) -> list[Event]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        pass
+
+
+def _bus_with_stamper(capacity: int, **kw: bool) -> tuple[EventBus, _Stamper, RecordingSubscriber]:
+    sub = RecordingSubscriber()
+    bus = EventBus(capacity)
+    bus.register(sub)
+    stamper = _Stamper(bus, **kw)
+    bus.attach_stamper(stamper)
+    bus.start()
+    return bus, stamper, sub
+
+
+def _stream_room(bus: EventBus) -> int:
+    """How many stream events the bus admits now (each stays reserved: nothing drains)."""
+    n = 0
+    while bus.publish_on_stream(STREAM, Event(T.L1_WRITE, op_id=n)):
+        n += 1
+        assert n <= 10 * bus.capacity, "the bus admits past its capacity"
+    return n
+
+
+def test_stream_events_hold_room_until_stamped_and_give_it_back() -> None:
+    """Reserved stream events count against capacity; once stamped and delivered, the whole
+    capacity is free again, and no more; every refused reservation is counted as a drop."""
+    bus, stamper, sub = _bus_with_stamper(4)
+    assert all(bus.publish_on_stream(STREAM, Event(T.STORE_START, op_id=i)) for i in range(3))
+    stats = bus.stats()
+    assert stats.queue_depth == 3 and stats.pending_stream_events == 3
+    assert stats.published == {T.STORE_START: 3}
+    stamper.complete()
+    assert bus.flush(5)
+    assert [e.op_id for e in sub.events] == [0, 1, 2]
+    stats = bus.stats()
+    assert stats.queue_depth == 0 and stats.pending_stream_events == 0
+    assert stats.delivered == {T.STORE_START: 3}
+    assert _stream_room(bus) == 4  # the fifth is refused and counted
+    assert not bus.publish_on_stream(STREAM, Event(T.L1_WRITE))
+    assert bus.stats().dropped == {T.L1_WRITE: 2}
+    stamper.complete()
+    assert bus.flush(5)
+    assert len(sub.events) == 7
+    assert bus.stop(5)
+
+
+def test_a_released_reservation_gives_its_room_back_and_counts_as_a_drop() -> None:
+    """An enqueue that fails after reserving releases the room (exactly one slot) and
+    the event is counted dropped, not pending."""
+    bus, stamper, sub = _bus_with_stamper(4, enqueue_fails=True)
+    for i in range(6):
+        assert not bus.publish_on_stream(STREAM, Event(T.RETRIEVE_START, op_id=i))
+    stats = bus.stats()
+    assert stats.dropped == {T.RETRIEVE_START: 6}
+    assert stats.queue_depth == 0 and stats.pending_stream_events == 0
+    stamper.enqueue_fails = False
+    assert _stream_room(bus) == 4  # the whole capacity is still there, and no more
+    stamper.complete()
+    assert bus.flush(5)
+    assert len(sub.events) == 4
+    assert bus.stop(5)
+
+
+def test_oldest_lag_counts_events_waiting_in_a_subscriber_backlog() -> None:
+    """Events dispatched to a stalled subscriber but not yet delivered still age in
+    stats().oldest_lag_ns, though the bus's own queue is empty."""
+    gate = threading.Event()
+    sub = RecordingSubscriber(gate=gate)
+    bus = EventBus(100)
+    bus.register(sub)
+    bus.start()
+
+    def dispatched() -> None:
+        deadline = time.monotonic() + 5
+        while bus.stats().queue_depth and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert bus.stats().queue_depth == 0
+
+    try:
+        bus.publish(Event(T.L1_READ, op_id=0))  # its delivery thread takes it and stalls
+        dispatched()
+        time.sleep(0.02)
+        bus.publish(Event(T.L1_READ, op_id=1))  # so this one waits in the backlog
+        dispatched()
+        time.sleep(0.05)
+        assert bus.stats().oldest_lag_ns >= 50_000_000
+    finally:
+        gate.set()
+    assert bus.flush(5)
+    assert [e.op_id for e in sub.events] == [0, 1]
+    assert bus.stats().oldest_lag_ns == 0
+    assert bus.stop(5)
+
+
+def _eventfds() -> int:
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (or the listing's own fd)
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum(link == "anon_inode:[eventfd]" for link in fds)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_dropped_bus_closes_its_eventfd() -> None:
+    """Buses that are garbage-collected (started or not) leave no eventfd behind."""
+    gc.collect()
+    before = _eventfds()
+    for _ in range(20):
+        EventBus(10)
+        bus = EventBus(10)
+        bus.start()
+        assert bus.stop(5)
+        del bus
+    gc.collect()
+    assert _eventfds() <= before  # 40 more with a leak
+
+
+def test_a_bus_that_failed_to_construct_is_collected_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EventBus.__del__ on a half-built bus (its constructor raised before the eventfd
+    existed) raises nothing: no 'Exception ignored in __del__' noise."""
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            EventBus(bad)
+    gc.collect()
+    assert seen == []
