@@ -194,3 +194,26 @@ def test_a_bus_that_failed_to_construct_is_collected_quietly(
             EventBus(bad)
     gc.collect()
     assert seen == []
+
+
+def test_flush_waits_for_a_batch_in_flight_when_later_batches_are_filtered_out() -> None:
+    """A typed subscriber busy with one batch is not marked done by later batches it filters
+    out entirely: flush() keeps waiting for the batch in flight."""
+    gate = threading.Event()
+    sub = RecordingSubscriber(event_types=frozenset({T.STORE_END}), gate=gate)
+    bus = EventBus(100)
+    bus.register(sub)
+    bus.start()
+    try:
+        bus.publish(Event(T.STORE_END, op_id=0))
+        deadline = time.monotonic() + 5
+        while bus.stats().queue_depth and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # its delivery thread has taken the batch and waits on the gate
+        bus.publish(Event(T.L1_READ, op_id=1))  # nothing in it for this subscriber
+        assert not bus.flush(0.3)
+    finally:
+        gate.set()
+    assert bus.flush(5)
+    assert [e.op_id for e in sub.events] == [0]
+    assert bus.stop(5)
