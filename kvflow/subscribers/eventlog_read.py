@@ -9,6 +9,8 @@ line in `LogReader.problems`. Only a directory with nothing readable at all is a
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,10 +22,10 @@ import xxhash
 from kvflow.events import Event
 from kvflow.subscribers.eventlog_format import (
     EVENT_SCHEMA_VERSION,
-    FORMAT_VERSION,
     FRAME_HEAD,
     MAGIC,
     MAX_FRAME_BYTES,
+    READ_FORMAT_VERSIONS,
     SegmentHeader,
     decode_batch,
     decode_header,
@@ -106,10 +108,11 @@ class LogReader:
         except msgspec.DecodeError:
             self.problems.append(f"{seg.path.name}: unreadable segment header, skipped")
             return
-        if header.format_version != FORMAT_VERSION:
+        if header.format_version not in READ_FORMAT_VERSIONS:
+            versions = " and ".join(str(v) for v in READ_FORMAT_VERSIONS)
             self.problems.append(
                 f"{seg.path.name}: log format version {header.format_version} (written by kvflow "
-                f"{header.kvflow_version}); this kvflow reads version {FORMAT_VERSION}, skipped"
+                f"{header.kvflow_version}); this kvflow reads versions {versions}, skipped"
             )
             return
         if header.schema_version != EVENT_SCHEMA_VERSION:
@@ -123,20 +126,38 @@ class LogReader:
         if self.first_header is None:
             self.first_header = header
 
-    def batch_payloads(self) -> Iterator[bytes]:
+    def batch_payloads(self) -> Iterator[memoryview]:
         """The checked payloads of every batch frame, segment by segment, in order."""
+        for _, payload in self.batch_frames():
+            yield payload
+
+    def batch_frames(self) -> Iterator[tuple[int, memoryview]]:
+        """(format version of its segment, checked payload) of every batch frame, in order.
+        A payload is a view into the segment (mapped, not copied): decode it before the
+        next one is asked for."""
         for seg in self.segments:
             if seg.header is None:
                 continue
             try:
-                data = seg.path.read_bytes()
-            except OSError as exc:
-                self.problems.append(f"{seg.path.name}: cannot read ({exc.strerror}), skipped")
-                continue
-            yield from self._frames(seg.path.name, data)
+                with open(seg.path, "rb") as f:
+                    data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # mmap unsupported here: read it whole
+                try:
+                    data = seg.path.read_bytes()
+                except OSError:
+                    self.problems.append(f"{seg.path.name}: cannot read ({exc}), skipped")
+                    continue
+            version = seg.header.format_version
+            for payload in self._frames(seg.path.name, data):
+                yield version, payload
+            if isinstance(data, mmap.mmap):
+                with contextlib.suppress(BufferError):  # a caller kept a view: it lives on
+                    data.close()
 
-    def _frames(self, name: str, data: bytes) -> Iterator[bytes]:
-        """Intact frames after the header; damaged ones reported and stepped over."""
+    def _frames(self, name: str, data: bytes | mmap.mmap) -> Iterator[memoryview]:
+        """Intact frames' payloads after the header (views into `data`, valid while the
+        caller's loop step runs); damaged ones reported and stepped over."""
+        view = memoryview(data)
         head = FRAME_HEAD.size
         pos = head + FRAME_HEAD.unpack_from(data, 0)[1]  # past the checked header
         skipped_from: int | None = None
@@ -146,15 +167,16 @@ class LogReader:
                 magic, length, checksum = FRAME_HEAD.unpack_from(data, pos)
                 end = pos + head + length
                 if magic == MAGIC and length <= MAX_FRAME_BYTES and end <= len(data):
-                    payload = data[pos + head : end]
+                    payload = view[pos + head : end]
                     ok = xxhash.xxh3_64_intdigest(payload) == checksum
             if not ok:
+                payload = view[0:0]
                 if skipped_from is None:
                     skipped_from = pos
                 nxt = data.find(MAGIC, pos + 1)
                 if nxt < 0:
                     self._skipped(name, skipped_from, len(data), tail=True)
-                    return
+                    break
                 pos = nxt
                 continue
             if skipped_from is not None:
@@ -163,6 +185,9 @@ class LogReader:
             self.batches += 1
             yield payload
             pos = end
+        payload = view[0:0]
+        with contextlib.suppress(BufferError):  # a caller kept a payload view
+            view.release()
 
     def _skipped(self, name: str, start: int, stop: int, *, tail: bool) -> None:
         what = "torn last record (a write cut short)" if tail else "corrupted record(s)"
@@ -171,9 +196,9 @@ class LogReader:
     def batches_of_events(self) -> Iterator[list[Event]]:
         """Every intact batch decoded; a frame whose checksum holds but whose events do
         not decode (written by a buggy or foreign writer) is reported and skipped."""
-        for payload in self.batch_payloads():
+        for version, payload in self.batch_frames():
             try:
-                events = decode_batch(payload)
+                events = decode_batch(payload, version)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self.problems.append(f"a batch of events did not decode ({exc}), skipped")
                 continue

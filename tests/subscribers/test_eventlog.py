@@ -17,6 +17,9 @@ from kvflow.subscribers.eventlog import EventLogSubscriber
 from kvflow.subscribers.eventlog_format import (
     FRAME_HEAD,
     SegmentHeader,
+    decode_index,
+    encode_batch,
+    encode_batch_v1,
     encode_header,
     frame,
     segment_name,
@@ -61,6 +64,57 @@ def test_round_trip_keeps_order_attrs_and_records(tmp_path: Path) -> None:
     assert isinstance(rec, BlockAllocation) and rec.req_id == "r1" and list(rec[1]) == [1, 2]
     # 32-byte chunk hashes are kept as their first 8 bytes, one blob
     assert got[4].attrs == {"chunk_keys": b"a" * 8 + b"b" * 8}
+
+
+def _whatif_batch() -> list[Event]:
+    """A register, a lookup, a store and a failed retrieve, with chunk hashes."""
+    hashes = [bytes([i]) * 32 for i in range(1, 4)]
+    inst = {"instance_id": "gpu0", "model_name": "m"}
+    return [
+        Event(EventType.REGISTER, 1, None, None,
+              {**inst, "world_size": 1, "rank": 0}),
+        Event(EventType.LOOKUP_START, 2, "r", 1, {"model_name": "m", "tokens": 700}),
+        Event(EventType.LOOKUP_END, 3, "r", 1,
+              {"model_name": "m", "requested_tokens": 700, "hit_tokens": 256, "ok": True,
+               "hit_tokens_by_tier": {"l1": 256}, "chunk_hashes": hashes, "chunk_size": 256,
+               "world_size": 1}),
+        Event(EventType.STORE_END, 4, "r", 2,
+              {**inst, "ok": True, "chunk_hashes": hashes, "chunk_bytes": 4096}),
+        Event(EventType.RETRIEVE_END, 5, "r", 3, {**inst, "ok": False, "error": "boom"}),
+    ]  # fmt: skip
+
+
+def test_format_2_batches_carry_an_index_and_format_1_is_still_read(tmp_path: Path) -> None:
+    """A batch's index holds whatif's records and keys (the events do not repeat the
+    keys); a log of format-1 segments (an older kvflow's) reads back the same."""
+    from kvflow.core.replay.trace import read_trace
+
+    batch = _whatif_batch()
+    index = decode_index(encode_batch(batch))
+    assert index.events == 5 and index.names == ["gpu0", "m", ""]  # a lookup has no instance
+    assert index.keys == b"".join(bytes([i]) * 8 for i in range(1, 4)) * 2
+    assert len(index.ops) == 4 * 50  # register, lookup, store, retrieve (no hashes)
+    new, old = tmp_path / "v2", tmp_path / "v1"
+    _write(new, [batch, _events(2)])
+    old.mkdir()
+    header = SegmentHeader(format_version=1, schema_version=1, kvflow_version="0.1",
+                           sequence=1, created_unix_ns=0, epoch_offset_ns=0)  # fmt: skip
+    (old / segment_name(1)).write_bytes(
+        frame(encode_header(header)) + frame(encode_batch_v1(batch))
+        + frame(encode_batch_v1(_events(2)))
+    )  # fmt: skip
+    (got_new, r_new), (got_old, r_old) = _read(new), _read(old)
+    assert r_new.problems == r_old.problems == []
+    assert got_new == got_old and len(got_new) == 7
+    assert got_new[2].attrs["chunk_keys"] == index.keys[:24]
+    assert "chunk_keys" not in got_new[4].attrs
+    a, b = read_trace(LogReader.open(new)), read_trace(LogReader.open(old))
+    assert a.keys.tolist() == b.keys.tolist() and len(a.keys) == 6
+    assert a.kind.tolist() == b.kind.tolist() == [0, 1, 1, 1]  # and _events' two stores
+    for t in (a, b):
+        assert (t.requested_tokens, t.live_l1_hit_tokens, t.chunk_size) == (700, 256, 256)
+        assert t.space_bytes == {0: 4096} and t.spaces == {("m", 1, 0): 0, ("", 1, 0): 1}
+        assert t.unknown_instances == 2  # _events' stores name no registered instance
 
 
 def test_segments_rotate_and_oldest_go_past_the_budget(tmp_path: Path) -> None:

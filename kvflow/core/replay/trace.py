@@ -1,55 +1,53 @@
 """An event log's L1 accesses as flat arrays: what `kvflow whatif` simulates.
 
 Three kinds of recorded operations matter (docs/EVENTS.md, attrs for whatif):
-- a successful LOOKUP_END asks for its `chunk_keys` on every rank of its world
+- a successful LOOKUP_END asks for its chunk keys on every rank of its world
   (a query: the simulation never changes the cache on a lookup, see lru.py);
-- a successful STORE_END puts its `chunk_keys` (the prefix now in L1) in L1 for
+- a successful STORE_END puts its chunk keys (the prefix now in L1) in L1 for
   the instance's rank, and a successful RETRIEVE_END refreshes its hit prefix:
   both are touches.
 Chunk keys are the first 8 bytes of the chained chunk hashes; an object is a key
 within a namespace (model, world size, rank), as `ObjectKey` is in the engine.
+
+A format-2 log keeps these operations in each batch's index (eventlog_format.py):
+fixed-size records and one bytes value of keys, read here with numpy, the events
+themselves never decoded. A format-1 log's batches are decoded (only the attrs of
+the four event types that matter) into the same records, then read the same way.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvflow.events import EventType
+from kvflow.subscribers.eventlog_format import (
+    FLAG_KEYS,
+    FLAG_OK,
+    OP_DTYPE,
+    BatchIndex,
+    decode_index,
+    op_record,
+)
 from kvflow.subscribers.eventlog_read import LogReader
 
 LOOKUP, TOUCH = 0, 1
 
 
-class _Attrs(msgspec.Struct):
-    """The attrs whatif reads; the others are skipped by the decoder, unbuilt."""
-
-    chunk_keys: bytes = b""
-    ok: bool = True
-    instance_id: str = ""
-    model_name: str = ""
-    world_size: int = 1
-    rank: int = 0
-    chunk_size: int = 0
-    chunk_bytes: int = 0
-    requested_tokens: int = 0
-    hit_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] | None = None
-
-
 class _Ev(msgspec.Struct):
-    """An event as whatif reads it: its type, and its attrs left encoded until the type
-    says they are needed (most events are not lookups, stores or retrieves)."""
+    """A format-1 event as whatif reads it: its type, and its attrs left encoded until
+    the type says they are needed (most events are not lookups, stores or retrieves)."""
 
     type: int
     attrs: msgspec.Raw = msgspec.Raw(b"\x80")
 
 
 _decoder = msgspec.msgpack.Decoder(list[_Ev])
-_attrs_decoder = msgspec.msgpack.Decoder(_Attrs)
+_attrs_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 _WANTED = {
     int(EventType.LOOKUP_END),
     int(EventType.STORE_END),
@@ -87,85 +85,142 @@ class Trace:
         return counts.most_common(1)[0][0] if counts else 0
 
 
-def read_trace(reader: LogReader) -> Trace:
-    """Extract the accesses of every intact batch of the log, in order."""
-    instances: dict[str, tuple[str, int, int]] = {}
-    spaces: dict[tuple[str, int, int], int] = {}
-    space_bytes: dict[int, int] = {}
-    kinds: list[int] = []
-    sp: list[int] = []
-    worlds: list[int] = []
-    lengths: list[int] = []
-    blobs: list[bytes] = []
-    requested = live_hits = lookups = unknown = 0
-    chunk_size = 0
-
-    def space_of(model: str, world: int, rank: int) -> int:
-        """The namespace id; a world's ranks get adjacent ids (rank 0 first)."""
-        found = spaces.get((model, world, rank))
-        if found is None:
-            for r in range(world):
-                spaces.setdefault((model, world, r), len(spaces))
-            found = spaces.setdefault((model, world, rank), len(spaces))
-        return found
-
-    for payload in reader.batch_payloads():
+def _index_v1(payload: bytes | memoryview, reader: LogReader) -> BatchIndex:
+    """A format-1 batch's index, as a format-2 writer would have made it."""
+    events = _decoder.decode(payload)
+    names: dict[str, int] = {}
+    ops: list[bytes] = []
+    keys: list[bytes] = []
+    for i, ev in enumerate(events):
+        if ev.type not in _WANTED:
+            continue
         try:
-            events = _decoder.decode(payload)
+            attrs = _attrs_decoder.decode(ev.attrs)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reader.problems.append(f"an event's attrs did not decode for whatif ({exc})")
+            continue
+        blob = attrs.get("chunk_keys", b"")
+        if not isinstance(blob, bytes):
+            blob = b""
+        blob = blob[: len(blob) // 8 * 8]
+        keys.append(blob)
+        flags = FLAG_KEYS if "chunk_keys" in attrs else 0
+        ops.append(op_record(i, EventType(ev.type), attrs, names, len(blob) // 8, flags))
+    return BatchIndex(len(events), list(names), b"".join(ops), b"".join(keys))
+
+
+def read_indexes(reader: LogReader) -> list[BatchIndex]:
+    """The index of every intact batch of the log, in order (format 1 batches decoded
+    into one); a batch that does not decode is reported in `reader.problems`."""
+    parts: list[BatchIndex] = []
+    for version, payload in reader.batch_frames():
+        try:
+            index = _index_v1(payload, reader) if version == 1 else decode_index(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reader.problems.append(f"a batch did not decode for whatif ({exc}), skipped")
             continue
-        reader.events += len(events)
-        for ev in events:
-            t = ev.type
-            if t not in _WANTED:
-                continue
-            try:
-                a = _attrs_decoder.decode(ev.attrs)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                reader.problems.append(f"an event's attrs did not decode for whatif ({exc})")
-                continue
-            if t == EventType.REGISTER:
-                instances[a.instance_id] = (a.model_name, a.world_size, a.rank)
-                continue
-            if not a.ok:
-                continue
-            if t == EventType.LOOKUP_END:
-                lookups += 1
-                requested += a.requested_tokens
-                by_tier = a.hit_tokens_by_tier
-                live_hits += by_tier.get("l1", 0) if by_tier is not None else a.hit_tokens
-                chunk_size = chunk_size or a.chunk_size
-                kinds.append(LOOKUP)
-                sp.append(space_of(a.model_name, a.world_size, 0))
-                worlds.append(a.world_size)
-            else:
-                inst = instances.get(a.instance_id)
-                if inst is None:  # registered before the log's oldest segment
-                    unknown += 1
-                    inst = (a.model_name, 1, 0)
-                s = space_of(*inst)
-                if a.chunk_bytes:
-                    space_bytes[s] = a.chunk_bytes
-                kinds.append(TOUCH)
-                sp.append(s)
-                worlds.append(1)
-            blobs.append(a.chunk_keys)
-            lengths.append(len(a.chunk_keys) // 8)
-    start = np.zeros(len(kinds) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=start[1:])
-    blob = b"".join(blobs)
+        reader.events += index.events
+        parts.append(index)
+    return parts
+
+
+def read_trace(reader: LogReader) -> Trace:
+    """Extract the accesses of every intact batch of the log, in order."""
+    return trace_of(read_indexes(reader))
+
+
+def trace_of(parts: list[BatchIndex]) -> Trace:
+    """The trace of these batch indexes (numpy over the packed records)."""
+    ops = np.frombuffer(b"".join([p.ops for p in parts]), OP_DTYPE)
+    all_keys = np.frombuffer(b"".join([p.keys for p in parts]), "<u8")
+    # batch-local name indexes -> log-wide ones (most logs: the same names in every batch)
+    names: dict[str, int] = {}
+    if all(p.names == parts[0].names for p in parts):
+        names = {n: i for i, n in enumerate(parts[0].names)} if parts else {}
+        inst = ops["instance"].astype(np.int64)
+        model = ops["model"].astype(np.int64)
+    else:
+        maps = [[names.setdefault(n, len(names)) for n in p.names] for p in parts]
+        name_base = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([len(m) for m in maps], out=name_base[1:])
+        name_map = np.asarray([i for m in maps for i in m], dtype=np.int64)
+        per_batch = [len(p.ops) // OP_DTYPE.itemsize for p in parts]
+        base = np.repeat(name_base[:-1], per_batch)
+        inst = name_map[base + ops["instance"]]
+        model = name_map[base + ops["model"]]
+    etype = ops["type"]
+    ok = (ops["flags"] & FLAG_OK) != 0
+    world = ops["world"].astype(np.int64)
+    rank = ops["rank"].astype(np.int64)
+    is_lookup = ok & (etype == int(EventType.LOOKUP_END))
+    is_touch = ok & ((etype == int(EventType.STORE_END)) | (etype == int(EventType.RETRIEVE_END)))
+    # a touch's namespace: its instance's, from the latest REGISTER before it
+    touch_at = np.flatnonzero(is_touch)
+    t_model, t_world, t_rank = model[touch_at], np.ones_like(touch_at), np.zeros_like(touch_at)
+    reg_at = np.flatnonzero(etype == int(EventType.REGISTER))
+    known = np.zeros(len(touch_at), dtype=bool)
+    if len(reg_at) and len(touch_at):
+        n = len(ops) + 1
+        order = np.lexsort((reg_at, inst[reg_at]))
+        reg_sorted = reg_at[order]
+        code = inst[reg_sorted] * n + reg_sorted
+        j = np.searchsorted(code, inst[touch_at] * n + touch_at) - 1
+        jc = np.maximum(j, 0)
+        known = (j >= 0) & (inst[reg_sorted[jc]] == inst[touch_at])
+        src = reg_sorted[jc[known]]
+        t_model[known], t_world[known], t_rank[known] = model[src], world[src], rank[src]
+    chosen = np.flatnonzero(is_lookup | is_touch)
+    op_model, op_world, op_rank = model[chosen], world[chosen], np.zeros(len(chosen), np.int64)
+    where = np.searchsorted(chosen, touch_at)
+    op_model[where], op_world[where], op_rank[where] = t_model, t_world, t_rank
+    lookup_sel = is_lookup[chosen]
+    # namespace ids in order of first appearance; a world's ranks adjacent (rank 0 first)
+    spaces: dict[tuple[str, int, int], int] = {}
+    name_list = list(names)
+
+    def space_of(model_name: str, world_size: int, r: int) -> int:
+        found = spaces.get((model_name, world_size, r))
+        if found is None:
+            for q in range(world_size):
+                spaces.setdefault((model_name, world_size, q), len(spaces))
+            found = spaces.setdefault((model_name, world_size, r), len(spaces))
+        return found
+
+    code = (op_model << 32) | (op_world << 16) | op_rank
+    if len(code) and code.min() == code.max():  # one namespace (most logs): no sort
+        uniq, first = code[:1], np.zeros(1, dtype=np.int64)
+        inverse = np.zeros(len(code), dtype=np.int64)
+    else:
+        uniq, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    ids = np.zeros(len(uniq), dtype=np.int32)
+    for u in np.argsort(first, kind="stable").tolist():
+        c = int(uniq[u])
+        ids[u] = space_of(name_list[c >> 32], (c >> 16) & 0xFFFF, c & 0xFFFF)
+    space = ids[inverse.reshape(-1)]
+    space_bytes: dict[int, int] = {}
+    sized = np.flatnonzero(~lookup_sel & (ops["chunk_bytes"][chosen] > 0))
+    if len(sized):
+        s_ids = space[sized]
+        for s in np.unique(s_ids).tolist():
+            space_bytes[int(s)] = int(ops["chunk_bytes"][chosen[sized[s_ids == s][-1]]])
+    nkeys = ops["nkeys"].astype(np.int64)
+    dropped = ~(is_lookup | is_touch)
+    keys = all_keys[np.repeat(~dropped, nkeys)] if nkeys[dropped].any() else all_keys
+    start = np.zeros(len(chosen) + 1, dtype=np.int64)
+    np.cumsum(nkeys[chosen], out=start[1:])
+    lk = ops[is_lookup]
+    sizes = lk["chunk_size"][lk["chunk_size"] > 0]
     return Trace(
-        kind=np.asarray(kinds, dtype=np.int8),
-        space=np.asarray(sp, dtype=np.int32),
-        world=np.asarray(worlds, dtype=np.int32),
+        kind=np.where(lookup_sel, LOOKUP, TOUCH).astype(np.int8),
+        space=space.astype(np.int32),
+        world=np.where(lookup_sel, op_world, 1).astype(np.int32),
         start=start,
-        keys=np.frombuffer(blob, dtype="<u8", count=len(blob) // 8),
-        requested_tokens=requested,
-        chunk_size=chunk_size,
-        live_l1_hit_tokens=live_hits,
-        lookups=lookups,
+        keys=keys,
+        requested_tokens=int(lk["requested"].sum()),
+        chunk_size=int(sizes[0]) if len(sizes) else 0,
+        live_l1_hit_tokens=int(lk["l1_hits"].sum()),
+        lookups=len(lk),
         space_bytes=space_bytes,
         spaces=spaces,
-        unknown_instances=unknown,
+        unknown_instances=int(len(touch_at) - known.sum()),
     )

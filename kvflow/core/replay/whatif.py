@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, metavar="N",
                    help="tokens per chunk (default: the log's; must match it)")  # fmt: skip
     p.add_argument("--sample-rate", type=float, metavar="R",
-                   help="simulate only this share of keys (SHARDS), e.g. 0.01; default exact")  # fmt: skip
+                   help="simulate only this share of keys (SHARDS, estimate stratified by key"
+                        " popularity), e.g. 0.01; default exact")  # fmt: skip
     p.add_argument("--sample-seed", type=int, default=0, metavar="N", help="sampler seed")
     p.add_argument("--out", metavar="DIR", help="also write whatif.csv and whatif.png here")
     return p
@@ -164,7 +165,9 @@ def run(argv: list[str], out: IO[str]) -> int:
     t1 = time.perf_counter()
     dist = simulate(trace, rate=rate or 1.0, seed=args.sample_seed)
     t2 = time.perf_counter()
-    mode = "exact" if rate is None else f"sampled at {rate:g} (seed {args.sample_seed})"
+    mode = "exact"
+    if rate is not None:
+        mode = f"sampled at {rate:g} (seed {args.sample_seed}; SHARDS, popularity-stratified)"
     mode += f"; read {t1 - t0:.2f} s, simulated {t2 - t1:.2f} s"
     rows = curve(trace, dist, sizes)
     out.write("\n".join(_table(rows, trace, mode)) + "\n")
