@@ -217,3 +217,45 @@ def test_flush_waits_for_a_batch_in_flight_when_later_batches_are_filtered_out()
     assert bus.flush(5)
     assert [e.op_id for e in sub.events] == [0]
     assert bus.stop(5)
+
+
+def _delivery_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvflow-bus-")]
+
+
+def test_stop_ends_every_delivery_thread_promptly() -> None:
+    """stop() closes each threaded subscriber's delivery: its thread exits, and stop does
+    not sit out its timeout waiting for it."""
+    before = set(_delivery_threads())
+    subs = [RecordingSubscriber(f"mut-stop-{i}") for i in range(3)]
+    bus = EventBus(100)
+    for sub in subs:
+        bus.register(sub)
+    bus.start()
+    bus.publish(Event(T.L1_READ))
+    started = time.monotonic()
+    assert bus.stop(10)
+    assert time.monotonic() - started < 3
+    assert set(_delivery_threads()) <= before
+    assert all(len(sub.events) == 1 and sub.shutdown_calls == 1 for sub in subs)
+
+
+def test_stop_deadline_bounds_a_subscriber_stuck_in_on_events() -> None:
+    """A subscriber that never returns from on_events cannot hold stop() past its timeout:
+    stop returns False, with the undelivered events named in shutdown_errors."""
+    gate = threading.Event()
+    stuck = RecordingSubscriber("mut-stuck", gate=gate)
+    bus = EventBus(100)
+    bus.register(stuck)
+    bus.start()
+    bus.publish(Event(T.L1_READ))
+    release = threading.Timer(8, gate.set)  # frees the thread whatever happens
+    release.start()
+    try:
+        started = time.monotonic()
+        assert not bus.stop(0.5)
+        assert time.monotonic() - started < 3
+        assert any(isinstance(e, TimeoutError) for e in bus.shutdown_errors)
+    finally:
+        gate.set()
+        release.cancel()
