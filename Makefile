@@ -98,13 +98,14 @@ test-gpu: $(STAMP)
 # module at a time in a copy of the tree outside the repo ($(MUTATION_DIR)) and runs each mutant
 # against only the tests that reach the mutated function (tests/support/mutation.py maps modules
 # to tests). `make mutation MODULE=kvflow/core/tiers/diskfile.py` runs one module; without
-# MODULE it runs every engine, tiers, server and bus module. Scores: docs/TESTING.md.
+# MODULE it runs every engine, tiers, server and bus module; RECHECK=1 reruns only the mutants
+# the last run left alive, against the current tests. Scores: docs/TESTING.md.
 MUTATION_DIR ?= /tmp/kvflow-mutation
 MUTMUT_VERSION := 3.8.1
 
 mutation: $(STAMP)
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q mutmut==$(MUTMUT_VERSION)
-	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(MODULE)
+	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(MODULE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,8 @@ files) into a scratch folder outside the repo ($KVFLOW_MUTATION_DIR, default
 reaches which function, then runs each mutant against only those tests. Nothing is written
 into the repo. The summary line per module is what docs/TESTING.md records; the survivors are
 listed (and written to <folder>/survivors.txt); `mutmut show <name>` in the folder shows one.
+After adding tests, `--recheck` (make mutation RECHECK=1) reruns only the mutants the last run
+of a module left alive, against the repo's current tests, and prints the new score.
 
 Score = (killed + timeout) / (total - skipped). "no tests" mutants (code no selected test
 reaches) count as not killed.
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -33,7 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 # exercise it. A module missing here gets the test_<name>*.py files of its mirrored tests
 # folder (kvflow/core/tiers/disk.py -> tests/core/tiers/test_disk*.py), or the whole folder.
 TESTS_BY_MODULE: dict[str, list[str]] = {
-    "kvflow/events/bus.py": ["tests/events/test_bus.py", "tests/core/engine/test_engine_events.py"],
+    # The stream stamper (tests/events/test_stream.py) drives the bus's reservation API.
+    "kvflow/events/bus.py": ["tests/events", "tests/core/engine/test_engine_events.py"],
     "kvflow/core/tiers/diskfile.py": [
         "tests/core/tiers/test_disk.py",
         "tests/core/tiers/test_disk_faults.py",
@@ -178,24 +182,59 @@ def score(stats: dict[str, int]) -> float:
     return 100.0 * (stats["killed"] + stats["timeout"]) / counted if counted else 0.0
 
 
-def run_module(module: str, root: Path, max_children: int) -> dict[str, int] | None:
+def not_killed(work: Path, mutmut: list[str], env: dict[str, str]) -> list[str]:
+    """The mutants of the last run in `work` that survived or that no test reached."""
+    out = subprocess.run(
+        [*mutmut, "results"], cwd=work, env=env, check=True, capture_output=True, text=True
+    ).stdout
+    names = []
+    for line in out.splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if status in ("survived", "no tests"):
+            names.append(name)
+    return names
+
+
+def run_module(
+    module: str, root: Path, max_children: int, recheck: bool = False
+) -> dict[str, int] | None:
     if not (REPO / module).is_file():
         sys.exit(f"make mutation: no such module: {module}")
     tests = tests_for(module)
     work = root / module.removesuffix(".py").replace("/", ".")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    mutmut = [sys.executable, "-m", "mutmut"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    names: list[str] = []
+    if recheck:
+        # Only the mutants the last run left alive, against the repo's current tests
+        # (mutmut notices new tests and records which functions they reach).
+        if not (work / "mutants").is_dir():
+            sys.exit(f"make mutation: --recheck needs an earlier run of {module} in {work}")
+        names = not_killed(work, mutmut, env)
+        if not names:
+            print(f"== {module}: nothing left to recheck", flush=True)
+        shutil.rmtree(work / "tests")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
     copy_tree(work)
     pyproject = work / "pyproject.toml"
     if "mutmut" in tomllib.loads(pyproject.read_text()).get("tool", {}):
         sys.exit("make mutation: pyproject.toml has a [tool.mutmut] table of its own; remove it")
     pyproject.write_text(pyproject.read_text() + mutmut_table(work, module, tests))
     print(f"== {module}: tests {' '.join(tests)} (in {work})", flush=True)
-    mutmut = [sys.executable, "-m", "mutmut"]
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    run = subprocess.run([*mutmut, "run", "--max-children", str(max_children)], cwd=work, env=env)
-    if run.returncode != 0:
-        print(f"== {module}: mutmut run failed (exit {run.returncode})", flush=True)
+    command = [*mutmut, "run", "--max-children", str(max_children), *names]
+    if recheck and not names:
+        command = []
+    with subprocess.Popen(command or ["true"], cwd=work, env=env) as proc:
+        try:
+            returncode = proc.wait()
+        except BaseException:  # Ctrl-C or SIGTERM: stop mutmut and its workers too
+            proc.terminate()
+            proc.wait(30)
+            raise
+    if returncode != 0:
+        print(f"== {module}: mutmut run failed (exit {returncode})", flush=True)
         return None
     subprocess.run(
         [*mutmut, "export-cicd-stats"], cwd=work, env=env, check=True, capture_output=True
@@ -229,11 +268,19 @@ def main() -> None:
         help="scratch folder, outside the repo (default $KVFLOW_MUTATION_DIR or /tmp/kvflow-mutation)",
     )
     parser.add_argument("--max-children", type=int, default=1, help="parallel mutants (default 1)")
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="rerun only the mutants the last run left alive, with the repo's current tests",
+    )
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("make mutation: terminated"))
     root = args.dir.resolve()
     if root == REPO or REPO in root.parents:
         sys.exit("make mutation: the scratch folder must be outside the repo")
-    results = {m: run_module(m, root, args.max_children) for m in (args.modules or MODULES)}
+    results = {
+        m: run_module(m, root, args.max_children, args.recheck) for m in (args.modules or MODULES)
+    }
     print("\nmodule | killed/total | score")
     for module, stats in results.items():
         if stats is None:
