@@ -174,6 +174,11 @@ def _int(value: Any, default: int, limit: int) -> int:
     return v if 0 <= v <= limit else default
 
 
+_LOOKUP_END = EventType.LOOKUP_END
+_TYPE_CODE = {t: int(t) for t in EventType}
+_pack = OP_RECORD.pack
+
+
 def op_record(
     i: int,
     etype: EventType,
@@ -183,27 +188,42 @@ def op_record(
     flags: int,
 ) -> bytes:
     """The OP_RECORD of event `i`, of type `etype` (names interned into `names`)."""
-    inst, model = attrs.get("instance_id"), attrs.get("model_name")
-    inst_i = names.setdefault(inst if isinstance(inst, str) else "", len(names))
-    model_i = names.setdefault(model if isinstance(model, str) else "", len(names))
-    if attrs.get("ok") is not False:
+    get = attrs.get
+    inst, model = get("instance_id", ""), get("model_name", "")
+    if type(inst) is not str:
+        inst = ""
+    if type(model) is not str:
+        model = ""
+    inst_i = names.get(inst)
+    if inst_i is None:
+        inst_i = names[inst] = len(names)
+    model_i = names.get(model)
+    if model_i is None:
+        model_i = names[model] = len(names)
+    if get("ok") is not False:
         flags |= FLAG_OK
-    l1 = 0
-    if etype == EventType.LOOKUP_END:
-        by_tier = attrs.get("hit_tokens_by_tier")
-        l1 = by_tier.get("l1", 0) if by_tier is not None else attrs.get("hit_tokens", 0)
-    world, rank = attrs.get("world_size", 1), attrs.get("rank", 0)
-    fields = (i, int(etype), flags, world, rank, inst_i, model_i, nkeys,
-              attrs.get("requested_tokens", 0), l1, attrs.get("chunk_size", 0),
-              attrs.get("chunk_bytes", 0))  # fmt: skip
+    code = _TYPE_CODE.get(etype, 0)
+    if etype is _LOOKUP_END:
+        by_tier = get("hit_tokens_by_tier")
+        l1 = by_tier.get("l1", 0) if by_tier is not None else get("hit_tokens", 0)
+        world, requested, chunk_size = (
+            get("world_size", 1),
+            get("requested_tokens", 0),
+            get("chunk_size", 0),
+        )
+        rank = chunk_bytes = 0
+    else:
+        l1 = requested = chunk_size = 0
+        world, rank, chunk_bytes = get("world_size", 1), get("rank", 0), get("chunk_bytes", 0)
     try:
-        return OP_RECORD.pack(*fields)
+        return _pack(i, code, flags, world, rank, inst_i, model_i, nkeys, requested, l1,
+                     chunk_size, chunk_bytes)  # fmt: skip
     except (struct.error, TypeError):  # an odd value (None, a float, out of range)
         big = (1 << 63) - 1
-        return OP_RECORD.pack(
-            i, int(etype), flags, _int(world, 1, 0xFFFF), _int(rank, 0, 0xFFFF), inst_i,
-            model_i, nkeys, _int(fields[8], 0, big), _int(l1, 0, big),
-            _int(fields[10], 0, 0xFFFFFFFF), _int(fields[11], 0, big),
+        return _pack(
+            i, code, flags, _int(world, 1, 0xFFFF), _int(rank, 0, 0xFFFF), inst_i, model_i,
+            nkeys, _int(requested, 0, big), _int(l1, 0, big), _int(chunk_size, 0, 0xFFFFFFFF),
+            _int(chunk_bytes, 0, big),
         )  # fmt: skip
 
 

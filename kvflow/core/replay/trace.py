@@ -208,18 +208,18 @@ def trace_of(parts: list[BatchIndex]) -> Trace:
     keys = all_keys[np.repeat(~dropped, nkeys)] if nkeys[dropped].any() else all_keys
     start = np.zeros(len(chosen) + 1, dtype=np.int64)
     np.cumsum(nkeys[chosen], out=start[1:])
-    lk = ops[is_lookup]
-    sizes = lk["chunk_size"][lk["chunk_size"] > 0]
+    lookup_sizes = ops["chunk_size"][is_lookup]
+    sizes = lookup_sizes[lookup_sizes > 0]
     return Trace(
         kind=np.where(lookup_sel, LOOKUP, TOUCH).astype(np.int8),
         space=space.astype(np.int32),
         world=np.where(lookup_sel, op_world, 1).astype(np.int32),
         start=start,
         keys=keys,
-        requested_tokens=int(lk["requested"].sum()),
+        requested_tokens=int(ops["requested"][is_lookup].sum()),
         chunk_size=int(sizes[0]) if len(sizes) else 0,
-        live_l1_hit_tokens=int(lk["l1_hits"].sum()),
-        lookups=len(lk),
+        live_l1_hit_tokens=int(ops["l1_hits"][is_lookup].sum()),
+        lookups=int(is_lookup.sum()),
         space_bytes=space_bytes,
         spaces=spaces,
         unknown_instances=int(len(touch_at) - known.sum()),
