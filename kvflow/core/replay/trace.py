@@ -17,9 +17,9 @@ the four event types that matter) into the same records, then read the same way.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -29,6 +29,7 @@ from kvflow.subscribers.eventlog_format import (
     FLAG_KEYS,
     FLAG_OK,
     OP_DTYPE,
+    OP_RECORD,
     BatchIndex,
     decode_index,
     op_record,
@@ -46,8 +47,26 @@ class _Ev(msgspec.Struct):
     attrs: msgspec.Raw = msgspec.Raw(b"\x80")
 
 
+class _Attrs(msgspec.Struct):
+    """The attrs of a format-1 event that whatif reads; the others are skipped by the
+    decoder, unbuilt."""
+
+    chunk_keys: bytes | None = None
+    ok: bool = True
+    instance_id: str = ""
+    model_name: str = ""
+    world_size: int = 1
+    rank: int = 0
+    chunk_size: int = 0
+    chunk_bytes: int = 0
+    requested_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] | None = None
+
+
 _decoder = msgspec.msgpack.Decoder(list[_Ev])
-_attrs_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+_attrs_decoder = msgspec.msgpack.Decoder(_Attrs)
+_LOOKUP_END = int(EventType.LOOKUP_END)
 _WANTED = {
     int(EventType.LOOKUP_END),
     int(EventType.STORE_END),
@@ -95,17 +114,27 @@ def _index_v1(payload: bytes | memoryview, reader: LogReader) -> BatchIndex:
         if ev.type not in _WANTED:
             continue
         try:
-            attrs = _attrs_decoder.decode(ev.attrs)
+            a = _attrs_decoder.decode(ev.attrs)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reader.problems.append(f"an event's attrs did not decode for whatif ({exc})")
             continue
-        blob = attrs.get("chunk_keys", b"")
-        if not isinstance(blob, bytes):
-            blob = b""
+        blob = a.chunk_keys or b""
         blob = blob[: len(blob) // 8 * 8]
         keys.append(blob)
-        flags = FLAG_KEYS if "chunk_keys" in attrs else 0
-        ops.append(op_record(i, EventType(ev.type), attrs, names, len(blob) // 8, flags))
+        flags = (FLAG_KEYS if a.chunk_keys is not None else 0) | (FLAG_OK if a.ok else 0)
+        l1 = 0
+        if ev.type == _LOOKUP_END:
+            by_tier = a.hit_tokens_by_tier
+            l1 = by_tier.get("l1", 0) if by_tier is not None else a.hit_tokens
+        inst_i = names.setdefault(a.instance_id, len(names))
+        model_i = names.setdefault(a.model_name, len(names))
+        try:
+            ops.append(OP_RECORD.pack(i, ev.type, flags, a.world_size, a.rank, inst_i, model_i,
+                                      len(blob) // 8, a.requested_tokens, l1, a.chunk_size,
+                                      a.chunk_bytes))  # fmt: skip
+        except struct.error:  # a value out of a field's range: the writer's defaults
+            attrs = {f: getattr(a, f) for f in a.__struct_fields__ if f != "chunk_keys"}
+            ops.append(op_record(i, EventType(ev.type), attrs, names, len(blob) // 8, flags))
     return BatchIndex(len(events), list(names), b"".join(ops), b"".join(keys))
 
 
