@@ -116,7 +116,7 @@ class SharedZeros(TorchFunctionMode):
     """While active, CPU `torch.zeros` of int8 (vLLM's raw KV buffer dtype) and at least
     `min_bytes` come from `empty_shared`; every other call runs as usual."""
 
-    def __init__(self, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, min_bytes: int = 1 << 16) -> None:
         super().__init__()
         self.min_bytes = min_bytes
         #: the shared tensors handed out (kept alive here too)

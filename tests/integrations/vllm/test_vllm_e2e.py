@@ -5,8 +5,10 @@ as a child process of that venv's python (tests/integrations/vllm/vllm_run.py)
 with vLLM's own prefix caching off and greedy decoding of a tiny random Llama
 (2 layers, one attention head of dim 64) saved here from a config:
 
-1. engine 1 with KVFlowConnector runs prompt A (two 256-token chunks): nothing matches,
-   the connector stores both chunks;
+1. engine 1 with KVFlowConnector runs prompt A (two 256-token chunks), then prompt B:
+   nothing matches, the connector stores both prompts' chunks; with 8 KV blocks, B
+   reuses A's block ids, which the server's L0 lifecycle subscriber (every block
+   sampled) records as evictions;
 2. a fresh engine 2 with KVFlowConnector runs A + a suffix: the connector's lookup
    matches A's two chunks, vLLM skips those tokens (num_cached_tokens) and the worker
    retrieves them from the server;
@@ -33,6 +35,7 @@ from kvflow.core import KVFlowClient
 from tests.e2e.server_proc import running_server
 from tests.integrations.vllm.tiny_model import build_tiny_llama
 from tests.integrations.vllm.vllm_venv import ROOT, vllm_python
+from tests.support.collectors import free_port
 
 CHUNK = 256
 PROMPT_TOKENS = 2 * CHUNK
@@ -96,13 +99,22 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
     rng = random.Random(1)
     prompt = [rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)]
     longer = prompt + [rng.randrange(1, 500) for _ in range(SUFFIX_TOKENS)]
+    other = [rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)]
 
-    with running_server(CHUNK, tmp_path / "server.log") as endpoint:
-        first, log1 = _engine(python, model, [prompt], tmp_path, "engine1", endpoint)
-        assert _matched(log1) == [(0, PROMPT_TOKENS)], log1[-4000:]
+    # every block sampled, so the L0 lifecycle subscriber follows all the engines' blocks;
+    # it runs only with a metric reader: the Prometheus endpoint on a free port
+    l0_all = ("--l0-sample-rate", "1", "--prometheus-port", str(free_port()))
+    with running_server(CHUNK, tmp_path / "server.log", l0_all) as endpoint:
+        first, log1 = _engine(python, model, [prompt, other], tmp_path, "engine1", endpoint)
+        assert _matched(log1) == [(0, PROMPT_TOKENS)] * 2, log1[-4000:]
         assert "through shared memory (allocated there)" in log1, "CPU KV not allocated shared"
-        stored = _activity(endpoint)["ops"]["store"]
-        assert stored["tokens"] == PROMPT_TOKENS and stored["errors"] == 0, stored
+        activity = _activity(endpoint)
+        stored = activity["ops"]["store"]
+        assert stored["tokens"] == 2 * PROMPT_TOKENS and stored["errors"] == 0, stored
+        # A ended (end_session) and B's allocations reused its blocks: the L0 lifecycle
+        # subscriber saw real blocks live and die
+        lifetime = activity["l0_histograms"].get("lifetime", {})
+        assert lifetime.get("count", 0) > 0, activity["l0_histograms"]
 
         second, log2 = _engine(python, model, [longer], tmp_path, "engine2", endpoint)
         # the connector matched A's two chunks, and vLLM did not compute those tokens

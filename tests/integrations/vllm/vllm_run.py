@@ -42,8 +42,8 @@ def main() -> None:
         skip_tokenizer_init=True,
         enable_prefix_caching=False,
         gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=1024,
+        kv_cache_memory_bytes=1 << 20,  # 8 blocks of 128 tokens: later requests reuse ids
+        max_model_len=768,
         dtype="float32",
         enforce_eager=True,
         tensor_parallel_size=int(os.environ.get("VLLM_RUN_TP", "1")),
