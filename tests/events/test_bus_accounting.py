@@ -232,6 +232,15 @@ def test_stop_ends_every_delivery_thread_promptly() -> None:
     for sub in subs:
         bus.register(sub)
     bus.start()
+    try:
+        # named for thread dumps (py-spy, faulthandler), and daemons: an unstopped bus
+        # never holds the interpreter's exit
+        running = {t.name: t for t in set(_delivery_threads()) - before}
+        assert sorted(running) == [f"kvflow-bus-mut-stop-{i}" for i in range(3)]
+        assert all(t.daemon for t in running.values())
+    except AssertionError:
+        bus.stop(1)
+        raise
     bus.publish(Event(T.L1_READ))
     started = time.monotonic()
     assert bus.stop(10)
