@@ -138,6 +138,16 @@ def test_tensor_parallel_ranks_each_store_and_load_their_shard(tmp_path: Path) -
     """TP=2 (two CPU workers, a model with two KV heads): each rank registers, stores and
     retrieves its own shard, the lookup asks for both, and the output is unchanged."""
     python = vllm_python()
+    shm = Path("/dev/shm")
+    before = set(shm.glob("vllm_dist_*"))
+    try:
+        _tensor_parallel(python, tmp_path)
+    finally:  # vLLM's CPU workers leave their shared-memory channels behind: remove ours
+        for path in set(shm.glob("vllm_dist_*")) - before:
+            path.unlink(missing_ok=True)
+
+
+def _tensor_parallel(python: str, tmp_path: Path) -> None:
     model = build_tiny_llama(tmp_path / "tiny-llama-2-heads", heads=2)
     rng = random.Random(2)
     prompt = [rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)]
