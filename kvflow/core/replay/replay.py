@@ -3,37 +3,57 @@
 The subscribers are built by `build_subscribers` from an `ObservabilityConfig`, as
 in a server, with a MeterProvider of two readers in place of the exporters: the
 Prometheus reader (its text is the `--format prometheus` dump) and an in-memory
-one (`--format json`). Every subscriber computes from event timestamps, so the
-counters and histograms equal the live run's for the same settings; the L0
-sampling rate and seed may differ (`--l0-sample-rate`, `--sample-seed`).
-Gauges read from the live process (L1/L2 occupancy, bus statistics) are not in a
-log and are absent from a replay.
+one (`--format json`), plus the server's OTLP reader with `--otlp-endpoint`. Every
+subscriber computes from event timestamps, so the counters and histograms equal
+the live run's for the same settings; the L0 sampling rate and seed may differ
+(`--l0-sample-rate`, `--sample-seed`). Gauges read from the live process (L1/L2
+occupancy, bus statistics) are not in a log and are absent from a replay.
+
+With `--traces FILE` or `--otlp-endpoint` the tracing subscriber runs too (spans to
+a JSON-lines file and/or the collector: see spans.py). Spans and log lines carry
+wall times: the events they get are shifted so that the subscribers' conversion
+gives the recorded time plus the log's own epoch offset (the run's clock, not the
+replaying process's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any, NoReturn
 
+import msgspec
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     HistogramDataPoint,
     InMemoryMetricReader,
+    MetricReader,
     NumberDataPoint,
 )
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import generate_latest
 
 from kvflow.core.config import ObservabilityConfig
+from kvflow.core.replay.spans import FLUSH_EVERY_EVENTS, replay_tracer_provider
 from kvflow.core.replay.window import parse_time
-from kvflow.events import Event
-from kvflow.subscribers import PrometheusEndpoint, build_subscribers, make_meter_provider
+from kvflow.events import Event, monotonic_to_epoch_ns
+from kvflow.subscribers import (
+    PrometheusEndpoint,
+    TracingSubscriber,
+    build_subscribers,
+    make_meter_provider,
+    otlp_metric_reader,
+)
 from kvflow.subscribers.eventlog_read import EventLogError, LogReader
+from kvflow.subscribers.providers import OTLP_PROTOCOLS
 
 DEFAULT_L0_SAMPLE_RATE = ObservabilityConfig().l0_sample_rate
+#: subscribers that turn event times into wall times (with this process's epoch offset)
+_WALL_CLOCK_SUBSCRIBERS = frozenset({"tracing", "logging"})
 
 
 class UsageError(Exception):
@@ -67,10 +87,17 @@ def replay(
     end_ns: int | None = None,
     log_stream: IO[str] | None = None,
     log_level: str = "info",
+    tracer_provider: TracerProvider | None = None,
 ) -> ReplayResult:
     """Feed the log's events in [start_ns, end_ns) through metrics, L0 and (with
-    `log_stream`) logging subscribers recording into `meter_provider`, batch by batch
-    as the bus delivered them. Sampling defaults to the run's, as its log recorded."""
+    `log_stream`) logging subscribers recording into `meter_provider`, and (with
+    `tracer_provider`) the tracing subscriber, batch by batch as the bus delivered them.
+    Sampling defaults to the run's, as its log recorded.
+
+    Every subscriber is shut down at the end, as the bus does when a server stops (the
+    tracing subscriber ends its pending operations and open requests then), and the
+    providers are flushed; `tracer_provider` is flushed but not shut down.
+    """
     header = reader.first_header
     rate = l0_sample_rate
     if rate is None:
@@ -95,7 +122,19 @@ def replay(
         configure_root_logging=log_stream is not None,
         log_stream=log_stream,
     )
-    count, first, last = 0, None, None
+    if tracer_provider is not None:
+        # as build_subscribers wires it for a server (which also wants an OTLP endpoint)
+        pipeline.tracer_provider = tracer_provider
+        pipeline.subscribers += (
+            TracingSubscriber(
+                tracer_provider,
+                ttl_s=config.tracing_ttl_s,
+                meter_provider=pipeline.meter_provider,
+            ),
+        )
+    here = monotonic_to_epoch_ns(0)
+    shift = (header.epoch_offset_ns - here) if header is not None else 0
+    count, first, last, traced = 0, None, None, 0
     try:
         for batch in reader.batches_of_events():
             events: Sequence[Event] = batch
@@ -105,17 +144,36 @@ def replay(
                 events = [ev for ev in batch if lo <= ev.ts_ns < hi]
             if not events:
                 continue
+            shifted: Sequence[Event] | None = None if shift else events
             for sub in pipeline.subscribers:
+                given = events
+                if sub.name in _WALL_CLOCK_SUBSCRIBERS:
+                    if shifted is None:
+                        shifted = [_shifted(ev, shift) for ev in events]
+                    given = shifted
                 wanted = sub.event_types
-                mine = events if wanted is None else [e for e in events if e.type in wanted]
+                mine = given if wanted is None else [e for e in given if e.type in wanted]
                 if mine:
                     sub.on_events(mine)
+                    if sub.name == "tracing":
+                        traced += len(mine)
+            if tracer_provider is not None and traced >= FLUSH_EVERY_EVENTS:
+                tracer_provider.force_flush()
+                traced = 0
             count += len(events)
             first = events[0].ts_ns if first is None else first
             last = events[-1].ts_ns
     finally:
-        pipeline.shutdown(timeout=5.0)
+        for sub in pipeline.subscribers:
+            sub.shutdown()
+        pipeline.shutdown(timeout=30.0)
     return ReplayResult(reader, count, first, last, rate, seed)
+
+
+def _shifted(ev: Event, shift: int) -> Event:
+    """A copy of `ev` whose time, converted with this process's epoch offset, gives the
+    recorded time converted with the run's."""
+    return msgspec.structs.replace(ev, ts_ns=ev.ts_ns + shift)
 
 
 def _points_json(reader: InMemoryMetricReader) -> list[dict[str, Any]]:
@@ -178,6 +236,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", metavar="FILE",
                    help="also run the logging subscriber, writing its lines to FILE")  # fmt: skip
     p.add_argument("--log-level", default="info", help="level of those log lines (default info)")
+    p.add_argument("--traces", metavar="FILE",
+                   help="also run the tracing subscriber, writing its spans to FILE as JSON"
+                        " lines")  # fmt: skip
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="also export the metrics and spans to this OTLP collector")  # fmt: skip
+    p.add_argument("--otlp-protocol", choices=OTLP_PROTOCOLS,
+                   help="OTLP transport: grpc (default) or http (protobuf)")  # fmt: skip
     return p
 
 
@@ -207,14 +272,28 @@ def run(argv: list[str], out: IO[str]) -> int:
                 end = parse_time(args.end, "--to", first_ts_ns=first, epoch_offset_ns=offset)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    if args.otlp_protocol is not None and args.otlp_endpoint is None:
+        raise UsageError("--otlp-protocol needs --otlp-endpoint")
+    protocol = args.otlp_protocol or "grpc"
     endpoint = PrometheusEndpoint(port=0)  # never started: its reader renders the text
     memory = InMemoryMetricReader()
-    provider = make_meter_provider([endpoint.reader, memory])
+    readers: list[MetricReader] = [endpoint.reader, memory]
+    if args.otlp_endpoint is not None:
+        try:  # no periodic push: the one export is the flush at the end
+            readers.append(otlp_metric_reader(args.otlp_endpoint, protocol, math.inf))
+        except ValueError as exc:
+            raise UsageError(f"--otlp-endpoint: {exc}") from None
+    provider = make_meter_provider(readers)
     log_file = open(args.logs, "w") if args.logs else None  # noqa: SIM115 - closed below
+    trace_file = open(args.traces, "w") if args.traces else None  # noqa: SIM115 - closed below
+    tracer_provider = None
+    if trace_file is not None or args.otlp_endpoint is not None:
+        tracer_provider = replay_tracer_provider(trace_file, args.otlp_endpoint, protocol)
     try:
         result = replay(
             reader, provider, l0_sample_rate=args.l0_sample_rate, sample_seed=args.sample_seed,
             start_ns=start, end_ns=end, log_stream=log_file, log_level=args.log_level,
+            tracer_provider=tracer_provider,
         )  # fmt: skip
         summary = _summary(result)
         if result.events == 0 and not reader.problems:
@@ -227,8 +306,11 @@ def run(argv: list[str], out: IO[str]) -> int:
             out.write(generate_latest(endpoint.registry).decode())
     finally:
         provider.shutdown()
-        if log_file is not None:
-            log_file.close()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()
+        for file in (log_file, trace_file):
+            if file is not None:
+                file.close()
     for problem in reader.problems:
         print(f"kvflow replay: skipped: {problem}", file=sys.stderr)
     return 0

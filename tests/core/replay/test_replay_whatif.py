@@ -236,10 +236,10 @@ def synthetic_trace(requests: int, docs: int, seed: int = 0) -> Trace:
             keys += part
     start = np.zeros(len(kinds) + 1, dtype=np.int64)
     np.cumsum(lengths, out=start[1:])
-    kind = np.asarray(kinds, dtype=np.int8)
-    lookup_chunks = int(np.diff(start)[kind == LOOKUP].sum())
+    kind_of = np.asarray(kinds, dtype=np.int8)
+    lookup_chunks = int(np.diff(start)[kind_of == LOOKUP].sum())
     return Trace(
-        kind=kind, space=np.zeros(len(kinds), np.int32), world=np.ones(len(kinds), np.int32),
+        kind=kind_of, space=np.zeros(len(kinds), np.int32), world=np.ones(len(kinds), np.int32),
         start=start, keys=np.asarray(keys, dtype=np.int64).view(np.uint64),
         requested_tokens=lookup_chunks * 16, chunk_size=16, lookups=requests,
         space_bytes={0: 1 << 20}, spaces={("m", 1, 0): 0},
