@@ -25,7 +25,7 @@ from kvflow.integrations.vllm.plan import LoadSpec, StepPlan
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.shared_kv import SharedKV, SharedZeros
 from kvflow.integrations.vllm.worker import WorkerSide
-from kvflow.kernels import KVLayout
+from kvflow.kernels import KVLayout, cuda_available
 from tests.e2e.server_proc import running_server
 from tests.support.collectors import free_port
 
@@ -377,3 +377,50 @@ def test_load_and_store_switches(endpoint: str) -> None:
         assert plan == StepPlan()
     finally:
         side.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str) -> None:
+    """The worker side on CUDA caches laid out as FlashAttention's (NHD memory seen through
+    vLLM's [B, H, N, 2*D] manager view, K and V split by channels): registration goes by
+    CUDA IPC, and a chunk stored from one request's blocks loads into another's exactly."""
+    scheduler = SchedulerSide(_config(endpoint), model_name=MODEL, world_size=1, block_size=BLOCK)
+    worker = WorkerSide(
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="gpu-rank0"
+    )
+    try:
+        physical = [torch.zeros(BLOCKS, BLOCK, HEADS, 2 * HEAD, device="cuda") for _ in
+                    range(LAYERS)]  # fmt: skip
+        caches = {
+            f"model.layers.{i}.self_attn.attn": layer.permute(0, 2, 1, 3)
+            for i, layer in enumerate(physical)
+        }
+        worker.register(caches, BLOCK)
+        assert worker.registered
+        _wait_chunk_size(scheduler)
+        prompt = list(range(500, 500 + CHUNK + 3))
+        first = _request("gpu-a", prompt)
+        assert _match(scheduler, first) == (0, False)
+        scheduler.update_state_after_alloc(first, _blocks([]), 0)
+        a_blocks = [5, 2, 8]
+        for layer in physical:  # the forward pass writes K and V of the prompt's blocks
+            layer[a_blocks] = torch.randn_like(layer[a_blocks])
+        worker.save(scheduler.build_plan(_new_step(first, a_blocks, 0, len(prompt))))
+        assert worker.stored_tokens == CHUNK
+
+        second = _request("gpu-b", [*prompt[:CHUNK], 7])
+        assert _match(scheduler, second) == (CHUNK, False)
+        b_blocks = [17, 11, 20]
+        scheduler.update_state_after_alloc(second, _blocks(b_blocks), CHUNK)
+        worker.load(scheduler.build_plan(_new_step(second, b_blocks, CHUNK, 1)))
+        assert worker.take_load_errors() == set()
+        torch.cuda.synchronize()
+        whole = CHUNK // BLOCK
+        for layer in physical:
+            assert torch.equal(layer[b_blocks[:whole]], layer[a_blocks[:whole]])
+        for req in (first, second):
+            scheduler.request_finished(req)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
