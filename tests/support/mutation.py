@@ -203,7 +203,14 @@ def run_module(
     tests = tests_for(module)
     work = root / module.removesuffix(".py").replace("/", ".")
     mutmut = [sys.executable, "-m", "mutmut"]
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    # A mutant that makes a test wait forever (a flush that never ends) would sit out the
+    # suite's 300 s pytest-timeout and, asleep, never reach mutmut's CPU-time limit: 30 s
+    # is ample for any single test these modules map to (the slowest take ~5 s).
+    env = {
+        "PYTEST_TIMEOUT": "30",
+        **os.environ,
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     names: list[str] = []
     if recheck:
         # Only the mutants the last run left alive, against the repo's current tests
