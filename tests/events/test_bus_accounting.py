@@ -302,9 +302,26 @@ def test_one_event_on_an_idle_bus_wakes_the_dispatcher() -> None:
 
 
 def test_a_never_started_bus_stops_cleanly() -> None:
+    """flush() on a bus never started is True only while nothing waits; stop() is clean."""
     bus = EventBus(10)
-    assert bus.stop(1)
-    assert bus.shutdown_errors == []
+    assert bus.flush(0.1)
+    bus.publish(Event(T.L1_READ))
+    assert not bus.flush(0.1)  # nothing can deliver it until start (or stop)
+    empty = EventBus(10)
+    assert empty.stop(1)
+    assert empty.shutdown_errors == []
+    assert bus.stop(5)
+
+
+def test_flush_without_a_timeout_waits_for_delivery() -> None:
+    sub = RecordingSubscriber()
+    bus = EventBus(100)
+    bus.register(sub)
+    bus.start()
+    bus.publish(Event(T.L1_READ, op_id=3))
+    assert bus.flush()
+    assert [e.op_id for e in sub.events] == [3]
+    assert bus.stop(5)
 
 
 def test_a_stopped_bus_refuses_stream_events_without_counting_drops() -> None:
