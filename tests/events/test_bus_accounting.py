@@ -351,3 +351,22 @@ def test_stats_report_capacity_and_the_stampers_pending_events() -> None:
     bus.attach_stamper(_BusyStamper(bus))
     assert bus.stats().pending_stream_events == 7
     assert bus.stop(1)
+
+
+def test_flush_uses_all_of_a_short_timeout() -> None:
+    """flush(0.9) waits out a delivery that takes 0.1 s rather than giving up early."""
+    gate = threading.Event()
+    sub = RecordingSubscriber(gate=gate)
+    bus = EventBus(100)
+    bus.register(sub)
+    bus.start()
+    opener = threading.Timer(0.1, gate.set)
+    opener.start()
+    try:
+        bus.publish(Event(T.L1_READ))
+        assert bus.flush(0.9)
+        assert len(sub.events) == 1
+    finally:
+        gate.set()
+        opener.cancel()
+    assert bus.stop(5)
