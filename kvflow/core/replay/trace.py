@@ -93,6 +93,9 @@ class Trace:
     space_bytes: dict[int, int] = field(default_factory=dict)
     spaces: dict[tuple[str, int, int], int] = field(default_factory=dict)
     unknown_instances: int = 0
+    #: bool per op: a RETRIEVE_END touch (False: a STORE_END or a lookup); None when not
+    #: read (a trace built by hand): the L2 simulation then takes every touch as a store
+    retrieve: np.ndarray | None = None
 
     @property
     def ops(self) -> int:
@@ -252,4 +255,5 @@ def trace_of(parts: list[BatchIndex]) -> Trace:
         space_bytes=space_bytes,
         spaces=spaces,
         unknown_instances=int(len(touch_at) - known.sum()),
+        retrieve=etype[chosen] == int(EventType.RETRIEVE_END),
     )

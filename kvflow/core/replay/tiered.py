@@ -1,0 +1,178 @@
+"""Exact simulation of L1 with one LRU L2 tier behind it, over a `Trace`.
+
+`kvflow whatif --l2-size-gb` (docs/EVENTLOG.md, "L2"). Unlike lru.py's one-pass
+stack distances, this replays the trace op by op against two ordered dicts, once
+per (L1 size, L2 size) pair: L1's contents now depend on L2 (chunks loaded from L2
+are written back into L1), so one L1 pass no longer answers every size.
+
+The model, as the engine does it (kvflow/core/engine/cache_engine.py, tiering.py,
+writethrough.py; kvflow/core/tiers/disk.py):
+
+- L1 is lru.py's: objects of their aligned size, LRU eviction, a store or a retrieve
+  touches its chunks tail first (the head ends most recent); a lookup refreshes the
+  run of chunks from chunk 0 that L1 holds (lru.py need not: there, nothing is
+  evicted between a lookup and its request's store; here the prefetch evicts).
+- A store writes through to L2 the chunks it newly put in L1 (not those L1 already
+  held) and L1 still holds, head first, each inserted into L2 unless L2 holds it
+  already (a present key is not refreshed, as the disk tier's store does); L2 counts
+  payload bytes and evicts least recently used objects; an object larger than L2 is
+  not stored. The write-through backlog bound applies as to an empty backlog: a
+  store's new chunks past `BACKLOG_SHARE` of L1's configured bytes (whole chunks)
+  are refused, never written (writethrough.py). The write-through pins the chunks it
+  writes in L1, which refreshes them (tail first): after a store, its new chunks
+  are L1's most recent, ahead of the chunks L1 already held.
+- A lookup's prefix extends while each chunk is, on every rank of the world, in L1
+  or L2; a chunk counts for the slowest tier one of its ranks needed (L1, else L2),
+  as `hit_tokens_by_tier` does. When some chunk of the prefix needed L2, the
+  lookup's prefetch loads the prefix's L2-only objects: L2 refreshes them (head most
+  recent) and they are written back into L1 (tail first).
+- A retrieve touches its recorded chunks (the live hit prefix, L2 loads included) in
+  L1, tail first, up to the first that neither L1 nor L2 holds here (at sizes other
+  than the run's the simulated hits differ from the recorded ones; the request's
+  store, which follows, puts the rest in L1 and writes them through); a chunk not in
+  L1 is first refreshed in L2 (a load), then written back into L1.
+
+What it assumes (exact on a run that meets it; tested): every write-through
+completes before the next lookup and never fails, the backlog is empty at each
+store (so only the bound above refuses chunks, never a backlog left by earlier
+stores), the
+lookup's prefetch runs (layouts registered, L2 write-back on), one L2 tier (a Redis
+tier's approximate LRU is modelled as exact LRU on payload bytes), no salts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvflow.core.engine.writethrough import BACKLOG_SHARE
+from kvflow.core.replay.lru import aligned
+from kvflow.core.replay.trace import LOOKUP, Trace
+
+#: an object: (namespace id, chunk key)
+_Obj = tuple[int, int]
+
+
+class _Lru:
+    """Objects by recency (oldest first) with a byte capacity."""
+
+    __slots__ = ("capacity", "objects", "used")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.objects: OrderedDict[_Obj, int] = OrderedDict()
+
+    def __contains__(self, obj: _Obj) -> bool:
+        return obj in self.objects
+
+    def refresh(self, obj: _Obj) -> None:
+        """Make `obj` most recent if held."""
+        if obj in self.objects:
+            self.objects.move_to_end(obj)
+
+    def insert(self, obj: _Obj, nbytes: int) -> bool:
+        """Add `obj` as most recent, evicting the least recent for room; False (nothing
+        changed) when it is held already or larger than the capacity."""
+        if obj in self.objects or nbytes > self.capacity:
+            return False
+        while self.used + nbytes > self.capacity:
+            _, freed = self.objects.popitem(last=False)
+            self.used -= freed
+        self.objects[obj] = nbytes
+        self.used += nbytes
+        return True
+
+    def touch(self, obj: _Obj, nbytes: int) -> bool:
+        """Refresh `obj`, or insert it; True when it was inserted."""
+        if obj in self.objects:
+            self.objects.move_to_end(obj)
+            return False
+        return self.insert(obj, nbytes)
+
+
+@dataclass(frozen=True)
+class TierHits:
+    """Lookup chunks that hit, by the tier they counted for."""
+
+    l1_chunks: int
+    l2_chunks: int
+
+    @property
+    def chunks(self) -> int:
+        return self.l1_chunks + self.l2_chunks
+
+
+def simulate_tiers(
+    trace: Trace, l1_capacity: int, l2_capacity: int, l1_configured: int | None = None
+) -> TierHits:
+    """Replay `trace` against an L1 of `l1_capacity` bytes of aligned objects (as
+    `effective_capacity` gives) and an L2 of `l2_capacity` payload bytes (0: none).
+    `l1_configured` is L1's configured bytes (default `l1_capacity`), which bounds
+    the write-through backlog."""
+    backlog = int((l1_configured if l1_configured is not None else l1_capacity) * BACKLOG_SHARE)
+    default = trace.object_bytes() or 1
+    raw = trace.space_bytes
+    l1, l2 = _Lru(l1_capacity), _Lru(l2_capacity)
+    keys = trace.keys.tolist()
+    start = trace.start.tolist()
+    kinds, spaces, worlds = trace.kind.tolist(), trace.space.tolist(), trace.world.tolist()
+    retrieves = trace.retrieve.tolist() if trace.retrieve is not None else [False] * len(kinds)
+    l1_hits = l2_hits = 0
+    for i, (kind, base, world, is_retrieve) in enumerate(
+        zip(kinds, spaces, worlds, retrieves, strict=True)
+    ):
+        chunk_keys = keys[start[i] : start[i + 1]]
+        if kind == LOOKUP:
+            prefix: list[_Obj] = []  # the prefix's objects that only L2 holds
+            in_l1: list[_Obj] = []  # objects of the chunks before the first that needed L2
+            for k in chunk_keys:
+                from_l2: list[_Obj] = []
+                for r in range(world):
+                    obj = (base + r, k)
+                    if obj in l1:
+                        continue
+                    if obj not in l2:
+                        break
+                    from_l2.append(obj)
+                else:
+                    if from_l2:
+                        l2_hits += 1
+                        prefix += from_l2
+                    else:
+                        l1_hits += 1
+                        if not prefix:
+                            in_l1 += [(base + r, k) for r in range(world)]
+                    continue
+                break
+            for obj in reversed(in_l1):  # L1 refreshes its lookup hits, head most recent
+                l1.refresh(obj)
+            if prefix:  # the prefetch: loads refresh L2, write-back fills L1
+                for obj in reversed(prefix):
+                    l2.refresh(obj)
+                for obj in reversed(prefix):
+                    l1.touch(obj, aligned(raw.get(obj[0], default)))
+            continue
+        nbytes = raw.get(base, default)
+        size = aligned(nbytes)
+        obj_keys = [(base, k) for k in chunk_keys]
+        if is_retrieve:
+            got = 0  # the recorded chunks this L1 and L2 hold, from chunk 0
+            while got < len(obj_keys) and (obj_keys[got] in l1 or obj_keys[got] in l2):
+                got += 1
+            for obj in reversed(obj_keys[:got]):
+                if obj not in l1:
+                    l2.refresh(obj)
+                l1.touch(obj, size)
+            continue
+        new = [obj for obj in reversed(obj_keys) if l1.touch(obj, size)]
+        if l2.capacity:
+            # write-through, within the backlog bound: it pins each chunk in L1, tail
+            # first (a pin refreshes: the new head ends most recent), then L2 stores
+            # them head first
+            written = [obj for obj in new[::-1][: backlog // nbytes if nbytes else 0] if obj in l1]
+            for obj in reversed(written):
+                l1.refresh(obj)
+            for obj in written:
+                l2.insert(obj, nbytes)
+    return TierHits(l1_hits, l2_hits)
