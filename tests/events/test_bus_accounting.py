@@ -314,14 +314,25 @@ def test_a_never_started_bus_stops_cleanly() -> None:
 
 
 def test_flush_without_a_timeout_waits_for_delivery() -> None:
-    sub = RecordingSubscriber()
+    """flush() with no timeout waits (here 0.1 s) for a delivery; start() is idempotent."""
+    gate = threading.Event()
+    sub = RecordingSubscriber(gate=gate)
     bus = EventBus(100)
     bus.register(sub)
-    bus.start()
-    bus.publish(Event(T.L1_READ, op_id=3))
-    assert bus.flush()
-    assert [e.op_id for e in sub.events] == [3]
+    assert bus.start() is bus
+    assert bus.start() is bus  # a second start starts nothing
+    opener = threading.Timer(0.1, gate.set)
+    opener.start()
+    try:
+        bus.publish(Event(T.L1_READ, op_id=3))
+        assert bus.flush()
+        assert [e.op_id for e in sub.events] == [3]
+    finally:
+        gate.set()
+        opener.cancel()
     assert bus.stop(5)
+    assert bus.start() is bus  # nor does a start after stop
+    assert not bus.running
 
 
 def test_a_stopped_bus_refuses_stream_events_without_counting_drops() -> None:
