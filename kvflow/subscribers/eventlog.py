@@ -37,7 +37,8 @@ class EventLogSubscriber:
     seconds; a process crash loses nothing written), `segment` fsyncs a segment
     when it is closed, `batch` after every batch (durable, slowest). Whatever the
     policy, a torn last frame is detected and skipped on read. `l0_sample_rate`
-    and `sample_seed` (the run's L0 sampling) are recorded in segment headers.
+    and `sample_seed` (the run's L0 sampling) and `l2_disk_bytes` (its disk tier's
+    capacity) are recorded in segment headers.
     """
 
     name = "event_log"
@@ -52,6 +53,7 @@ class EventLogSubscriber:
         fsync: str = "segment",
         l0_sample_rate: float | None = None,
         sample_seed: int | None = None,
+        l2_disk_bytes: int | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"--event-log-fsync must be one of {', '.join(FSYNC_POLICIES)}")
@@ -61,6 +63,7 @@ class EventLogSubscriber:
         self.segment_bytes = max(int(min(segment_mb * MIB, self.max_bytes)), 4096)
         self.fsync = fsync
         self._sampling = (l0_sample_rate, sample_seed)  # recorded in each header for replay
+        self._l2_disk_bytes = l2_disk_bytes  # and this, for whatif
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._size = 0
@@ -81,7 +84,9 @@ class EventLogSubscriber:
         path = self.directory / segment_name(self._sequence)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         offset = time.time_ns() - time.monotonic_ns()
-        header = new_header(self._sequence, offset, time.time_ns(), *self._sampling)
+        header = new_header(
+            self._sequence, offset, time.time_ns(), *self._sampling, self._l2_disk_bytes
+        )
         data = frame(encode_header(header))
         os.write(fd, data)
         self._fd, self._size = fd, len(data)

@@ -73,7 +73,10 @@ class SegmentHeader(msgspec.Struct, tag="kvflow-event-log", frozen=True):
 
     `epoch_offset_ns` converts its events' monotonic `ts_ns` to Unix time
     (epoch = ts_ns + offset) for `kvflow replay --from/--to`. The L0 sampling
-    settings of the run are kept so a replay can default to them.
+    settings of the run are kept so a replay can default to them, and the disk L2
+    tier's capacity (payload bytes; None: no disk tier, or not known to the writer)
+    so `kvflow whatif` can default its L2 size to it. Optional keys: a header
+    without them (an older writer's) reads as None, and an older reader skips them.
     """
 
     format_version: int
@@ -84,6 +87,7 @@ class SegmentHeader(msgspec.Struct, tag="kvflow-event-log", frozen=True):
     epoch_offset_ns: int
     l0_sample_rate: float | None = None
     sample_seed: int | None = None
+    l2_disk_bytes: int | None = None
 
 
 class BatchIndex(msgspec.Struct, array_like=True):
@@ -336,6 +340,7 @@ def new_header(
     created_unix_ns: int,
     l0_sample_rate: float | None = None,
     sample_seed: int | None = None,
+    l2_disk_bytes: int | None = None,
 ) -> SegmentHeader:
     """The header of a segment this kvflow writes now."""
     return SegmentHeader(
@@ -347,4 +352,5 @@ def new_header(
         epoch_offset_ns=epoch_offset_ns,
         l0_sample_rate=l0_sample_rate,
         sample_seed=sample_seed,
+        l2_disk_bytes=l2_disk_bytes,
     )

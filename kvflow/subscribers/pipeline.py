@@ -172,7 +172,7 @@ def build_subscribers(
                     config.log_level, config.log_format, stream=log_stream
                 )
             pipeline.subscribers += (LoggingSubscriber(bus=bus),)
-        event_log = _event_log(config)
+        event_log = _event_log(config, tier_stats)
         if event_log is not None:
             pipeline.subscribers += (event_log,)
     except BaseException:
@@ -248,8 +248,11 @@ def _populate(
         )
 
 
-def _event_log(config: ObservabilitySettings) -> EventLogSubscriber | None:
-    """The event log subscriber when the settings name a directory (`--event-log`).
+def _event_log(
+    config: ObservabilitySettings, tier_stats: TierStats | None = None
+) -> EventLogSubscriber | None:
+    """The event log subscriber when the settings name a directory (`--event-log`);
+    its headers record the disk L2 tier's capacity when `tier_stats` has a "disk" one.
 
     Read with getattr: settings objects written before the event log existed
     (duck-typed `ObservabilitySettings`) simply build none.
@@ -265,7 +268,15 @@ def _event_log(config: ObservabilitySettings) -> EventLogSubscriber | None:
         fsync=settings.event_log_fsync,
         l0_sample_rate=config.l0_sample_rate,
         sample_seed=config.sample_seed,
+        l2_disk_bytes=_disk_capacity(tier_stats),
     )
+
+
+def _disk_capacity(tier_stats: TierStats | None) -> int | None:
+    """The "disk" tier's `capacity_bytes` in `tier_stats`, or None."""
+    disk = tier_stats().get("disk") if tier_stats is not None else None
+    capacity = disk.get("capacity_bytes") if disk is not None else None
+    return int(capacity) if capacity else None
 
 
 def _start_prometheus(endpoint: PrometheusEndpoint) -> None:

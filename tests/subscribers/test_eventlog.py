@@ -17,11 +17,13 @@ from kvflow.subscribers.eventlog import EventLogSubscriber
 from kvflow.subscribers.eventlog_format import (
     FRAME_HEAD,
     SegmentHeader,
+    decode_header,
     decode_index,
     encode_batch,
     encode_batch_v1,
     encode_header,
     frame,
+    new_header,
     segment_name,
 )
 from kvflow.subscribers.eventlog_read import EventLogError, LogReader
@@ -223,6 +225,27 @@ def test_build_subscribers_adds_the_log_and_the_bus_feeds_it(tmp_path: Path) -> 
     assert LogReader.open(tmp_path / "log").first_header.l0_sample_rate == 0.01  # type: ignore[union-attr]
     off = build_subscribers(ObservabilityConfig(prometheus_port=0, logging_enabled=False))
     assert off.subscriber("event_log") is None
+
+
+def test_header_records_the_disk_tier_capacity_when_known(tmp_path: Path) -> None:
+    """`l2_disk_bytes`, an optional header key: the pipeline takes it from the tier
+    stats' "disk" entry; without one it is None, and a header written without the key
+    (an older writer's) reads as None."""
+    config = ObservabilityConfig(prometheus_port=0, logging_enabled=False,
+                                 event_log_dir=str(tmp_path / "log"))  # fmt: skip
+    stats = {"disk": {"capacity_bytes": 3 << 20, "used_bytes": 0}}
+    assert build_subscribers(config, tier_stats=lambda: stats).shutdown(5.0)
+    assert LogReader.open(tmp_path / "log").first_header.l2_disk_bytes == 3 << 20  # type: ignore[union-attr]
+    config = ObservabilityConfig(prometheus_port=0, logging_enabled=False,
+                                 event_log_dir=str(tmp_path / "log2"))  # fmt: skip
+    assert build_subscribers(config, tier_stats=lambda: {"redis": {}}).shutdown(5.0)
+    assert LogReader.open(tmp_path / "log2").first_header.l2_disk_bytes is None  # type: ignore[union-attr]
+    old = msgspec.msgpack.encode(
+        {"type": "kvflow-event-log", "format_version": 2, "schema_version": 1,
+         "kvflow_version": "0", "sequence": 1, "created_unix_ns": 0, "epoch_offset_ns": 0}
+    )  # fmt: skip
+    assert decode_header(old).l2_disk_bytes is None
+    assert decode_header(encode_header(new_header(1, 0, 0, l2_disk_bytes=5))).l2_disk_bytes == 5
 
 
 def test_settings_are_checked_and_named_by_flag(tmp_path: Path) -> None:

@@ -150,6 +150,15 @@ def test_cli_prints_metrics_table_and_png(run: LiveRun, tmp_path: Path) -> None:
     assert whatif_cli.run(args, out) == 0
     assert "hit rate" in out.getvalue() and (tmp_path / "whatif.png").stat().st_size > 1000
     assert len((tmp_path / "whatif.csv").read_text().splitlines()) == 4
+    # a run without L2 (its log's header names no disk tier): --l2-size-gb 0 or absent,
+    # the same L1-only output
+    zero = io.StringIO()
+    assert whatif_cli.run([*args, "--l2-size-gb", "0"], zero) == 0
+
+    def table(text: str) -> list[str]:  # the timing words differ between runs
+        return [line for line in text.splitlines() if "simulated" not in line]
+
+    assert table(zero.getvalue()) == table(out.getvalue())
 
 
 def test_cli_bad_input_is_one_clear_line(run: LiveRun, tmp_path: Path,

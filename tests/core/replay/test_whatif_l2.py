@@ -50,11 +50,14 @@ def tiered_run(tmp: Path, l1_chunks: int, l2_chunks: int) -> TieredRun:
     config = ServerConfig(chunk_size=CHUNK, l1_size_gb=l1_gb, observability=obs,
                           l2_disk_paths=(str(tmp / "disk"),), l2_disk_size_gb=l2_gb)  # fmt: skip
     bus = EventBus(capacity=1_000_000)
-    pipeline = build_subscribers(obs, bus=bus)
-    bus.start()
     engine = CacheEngine(config, bus=bus)
     tiering = engine._tiering
     assert tiering is not None
+    # as the engine's own pipeline gets them: the L2 tiers' stats (the log's header
+    # records the disk tier's capacity from them)
+    tier_stats = lambda: {t.name: t.stats() for t in tiering.tiers}  # noqa: E731
+    pipeline = build_subscribers(obs, bus=bus, tier_stats=tier_stats)
+    bus.start()
     sim = SimEngine(engine, kv_format=FORMAT, shape=shape, device="cpu")
     for req in make_workload(WorkloadShape(chats=5, turns=3, docs=3, questions=4), seed=1):
         sim.serve(req)
@@ -131,17 +134,32 @@ def test_a_larger_l2_never_lowers_the_hit_rate(run: TieredRun) -> None:
         assert rates[-1] > rates[0] or i == 2
 
 
+def test_the_log_records_the_disk_tier_and_whatif_defaults_to_it(run: TieredRun) -> None:
+    """The segment header carries the disk tier's capacity; without --l2-size-gb whatif
+    simulates it (the tiered table at the run's L2 size), and --l2-size-gb 0 turns it
+    off (the L1-only table)."""
+    header = LogReader.open(run.log).first_header
+    assert header is not None and header.l2_disk_bytes == int(run.l2_gb * GIB)
+    base = [str(run.log), "--l1-size-gb", repr(run.l1_gb)]
+    default, off = io.StringIO(), io.StringIO()
+    assert whatif_cli.run(base, default) == 0
+    assert whatif_cli.run([*base, "--l2-size-gb", "0"], off) == 0
+    assert "l2 tokens" in default.getvalue() and "l2 tokens" not in off.getvalue()
+    row = default.getvalue().splitlines()[-1].split()
+    assert row[1] == f"{run.l2_gb:g}"
+    assert [int(row[4]), int(row[5])] == [run.by_tier["l1"], run.by_tier["disk"]]
+
+
 def test_cli_with_and_without_l2(run: TieredRun, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """--l2-size-gb 0 prints the L1-only table (the one whatif printed before L2: of
+    `curve`, lru.py's simulation); sizes make one row per (L1, L2) pair."""
     base = [str(run.log), "--l1-size-gb", "0.01,0.02"]
-    plain, zero = io.StringIO(), io.StringIO()
-    assert whatif_cli.run(base, plain) == 0
+    zero = io.StringIO()
     assert whatif_cli.run([*base, "--l2-size-gb", "0"], zero) == 0
-
-    def table(text: str) -> list[str]:  # the timing words differ between runs
-        return [line for line in text.splitlines() if "simulated" not in line]
-
-    assert table(zero.getvalue()) == table(plain.getvalue())
+    trace = read_trace(LogReader.open(run.log))
+    rows = curve(trace, simulate(trace), [0.01, 0.02])
+    assert zero.getvalue().splitlines()[1:] == whatif_cli._table(rows, trace, "")[1:]
     out = io.StringIO()
     args = [*base, "--l2-size-gb", f"{run.l2_gb!r},1", "--out", str(tmp_path)]
     assert whatif_cli.run(args, out) == 0
