@@ -138,7 +138,7 @@ def _tiered_table(rows: list[Row], trace: Trace, mode: str) -> list[str]:
     lines = [
         f"{trace.lookups} lookups, {trace.requested_tokens} tokens requested, chunk size "
         f"{trace.chunk_size}, object {aligned(trace.object_bytes() or 1)} bytes; {mode}; "
-        "L2: an LRU tier behind L1 (write-through of every store)",
+        "L2: an LRU tier behind L1 (docs/EVENTLOG.md)",
         f"live run: {trace.live_l1_hit_tokens} L1 hit tokens "
         f"({_pct(trace.live_l1_hit_tokens, trace.requested_tokens)})",
         f"{'L1 GiB':>10}  {'L2 GiB':>8}  {'objects':>10}  {'hit tokens':>14}  {'l1 tokens':>14}  "
