@@ -264,7 +264,9 @@ def test_stop_deadline_bounds_a_subscriber_stuck_in_on_events() -> None:
         started = time.monotonic()
         assert not bus.stop(0.2)
         assert time.monotonic() - started < 1.0
-        assert any(isinstance(e, TimeoutError) for e in bus.shutdown_errors)
+        assert [str(e) for e in bus.shutdown_errors if isinstance(e, TimeoutError)] == [
+            "events were still undelivered at the stop deadline"
+        ]
     finally:
         gate.set()
         release.cancel()
@@ -381,3 +383,26 @@ def test_flush_uses_all_of_a_short_timeout() -> None:
         gate.set()
         opener.cancel()
     assert bus.stop(5)
+
+
+class _StuckInline(RecordingSubscriber):
+    """Runs on the dispatcher thread (blocking = False) and hangs there until the gate opens."""
+
+    blocking = False
+
+
+def test_stop_deadline_bounds_a_dispatcher_stuck_in_an_inline_subscriber() -> None:
+    gate = threading.Event()
+    bus = EventBus(100)
+    bus.register(_StuckInline("mut-inline-stuck", gate=gate))
+    bus.start()
+    bus.publish(Event(T.L1_READ))
+    release = threading.Timer(8, gate.set)
+    release.start()
+    try:
+        started = time.monotonic()
+        assert not bus.stop(0.2)
+        assert time.monotonic() - started < 1.0
+    finally:
+        gate.set()
+        release.cancel()
