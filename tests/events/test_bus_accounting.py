@@ -47,14 +47,15 @@ class _Stamper:
             self._waiting.append(event)
         return True
 
-    def complete(self) -> None:
+    def complete(self, *, wake: bool = True) -> None:
         """The stream reached every marked point: stamp them and wake the dispatcher."""
         with self._lock:
             for event in self._waiting:
                 event.ts_ns = time.monotonic_ns()
             self._done += self._waiting
             self._waiting = []
-        os.eventfd_write(self._bus.wake_fd, 1)
+        if wake:
+            os.eventfd_write(self._bus.wake_fd, 1)
 
     def collect(self) -> list[Event]:
         with self._lock:
@@ -406,3 +407,16 @@ def test_stop_deadline_bounds_a_dispatcher_stuck_in_an_inline_subscriber() -> No
     finally:
         gate.set()
         release.cancel()
+
+
+def test_stamped_events_without_a_wake_are_collected_by_the_idle_poll() -> None:
+    """A stamp whose waker never fired is still collected: the idle dispatcher polls the
+    stamper every 0.5 s (flush is not used here: it would wake the dispatcher itself)."""
+    bus, stamper, sub = _bus_with_stamper(4)
+    assert bus.publish_on_stream(STREAM, Event(T.STORE_END, op_id=5))
+    stamper.complete(wake=False)
+    deadline = time.monotonic() + 5
+    while not sub.events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [e.op_id for e in sub.events] == [5]
+    assert bus.stop(5)
