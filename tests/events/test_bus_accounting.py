@@ -421,3 +421,24 @@ def test_stamped_events_without_a_wake_are_collected_by_the_idle_poll() -> None:
         time.sleep(0.01)
     assert [e.op_id for e in sub.events] == [5]
     assert bus.stop(5)
+
+
+def test_constructor_bounds_and_defaults() -> None:
+    """The smallest valid settings are accepted, the next ones down refused by name."""
+    assert EventBus().capacity == 10000 and EventBus().enabled is True
+    assert EventBus(1, subscriber_backlog=1, coalesce_s=0).capacity == 1
+    assert EventBus(1, coalesce_s=0.1).enabled is True
+    assert EventBus(1, enabled=False).enabled is False
+    with pytest.raises(ValueError, match=r"^subscriber_backlog must be >= 1, got 0$"):
+        EventBus(10, subscriber_backlog=0)
+
+
+def test_every_event_type_can_be_reserved_as_a_stream_event() -> None:
+    bus, stamper, sub = _bus_with_stamper(len(EventType))
+    for etype in EventType:
+        assert bus.publish_on_stream(STREAM, Event(etype))
+    assert bus.stats().published == dict.fromkeys(EventType, 1)
+    stamper.complete()
+    assert bus.flush(5)
+    assert sorted(e.type for e in sub.events) == sorted(EventType)
+    assert bus.stop(5)
