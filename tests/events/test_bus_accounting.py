@@ -442,3 +442,15 @@ def test_every_event_type_can_be_reserved_as_a_stream_event() -> None:
     assert bus.flush(5)
     assert sorted(e.type for e in sub.events) == sorted(EventType)
     assert bus.stop(5)
+
+
+def test_a_disabled_bus_reserves_nothing_and_its_dispatcher_is_a_daemon() -> None:
+    off = EventBus(10, enabled=False)
+    off.attach_stamper(_Stamper(off))
+    assert not off.publish_on_stream(STREAM, Event(T.STORE_START))
+    assert off.stats().pending_stream_events == 0
+    assert off.stop(1)
+    bus = EventBus(10).start()
+    daemons = [t.daemon for t in threading.enumerate() if t.name == "kvflow-bus"]
+    assert bus.stop(5)
+    assert daemons and all(daemons)
