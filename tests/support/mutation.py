@@ -55,7 +55,10 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_tier_contract.py",
         "tests/core/engine/test_engine_l2.py",
     ],
-    "kvflow/core/tiers/sharding.py": ["tests/core/tiers/test_sharding.py"],
+    "kvflow/core/tiers/sharding.py": [
+        "tests/core/tiers/test_sharding.py",
+        "tests/core/tiers/test_sharding_errors.py",
+    ],
     "kvflow/core/tiers/hostmem.py": [
         "tests/core/tiers/test_l1.py",
         "tests/core/tiers/test_tier_contract.py",
