@@ -172,10 +172,7 @@ def mutmut_table(work: Path, module: str, tests: list[str]) -> str:
         f"only_mutate = {json.dumps([module])}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         # -p no:randomly: mutmut records per-test timings and runs tests in its own order.
-        # The I/O-niceness test fails in a process already at nice >= 10 (make mutation runs
-        # under nice; IO_NICENESS is absolute, docs/TESTING.md), so it is left out here.
-        'pytest_add_cli_args = ["-p", "no:randomly", "-m", "not gpu", "--deselect",'
-        ' "tests/core/tiers/test_disk.py::test_io_threads_run_nicer_than_the_caller"]\n'
+        'pytest_add_cli_args = ["-p", "no:randomly", "-m", "not gpu"]\n'
         f"also_copy = {json.dumps(also_copy)}\n"
     )
 

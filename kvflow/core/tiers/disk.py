@@ -52,14 +52,19 @@ class _Entry:
 _Write = tuple[_Entry, torch.Tensor, list[_Entry]]
 
 
-#: niceness of the I/O threads: background writes yield the CPU to the request path
+#: how much nicer the I/O threads are than the thread that started them (relative, so a
+#: server that is itself niced still has its background writes yield to its request path)
 IO_NICENESS = 10
+_MAX_NICE = 19
 
 
 def _lower_priority() -> None:
-    """Make the calling I/O thread nicer (Linux threads have their own nice value)."""
+    """Make the calling I/O thread IO_NICENESS nicer than it started (Linux threads have
+    their own nice value, inherited from the thread that created them)."""
+    tid = threading.get_native_id()
     with suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IO_NICENESS)
+        inherited = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(inherited + IO_NICENESS, _MAX_NICE))
 
 
 def _lock_path(root: str) -> int:
