@@ -143,7 +143,7 @@ def test_unknown_key_and_plain_client_are_refused_at_once(
     started = time.monotonic()
     with _client(server, keys, who) as intruder, pytest.raises(AuthenticationError, match=match):
         intruder.lookup(list(range(CHUNK)), model_name="m")
-    assert time.monotonic() - started < 5  # refused, not timed out (timeout_s is 10)
+    assert time.monotonic() - started < 8  # refused, not timed out (timeout_s is 10)
     # none of the intruder's messages reached the request handler (only our status call did)
     assert _requests(server, keys) == before + 1
 
