@@ -28,6 +28,9 @@ MAX_MESSAGE_MB_RANGE = (0.0625, 2048.0)  # 64 KiB .. 2 GiB
 L2_TIMEOUT_S_RANGE = (0.001, 600.0)  # --l2-timeout-s and --l2-redis-timeout-s
 TRACING_TTL_S_RANGE = (1.0, 86400.0)
 EXPORT_INTERVAL_S_RANGE = (0.1, 86400.0)
+#: share of L1 that pending L2 write-throughs may pin: the rest stays evictable for stores
+#: (the engine's write-through enforces it; the demo's sizing and whatif model it)
+BACKLOG_SHARE = 0.5
 MAX_LABEL_VALUES = 65536  # per label: far above real model counts, small enough for /metrics
 
 

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.core.config import BACKLOG_SHARE
 from kvflow.core.demo.tally import OpTotals, TierTrace
 from kvflow.core.demo.workload import Footprint
-from kvflow.core.engine.writethrough import BACKLOG_SHARE
 from kvflow.events import EventType
 
 #: the default L1 holds 1/L1_PART of the workload's distinct chunks, or more where

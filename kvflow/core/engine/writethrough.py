@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from kvflow.core.config import BACKLOG_SHARE
 from kvflow.core.engine.ops import Op
 from kvflow.core.errors import L2BacklogError
 from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier, StoreOutcome
 from kvflow.events import Event, EventBus, EventType
-
-#: share of L1 that pending write-throughs may pin: the rest stays evictable for stores
-BACKLOG_SHARE = 0.5
 
 
 class TierCounters:

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvflow.core.engine.writethrough import BACKLOG_SHARE
+from kvflow.core.config import BACKLOG_SHARE
 from kvflow.core.replay.lru import aligned
 from kvflow.core.replay.trace import LOOKUP, Trace
 
