@@ -24,7 +24,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import msgspec
 from opentelemetry.sdk.metrics import MeterProvider
@@ -39,6 +39,7 @@ from prometheus_client import generate_latest
 
 from kvflow.core.config import ObservabilityConfig
 from kvflow.core.replay.spans import FLUSH_EVERY_EVENTS, replay_tracer_provider
+from kvflow.core.replay.usage import Parser, UsageError
 from kvflow.core.replay.window import parse_time
 from kvflow.events import Event, monotonic_to_epoch_ns
 from kvflow.subscribers import (
@@ -54,15 +55,6 @@ from kvflow.subscribers.providers import OTLP_PROTOCOLS
 DEFAULT_L0_SAMPLE_RATE = ObservabilityConfig().l0_sample_rate
 #: subscribers that turn event times into wall times (with this process's epoch offset)
 _WALL_CLOCK_SUBSCRIBERS = frozenset({"tracing", "logging"})
-
-
-class UsageError(Exception):
-    """A bad argument: one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
 
 
 @dataclass
@@ -216,7 +208,7 @@ def _summary(result: ReplayResult) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="kvflow replay",
         description="Feed a recorded event log through the server's subscribers and print"
         " the metrics they compute (docs/EVENTLOG.md).",

@@ -19,23 +19,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO
 
 from kvflow.core.replay.lru import Distances, aligned, effective_capacity, simulate
 from kvflow.core.replay.tiered import simulate_tiers
 from kvflow.core.replay.trace import Trace, read_trace
+from kvflow.core.replay.usage import Parser, UsageError
 from kvflow.subscribers.eventlog_read import EventLogError, LogReader
 
 GIB = 1 << 30
-
-
-class UsageError(Exception):
-    """A bad argument: one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
 
 
 @dataclass(frozen=True)
@@ -94,7 +86,7 @@ def _sizes(text: str, flag: str = "--l1-size-gb", *, zero_ok: bool = False) -> l
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="kvflow whatif",
         description="L1 hit rate at other capacities, simulated from a recorded event log"
         " (docs/EVENTLOG.md).",
