@@ -220,6 +220,12 @@ def object_keys(count: int, tag: str) -> list[ObjectKey]:
     ]
 
 
+def _paired_ratio(t: dict[str, list[float]], ceiling: str, tier_side: str) -> float:
+    """Median over rounds of the round's ceiling time / tier time (each round's pair was
+    timed side by side, so a drift of the machine between rounds cancels)."""
+    return _median([c / s for c, s in zip(t[ceiling], t[tier_side], strict=True)])
+
+
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
@@ -318,10 +324,6 @@ def run_tier_case(model: Model, volume: int, base: str, rounds: int, args: Any) 
                 shutil.rmtree(path, ignore_errors=True)
     gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
 
-    def ratio(ceiling: str, tier_side: str) -> float:
-        """Median over rounds of the round's ceiling time / tier time."""
-        return _median([c / s for c, s in zip(t[ceiling], t[tier_side], strict=True)])
-
     return {
         "model": model.name,
         "object_bytes": size,
@@ -331,12 +333,14 @@ def run_tier_case(model: Model, volume: int, base: str, rounds: int, args: Any) 
         "ceiling_threads_par": par,
         "gbps": gbps,
         "seconds": dict(t),
-        "store_ratio": ratio("ceil_write", "tier_store"),
-        "load_ratio": ratio("ceil_read", "tier_load"),
-        "store_ratio_par": ratio("ceil_par_write", "tier_store"),
-        "load_ratio_par": ratio("ceil_par_read", "tier_load"),
-        "store_ratio_buffered": ratio("ceil_write_buffered", "tier_store_buffered"),
-        "store_ratio_par_buffered": ratio("ceil_par_write_buffered", "tier_store_buffered"),
+        "store_ratio": _paired_ratio(t, "ceil_write", "tier_store"),
+        "load_ratio": _paired_ratio(t, "ceil_read", "tier_load"),
+        "store_ratio_par": _paired_ratio(t, "ceil_par_write", "tier_store"),
+        "load_ratio_par": _paired_ratio(t, "ceil_par_read", "tier_load"),
+        "store_ratio_buffered": _paired_ratio(t, "ceil_write_buffered", "tier_store_buffered"),
+        "store_ratio_par_buffered": _paired_ratio(
+            t, "ceil_par_write_buffered", "tier_store_buffered"
+        ),
         "counts": {"direct_io_paths": counters.get("direct_io_paths", 0)},
     }
 
@@ -716,9 +720,6 @@ def run_redis_case(
             c.close()
     gbps = {k: total / _median(v) / 1e9 for k, v in t.items()}
 
-    def ratio(ceiling: str, tier_side: str) -> float:
-        return _median([c / s for c, s in zip(t[ceiling], t[tier_side], strict=True)])
-
     return {
         "model": model.name,
         "object_bytes": size,
@@ -728,8 +729,8 @@ def run_redis_case(
         "connections": conns,
         "gbps": gbps,
         "seconds": dict(t),
-        "store_ratio": ratio("ceil_set", "tier_store"),
-        "load_ratio": ratio("ceil_get", "tier_load"),
+        "store_ratio": _paired_ratio(t, "ceil_set", "tier_store"),
+        "load_ratio": _paired_ratio(t, "ceil_get", "tier_load"),
         "counts": {
             "tier_pipelines_per_call": -(-count // max(1, BATCH_BYTES // size)),
             "used_memory_after_flush": used,
