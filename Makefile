@@ -105,7 +105,7 @@ MUTMUT_VERSION := 3.8.1
 
 mutation: $(STAMP)
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q mutmut==$(MUTMUT_VERSION)
-	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(MODULE)
+	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(if $(RESUME),--resume) $(if $(JOBS),--jobs $(JOBS)) $(MODULE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,6 +14,11 @@ listed (and written to <folder>/survivors.txt); `mutmut show <name>` in the fold
 After adding tests, `--recheck` (make mutation RECHECK=1) reruns only the mutants the last run
 of a module left alive, against the repo's current tests, and prints the new score.
 
+On a machine with more cores, `--jobs N` (make mutation JOBS=N) mutates N modules at once, each
+in its own folder with its output in <folder>/mutmut.log; `--resume` keeps a module's folder and
+lets mutmut go on where an interrupted run stopped; `--progress` prints every module's counts so
+far (from the folders) without running anything.
+
 Score = (killed + timeout) / (total - skipped). "no tests" mutants (code no selected test
 reaches) count as not killed.
 """
@@ -21,6 +26,7 @@ reaches) count as not killed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,7 +34,9 @@ import signal
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -195,32 +203,36 @@ def not_killed(work: Path, mutmut: list[str], env: dict[str, str]) -> list[str]:
     return names
 
 
-def run_module(
-    module: str, root: Path, max_children: int, recheck: bool = False
-) -> dict[str, int] | None:
-    if not (REPO / module).is_file():
-        sys.exit(f"make mutation: no such module: {module}")
-    tests = tests_for(module)
-    work = root / module.removesuffix(".py").replace("/", ".")
-    mutmut = [sys.executable, "-m", "mutmut"]
+def module_folder(root: Path, module: str) -> Path:
+    return root / module.removesuffix(".py").replace("/", ".")
+
+
+def mutmut_env() -> dict[str, str]:
     # A mutant that makes a test wait forever (a flush that never ends) would sit out the
     # suite's 300 s pytest-timeout and, asleep, never reach mutmut's CPU-time limit: 30 s
     # is ample for any single test these modules map to (the slowest take ~5 s).
-    env = {
-        "PYTEST_TIMEOUT": "30",
-        **os.environ,
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
+    return {"PYTEST_TIMEOUT": "30", **os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+MUTMUT = [sys.executable, "-m", "mutmut"]
+
+
+def prepare(module: str, work: Path, recheck: bool, resume: bool) -> list[str] | None:
+    """Set up `work` for a run; the mutant names to run (empty: all), None: nothing to do."""
     names: list[str] = []
     if recheck:
         # Only the mutants the last run left alive, against the repo's current tests
         # (mutmut notices new tests and records which functions they reach).
         if not (work / "mutants").is_dir():
             sys.exit(f"make mutation: --recheck needs an earlier run of {module} in {work}")
-        names = not_killed(work, mutmut, env)
+        names = not_killed(work, MUTMUT, mutmut_env())
         if not names:
             print(f"== {module}: nothing left to recheck", flush=True)
+            return None
         shutil.rmtree(work / "tests")
+    elif resume and (work / "mutants").is_dir():
+        # mutmut keeps each mutant's result as it goes and runs only those without one.
+        return names
     else:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -228,12 +240,51 @@ def run_module(
     pyproject = work / "pyproject.toml"
     if "mutmut" in tomllib.loads(pyproject.read_text()).get("tool", {}):
         sys.exit("make mutation: pyproject.toml has a [tool.mutmut] table of its own; remove it")
-    pyproject.write_text(pyproject.read_text() + mutmut_table(work, module, tests))
-    print(f"== {module}: tests {' '.join(tests)} (in {work})", flush=True)
-    command = [*mutmut, "run", "--max-children", str(max_children), *names]
-    if recheck and not names:
-        command = []
-    with subprocess.Popen(command or ["true"], cwd=work, env=env) as proc:
+    pyproject.write_text(pyproject.read_text() + mutmut_table(work, module, tests_for(module)))
+    return names
+
+
+def collect(module: str, work: Path) -> dict[str, int]:
+    """Counts of the module's mutants so far; writes the per-mutant list to survivors.txt."""
+    env = mutmut_env()
+    subprocess.run(
+        [*MUTMUT, "export-cicd-stats"], cwd=work, env=env, check=True, capture_output=True
+    )
+    stats: dict[str, int] = json.loads((work / "mutants" / "mutmut-cicd-stats.json").read_text())
+    results = subprocess.run(
+        [*MUTMUT, "results"], cwd=work, env=env, check=True, capture_output=True, text=True
+    ).stdout
+    (work / "survivors.txt").write_text(results)
+    return stats
+
+
+def summary(module: str, stats: dict[str, int]) -> str:
+    decided = sum(v for k, v in stats.items() if k != "total")
+    return (
+        f"== {module}: killed {stats['killed'] + stats['timeout']}/{stats['total'] - stats['skipped']}"
+        f" = {score(stats):.1f}% (survived {stats['survived']}, no tests {stats['no_tests']},"
+        f" timeout {stats['timeout']}, suspicious {stats['suspicious']}, skipped {stats['skipped']},"
+        f" not checked yet {stats['total'] - decided})"
+    )
+
+
+def run_module(
+    module: str,
+    root: Path,
+    max_children: int,
+    recheck: bool = False,
+    resume: bool = False,
+    log: IO[str] | None = None,
+) -> dict[str, int] | None:
+    if not (REPO / module).is_file():
+        sys.exit(f"make mutation: no such module: {module}")
+    work = module_folder(root, module)
+    names = prepare(module, work, recheck, resume)
+    if names is None:
+        return collect(module, work)
+    print(f"== {module}: tests {' '.join(tests_for(module))} (in {work})", flush=True)
+    command = [*MUTMUT, "run", "--max-children", str(max_children), *names]
+    with subprocess.Popen(command, cwd=work, env=mutmut_env(), stdout=log, stderr=log) as proc:
         try:
             returncode = proc.wait()
         except BaseException:  # Ctrl-C or SIGTERM: stop mutmut and its workers too
@@ -243,22 +294,49 @@ def run_module(
     if returncode != 0:
         print(f"== {module}: mutmut run failed (exit {returncode})", flush=True)
         return None
-    subprocess.run(
-        [*mutmut, "export-cicd-stats"], cwd=work, env=env, check=True, capture_output=True
-    )
-    stats: dict[str, int] = json.loads((work / "mutants" / "mutmut-cicd-stats.json").read_text())
-    survivors = subprocess.run(
-        [*mutmut, "results"], cwd=work, env=env, check=True, capture_output=True, text=True
-    ).stdout
-    (work / "survivors.txt").write_text(survivors)
-    print(survivors, end="")
-    print(
-        f"== {module}: killed {stats['killed'] + stats['timeout']}/{stats['total'] - stats['skipped']}"
-        f" = {score(stats):.1f}% (survived {stats['survived']}, no tests {stats['no_tests']},"
-        f" timeout {stats['timeout']}, suspicious {stats['suspicious']}, skipped {stats['skipped']})",
-        flush=True,
-    )
+    stats = collect(module, work)
+    if log is None:
+        print((work / "survivors.txt").read_text(), end="")
+    print(summary(module, stats), flush=True)
     return stats
+
+
+def run_logged(
+    module: str, root: Path, max_children: int, recheck: bool, resume: bool
+) -> dict[str, int] | None:
+    """run_module with mutmut's output in <folder>/mutmut.log (for --jobs > 1)."""
+    work = module_folder(root, module)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    log_path = root / f"{work.name}.log"
+    with log_path.open("a") as log:
+        return run_module(module, root, max_children, recheck, resume, log)
+
+
+def write_diffs(work: Path) -> None:
+    """<folder>/survivors.diff: `mutmut show` of every mutant no test killed so far."""
+    env = mutmut_env()
+    shows = [
+        subprocess.run(
+            [*MUTMUT, "show", name], cwd=work, env=env, capture_output=True, text=True
+        ).stdout
+        for name in not_killed(work, MUTMUT, env)
+    ]
+    (work / "survivors.diff").write_text("".join(shows))
+
+
+def progress(root: Path, modules: list[str], diffs: bool) -> None:
+    """Every module's counts so far, from its folder (mutmut may still be running there)."""
+    for module in modules:
+        work = module_folder(root, module)
+        if not (work / "mutants").is_dir():
+            print(f"== {module}: not started")
+            continue
+        with contextlib.suppress(subprocess.CalledProcessError, OSError, ValueError):
+            print(summary(module, collect(module, work)), flush=True)
+            if diffs:
+                write_diffs(work)
+            continue
+        print(f"== {module}: no counts yet (mutmut is still collecting its tests)")
 
 
 def main() -> None:
@@ -275,6 +353,20 @@ def main() -> None:
         help="scratch folder, outside the repo (default $KVFLOW_MUTATION_DIR or /tmp/kvflow-mutation)",
     )
     parser.add_argument("--max-children", type=int, default=1, help="parallel mutants (default 1)")
+    parser.add_argument("--jobs", type=int, default=1, help="modules mutated at once (default 1)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep each module's folder and go on where its last run stopped",
+    )
+    parser.add_argument(
+        "--progress", action="store_true", help="print each module's counts so far; run nothing"
+    )
+    parser.add_argument(
+        "--diffs",
+        action="store_true",
+        help="with --progress: write each module's surviving mutants to <folder>/survivors.diff",
+    )
     parser.add_argument(
         "--recheck",
         action="store_true",
@@ -285,9 +377,21 @@ def main() -> None:
     root = args.dir.resolve()
     if root == REPO or REPO in root.parents:
         sys.exit("make mutation: the scratch folder must be outside the repo")
-    results = {
-        m: run_module(m, root, args.max_children, args.recheck) for m in (args.modules or MODULES)
-    }
+    modules = args.modules or MODULES
+    if args.progress:
+        progress(root, modules, args.diffs)
+        return
+    if args.jobs > 1:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = {
+                m: pool.submit(run_logged, m, root, args.max_children, args.recheck, args.resume)
+                for m in modules
+            }
+            results = {m: f.result() for m, f in futures.items()}
+    else:
+        results = {
+            m: run_module(m, root, args.max_children, args.recheck, args.resume) for m in modules
+        }
     print("\nmodule | killed/total | score")
     for module, stats in results.items():
         if stats is None:
