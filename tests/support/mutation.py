@@ -209,9 +209,19 @@ def module_folder(root: Path, module: str) -> Path:
 
 def mutmut_env() -> dict[str, str]:
     # A mutant that makes a test wait forever (a flush that never ends) would sit out the
-    # suite's 300 s pytest-timeout and, asleep, never reach mutmut's CPU-time limit: 30 s
-    # is ample for any single test these modules map to (the slowest take ~5 s).
-    return {"PYTEST_TIMEOUT": "30", **os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    # suite's 300 s pytest-timeout and, asleep, never reach mutmut's CPU-time limit: 60 s
+    # is ample for any single test these modules map to (the slowest take ~5 s alone, up to
+    # ~40 s with a dozen modules mutated at once).
+    # PYTHONPATH "." (mutmut runs the tests in <folder>/mutants): a helper script a test runs
+    # by path imports the mutated copy, as `python -m` subprocesses already do, rather than
+    # an installed kvflow (or none).
+    path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))
+    return {
+        "PYTEST_TIMEOUT": "60",
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 MUTMUT = [sys.executable, "-m", "mutmut"]
@@ -237,11 +247,15 @@ def prepare(module: str, work: Path, recheck: bool, resume: bool) -> list[str] |
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
     copy_tree(work)
+    add_table(work, module)
+    return names
+
+
+def add_table(work: Path, module: str) -> None:
     pyproject = work / "pyproject.toml"
     if "mutmut" in tomllib.loads(pyproject.read_text()).get("tool", {}):
         sys.exit("make mutation: pyproject.toml has a [tool.mutmut] table of its own; remove it")
     pyproject.write_text(pyproject.read_text() + mutmut_table(work, module, tests_for(module)))
-    return names
 
 
 def collect(module: str, work: Path) -> dict[str, int]:
@@ -324,19 +338,23 @@ def write_diffs(work: Path) -> None:
     (work / "survivors.diff").write_text("".join(shows))
 
 
-def progress(root: Path, modules: list[str], diffs: bool) -> None:
+def progress_line(root: Path, module: str, diffs: bool) -> str:
+    work = module_folder(root, module)
+    if not (work / "mutants").is_dir():
+        return f"== {module}: not started"
+    with contextlib.suppress(subprocess.CalledProcessError, OSError, ValueError):
+        line = summary(module, collect(module, work))
+        if diffs:
+            write_diffs(work)
+        return line
+    return f"== {module}: no counts yet (mutmut is still collecting its tests)"
+
+
+def progress(root: Path, modules: list[str], diffs: bool, jobs: int) -> None:
     """Every module's counts so far, from its folder (mutmut may still be running there)."""
-    for module in modules:
-        work = module_folder(root, module)
-        if not (work / "mutants").is_dir():
-            print(f"== {module}: not started")
-            continue
-        with contextlib.suppress(subprocess.CalledProcessError, OSError, ValueError):
-            print(summary(module, collect(module, work)), flush=True)
-            if diffs:
-                write_diffs(work)
-            continue
-        print(f"== {module}: no counts yet (mutmut is still collecting its tests)")
+    with ThreadPoolExecutor(jobs) as pool:
+        for line in pool.map(lambda m: progress_line(root, m, diffs), modules):
+            print(line, flush=True)
 
 
 def main() -> None:
@@ -379,7 +397,7 @@ def main() -> None:
         sys.exit("make mutation: the scratch folder must be outside the repo")
     modules = args.modules or MODULES
     if args.progress:
-        progress(root, modules, args.diffs)
+        progress(root, modules, args.diffs, args.jobs)
         return
     if args.jobs > 1:
         with ThreadPoolExecutor(args.jobs) as pool:
