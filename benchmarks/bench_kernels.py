@@ -74,6 +74,38 @@ CASES = [
         256,
         32,
     ),
+    Case(
+        "fi-int8-HND-h132-v4",
+        KVFormat.VLLM_FLASHINFER,
+        _mha(size=132, dtype=INT8, noncontiguous=True),
+        256,
+        32,
+        max_vec=4,
+    ),
+    Case(
+        "fi-u8-HND-h129",
+        KVFormat.VLLM_FLASHINFER,
+        _mha(size=129, dtype=torch.uint8, noncontiguous=True),
+        256,
+        32,
+    ),
+    Case(
+        "fi-u8-HND-h129-v1",
+        KVFormat.VLLM_FLASHINFER,
+        _mha(size=129, dtype=torch.uint8, noncontiguous=True),
+        256,
+        32,
+        max_vec=1,
+    ),
+    Case("fi-bf16-HND-h65", KVFormat.VLLM_FLASHINFER, _mha(size=65, noncontiguous=True), 256, 16),
+    Case(
+        "fi-bf16-HND-h65-v2",
+        KVFormat.VLLM_FLASHINFER,
+        _mha(size=65, noncontiguous=True),
+        256,
+        16,
+        max_vec=2,
+    ),
     Case("cross-bf16-32K", KVFormat.VLLM_CROSS_LAYER, _mha(), 256, 16),
     Case("sgl-mha-bf16-bs1", KVFormat.SGLANG_MHA, _mha(block=1), 256, 16),
     Case(
@@ -209,6 +241,7 @@ def run_case(
                 "block_bytes": plans[0].groups[0].seg_bytes,
                 "vec": plans[0].groups[0].vec_bytes,
                 "order": [p.groups[0].linear for p in plans],
+                "staged": [p.groups[0].staged for p in plans],
                 "mb_moved": moved / 2**20,
                 "ms": ms,
                 "gbps": gbps,
@@ -220,9 +253,13 @@ def run_case(
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """One line per case: kernel, copy and torch GB/s and the kernel/copy ratios."""
+    """One line per case: kernel, copy and torch GB/s and the kernel/copy ratios.
+
+    stg: whether gather and scatter run staged (s) or with their plain vectors (-).
+    """
     head = (
-        f"{'case':<22}{'variant':<9}{'block':>8}{'vec':>4}{'MB':>6}{'gather':>8}{'scatter':>8}{'copy':>7}"
+        f"{'case':<22}{'variant':<9}{'block':>8}{'vec':>4}{'stg':>4}{'MB':>6}"
+        f"{'gather':>8}{'scatter':>8}{'copy':>7}"
         f"{'g/copy':>7}{'s/copy':>7}{'torch g':>8}{'torch s':>8}"
     )
     print(head)
@@ -230,7 +267,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         g = r["gbps"]
         print(
-            f"{r['case']:<22}{r['variant']:<9}{r['block_bytes']:>8}{r['vec']:>4}{r['mb_moved']:>6.0f}"
+            f"{r['case']:<22}{r['variant']:<9}{r['block_bytes']:>8}{r['vec']:>4}"
+            f"{''.join('s' if x else '-' for x in r['staged']):>4}{r['mb_moved']:>6.0f}"
             f"{g['gather']:>8.0f}{g['scatter']:>8.0f}{g['copy']:>7.0f}"
             f"{r['gather_vs_copy']:>7.2f}{r['scatter_vs_copy']:>7.2f}"
             f"{g['torch_gather']:>8.0f}{g['torch_scatter']:>8.0f}"

@@ -57,6 +57,11 @@ ENTRY = np.dtype(
     [("base", "<i8"), ("s_block", "<i8"), ("s_outer", "<i8"), ("s_inner", "<i8")], align=True
 )
 LINEAR_BOTH, LINEAR_STAGE, LINEAR_CACHE = 0, 1, 2  # which side is linear in the vector index
+# Flag or-ed into a group's `linear` field: the group is moved in 16-byte granules of its
+# (linear) destination, its source read as aligned 16-byte granules and shifted into place.
+STAGED = 4
+GRANULE = 16
+STAGED_UNROLL = 2  # destination granules per lane per unrolled step of a staged group
 DEFAULT_LANE_BYTES = 64
 DEFAULT_ITERS = 4  # unrolled steps per warp tile (measured: fewer CTAs, same bytes in flight)
 HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
@@ -64,6 +69,8 @@ HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) -> int:
     """Vectors per lane per unrolled step, as the kernel's ``unroll<VEC, LIN>()``."""
+    if linear & STAGED:
+        return STAGED_UNROLL
     most = 16 if linear == LINEAR_BOTH else 8
     return min(most, max(4, lane_bytes // vec_bytes))
 
@@ -102,8 +109,9 @@ class GroupPlan:
     run r sits at (outer, inner) = divmod(r, inner) with a byte stride per index and side.
     """
 
-    vec_bytes: int
+    vec_bytes: int  # the vector width; a staged group moves 16-byte granules whatever it is
     linear: int  # LINEAR_BOTH / LINEAR_STAGE / LINEAR_CACHE: side(s) linear in the vector index
+    staged: bool  # moved in 16-byte destination granules, the source shifted into place
     run_bytes: int
     inner: int  # runs per outer index
     stage_strides: tuple[int, int]  # (outer, inner) byte strides in staging
@@ -129,7 +137,7 @@ class TransferPlan:
     @property
     def all_linear(self) -> bool:
         """Every group is contiguous on both sides: the lean kernel instantiation suffices."""
-        return all(g.linear == LINEAR_BOTH for g in self.groups)
+        return all(g.linear == LINEAR_BOTH and not g.staged for g in self.groups)
 
 
 def _order(
@@ -153,6 +161,32 @@ def _order(
     return LINEAR_STAGE, hb, group.num_heads, (row, hb), [(d.token, d.head) for d in descs]
 
 
+def _stageable(
+    linear: int,
+    run_bytes: int,
+    descs: list[StrideDesc],
+    cache_strides: list[tuple[int, int]],
+    stage_strides: tuple[int, int],
+    *,
+    gather: bool,
+    dst_terms: list[int],
+) -> bool:
+    """Whether a narrow-vector group can move in 16-byte granules of its destination.
+
+    The destination must be linear over a segment and 16-byte aligned everywhere, so
+    every store is a whole 16-byte granule; a run must be >= 16 bytes, so a granule takes
+    bytes of at most two runs; and every source stride in use >= 16 bytes, so the granule
+    read to reach the start of a second run lies inside the block.
+    """
+    dst_linear = linear == LINEAR_BOTH or linear == (LINEAR_STAGE if gather else LINEAR_CACHE)
+    if not dst_linear or run_bytes < GRANULE:
+        return False
+    if any(term % GRANULE for term in dst_terms):
+        return False
+    src_strides = [s for pair in cache_strides for s in pair] if gather else list(stage_strides)
+    return all(s == 0 or s >= GRANULE for s in src_strides)
+
+
 def build_plan(
     layout: KVLayout,
     chunk_tokens: int,
@@ -167,7 +201,9 @@ def build_plan(
 
     Each group gets the widest vector of 16/8/4/2/1 bytes (at most ``max_vector_bytes``)
     dividing its runs and every address it touches (cache bases and strides, staging
-    offsets and alignment). ``lane_bytes`` and ``iters`` must match the kernel build.
+    offsets and alignment). A group narrower than 16 bytes whose destination is linear and
+    16-byte aligned is *staged* (see `_stageable`) unless ``max_vector_bytes`` caps the
+    width. ``lane_bytes`` and ``iters`` must match the kernel build.
     """
     if max_vector_bytes not in VECTOR_WIDTHS:
         raise ValueError(f"max_vector_bytes must be one of {VECTOR_WIDTHS}; got {max_vector_bytes}")
@@ -191,16 +227,33 @@ def build_plan(
         vec = min(max_vector_bytes, pow2_alignment(staging_alignment))
         for term in terms:
             vec = min(vec, pow2_alignment(term))
-        seg_vecs = seg_bytes // vec
+        staged = vec < GRANULE and max_vector_bytes == GRANULE
+        staged = staged and _stageable(
+            linear,
+            run_bytes,
+            descs,
+            cache_strides,
+            stage_strides,
+            gather=gather,
+            dst_terms=(
+                [staging_alignment, chunk_bytes, offset, chunk_tokens * group.row_bytes, seg_bytes]
+                if gather
+                else [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
+            ),
+        )
+        unit = GRANULE if staged else vec
+        mode = linear | (STAGED if staged else 0)
+        seg_vecs = seg_bytes // unit
         if seg_vecs >= MAX_NUMERATOR:
             raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
-        per_tile = WARP * unroll(vec, linear, lane_bytes) * iters
+        per_tile = WARP * unroll(vec, mode, lane_bytes) * iters
         tiles_per_seg = math.ceil(seg_vecs / per_tile)
         tiles = group.kv_size * len(group.layers) * per_chunk * tiles_per_seg
         group_plans.append(
             GroupPlan(
                 vec,
                 linear,
+                staged,
                 run_bytes,
                 inner,
                 stage_strides,
@@ -219,12 +272,12 @@ def build_plan(
                 tile,
                 tile + tiles,
                 len(entries),
-                vec.bit_length() - 1,
+                unit.bit_length() - 1,
                 seg_vecs,
-                linear,
+                mode,
                 _pack_div(tiles_per_seg),
                 _pack_div(len(group.layers)),
-                _pack_div(run_bytes // vec),
+                _pack_div(run_bytes if staged else run_bytes // vec),
                 _pack_div(inner),
             )
         )

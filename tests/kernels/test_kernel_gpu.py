@@ -119,6 +119,17 @@ def test_kernel_equals_reference_every_format_dtype_and_width(
             4,
         ),
         (KVFormat.SGLANG_MHA, {"head_size": 65, "noncontiguous": True}, 2),
+        # staged (16-byte granules) both ways: HND heads of 129 bytes and of 65 bf16
+        (
+            KVFormat.VLLM_FLASHINFER,
+            {"head_size": 129, "dtype": torch.uint8, "noncontiguous": True, "block_size": 16},
+            1,
+        ),
+        (
+            KVFormat.VLLM_FLASHINFER,
+            {"head_size": 65, "noncontiguous": True, "block_size": 16},
+            2,
+        ),
         (
             KVFormat.VLLM_CROSS_LAYER,
             {"head_size": 7, "dtype": torch.uint8, "noncontiguous": True},

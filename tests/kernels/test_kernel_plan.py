@@ -26,6 +26,7 @@ from kvflow.kernels.plan import (
     LINEAR_BOTH,
     LINEAR_CACHE,
     LINEAR_STAGE,
+    STAGED,
     TransferPlan,
     build_plan,
     fast_divide,
@@ -134,7 +135,8 @@ def test_table_layout_and_tile_counts() -> None:
     assert (int(header["num_groups"]), int(header["blocks_per_chunk"])) == (2, 4)
     assert int(header["chunk_bytes"]) == layout.chunk_nbytes(64)
     for g in plan.groups:
-        per_tile = 32 * unroll(g.vec_bytes, g.linear) * DEFAULT_ITERS * g.vec_bytes
+        mode, unit = (g.linear | STAGED, 16) if g.staged else (g.linear, g.vec_bytes)
+        per_tile = 32 * unroll(g.vec_bytes, mode) * DEFAULT_ITERS * unit
         assert g.tiles_per_seg == -(-g.seg_bytes // per_tile)
     assert plan.groups[0].tile_begin == 0
     assert plan.groups[0].tile_end == plan.groups[1].tile_begin
@@ -149,10 +151,44 @@ class _Memory:
             (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
         ]
 
+    def check(self, addr: int, size: int) -> None:
+        assert any(lo <= addr and addr + size <= lo + n for lo, n in self.ranges), hex(addr)
+
     def move(self, dst: int, src: int, size: int) -> None:
-        for addr in (dst, src):
-            assert any(lo <= addr and addr + size <= lo + n for lo, n in self.ranges), hex(addr)
+        self.check(dst, size)
+        self.check(src, size)
         ctypes.memmove(dst, src, size)
+
+    def read(self, addr: int, size: int) -> bytes:
+        self.check(addr, size)
+        return ctypes.string_at(addr, size)
+
+    def write(self, addr: int, data: bytes) -> None:
+        self.check(addr, len(data))
+        ctypes.memmove(addr, data, len(data))
+
+
+def _bytes_at(memory: _Memory, addr: int, next_granule: bool) -> bytes:
+    """The kernel's bytes_at: 16 bytes at addr from the aligned granule(s) it reads."""
+    base = addr & ~15
+    both = memory.read(base, 16) + (memory.read(base + 16, 16) if next_granule else bytes(16))
+    return both[addr - base : addr - base + 16]
+
+
+def _staged_granule(
+    memory: _Memory, src: int, d: int, run_bytes: int, inner: int, strides: tuple[int, int]
+) -> bytes:
+    """The 16 destination bytes at segment offset d of a staged group, as the kernel reads them."""
+    r, c = divmod(d, run_bytes)
+    outer, at = divmod(r, inner)
+    a = src + outer * strides[0] + at * strides[1] + c
+    n = min(16, run_bytes - c)
+    out = _bytes_at(memory, a, (a & 15) + n > 16)
+    if n < 16:
+        outer, at = divmod(r + 1, inner)
+        b = src + outer * strides[0] + at * strides[1] - n
+        out = out[:n] + _bytes_at(memory, b, (b & 15) != 0)[n:]
+    return out
 
 
 def _div(record: Any, name: str) -> tuple[int, int, int]:
@@ -208,6 +244,18 @@ def _emulate(
             for u in range(steps):
                 v = seg_tile * 32 * steps + u * 32 + lane
                 if v >= int(g["seg_vecs"]):
+                    continue
+                if linear & STAGED:
+                    src_strides = (
+                        (int(e["s_outer"]), int(e["s_inner"]))
+                        if gather
+                        else (int(g["stage_outer"]), int(g["stage_inner"]))
+                    )
+                    src, dst = (cache, stage) if gather else (stage, cache)
+                    granule = _staged_granule(
+                        memory, src, v * 16, run_vecs[0], inner[0], src_strides
+                    )
+                    memory.write(dst + v * 16, granule)
                     continue
                 run = fast_divide(v, run_vecs)
                 outer = fast_divide(run, inner)
@@ -270,5 +318,69 @@ def test_kernel_addressing_matches_the_reference(
     )
     memory = _Memory([*flat_tensors(target), staging])
     _emulate(plan, ids, skip, staging, memory, gather=False, iters=iters)
+    for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
+        assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())
+
+
+STAGED_CASES = [
+    # (format, make_kv_caches kwargs, gather staged, scatter staged)
+    (KVFormat.VLLM_FLASHINFER, {"head_size": 132, "dtype": torch.int8}, True, True),
+    (KVFormat.VLLM_FLASHINFER, {"head_size": 129, "dtype": torch.uint8}, True, True),
+    (KVFormat.VLLM_FLASHINFER, {"head_size": 65, "dtype": torch.bfloat16}, True, True),
+    # padded rows: a gather reads whole granules over the padding; a scatter must not
+    # write it, so it keeps its narrow vectors
+    (KVFormat.SGLANG_MLA, {"head_size": 132, "dtype": torch.int8}, True, False),
+]
+
+
+@pytest.mark.parametrize(("fmt", "kwargs", "gather_staged", "scatter_staged"), STAGED_CASES)
+def test_narrow_groups_with_a_linear_aligned_destination_are_staged(
+    fmt: KVFormat, kwargs: dict[str, Any], gather_staged: bool, scatter_staged: bool
+) -> None:
+    """Narrow vectors become 16-byte granules where the destination allows, never with a cap."""
+    layout = _layout(fmt, noncontiguous=True, num_heads=2, block_size=16, **kwargs)
+    gather = build_plan(layout, 32, gather=True).groups[0]
+    scatter = build_plan(layout, 32, gather=False).groups[0]
+    assert (gather.staged, scatter.staged) == (gather_staged, scatter_staged)
+    assert gather.vec_bytes < 16 and scatter.vec_bytes < 16
+    assert not build_plan(layout, 32, max_vector_bytes=8).groups[0].staged
+    assert not build_plan(layout, 32, staging_alignment=8).groups[0].staged
+    assert not build_plan(layout, 32, gather=True).all_linear
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize(("fmt", "kwargs", "gather_staged", "scatter_staged"), STAGED_CASES)
+def test_staged_addressing_matches_the_reference(
+    fmt: KVFormat, kwargs: dict[str, Any], gather_staged: bool, scatter_staged: bool, iters: int
+) -> None:
+    """The emulated staged kernel (granule reads bounds-checked) moves exactly the reference's
+    bytes both ways, runs straddling granules and runs of other heads included."""
+    gen = torch.Generator().manual_seed(iters)
+    shape: dict[str, Any] = {
+        "num_blocks": 6,
+        "block_size": 16,
+        "num_heads": 2,
+        "noncontiguous": True,
+    }
+    caches, kw = make_kv_caches(fmt, generator=gen, **shape, **kwargs)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    ids = torch.tensor([[4, 1], [0, 5]])
+    skip = torch.tensor([1, 0])
+    plan = build_plan(layout, 32, iters=iters)
+    assert plan.groups[0].staged == gather_staged
+    staging = torch.full((2, plan.chunk_bytes), 0xA5, dtype=torch.uint8)
+    want = staging.clone()
+    transfer_reference(layout, want, ids, skip, gather=True)
+    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(caches), staging]), True, iters)
+    assert torch.equal(staging, want)
+
+    target, _ = make_kv_caches(fmt, generator=gen, **shape, **kwargs)
+    expected, _ = make_kv_caches(fmt, **shape, **kwargs)
+    for dst, src in zip(flat_tensors(expected), flat_tensors(target), strict=True):
+        dst.copy_(src)
+    transfer_reference(KVLayout.from_kv_caches(expected, **kw), staging, ids, skip, gather=False)
+    plan = build_plan(KVLayout.from_kv_caches(target, **kw), 32, gather=False, iters=iters)
+    assert plan.groups[0].staged == scatter_staged
+    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), False, iters)
     for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())

@@ -13,6 +13,12 @@
 // destination is linear (coalesced full-sector writes) where it can, and a linear side
 // skips the divisions. Accesses are streaming (.cs) so the copy does not evict the
 // engine's working set from L2.
+//
+// A *staged* group (narrow vectors, linear 16-byte aligned destination: 132-byte int8
+// heads, odd-sized heads, padded rows read) is moved in 16-byte granules of the
+// destination instead: each granule's bytes come from at most two source runs, each read
+// as aligned 16-byte granules and funnel-shifted into place, so loads and stores are
+// 16 bytes wide whatever the layout's alignment.
 #include <cstddef>
 #include <cstdint>
 
@@ -55,6 +61,8 @@ struct PlanHeader {
 };
 
 enum Linear : int { kBoth = 0, kStage = 1, kCache = 2 };
+constexpr uint32_t kStaged = 4;      // or-ed into GroupDesc::linear (plan.STAGED)
+constexpr unsigned kStagedUnroll = 2;  // destination granules per lane per step (plan.STAGED_UNROLL)
 
 struct GroupDesc {
   int64_t stage_offset;       // byte offset of the group inside a chunk row
@@ -65,12 +73,12 @@ struct GroupDesc {
   uint32_t tile_begin;        // first warp tile of the group inside a chunk
   uint32_t tile_end;
   uint32_t first_entry;       // index of the group's first (kv, layer) entry
-  uint32_t vec_log2;          // vector width in bytes = 1 << vec_log2
-  uint32_t seg_vecs;          // vectors in one segment
-  uint32_t linear;            // Linear: which side is linear in v
+  uint32_t vec_log2;          // vector width in bytes = 1 << vec_log2 (staged: 16)
+  uint32_t seg_vecs;          // vectors in one segment (staged: destination granules)
+  uint32_t linear;            // Linear: which side is linear in v, | kStaged
   FastDiv tiles_per_seg;
   FastDiv num_layers;
-  FastDiv run_vecs;           // vectors in one run contiguous on both sides
+  FastDiv run_vecs;           // vectors in one run contiguous on both sides (staged: bytes)
   FastDiv inner;              // runs per outer index
 };
 
@@ -187,6 +195,81 @@ __device__ __forceinline__ void copy_tile(const GroupDesc& g, const Entry& e, ch
   }
 }
 
+// The 16 bytes at byte address p, from the aligned granule holding p and, when `next`,
+// the one after it (only read when it holds bytes the caller uses).
+__device__ __forceinline__ uint4 bytes_at(const char* p, bool next) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const uint4* granule = reinterpret_cast<const uint4*>(addr & ~uintptr_t(15));
+  const uint4 lo = load(granule);
+  const uint4 hi = next ? load(granule + 1) : make_uint4(0, 0, 0, 0);
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t q = (addr >> 2) & 3, shift = (addr & 3) * 8;
+  uint32_t s[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) {
+    s[i] = q == 0 ? w[i] : q == 1 ? w[i + 1] : q == 2 ? w[i + 2] : w[i + 3];
+  }
+  return make_uint4(__funnelshift_r(s[0], s[1], shift), __funnelshift_r(s[1], s[2], shift),
+                    __funnelshift_r(s[2], s[3], shift), __funnelshift_r(s[3], s[4], shift));
+}
+
+// Bytes [0, n) of x, then bytes [n, 16) of y.
+__device__ __forceinline__ uint4 splice(const uint4& x, const uint4& y, uint32_t n) {
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+  uint32_t out[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int32_t keep = static_cast<int32_t>(n) - 4 * k;  // bytes of word k taken from x
+    const uint32_t mask = keep >= 4 ? 0xffffffffu : keep <= 0 ? 0u : (1u << (8 * keep)) - 1;
+    out[k] = (xs[k] & mask) | (ys[k] & ~mask);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// A staged group's warp tile: lane-contiguous 16-byte granules of the linear destination.
+// Destination byte d of the segment is byte c = d % run_bytes of run r = d / run_bytes,
+// found on the source side at (outer, inner) = divmod(r, inner).
+template <bool GATHER>
+__device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, char* cache,
+                                            char* stage, uint32_t tile, uint32_t iters,
+                                            uint32_t lane) {
+  constexpr unsigned U = kStagedUnroll;
+  const char* src = GATHER ? cache : stage;
+  uint4* dst = reinterpret_cast<uint4*>(GATHER ? stage : cache);
+  const int64_t s_outer = GATHER ? e.s_outer : g.stage_outer;
+  const int64_t s_inner = GATHER ? e.s_inner : g.stage_inner;
+  const uint32_t run_bytes = g.run_vecs.d;
+  for (uint32_t it = 0; it < iters; ++it) {
+    const uint32_t first = (tile * iters + it) * (kWarp * U) + lane;
+    const int32_t left = static_cast<int32_t>(g.seg_vecs) - static_cast<int32_t>(first);
+    if (left <= 0) return;
+    uint4 out[U];
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) {
+      if (static_cast<int32_t>(u * kWarp) < left) {
+        const uint32_t d = (first + u * kWarp) * 16;
+        const uint32_t r = divide(g.run_vecs, d);
+        const uint32_t c = d - r * run_bytes;
+        const uint32_t outer = divide(g.inner, r);
+        const uint32_t in = r - outer * g.inner.d;
+        const char* a = src + outer * s_outer + in * s_inner + c;
+        const uint32_t n = min(16u, run_bytes - c);  // bytes from run r
+        out[u] = bytes_at(a, (reinterpret_cast<uintptr_t>(a) & 15) + n > 16);
+        if (n < 16) {  // the rest from the start of run r + 1, read from n bytes before it
+          const bool wrap = in + 1 == g.inner.d;
+          const char* b = src + (wrap ? outer + 1 : outer) * s_outer +
+                          (wrap ? 0u : in + 1) * s_inner - n;
+          out[u] = splice(out[u], bytes_at(b, (reinterpret_cast<uintptr_t>(b) & 15) != 0), n);
+        }
+      }
+    }
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) {
+      if (static_cast<int32_t>(u * kWarp) < left) store(dst + first + u * kWarp, out[u]);
+    }
+  }
+}
+
 template <int VEC, bool GATHER, bool GENERAL>
 __device__ __forceinline__ void copy_tile_any(const GroupDesc& g, const Entry& e, char* cache,
                                               char* stage, uint32_t tile, uint32_t iters,
@@ -204,6 +287,10 @@ template <bool GATHER, bool GENERAL>
 __device__ __forceinline__ void dispatch(const GroupDesc& g, const Entry& e, char* cache,
                                          char* stage, uint32_t tile, uint32_t iters,
                                          uint32_t lane) {
+  if (GENERAL && (g.linear & kStaged)) {
+    copy_staged<GATHER>(g, e, cache, stage, tile, iters, lane);
+    return;
+  }
   switch (g.vec_log2) {
     case 4: copy_tile_any<16, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
     case 3: copy_tile_any<8, GATHER, GENERAL>(g, e, cache, stage, tile, iters, lane); break;
