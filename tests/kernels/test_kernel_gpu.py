@@ -97,7 +97,7 @@ def test_kernel_equals_reference_every_format_dtype_and_width(
     fmt: KVFormat, dtype: torch.dtype, noncontiguous: bool
 ) -> None:
     """Bit-exact for every vector width the layout allows, with skips and several chunks."""
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "dtype": dtype,
         "noncontiguous": noncontiguous,
         "num_blocks": 24,
