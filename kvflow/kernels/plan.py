@@ -61,7 +61,6 @@ LINEAR_BOTH, LINEAR_STAGE, LINEAR_CACHE = 0, 1, 2  # which side is linear in the
 # (linear) destination, its source read as aligned 16-byte granules and shifted into place.
 STAGED = 4
 GRANULE = 16
-STAGED_UNROLL = 2  # destination granules per lane per unrolled step of a staged group
 DEFAULT_LANE_BYTES = 64
 DEFAULT_ITERS = 4  # unrolled steps per warp tile (measured: fewer CTAs, same bytes in flight)
 HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
@@ -69,8 +68,8 @@ HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) -> int:
     """Vectors per lane per unrolled step, as the kernel's ``unroll<VEC, LIN>()``."""
-    if linear & STAGED:
-        return STAGED_UNROLL
+    if linear & STAGED:  # a granule reads about two: lane_bytes of loads in flight
+        return max(1, lane_bytes // (2 * GRANULE))
     most = 16 if linear == LINEAR_BOTH else 8
     return min(most, max(4, lane_bytes // vec_bytes))
 

@@ -62,7 +62,8 @@ struct PlanHeader {
 
 enum Linear : int { kBoth = 0, kStage = 1, kCache = 2 };
 constexpr uint32_t kStaged = 4;      // or-ed into GroupDesc::linear (plan.STAGED)
-constexpr unsigned kStagedUnroll = 2;  // destination granules per lane per step (plan.STAGED_UNROLL)
+// Destination granules per lane per step of a staged group: each reads about two granules.
+constexpr unsigned kStagedUnroll = KVF_LANE_BYTES / 32 > 0 ? KVF_LANE_BYTES / 32 : 1;
 
 struct GroupDesc {
   int64_t stage_offset;       // byte offset of the group inside a chunk row
@@ -195,14 +196,22 @@ __device__ __forceinline__ void copy_tile(const GroupDesc& g, const Entry& e, ch
   }
 }
 
-// The 16 bytes at byte address p, from the aligned granule holding p and, when `next`,
-// the one after it (only read when it holds bytes the caller uses).
-__device__ __forceinline__ uint4 bytes_at(const char* p, bool next) {
+// The aligned 16-byte granule holding byte address p and, when `next`, the one after it
+// (read only when it holds bytes the caller uses).
+struct Granules {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ Granules granules_at(const char* p, bool next) {
+  const uint4* granule =
+      reinterpret_cast<const uint4*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(15));
+  return {load(granule), next ? load(granule + 1) : make_uint4(0, 0, 0, 0)};
+}
+
+// The 16 bytes at byte address p out of its granules.
+__device__ __forceinline__ uint4 bytes_at(const Granules& g, const char* p) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  const uint4* granule = reinterpret_cast<const uint4*>(addr & ~uintptr_t(15));
-  const uint4 lo = load(granule);
-  const uint4 hi = next ? load(granule + 1) : make_uint4(0, 0, 0, 0);
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t w[8] = {g.lo.x, g.lo.y, g.lo.z, g.lo.w, g.hi.x, g.hi.y, g.hi.z, g.hi.w};
   const uint32_t q = (addr >> 2) & 3, shift = (addr & 3) * 8;
   uint32_t s[5];
 #pragma unroll
@@ -228,7 +237,10 @@ __device__ __forceinline__ uint4 splice(const uint4& x, const uint4& y, uint32_t
 
 // A staged group's warp tile: lane-contiguous 16-byte granules of the linear destination.
 // Destination byte d of the segment is byte c = d % run_bytes of run r = d / run_bytes,
-// found on the source side at (outer, inner) = divmod(r, inner).
+// found on the source side at (outer, inner) = divmod(r, inner). A granule's first n bytes
+// come from run r at a; the rest from the start of run r + 1, read from b, n bytes before
+// it (b = a when the granule lies in one run). Every lane computes its addresses, then
+// issues all its loads, then splices and stores, so a second run costs no extra round trip.
 template <bool GATHER>
 __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, char* cache,
                                             char* stage, uint32_t tile, uint32_t iters,
@@ -243,29 +255,36 @@ __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, 
     const uint32_t first = (tile * iters + it) * (kWarp * U) + lane;
     const int32_t left = static_cast<int32_t>(g.seg_vecs) - static_cast<int32_t>(first);
     if (left <= 0) return;
-    uint4 out[U];
+    const char* a[U];
+    const char* b[U];
+    uint32_t n[U];
+#pragma unroll
+    for (unsigned u = 0; u < U; ++u) {
+      const uint32_t d = (first + u * kWarp) * 16;
+      const uint32_t r = divide(g.run_vecs, d);
+      const uint32_t c = d - r * run_bytes;
+      const uint32_t outer = divide(g.inner, r);
+      const uint32_t in = r - outer * g.inner.d;
+      a[u] = src + outer * s_outer + in * s_inner + c;
+      n[u] = min(16u, run_bytes - c);
+      const bool wrap = in + 1 == g.inner.d;
+      b[u] = n[u] < 16 ? src + (wrap ? outer + 1 : outer) * s_outer +
+                             (wrap ? 0u : in + 1) * s_inner - n[u]
+                       : a[u];
+    }
+    Granules x[U], y[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
       if (static_cast<int32_t>(u * kWarp) < left) {
-        const uint32_t d = (first + u * kWarp) * 16;
-        const uint32_t r = divide(g.run_vecs, d);
-        const uint32_t c = d - r * run_bytes;
-        const uint32_t outer = divide(g.inner, r);
-        const uint32_t in = r - outer * g.inner.d;
-        const char* a = src + outer * s_outer + in * s_inner + c;
-        const uint32_t n = min(16u, run_bytes - c);  // bytes from run r
-        out[u] = bytes_at(a, (reinterpret_cast<uintptr_t>(a) & 15) + n > 16);
-        if (n < 16) {  // the rest from the start of run r + 1, read from n bytes before it
-          const bool wrap = in + 1 == g.inner.d;
-          const char* b = src + (wrap ? outer + 1 : outer) * s_outer +
-                          (wrap ? 0u : in + 1) * s_inner - n;
-          out[u] = splice(out[u], bytes_at(b, (reinterpret_cast<uintptr_t>(b) & 15) != 0), n);
-        }
+        x[u] = granules_at(a[u], (reinterpret_cast<uintptr_t>(a[u]) & 15) + n[u] > 16);
+        y[u] = granules_at(b[u], n[u] < 16 && (reinterpret_cast<uintptr_t>(b[u]) & 15) != 0);
       }
     }
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
-      if (static_cast<int32_t>(u * kWarp) < left) store(dst + first + u * kWarp, out[u]);
+      if (static_cast<int32_t>(u * kWarp) < left) {
+        store(dst + first + u * kWarp, splice(bytes_at(x[u], a[u]), bytes_at(y[u], b[u]), n[u]));
+      }
     }
   }
 }
