@@ -207,15 +207,16 @@ def module_folder(root: Path, module: str) -> Path:
     return root / module.removesuffix(".py").replace("/", ".")
 
 
-def mutmut_env() -> dict[str, str]:
+def mutmut_env(work: Path | None = None) -> dict[str, str]:
     # A mutant that makes a test wait forever (a flush that never ends) would sit out the
     # suite's 300 s pytest-timeout and, asleep, never reach mutmut's CPU-time limit: 60 s
     # is ample for any single test these modules map to (the slowest take ~5 s alone, up to
     # ~40 s with a dozen modules mutated at once).
-    # PYTHONPATH "." (mutmut runs the tests in <folder>/mutants): a helper script a test runs
-    # by path imports the mutated copy, as `python -m` subprocesses already do, rather than
-    # an installed kvflow (or none).
-    path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))
+    # PYTHONPATH <folder>/mutants (where mutmut runs the tests): a helper script a test runs
+    # by path imports the mutated copy, as `python -m` subprocesses started there already
+    # do, rather than an installed kvflow (or none).
+    mutants = str(work / "mutants") if work is not None else None
+    path = os.pathsep.join(filter(None, [mutants, os.environ.get("PYTHONPATH")]))
     return {
         "PYTEST_TIMEOUT": "60",
         **os.environ,
@@ -298,7 +299,7 @@ def run_module(
         return collect(module, work)
     print(f"== {module}: tests {' '.join(tests_for(module))} (in {work})", flush=True)
     command = [*MUTMUT, "run", "--max-children", str(max_children), *names]
-    with subprocess.Popen(command, cwd=work, env=mutmut_env(), stdout=log, stderr=log) as proc:
+    with subprocess.Popen(command, cwd=work, env=mutmut_env(work), stdout=log, stderr=log) as proc:
         try:
             returncode = proc.wait()
         except BaseException:  # Ctrl-C or SIGTERM: stop mutmut and its workers too
