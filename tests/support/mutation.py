@@ -299,6 +299,9 @@ def run_module(
         return collect(module, work)
     print(f"== {module}: tests {' '.join(tests_for(module))} (in {work})", flush=True)
     command = [*MUTMUT, "run", "--max-children", str(max_children), *names]
+    # On PYTHONPATH (mutmut_env) from the start: a folder missing when the interpreter
+    # starts is cached as holding nothing, and the tests' own imports then fail.
+    (work / "mutants").mkdir(exist_ok=True)
     with subprocess.Popen(command, cwd=work, env=mutmut_env(work), stdout=log, stderr=log) as proc:
         try:
             returncode = proc.wait()
