@@ -36,6 +36,7 @@ from kvflow.core.server.protocol import (
     decode_request,
     encode_reply,
     encode_request,
+    peek_id,
 )
 
 TAGS = [
@@ -136,6 +137,66 @@ def test_malformed_frames_are_protocol_errors(frames: list[bytes], match: str) -
     """Undecodable headers, unknown ops, missing fields or wrong payloads raise ProtocolError."""
     with pytest.raises(ProtocolError, match=match):
         decode_request(frames)
+
+
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        ([], "empty message: expected a header frame"),
+        (
+            [msgspec.msgpack.encode({"op": "lookup", "v": 1, "model_name": "m"})],
+            "Lookup takes 1 payload frame(s) (token_ids), got 0",
+        ),
+        (
+            [msgspec.msgpack.encode({"op": "status", "v": 1}), b"", b""],
+            "Status takes 0 payload frame(s) (none), got 2",
+        ),
+        (
+            [
+                msgspec.msgpack.encode(
+                    {"op": "store", "v": 1, "instance_id": "a", "request_id": "r"}
+                ),
+                b"\0\0\0\0",
+            ],
+            "Store takes 2 payload frame(s) (token_ids, block_ids), got 1",
+        ),
+    ],
+)
+def test_frame_count_errors_name_the_request_and_its_payloads(
+    frames: list[bytes], message: str
+) -> None:
+    """A wrong frame count is reported word for word: request type, expected payloads, count."""
+    with pytest.raises(ProtocolError) as info:
+        decode_request(frames)
+    assert str(info.value) == message
+
+
+def test_encoding_with_the_wrong_payload_count_names_the_request() -> None:
+    """encode_request refuses a payload count its request type does not take, saying which."""
+    with pytest.raises(ValueError) as info:
+        encode_request(Store(instance_id="a", request_id="r"), (np.zeros(1, dtype="<i4"),))
+    assert str(info.value) == "Store takes payloads ('token_ids', 'block_ids'), got 1"
+
+
+def test_error_replies_to_unreadable_headers_are_addressed_to_id_zero() -> None:
+    """peek_id reads a header's correlation id, and gives 0 when the header is unreadable."""
+    assert peek_id(msgspec.msgpack.encode({"op": "teleport", "v": 99, "id": 17})) == 17
+    assert peek_id(b"\xc1garbage") == 0
+    assert peek_id(b"") == 0
+
+
+def test_malformed_or_foreign_replies_are_protocol_errors() -> None:
+    """A reply that does not decode, or speaks another version, is refused with the reason."""
+    with pytest.raises(ProtocolError) as malformed:
+        decode_reply(b"\xc1garbage")
+    assert str(malformed.value).startswith("malformed reply from server: ")
+    foreign = msgspec.msgpack.encode({"r": "done", "v": PROTOCOL_VERSION + 1, "id": 1})
+    with pytest.raises(ProtocolError) as info:
+        decode_reply(foreign)
+    assert str(info.value) == (
+        f"protocol version {PROTOCOL_VERSION + 1} is not supported"
+        f" (this server speaks {PROTOCOL_VERSION})"
+    )
 
 
 def test_wrongly_typed_arguments_fail_before_sending() -> None:
