@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import gc
+import mmap
 import os
+import re
+import secrets
+import stat
+import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +22,48 @@ from kvflow.core import empty_shared
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.protocol import KVCachesDesc, ShmMemory, TensorDesc
 from kvflow.core.server.sharing import describe_kv_caches, open_kv_caches, view_described
-from kvflow.core.server.shm import SHM_DIR, is_shared, map_shared, shared_memory_of
+from kvflow.core.server.shm import (
+    SHM_DIR,
+    is_shared,
+    map_segment,
+    map_shared,
+    release_segment,
+    shared_memory_of,
+)
+
+#: a size no process can map (beyond any user address space), though tmpfs takes it as a length
+UNMAPPABLE = 2**62
+
+
+@contextlib.contextmanager
+def _segment_file(size: int) -> Iterator[str]:
+    """A file under /dev/shm named as empty_shared names segments, made by hand (any size)."""
+    name = f"kvflow-{os.getpid()}-{10**9 + secrets.randbelow(10**9)}-{secrets.token_hex(4)}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        yield name
+    finally:
+        os.unlink(path)
+
+
+def _mapped(addr: int, name: str) -> bool:
+    """Whether this process has `name`'s segment mapped at `addr` (per /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span = line.split(maxsplit=1)[0]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start <= addr < end and name in line:
+                return True
+    return False
+
+
+def _own_segment_names() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"kvflow-{os.getpid()}-")}
 
 
 def test_empty_shared_is_a_contiguous_tensor_in_a_named_segment() -> None:
@@ -175,3 +226,212 @@ def test_open_refuses_empty_or_inconsistent_nesting() -> None:
     tdesc = describe_kv_caches(t).tensors[0]
     with pytest.raises(InvalidRequestError, match="one tensor"):
         open_kv_caches(KVCachesDesc(kind="tensor", tensors=[tdesc, tdesc]))
+
+
+def test_an_int_shape_is_one_dimension() -> None:
+    """empty_shared(n, dtype) is a vector of n elements, like torch.empty(n)."""
+    t = empty_shared(10, torch.float32)
+    assert t.shape == (10,)
+    assert is_shared(t)
+
+
+def test_zero_sized_dimensions_give_an_empty_shared_tensor() -> None:
+    """A shape with a 0 dimension is allowed (as in torch): an empty tensor in a one-page segment."""
+    t = empty_shared((0, 4), torch.float16)
+    assert t.shape == (0, 4) and t.numel() == 0
+    mem = shared_memory_of(t)
+    assert mem is not None and mem.size == mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("shape", [(-1,), (2, -3), (2.0,), ("4",)])
+def test_bad_shapes_are_refused_naming_the_shape(shape: Any) -> None:
+    """Negative or non-integer dimensions raise ValueError quoting the shape given."""
+    with pytest.raises(ValueError) as info:
+        empty_shared(shape, torch.float32)
+    assert str(info.value) == f"shape must be non-negative integers, got {shape!r}"
+
+
+def test_a_dtype_that_is_not_a_torch_dtype_is_refused() -> None:
+    """A dtype given by name (or anything but a torch.dtype) raises TypeError quoting it."""
+    with pytest.raises(TypeError) as info:
+        empty_shared((4,), "float32")  # type: ignore[arg-type]
+    assert str(info.value) == "dtype must be a torch.dtype, got 'float32'"
+
+
+def test_segments_are_readable_by_their_owner_only() -> None:
+    """A segment holds KV data: its file is mode 0600 whatever the umask."""
+    t = empty_shared((16,), torch.uint8)
+    mem = shared_memory_of(t)
+    assert mem is not None
+    mode = os.stat(os.path.join(SHM_DIR, mem.name)).st_mode
+    assert stat.S_IMODE(mode) == 0o600
+
+
+def test_a_segment_too_large_to_map_fails_and_leaves_no_name_behind() -> None:
+    """When mapping the new segment fails, the OS error comes through and its name is removed."""
+    before = _own_segment_names()
+    try:
+        with pytest.raises(OSError):
+            empty_shared((UNMAPPABLE,), torch.uint8)
+    finally:
+        left = _own_segment_names() - before
+        for name in left:  # (a sparse file, but do not leave it behind either way)
+            os.unlink(os.path.join(SHM_DIR, name))
+    assert left == set()
+
+
+def test_a_freed_segment_address_is_not_taken_for_shared_memory() -> None:
+    """Once a segment is freed, ordinary memory later mapped at its address is not shared."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    map_fixed_noreplace = 0x100000  # Linux >= 4.17: map exactly there, or fail
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | map_fixed_noreplace
+    size = mmap.PAGESIZE
+    for _ in range(5):  # another thread may take the freed address first: try another
+        t = empty_shared((size,), torch.uint8)
+        base = t.untyped_storage().data_ptr()
+        del t
+        gc.collect()
+        addr = libc.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if addr == base:
+            break
+        if addr not in (None, ctypes.c_void_p(-1).value):
+            libc.munmap(addr, size)
+    else:
+        pytest.fail("could not map anything at a freed segment's address")
+    try:
+        ordinary = torch.frombuffer((ctypes.c_uint8 * size).from_address(base), dtype=torch.uint8)
+        assert ordinary.data_ptr() == base
+        assert not is_shared(ordinary)
+        assert shared_memory_of(ordinary) is None
+        del ordinary
+    finally:
+        gc.collect()
+        libc.munmap(base, size)
+
+
+def test_a_segment_whose_name_was_removed_elsewhere_frees_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If something else unlinked the name first, freeing the tensor raises nothing."""
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    t = empty_shared((64,), torch.uint8)
+    mem = shared_memory_of(t)
+    assert mem is not None
+    os.unlink(os.path.join(SHM_DIR, mem.name))
+    del t
+    gc.collect()
+    assert unraisable == []
+
+
+def test_an_empty_segment_is_refused_and_a_one_byte_segment_maps() -> None:
+    """A zero-length segment cannot be mapped (clear refusal); any non-empty one can."""
+    with _segment_file(0) as name, pytest.raises(InvalidRequestError) as info:
+        map_shared(ShmMemory(name=name, size=0, offset=0))
+    assert str(info.value) == (
+        f"cannot map shared-memory segment {name!r}: cannot map an empty segment"
+    )
+    with _segment_file(1) as name:
+        tensor, segment = map_segment(ShmMemory(name=name, size=1, offset=0))
+        assert tensor.shape == (1,) and int(tensor[0]) == 0
+        assert segment.size == 1
+        del tensor
+        assert release_segment(segment)
+
+
+def test_a_segment_too_large_to_map_is_refused_with_the_os_reason() -> None:
+    """A mapping the OS refuses is an InvalidRequestError carrying errno and its text."""
+    with _segment_file(UNMAPPABLE) as name, pytest.raises(InvalidRequestError) as info:
+        map_shared(ShmMemory(name=name, size=UNMAPPABLE, offset=0))
+    prefix = f"cannot map shared-memory segment {name!r}: "
+    message = str(info.value)
+    assert message.startswith(prefix)
+    reason = re.fullmatch(r"\[Errno (\d+)\] (.+)", message[len(prefix) :])
+    assert reason is not None, message
+    assert reason[2] == os.strerror(int(reason[1]))
+
+
+def test_a_symlinked_segment_name_is_not_followed() -> None:
+    """A segment name that is a symlink is refused with the OS's reason, not opened."""
+    with _segment_file(mmap.PAGESIZE) as target:
+        name = f"kvflow-{os.getpid()}-{10**9 - 1}-{secrets.token_hex(4)}"
+        link = os.path.join(SHM_DIR, name)
+        os.symlink(os.path.join(SHM_DIR, target), link)
+        try:
+            with pytest.raises(InvalidRequestError) as info:
+                map_shared(ShmMemory(name=name, size=mmap.PAGESIZE, offset=0))
+        finally:
+            os.unlink(link)
+    assert str(info.value) == (
+        f"cannot open shared-memory segment {name!r}: {os.strerror(errno.ELOOP)}"
+    )
+
+
+def test_map_segment_maps_the_whole_segment() -> None:
+    """The Segment behind map_segment's tensor has the segment's size; the tensor spans it."""
+    t = empty_shared((100,), torch.int32)
+    mem = shared_memory_of(t)
+    assert mem is not None
+    tensor, segment = map_segment(mem)
+    assert segment.size == mem.size == tensor.numel()
+    assert not segment.closed
+    del tensor
+    assert release_segment(segment)
+
+
+def test_release_segment_unmaps_at_once_when_nothing_views_it() -> None:
+    """With no view left, release_segment unmaps now (and says so); releasing again is a no-op."""
+    t = empty_shared((4096,), torch.uint8)
+    mem = shared_memory_of(t)
+    assert mem is not None
+    tensor, segment = map_segment(mem)
+    addr = tensor.data_ptr()
+    assert _mapped(addr, mem.name)
+    del tensor
+    assert release_segment(segment) is True
+    assert segment.closed
+    assert not _mapped(addr, mem.name)
+    assert release_segment(segment) is True
+    assert is_shared(t)  # the owner's own mapping is untouched
+
+
+def test_release_segment_keeps_the_mapping_while_a_view_lives() -> None:
+    """A live view keeps the segment mapped: release says False, every time, until it dies."""
+    t = empty_shared((4096,), torch.uint8)
+    t.fill_(5)
+    mem = shared_memory_of(t)
+    assert mem is not None
+    tensor, segment = map_segment(mem)
+    addr = tensor.data_ptr()
+    part = tensor[10:20]
+    del tensor
+    assert release_segment(segment) is False
+    assert release_segment(segment) is False
+    assert not segment.closed and _mapped(addr, mem.name)
+    assert part.tolist() == [5] * 10
+    del part
+    assert release_segment(segment) is True
+    assert not _mapped(addr, mem.name)
+
+
+def test_release_segment_collects_a_view_kept_only_by_a_reference_cycle() -> None:
+    """A view that only a garbage cycle still holds does not stop the unmap."""
+    t = empty_shared((4096,), torch.uint8)
+    mem = shared_memory_of(t)
+    assert mem is not None
+    gc.disable()  # keep the cycle until release_segment's own collection
+    try:
+        tensor, segment = map_segment(mem)
+        addr = tensor.data_ptr()
+        cycle: list[Any] = [tensor[:8]]
+        cycle.append(cycle)
+        del tensor, cycle
+        assert release_segment(segment) is True
+    finally:
+        gc.enable()
+    assert not _mapped(addr, mem.name)
