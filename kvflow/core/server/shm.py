@@ -65,14 +65,19 @@ def empty_shared(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor
     base = raw.data_ptr()
     with _lock:
         _segments[base] = (name, size)
-    weakref.finalize(segment, _release, base, path)
+    weakref.finalize(segment, _release, base, name, path)
     return raw[:nbytes].view(dtype).view(dims)
 
 
-def _release(base: int, path: str) -> None:
-    """Forget a segment whose last view died, and unlink its name."""
+def _release(base: int, name: str, path: str) -> None:
+    """Forget a segment whose last view died, and unlink its name.
+
+    The mapping is already gone when this runs, so another thread's new segment may
+    have the same base address by now: only this segment's own entry is dropped.
+    """
     with _lock:
-        _segments.pop(base, None)
+        if _segments.get(base, ("",))[0] == name:
+            del _segments[base]
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 

@@ -20,6 +20,7 @@ import torch
 
 from kvflow.core import empty_shared
 from kvflow.core.errors import InvalidRequestError
+from kvflow.core.server import shm
 from kvflow.core.server.protocol import KVCachesDesc, ShmMemory, TensorDesc
 from kvflow.core.server.sharing import describe_kv_caches, open_kv_caches, view_described
 from kvflow.core.server.shm import (
@@ -435,3 +436,17 @@ def test_release_segment_collects_a_view_kept_only_by_a_reference_cycle() -> Non
     finally:
         gc.enable()
     assert not _mapped(addr, mem.name)
+
+
+def test_a_late_finalizer_of_a_reused_address_keeps_the_new_segment() -> None:
+    """A segment's finalizer runs after its mapping is gone, so a new segment can already
+    sit at the same address: the late finalizer must not make the new one look unshared.
+    (The finalizer is called by hand, with the dead segment's name, to make the interleaving
+    deterministic.)"""
+    tensor = shm.empty_shared((64,), torch.uint8)
+    base = tensor.untyped_storage().data_ptr()
+    dead = "kvflow-0-0-00000000"
+    shm._release(base, dead, os.path.join(shm.SHM_DIR, dead))
+    assert shm.is_shared(tensor)
+    memory = shm.shared_memory_of(tensor)
+    assert memory is not None and memory.name != dead
