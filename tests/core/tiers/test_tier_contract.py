@@ -159,6 +159,17 @@ def test_pin_counts_the_held_prefix_and_unpin_undoes_it(tier: StorageTier) -> No
         tier.unpin([key(2)])
 
 
+def test_a_key_pinned_twice_stays_pinned_until_unpinned_twice(tier: StorageTier) -> None:
+    """Pins count: after one of two unpins the key is still pinned, after both it is not."""
+    answer(tier.store([(key(1), payload(1))]))
+    assert tier.pin([key(1)]) == 1
+    assert tier.pin([key(1)]) == 1
+    tier.unpin([key(1)])
+    tier.unpin([key(1)])  # the second pin is still there to undo
+    with pytest.raises(ValueError, match="not pinned"):
+        tier.unpin([key(1)])
+
+
 def test_bad_buffers_are_refused_before_anything_is_written(tier: StorageTier) -> None:
     """A store with one bad buffer raises ValueError naming it and writes none of them."""
     bad = torch.zeros(NBYTES, dtype=torch.float32)
