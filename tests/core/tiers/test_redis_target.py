@@ -4,6 +4,8 @@ repr, str or error."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvflow.core.tiers.redis_target import RedisTarget, resolve_target
@@ -128,3 +130,62 @@ def test_targets_are_frozen() -> None:
     target = RedisTarget("h", 1)
     with pytest.raises(AttributeError):
         target.host = "other"  # type: ignore[misc]
+
+
+PORT_RANGE = "the port must be a number in 1..65535"
+NOT_DB = "--l2-redis: the path must be a database number, like /0"
+BAD_IPV6 = "--l2-redis is not a well-formed URL (bad [IPv6] host)"
+
+
+@pytest.mark.parametrize(
+    ("url", "env", "message"),
+    [
+        (None, {}, "--l2-redis must be a redis:// or rediss:// URL"),
+        ("http://h:1/0", {}, "--l2-redis must be a redis:// or rediss:// URL (unknown scheme)"),
+        ("redis://[::1/0", {}, "--l2-redis is not a well-formed URL"),
+        ("redis://[::1]x/0", {}, BAD_IPV6),
+        ("redis://[::1]]:1/0", {}, BAD_IPV6),
+        (
+            "redis://h:1/0?ssl=1",
+            {},
+            "--l2-redis: query parameters and fragments are not supported "
+            "(URL-encode '?', '#' and '/' in a password)",
+        ),
+        ("redis://h:port/0", {}, f"--l2-redis: {PORT_RANGE}"),
+        ("redis://h:65536/0", {}, f"--l2-redis: {PORT_RANGE}"),
+        ("redis://h:0/0", {}, f"--l2-redis: {PORT_RANGE}"),
+        ("redis://h:1/zero", {}, NOT_DB),
+        ("redis://h:1/X", {}, NOT_DB),
+        ("redis://h:1/0://x", {}, NOT_DB),  # a later "://" is not the scheme's
+        ("redis://", {"KVFLOW_REDIS_PORT": "65536"}, f"KVFLOW_REDIS_PORT: {PORT_RANGE}"),
+    ],
+)
+def test_each_refusal_says_exactly_what_is_wrong(
+    url: str | None, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        resolve_target(url, environ=env)  # type: ignore[arg-type]
+
+
+def test_ports_at_both_ends_of_the_range_are_accepted() -> None:
+    assert resolve_target("redis://h:65535/0", environ={}).port == 65535
+    assert resolve_target("redis://h:1/0", environ={}).port == 1
+    assert resolve_target("redis://", environ={"KVFLOW_REDIS_PORT": "65535"}).port == 65535
+
+
+def test_a_password_may_hold_an_unencoded_colon() -> None:
+    """The first ':' of the URL's userinfo ends the username; the rest is the password."""
+    target = resolve_target("redis://u:pa:ss@h:1/0", environ={})
+    assert (target.username, target.password) == ("u", "pa:ss")
+
+
+def test_safe_url_masks_a_password_or_a_username_alone() -> None:
+    assert resolve_target("redis://:pw@h:1/0", environ={}).safe_url() == "redis://***@h:1/0"
+    assert resolve_target("redis://u@h:1/0", environ={}).safe_url() == "redis://***@h:1/0"
+
+
+def test_sources_say_where_the_ca_bundle_came_from() -> None:
+    env = {"KVFLOW_REDIS_CA": "/etc/ca.pem"}
+    assert resolve_target("rediss://h:1/0", environ=env).sources["ca_certs"] == "KVFLOW_REDIS_CA"
+    assert resolve_target("rediss://h:1/0", environ={}).sources["ca_certs"] == "default"
+    assert "ca_certs" not in resolve_target("redis://h:1/0", environ=env).sources
