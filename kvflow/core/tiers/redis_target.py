@@ -100,7 +100,7 @@ def _split(url: str) -> tuple[bool, str | None, int | None, int | None, str | No
         inner, bracket, tail = hostport[1:].partition("]")
         if not bracket or (tail and not tail.startswith(":")):
             raise ValueError("--l2-redis is not a well-formed URL (bad [IPv6] host)")
-        host, port_text = inner or None, tail[1:]
+        host, port_text = unquote(inner) or None, tail[1:]  # a zone is %25-encoded
     else:
         host_text, _, port_text = hostport.partition(":")
         host = unquote(host_text) or None

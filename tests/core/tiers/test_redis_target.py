@@ -61,6 +61,12 @@ def test_each_value_comes_from_the_first_place_that_has_it(
     assert target.sources[field] == source
 
 
+def test_an_ipv6_zone_is_percent_decoded_like_any_host() -> None:
+    """A link-local address names its zone as %25 (RFC 6874): the host is fe80::1%eth0."""
+    target = resolve_target("redis://[fe80::1%25eth0]:6379/0", environ={})
+    assert (target.host, target.port) == ("fe80::1%eth0", 6379)
+
+
 def test_url_credentials_are_url_decoded_and_tls_follows_the_scheme() -> None:
     """rediss:// means TLS; user and password in the URL are percent-decoded."""
     target = resolve_target(f"rediss://{USER}:{SECRET_URL}@[::1]:6380/2", environ={})
