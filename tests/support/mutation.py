@@ -60,6 +60,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_tier_contract.py",
     ],
     "kvflow/core/tiers/base.py": [
+        "tests/core/tiers/test_base.py",
         "tests/core/tiers/test_tier_contract.py",
         "tests/core/engine/test_engine_l2.py",
     ],
@@ -68,6 +69,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_sharding_errors.py",
     ],
     "kvflow/core/tiers/hostmem.py": [
+        "tests/core/tiers/test_hostmem.py",
         "tests/core/tiers/test_l1.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
@@ -100,7 +102,10 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server.py",
         "tests/core/server/test_client.py",
     ],
-    "kvflow/core/server/sharing.py": ["tests/core/server/test_server.py"],
+    "kvflow/core/server/sharing.py": [
+        "tests/core/server/test_server.py",
+        "tests/core/server/test_shm.py",
+    ],
     "kvflow/core/engine/keys.py": ["tests/core/engine/test_keys.py"],
     "kvflow/core/engine/request.py": ["tests/core/engine/test_request.py"],
     "kvflow/core/engine/observability.py": ["tests/core/engine/test_observability.py"],
