@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvflow.core.arrays import as_int32_array
+from kvflow.core.engine import keys as keys_module
 from kvflow.core.engine.keys import KEY_SEED, KEY_SEED_LABEL, KeyCache, chain_hashes
 from kvflow.core.errors import InvalidRequestError
 
@@ -79,3 +80,117 @@ def test_bad_token_ids_are_rejected_with_a_clear_error(bad: object, message: str
     """Token ids must be 1-D integers that fit int32."""
     with pytest.raises(InvalidRequestError, match=message):
         as_int32_array(bad, "token_ids")
+
+
+def test_keys_without_a_session_are_the_plain_chain() -> None:
+    """hashes() with no session id hashes from the seed and remembers nothing."""
+    cache = KeyCache(chunk_size=4)
+    tokens = as_int32_array(range(10), "token_ids")
+    assert list(cache.hashes(tokens)) == chain_hashes(tokens, 4)
+    assert len(cache) == 0
+
+
+def test_chunk_size_one_is_allowed_and_zero_is_refused() -> None:
+    """Every token is its own chunk at chunk_size 1; below 1 is a clear error."""
+    tokens = as_int32_array([5, 6, 7], "token_ids")
+    assert list(KeyCache(chunk_size=1).hashes(tokens, "s")) == chain_hashes(tokens, 1)
+    with pytest.raises(ValueError, match=r"^chunk_size must be >= 1, got 0$"):
+        KeyCache(chunk_size=0)
+
+
+class _CountingChain:
+    """Wraps the real chain_hashes and records how many chunk keys each call computed."""
+
+    def __init__(self) -> None:
+        self.computed: list[int] = []
+
+    def __call__(self, tokens: np.ndarray, chunk_size: int, prev: bytes = KEY_SEED) -> list[bytes]:
+        out = chain_hashes(tokens, chunk_size, prev)
+        self.computed.append(len(out))
+        return out
+
+
+def test_a_session_hashes_only_chunks_it_has_not_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing, repeating, shrinking and re-growing a request hashes each chunk once."""
+    counter = _CountingChain()
+    monkeypatch.setattr(keys_module, "chain_hashes", counter)
+    cache = KeyCache(chunk_size=4)
+    tokens = as_int32_array(range(100, 116), "token_ids")
+    for n, new_chunks in ((8, 2), (8, 0), (16, 2), (16, 0), (8, 0), (16, 0)):
+        before = sum(counter.computed)
+        assert list(cache.hashes(tokens[:n], "req")) == chain_hashes(tokens[:n], 4)
+        assert sum(counter.computed) - before == new_chunks, n
+
+
+def test_a_divergent_session_rehashes_from_the_divergent_chunk_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tokens differing in chunk 2 keep chunks 0 and 1's keys and hash chunks 2 and 3."""
+    counter = _CountingChain()
+    monkeypatch.setattr(keys_module, "chain_hashes", counter)
+    cache = KeyCache(chunk_size=4)
+    first = as_int32_array(range(16), "token_ids")
+    cache.hashes(first, "req")
+    second = first.copy()
+    second[9] = 999
+    assert list(cache.hashes(second, "req")) == chain_hashes(second, 4)
+    assert counter.computed == [4, 2]
+
+
+def test_a_session_exactly_at_the_token_budget_is_kept() -> None:
+    """A chain of max_tokens tokens fits; one above it is not remembered."""
+    cache = KeyCache(chunk_size=4, max_tokens=8)
+    cache.hashes(as_int32_array(range(8), "token_ids"), "fits")
+    assert len(cache) == 1
+    cache.hashes(as_int32_array(range(12), "token_ids"), "too-long")
+    assert len(cache) == 1
+
+
+def test_a_short_request_counts_no_tokens_against_the_budget() -> None:
+    """A session with no full chunk yet holds no tokens, so it evicts nobody."""
+    cache = KeyCache(chunk_size=4, max_tokens=8)
+    cache.hashes(as_int32_array(range(8), "token_ids"), "full")
+    cache.hashes(as_int32_array([1, 2], "token_ids"), "short")
+    assert len(cache) == 2
+    cache = KeyCache(chunk_size=4, max_tokens=0)
+    cache.hashes(as_int32_array([1, 2], "token_ids"), "short")
+    assert len(cache) == 1
+
+
+def test_eviction_takes_the_least_recently_used_session() -> None:
+    """Touching a session moves it to the back; the budget evicts the oldest untouched one."""
+    cache = KeyCache(chunk_size=4, max_tokens=16)
+    cache.hashes(as_int32_array(range(8), "token_ids"), "a")
+    cache.hashes(as_int32_array(range(8), "token_ids"), "b")
+    cache.hashes(as_int32_array(range(8), "token_ids"), "a")
+    cache.hashes(as_int32_array(range(8), "token_ids"), "c")
+    assert len(cache) == 2
+    cache.drop("a")  # still cached: "b" was the one evicted
+    assert len(cache) == 1
+    cache.drop("b")  # already gone
+    assert len(cache) == 1
+
+
+def test_rehashing_a_session_counts_its_tokens_once() -> None:
+    """Re-hashing a session replaces its token count rather than adding to it."""
+    cache = KeyCache(chunk_size=4, max_tokens=16)
+    cache.hashes(as_int32_array(range(4), "token_ids"), "a")
+    cache.hashes(as_int32_array(range(8), "token_ids"), "b")
+    cache.hashes(as_int32_array(range(4), "token_ids"), "a")
+    for _ in range(3):
+        cache.hashes(as_int32_array(range(8), "token_ids"), "b")
+    assert len(cache) == 2  # 4 + 8 tokens
+    cache.hashes(as_int32_array(range(4), "token_ids"), "c")
+    assert len(cache) == 3  # 16 tokens: exactly the budget
+
+
+def test_dropping_a_session_returns_its_tokens_to_the_budget() -> None:
+    """After drop(), the freed tokens make room; dropping an unknown session is a no-op."""
+    cache = KeyCache(chunk_size=4, max_tokens=16)
+    cache.drop("never-seen")
+    cache.hashes(as_int32_array(range(4), "token_ids"), "a")
+    cache.hashes(as_int32_array(range(8), "token_ids"), "b")
+    cache.drop("b")
+    assert len(cache) == 1
+    cache.hashes(as_int32_array(range(12), "token_ids"), "c")
+    assert len(cache) == 2  # 4 + 12 tokens: exactly the budget
