@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from kvflow.core.errors import InvalidRequestError, UnknownInstanceError
 from kvflow.core.tiers.base import ObjectKey, StorageTier
 from kvflow.events import Event, EventType
 from kvflow.events.testing import RecordingSubscriber
+from kvflow.kernels import cuda_available
 from tests.support.engine import CHUNK, block_bytes, caches, events_of, of_type, pairs, small_engine
 from tests.support.tiers import FaultyTier, memory_tier
 
@@ -322,3 +324,13 @@ def test_a_slow_tier_pins_at_most_half_of_l1_and_never_fails_a_store() -> None:
     assert [e["failed_chunks"] for e in refused] == [N, 4]
     assert s.engine.status()["l2"]["tiers"]["mem"]["store_failures"] == N + 4
     s.engine.close(timeout=0.2)
+
+
+def test_a_disk_tier_from_the_config_serves_every_visible_gpu(tmp_path: Path) -> None:
+    """--l2-disk builds a disk tier sharded over the visible CUDA devices, or one GPU without CUDA."""
+    engine, _ = small_engine(l2_disk_paths=(str(tmp_path / "disk"),), l2_disk_size_gb=0.01)
+    try:
+        detail = engine.status()["l2"]["tiers"]["disk"]["detail"]
+    finally:
+        engine.close()
+    assert detail["num_gpus"] == (torch.cuda.device_count() if cuda_available() else 1)
