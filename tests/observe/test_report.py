@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -47,10 +48,8 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
     with observed_server(tmp_path) as server, KVFlowClient(server.endpoint) as client:
         workload = Workload(client)
         workload.drive()
-        # three rounds (a few seconds) start with the report and end well inside its interval
-        thread = threading.Thread(target=lambda: [workload.drive() for _ in range(3)])
-        thread.start()
-        result = subprocess.run(
+        known = set(client.status()["server"]["clients"])
+        report = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -65,14 +64,30 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
                 "--sample-s",
                 "0.5",
             ],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
             cwd=ROOT,
         )
+        # the report's first status request is its first sample: traffic starts after it
+        # (a slow start-up on a busy machine would otherwise leave the traffic outside)
+        deadline = time.monotonic() + 60
+        while set(client.status()["server"]["clients"]) <= known:
+            assert report.poll() is None, report.communicate()
+            assert time.monotonic() < deadline, "the report never asked the server for status"
+            time.sleep(0.05)
+
+        # three rounds (a few seconds) end well inside the report's interval
+        def three_rounds() -> None:
+            for _ in range(3):
+                workload.drive()
+
+        thread = threading.Thread(target=three_rounds)
+        thread.start()
+        _, stderr = report.communicate(timeout=120)
         assert not thread.is_alive(), "the traffic outlasted the recording (machine too busy?)"
         thread.join()
-        assert result.returncode == 0, result.stderr
+        assert report.returncode == 0, stderr
         final = Snapshot.of(client.status())
     files = sorted(p.name for p in out.iterdir())
     assert files == ["l0_lifecycle.png", "summary.md", "timeline.png"]
