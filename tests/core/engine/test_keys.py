@@ -137,19 +137,24 @@ def test_a_divergent_session_rehashes_from_the_divergent_chunk_only(
     assert counter.computed == [4, 2]
 
 
+def _session(cache: KeyCache, tokens: int, session: str) -> None:
+    """Hash tokens 0..tokens-1 as `session`'s prompt."""
+    cache.hashes(as_int32_array(range(tokens), "token_ids"), session)
+
+
 def test_a_session_exactly_at_the_token_budget_is_kept() -> None:
     """A chain of max_tokens tokens fits; one above it is not remembered."""
     cache = KeyCache(chunk_size=4, max_tokens=8)
-    cache.hashes(as_int32_array(range(8), "token_ids"), "fits")
+    _session(cache, 8, "fits")
     assert len(cache) == 1
-    cache.hashes(as_int32_array(range(12), "token_ids"), "too-long")
+    _session(cache, 12, "too-long")
     assert len(cache) == 1
 
 
 def test_a_short_request_counts_no_tokens_against_the_budget() -> None:
     """A session with no full chunk yet holds no tokens, so it evicts nobody."""
     cache = KeyCache(chunk_size=4, max_tokens=8)
-    cache.hashes(as_int32_array(range(8), "token_ids"), "full")
+    _session(cache, 8, "full")
     cache.hashes(as_int32_array([1, 2], "token_ids"), "short")
     assert len(cache) == 2
     cache = KeyCache(chunk_size=4, max_tokens=0)
@@ -160,10 +165,10 @@ def test_a_short_request_counts_no_tokens_against_the_budget() -> None:
 def test_eviction_takes_the_least_recently_used_session() -> None:
     """Touching a session moves it to the back; the budget evicts the oldest untouched one."""
     cache = KeyCache(chunk_size=4, max_tokens=16)
-    cache.hashes(as_int32_array(range(8), "token_ids"), "a")
-    cache.hashes(as_int32_array(range(8), "token_ids"), "b")
-    cache.hashes(as_int32_array(range(8), "token_ids"), "a")
-    cache.hashes(as_int32_array(range(8), "token_ids"), "c")
+    _session(cache, 8, "a")
+    _session(cache, 8, "b")
+    _session(cache, 8, "a")
+    _session(cache, 8, "c")
     assert len(cache) == 2
     cache.drop("a")  # still cached: "b" was the one evicted
     assert len(cache) == 1
@@ -174,13 +179,13 @@ def test_eviction_takes_the_least_recently_used_session() -> None:
 def test_rehashing_a_session_counts_its_tokens_once() -> None:
     """Re-hashing a session replaces its token count rather than adding to it."""
     cache = KeyCache(chunk_size=4, max_tokens=16)
-    cache.hashes(as_int32_array(range(4), "token_ids"), "a")
-    cache.hashes(as_int32_array(range(8), "token_ids"), "b")
-    cache.hashes(as_int32_array(range(4), "token_ids"), "a")
+    _session(cache, 4, "a")
+    _session(cache, 8, "b")
+    _session(cache, 4, "a")
     for _ in range(3):
-        cache.hashes(as_int32_array(range(8), "token_ids"), "b")
+        _session(cache, 8, "b")
     assert len(cache) == 2  # 4 + 8 tokens
-    cache.hashes(as_int32_array(range(4), "token_ids"), "c")
+    _session(cache, 4, "c")
     assert len(cache) == 3  # 16 tokens: exactly the budget
 
 
@@ -188,9 +193,9 @@ def test_dropping_a_session_returns_its_tokens_to_the_budget() -> None:
     """After drop(), the freed tokens make room; dropping an unknown session is a no-op."""
     cache = KeyCache(chunk_size=4, max_tokens=16)
     cache.drop("never-seen")
-    cache.hashes(as_int32_array(range(4), "token_ids"), "a")
-    cache.hashes(as_int32_array(range(8), "token_ids"), "b")
+    _session(cache, 4, "a")
+    _session(cache, 8, "b")
     cache.drop("b")
     assert len(cache) == 1
-    cache.hashes(as_int32_array(range(12), "token_ids"), "c")
+    _session(cache, 12, "c")
     assert len(cache) == 2  # 4 + 12 tokens: exactly the budget
