@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ from redis.retry import Retry
 
 from kvflow.core.tiers.base import STAT_KEYS, ObjectKey, StoreOutcome
 from kvflow.core.tiers.redis import RedisTier, owner_text
-from kvflow.core.tiers.redis_target import resolve_target
+from kvflow.core.tiers.redis_target import RedisTarget, resolve_target
 from tests.support.redis_servers import (
     AclUser,
     RedisServer,
@@ -370,3 +371,194 @@ def test_a_plain_client_cannot_talk_to_a_tls_only_port() -> None:
         )
         with pytest.raises(redis.RedisError):
             plain.ping()
+
+
+# -- keys, pins and drop_where in detail ----------------------------------------------------
+
+
+def test_owner_text_is_escaped_byte_by_byte_and_any_text_parses_back(tier: RedisTier) -> None:
+    """Characters outside [A-Za-z0-9._-] become %XX of their UTF-8 bytes (a lone
+    surrogate too, as its surrogatepass bytes), the rest stay as they are, and the key
+    parses back to the same ObjectKey."""
+    odd = ObjectKey(bytes([0xAB]) * 4, "Ab9._-/\u00e9 \ud800", 3, 2, "s\udfff\u20ac")
+    name = tier.redis_key(odd)
+    assert name == (
+        PREFIX.encode() + b"Ab9._-%2F%C3%A9%20%ED%A0%80#3#2#=s%ED%BF%BF%E2%82%AC:abababab"
+    )
+    assert tier.parse_key(name) == odd
+
+
+def test_only_the_canonical_spelling_of_a_key_parses(tier: RedisTier) -> None:
+    """A name that decodes to an ObjectKey but is not how this tier spells it (upper-case
+    hash hex, a lower-case escape, a padded number) is foreign: parse_key answers None."""
+    k = ObjectKey(bytes(range(0xA0, 0xC0)), "org/model", 2, 1, None)
+    name = tier.redis_key(k)
+    assert tier.parse_key(name) == k
+    upper = name[:-64] + name[-64:].upper()
+    for foreign in (upper, name.replace(b"%2F", b"%2f"), name.replace(b"#2#", b"#02#")):
+        assert foreign != name
+        assert tier.parse_key(foreign) is None
+
+
+def test_pin_counts_the_leading_held_keys(tier: RedisTier) -> None:
+    """pin answers how many leading keys Redis holds: all of them, none of none, and up
+    to the first missing one; unpin releases them."""
+    keys = [key(i) for i in range(4)]
+    answer(tier.store([(k, payload(i, 16)) for i, k in enumerate(keys[:3])]))
+    assert tier.pin([]) == 0
+    assert tier.pin(keys[:3]) == 3
+    assert tier.stats()["pinned"] == 3
+    assert tier.pin(keys) == 3
+    assert tier.pin([keys[3], keys[0]]) == 0
+    tier.unpin(keys[:3])
+    tier.unpin(keys[:3])
+    assert tier.stats()["pinned"] == 0
+
+
+def test_pin_answers_0_when_the_lookup_outlasts_its_bound(server: RedisServer) -> None:
+    """pin waits at most about 2 * timeout_s + 1 for its lookup; one stuck behind a busy
+    I/O thread pins nothing (0), and the tier works on afterwards."""
+    tier = RedisTier(
+        resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=0.1, pool_size=1
+    )
+    try:
+        answer(tier.store([(key(1), payload(1, 16))]))
+        entered, release = threading.Event(), threading.Event()
+
+        def blocking(_: ObjectKey) -> bool:
+            entered.set()
+            release.wait(30)
+            return False
+
+        with ThreadPoolExecutor(1) as outside:
+            dropping = outside.submit(tier.drop_where, blocking)
+            assert entered.wait(10)
+            try:
+                assert tier.pin([key(1)]) == 0  # its contains waits behind drop_where
+            finally:
+                release.set()
+            assert dropping.result(timeout=10) == 0
+        assert tier.stats()["pinned"] == 0
+        assert tier.pin([key(1)]) == 1
+    finally:
+        tier.close()
+
+
+def test_drop_where_of_thousands_of_keys_counts_each_batch(
+    tier: RedisTier, server: RedisServer
+) -> None:
+    """drop_where deletes in batches of 1000 and counts every key of every batch; the
+    objects stat goes back to 0."""
+    n = 2345
+    for start in range(0, n, 500):
+        items = [(key(i), payload(i, 8)) for i in range(start, min(n, start + 500))]
+        answer(tier.store(items))
+    assert tier.stats()["objects"] == n
+    assert tier.drop_where(lambda k: True) == n
+    assert tier.stats()["objects"] == 0
+    assert server.admin().dbsize() == 0
+
+
+def test_drop_where_scans_1000_keys_per_round_trip(tier: RedisTier, server: RedisServer) -> None:
+    """drop_where asks SCAN for 1000 keys at a time: 300 keys take one SCAN call."""
+    answer(tier.store([(key(i), payload(i, 8)) for i in range(300)]))
+    admin = server.admin()
+    admin.config_resetstat()
+    assert tier.drop_where(lambda k: False) == 0
+    assert admin.info("commandstats")["cmdstat_scan"]["calls"] == 1
+
+
+def test_drop_where_leaves_pinned_keys_and_drops_the_rest(tier: RedisTier) -> None:
+    """A pinned key survives drop_where; every other matching key is deleted."""
+    keys = [key(i) for i in range(200)]
+    answer(tier.store([(k, payload(i, 8)) for i, k in enumerate(keys)]))
+    assert tier.pin([keys[7]]) == 1
+    assert tier.drop_where(lambda k: True) == 199
+    assert answer(tier.contains(keys)) == [i == 7 for i in range(200)]
+    assert tier.stats()["objects"] == 1
+
+
+def test_drop_where_under_a_prefix_with_glob_characters(server: RedisServer) -> None:
+    """A prefix holding SCAN glob characters (*?[]\\) matches only itself."""
+    prefix = "kv*?[x]\\:"
+    tier = RedisTier(resolve_target(server.url(), environ={}), key_prefix=prefix)
+    try:
+        answer(tier.store([(key(i), payload(i, 8)) for i in range(3)]))
+        admin = server.admin()
+        admin.set("kvAB[x]\\:" + "other", b"x")
+        assert tier.drop_where(lambda k: True) == 3
+        assert admin.dbsize() == 1
+    finally:
+        tier.close()
+
+
+def test_a_refused_scan_fails_drop_where_and_names_the_error(tmp_path: Path) -> None:
+    """A user without SCAN permission: drop_where deletes nothing, answers 0, and the
+    tier's last error names drop_where and Redis's refusal (the tier stays connected)."""
+    with RedisServer(tmp_path, extra=["user noscan on >pw ~* &* +@all -scan"]) as server:
+        tier = RedisTier(
+            resolve_target(server.url(username="noscan", password="pw"), environ={}),
+            key_prefix=PREFIX,
+        )
+        try:
+            answer(tier.store([(key(1), payload(1, 8))]))
+            assert tier.drop_where(lambda k: True) == 0
+            error = tier.describe()["last_error"]
+            assert error is not None and error.startswith("drop_where: NoPermissionError: ")
+            assert tier.stats()["connected"] == 1
+            assert answer(tier.contains([key(1)])) == [True]
+        finally:
+            tier.close()
+
+
+def test_a_timed_out_delete_fails_drop_where_and_names_the_delete(tmp_path: Path) -> None:
+    """Writes paused on the server (CLIENT PAUSE WRITE): drop_where's SCAN answers but its
+    DEL times out; it answers 0 deleted and the last error names the delete's timeout."""
+    with RedisServer(tmp_path) as server:
+        tier = RedisTier(resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=0.3)
+        admin = server.admin()
+        try:
+            answer(tier.store([(key(1), payload(1, 8))]))
+            admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+            try:
+                assert tier.drop_where(lambda k: True) == 0
+            finally:
+                admin.execute_command("CLIENT", "UNPAUSE")
+            error = tier.describe()["last_error"]
+            assert error is not None and error.startswith("delete: TimeoutError: ")
+            assert admin.exists(tier.redis_key(key(1))) == 1
+        finally:
+            tier.close()
+
+
+# -- the credentials message in full ------------------------------------------------------
+
+
+AUTH_HINT = (
+    "check --l2-redis-username, --l2-redis-password, the --l2-redis URL or "
+    "KVFLOW_REDIS_USERNAME/KVFLOW_REDIS_PASSWORD (docs/REDIS.md)"
+)
+
+
+def test_the_credentials_error_of_a_bare_target_in_full(tmp_path: Path) -> None:
+    """A RedisTarget made in code (no sources recorded) refused by Redis: the ValueError
+    says where, what Redis answered, that both values are defaults, and what to check;
+    without a password it says none was given."""
+    with RedisServer(tmp_path, password=SECRET) as server:
+        messages = {}
+        for password in (SECRET + "-wrong", None):
+            target = RedisTarget(host="127.0.0.1", port=server.port, password=password)
+            with pytest.raises(ValueError) as info:
+                RedisTier(target, timeout_s=2.0)
+            messages[password is None] = str(info.value)
+    url = f"127.0.0.1:{server.port}/0"
+    assert messages[False] == (
+        f"Redis at redis://***@{url} refused the credentials: AuthenticationError: invalid "
+        "username-password pair or user is disabled. (username from default, password from "
+        f"default); {AUTH_HINT}"
+    )
+    assert messages[True].startswith(
+        f"Redis at redis://{url} refused the credentials (no password was given): "
+        "AuthenticationError: "
+    )
+    assert messages[True].endswith(f" (username from default, password from default); {AUTH_HINT}")

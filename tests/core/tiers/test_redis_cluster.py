@@ -366,3 +366,23 @@ def test_credentials_never_appear_in_stats_describe_repr_or_logs(
         shown += [out, err, caplog.text, message, repr(refused.value)]
         for text in shown:
             assert SECRET not in text, text
+
+
+def test_a_cluster_unreachable_at_start_up_is_joined_when_its_seed_answers(
+    tmp_path: Path, tiers: list[RedisTier]
+) -> None:
+    """A cluster tier whose seed node is down at start-up (no slot map, no client yet)
+    starts disconnected, and connects by itself once the seed answers again."""
+    with running_cluster(tmp_path) as cluster:
+        seed = cluster.nodes[0]
+        cluster.kill(seed)
+        tier = make_tier(tiers, cluster.seed_url)
+        assert tier.stats()["connected"] == 0
+        assert tier.describe()["nodes"] == []
+        cluster.restart(seed)
+        deadline = time.monotonic() + 20
+        while tier.stats()["connected"] != 1:
+            assert time.monotonic() < deadline, "the tier never joined the cluster"
+            time.sleep(0.05)
+        assert tier.stats()["reconnects"] == 1
+        assert len(tier.describe()["nodes"]) == 3

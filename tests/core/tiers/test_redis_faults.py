@@ -5,6 +5,9 @@ of a future, every failure is counted, and the tier reconnects by itself."""
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -191,3 +194,102 @@ def test_close_while_hung_is_bounded(server: RedisServer) -> None:
         server.resume()
     assert took < 3 * TIMEOUT_S + SLACK_S
     assert all(f.result(timeout=0) == [False] for f in futures)
+
+
+RECONNECTOR = "kvflow-redis-reconnect"
+
+
+def reconnectors() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == RECONNECTOR]
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+def test_each_outage_is_logged_named_and_its_rejoin_counted(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outage logs one warning naming the URL and the failed call, starts one daemon
+    reconnecting thread, records why each reconnect attempt failed, counts one lookup
+    failure per fast-failed contains, and logs the rejoin; a second outage's rejoin
+    makes reconnects 2."""
+    caplog.set_level(logging.INFO, logger="kvflow.tiers.redis")
+    tier = make_tier(server)
+    url = re.escape(server.url())
+    try:
+        assert works(tier, 1)
+        for outage in (1, 2):
+            caplog.clear()
+            server.stop()
+            assert tier.contains([key(1)]).result(timeout=10) == [False]
+            assert tier.stats()["connected"] == 0
+            [warning] = messages(caplog, logging.WARNING)
+            assert re.fullmatch(
+                rf"L2 Redis {url} unreachable \(contains: \w*Error: .+\); "
+                "calls fail fast until it answers again",
+                warning,
+            )
+            [thread] = reconnectors()
+            assert thread.daemon
+            wait_for(lambda: str(tier.describe()["last_error"]).startswith("reconnect: "))
+            assert re.match(r"reconnect: \w*Error: \S", str(tier.describe()["last_error"]))
+            before = tier.stats()["lookup_failures"]
+            assert tier.contains([key(1), key(2)]).result(timeout=10) == [False, False]
+            assert tier.stats()["lookup_failures"] == before + 1
+            server.start()
+            wait_for(lambda: tier.stats()["connected"] == 1)
+            assert tier.stats()["reconnects"] == outage
+            assert messages(caplog, logging.INFO) == [f"L2 Redis {server.url()} reachable again"]
+            assert works(tier, 2)
+    finally:
+        tier.close()
+
+
+def test_calls_timing_out_together_start_one_reconnecting_thread(server: RedisServer) -> None:
+    """Several calls timing out on a hung server mark the tier down once: one reconnecting
+    thread, and the rejoin after the resume counts one reconnect."""
+    tier = make_tier(server)
+    try:
+        assert works(tier, 1)
+        server.hang()
+        try:
+            futures = [tier.contains([key(i)]) for i in range(4)]
+            assert all(f.result(timeout=10) == [False] for f in futures)
+            assert len(reconnectors()) == 1
+        finally:
+            server.resume()
+        wait_for(lambda: tier.stats()["connected"] == 1 and not reconnectors())
+        assert tier.stats()["reconnects"] == 1
+    finally:
+        tier.close()
+
+
+def test_an_outage_met_while_closing_is_still_logged(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call in flight to a hung server when close() starts still reports the outage
+    (one warning) when it times out, and no reconnecting thread outlives the close."""
+    caplog.set_level(logging.WARNING, logger="kvflow.tiers.redis")
+    tier = make_tier(server)
+    assert works(tier, 1)
+    server.hang()
+    try:
+        future = tier.contains([key(1)])
+        tier.close()
+    finally:
+        server.resume()
+    assert future.result(timeout=0) == [False]
+    assert len(messages(caplog, logging.WARNING)) == 1
+    assert not reconnectors()
+
+
+def test_closing_a_disconnected_tier_stops_its_reconnecting_thread() -> None:
+    """A tier that never reached Redis has a reconnecting thread; close() ends it."""
+    port = free_port()
+    tier = RedisTier(resolve_target(f"redis://127.0.0.1:{port}/0", environ={}), timeout_s=TIMEOUT_S)
+    assert tier.stats()["connected"] == 0
+    assert len(reconnectors()) == 1
+    tier.close()
+    assert not reconnectors()
+    assert tier.stats()["connected"] == 0
