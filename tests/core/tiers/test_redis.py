@@ -130,12 +130,12 @@ def test_a_damaged_value_is_a_counted_miss_and_deleted(
     answer(tier.store([(key(1), payload(1)), (key(2), payload(2))]))
     admin = server.admin()
     name, other = tier.redis_key(key(1)), tier.redis_key(key(2))
-    value = admin.get(name)
-    assert isinstance(value, bytes)
+    value, other_value = admin.get(name), admin.get(other)
+    assert isinstance(value, bytes) and isinstance(other_value, bytes)
     damaged = {
         "garbage": b"\x00garbage" * 200,
         "truncated": value[:-1],
-        "copied from another key": admin.get(other),
+        "copied from another key": other_value,
         "wrong length": value + b"x",
         "bad checksum": value[:-1] + bytes([value[-1] ^ 1]),
     }[damage]
@@ -419,7 +419,7 @@ def test_pin_answers_0_when_the_lookup_outlasts_its_bound(server: RedisServer) -
     """pin waits at most about 2 * timeout_s + 1 for its lookup; one stuck behind a busy
     I/O thread pins nothing (0), and the tier works on afterwards."""
     tier = RedisTier(
-        resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=0.1, pool_size=1
+        resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=0.25, pool_size=1
     )
     try:
         answer(tier.store([(key(1), payload(1, 16))]))
@@ -515,7 +515,7 @@ def test_a_timed_out_delete_fails_drop_where_and_names_the_delete(tmp_path: Path
     """Writes paused on the server (CLIENT PAUSE WRITE): drop_where's SCAN answers but its
     DEL times out; it answers 0 deleted and the last error names the delete's timeout."""
     with RedisServer(tmp_path) as server:
-        tier = RedisTier(resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=0.3)
+        tier = RedisTier(resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=0.5)
         admin = server.admin()
         try:
             answer(tier.store([(key(1), payload(1, 8))]))
