@@ -1,14 +1,17 @@
-"""`kvflow server` / `kvflow status` command lines: settings, precedence, errors, signals."""
+"""`kvflow server` / `kvflow status` / `kvflow keygen` command lines: settings, precedence, help,
+errors, signals."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 
 from kvflow.core import KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.errors import KVFlowError
 from kvflow.core.server.cli import OPTIONS, UsageError, _configure_logging, main, resolve
 
 
@@ -374,3 +378,310 @@ def test_an_unresolvable_host_is_named_not_taken_for_an_interface(
     assert main("server", argv) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--host 'no-such-host.invalid' cannot be resolved" in err
+
+
+# -- help texts: what each command promises its user ------------------------------------------
+
+
+def _help(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *cmd: str
+) -> list[str]:
+    """`kvflow CMD --help` (checks exit 0) as entries: the usage, each paragraph, and each
+    flag with its help text, whitespace collapsed (argparse wraps at the terminal width)."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit) as info:
+        main(cmd[0], [*cmd[1:], "--help"])
+    assert info.value.code == 0
+    entries: list[str] = []
+    for line in capsys.readouterr().out.splitlines():
+        text = " ".join(line.split())
+        if entries and line.startswith(" " * 8) and not text.startswith("-"):
+            entries[-1] += " " + text  # a long flag's help text comes on the next line
+        elif text:
+            entries.append(text)
+    return entries
+
+
+def test_server_help_states_precedence_value_kinds_and_shutdown(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow server --help` names the command, what each flag takes (N, X, TEXT, PATH list),
+    each flag's full explanation, the config key spelling, the precedence and the signals."""
+    out = _help(monkeypatch, capsys, "server")
+    assert out[0].startswith("usage: kvflow server [-h] [--config FILE]")
+    assert "Run the kvflow KV-cache server: engines connect with KVFlowClient." in out
+    assert "--config FILE TOML file of settings" in out
+    assert (
+        "Settings also come from a TOML file (--config; keys are the flag names with '_' for"
+        " '-', e.g. l1_size_gb = 8, disable_metrics = true) and from environment variables"
+        " KVFLOW_<KEY> (e.g. KVFLOW_PORT=6000). Flags win over the file, the file over the"
+        " environment. SIGINT/SIGTERM stop the server after in-flight transfers finish; a second"
+        " signal stops waiting."
+    ) in out
+    metavars = {int: " N ", float: " X ", str: " TEXT ", list: " PATH[,PATH...] ", bool: " "}
+    for opt in OPTIONS:
+        assert f"{opt.flag}{metavars[opt.kind]}{' '.join(opt.help.split())}" in out
+
+
+def test_status_help_names_its_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow status --help`: the endpoint form, the timeout's default and the CURVE files."""
+    out = _help(monkeypatch, capsys, "status")
+    assert out[0].startswith("usage: kvflow status [-h]")
+    assert "Print a running kvflow server's status." in out
+    assert "--endpoint ENDPOINT the server (tcp://HOST:PORT)" in out
+    assert "--timeout-s X seconds to wait (default 5)" in out
+    assert "--curve-server-key FILE the server's CURVE public key (NAME.key)" in out
+    assert "--curve-key FILE this client's CURVE key pair (NAME.key_secret)" in out
+
+
+def test_keygen_help_says_which_file_goes_where(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow keygen --help`: NAME, --dir and which of the two files is secret."""
+    out = _help(monkeypatch, capsys, "keygen")
+    assert out[0] == "usage: kvflow keygen [-h] [--dir DIR] name"
+    assert (
+        "Write a CURVE key pair: NAME.key (public: give it to the other side) and"
+        " NAME.key_secret (private, mode 0600). Put clients' NAME.key files in the server's"
+        " --curve-authorized-keys directory; clients take the server's NAME.key."
+    ) in out
+    assert "name the pair's file name, e.g. server or client-a" in out
+    assert "--dir DIR where to write the files (default: here)" in out
+
+
+# -- kvflow keygen ------------------------------------------------------------------------------
+
+
+def test_keygen_writes_the_pair_here_by_default_and_never_overwrites(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow keygen NAME` writes NAME.key and NAME.key_secret in the current directory and
+    prints both; a second run with the same name exits 1 with one line, keeping the keys."""
+    monkeypatch.chdir(tmp_path)
+    assert main("keygen", ["server"]) == 0
+    public, secret = tmp_path / "server.key", tmp_path / "server.key_secret"
+    assert capsys.readouterr().out == (
+        f"public key: {public.name}\nsecret key: {secret.name} (keep it private)\n"
+    )
+    assert secret.stat().st_mode & 0o777 == 0o600
+    before = secret.read_bytes()
+    assert main("keygen", ["server"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("kvflow keygen: error: ") and "already exists" in captured.err
+    assert secret.read_bytes() == before
+
+
+def test_keygen_dir_and_a_bad_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dir puts the pair there (made if missing); a name with a slash exits 1 with one line."""
+    folder = tmp_path / "keys" / "clients"
+    assert main("keygen", ["client-a", "--dir", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["client-a.key", "client-a.key_secret"]
+    assert f"public key: {folder / 'client-a.key'}\n" in capsys.readouterr().out
+    assert main("keygen", ["a/b", "--dir", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert err == "kvflow keygen: error: key name must be a plain file name, got 'a/b'\n"
+    assert main("keygen", []) == 2  # NAME is required: a usage error
+    assert capsys.readouterr().err.startswith("kvflow keygen: error: ")
+
+
+# -- kvflow status ------------------------------------------------------------------------------
+
+
+def test_status_defaults_to_the_local_server_and_five_seconds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With no flags, `kvflow status` asks tcp://127.0.0.1:5555 and waits 5 s."""
+    code = main("status", [])
+    captured = capsys.readouterr()
+    if code == 0:  # a server really listens on the default port
+        assert json.loads(captured.out)["server"]["endpoint"].endswith(":5555")
+    else:
+        assert code == 1
+        assert "the kvflow server at tcp://127.0.0.1:5555 within 5 s" in captured.err
+
+
+def test_status_accepts_the_longest_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout-s 3600 (the documented bound) is accepted; 3600.5 is a usage error."""
+    endpoint = "tcp://no-such-host.invalid:5555"  # fails at once, after the flags are checked
+    assert main("status", ["--endpoint", endpoint, "--timeout-s", "3600"]) == 1
+    assert "cannot resolve host" in capsys.readouterr().err
+    assert main("status", ["--endpoint", endpoint, "--timeout-s", "3600.5"]) == 2
+    assert "--timeout-s must be a finite number in (0, 3600] seconds" in capsys.readouterr().err
+
+
+def test_status_curve_flags_go_together_and_bad_key_files_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One CURVE flag without the other, or a key file that cannot be read: exit 2, one line."""
+    assert main("status", ["--curve-key", str(tmp_path / "a.key_secret")]) == 2
+    err = capsys.readouterr().err
+    assert err == "kvflow status: error: --curve-server-key and --curve-key go together\n"
+    missing = str(tmp_path / "missing.key")
+    assert main("status", ["--curve-server-key", missing, "--curve-key", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"kvflow status: error: cannot read the public key file {missing}")
+
+
+def test_status_reaches_a_curve_server_and_prints_sorted_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow status` with the CURVE flags talks to a CURVE server and prints its status as
+    JSON, keys sorted, indented by 2."""
+    from kvflow.core.server.server import KVFlowServer
+
+    assert main("keygen", ["server", "--dir", str(tmp_path)]) == 0
+    assert main("keygen", ["alice", "--dir", str(tmp_path / "clients")]) == 0
+    capsys.readouterr()
+    config = resolve(
+        [
+            *("--port", "0", "--l1-size-gb", "0.01", "--disable-observability"),
+            *("--curve-secret-key", str(tmp_path / "server.key_secret")),
+            *("--curve-authorized-keys", str(tmp_path / "clients")),
+        ],
+        {},
+    )
+    server = KVFlowServer(config)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        argv = ["--endpoint", server.endpoint, "--timeout-s", "30"]
+        argv += ["--curve-server-key", str(tmp_path / "server.key")]
+        argv += ["--curve-key", str(tmp_path / "clients" / "alice.key_secret")]
+        assert main("status", argv) == 0
+    finally:
+        server.request_stop()
+        thread.join()
+    out = capsys.readouterr().out
+    status = json.loads(out)
+    assert status["server"]["authentication"] == "curve"
+    assert out == json.dumps(status, indent=2, sort_keys=True) + "\n"
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["[::1]", "[0:0:0:0:0:0:0:1]", ""],
+)
+def test_status_takes_ipv6_and_empty_hosts_to_the_server(
+    host: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bracketed IPv6 address (or no host) is not a name lookup failure: the status call
+    is made and reports that no server answered."""
+    endpoint = f"tcp://{host}:{_free_port()}"
+    assert main("status", ["--endpoint", endpoint, "--timeout-s", "0.3"]) == 1
+    err = capsys.readouterr().err
+    assert f"the kvflow server at {endpoint} within 0.3 s (is it running?)" in err
+
+
+@pytest.mark.parametrize(
+    "endpoint, host",
+    [
+        ("tcp://127.0.0.1;no-such-host.invalid:5555", "no-such-host.invalid"),
+        ("tcp://[127.0.0.1x:5555", "[127.0.0.1x"),
+        ("tcp://[no-such-host.invalid]:5555", "no-such-host.invalid"),
+    ],
+)
+def test_status_names_the_host_that_does_not_resolve(
+    endpoint: str, host: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The host named is the one after a `SOURCE;`, without IPv6 brackets; a half-bracketed
+    host is taken as written."""
+    assert main("status", ["--endpoint", endpoint, "--timeout-s", "30"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot resolve host {host!r} of --endpoint {endpoint}:" in err
+
+
+# -- settings from the environment and the config file ------------------------------------------
+
+
+def test_list_and_switch_settings_from_the_environment() -> None:
+    """KVFLOW_L2_DISK is a comma list; a switch variable must be one of the yes/no words."""
+    assert resolve([], {"KVFLOW_L2_DISK": "/a, /b,"}).l2_disk_paths == ("/a", "/b")
+    with pytest.raises(UsageError) as info:
+        resolve([], {"KVFLOW_L2_DISK_DIRECT_IO": "sure"})
+    assert str(info.value) == (
+        "KVFLOW_L2_DISK_DIRECT_IO (--l2-disk-direct-io) must be one of 1/true/yes/on/0/false/no/off"
+    )
+
+
+def test_config_file_values_are_converted_or_refused_by_type(tmp_path: Path) -> None:
+    """In the file a list may be a comma string, an int is a fine float, and a wrong type is
+    refused naming the file, key and flag, showing the value unless it may be a secret."""
+    path = _toml(tmp_path, 'l2_disk = "/a, /b"\nl1_size_gb = 2\nl2_timeout_s = 1\n')
+    config = resolve(["--config", path], {})
+    assert config.l2_disk_paths == ("/a", "/b")
+    assert config.l1_size_gb == 2.0 and isinstance(config.l1_size_gb, float)
+    assert config.l2_timeout_s == 1.0
+    cases = [
+        ("l2_disk = [1]\n", "l2_disk (--l2-disk) must list strings, got [1]"),
+        ("port = [1]\n", "port (--port) must be a int, got [1]"),
+        ("port = 'high'\n", "port (--port) must be a int, got 'high'"),
+        ("port = true\n", "port (--port) must be a int, got True"),
+        ("l1_size_gb = true\n", "l1_size_gb (--l1-size-gb) must be a float, got True"),
+        (
+            "l2_redis = 5\n",
+            "l2_redis (--l2-redis) must be a str, got a value not shown (it may hold a secret)",
+        ),
+    ]
+    for text, message in cases:
+        path = _toml(tmp_path, text)
+        with pytest.raises(UsageError) as info:
+            resolve(["--config", path], {})
+        assert str(info.value) == f"--config {path}: {message}"
+
+
+def test_a_false_switch_in_the_file_keeps_the_default_and_the_rest(tmp_path: Path) -> None:
+    """`no_l2_write_back = false` leaves write-back on and every later setting still applies."""
+    text = "no_l2_write_back = false\ndisable_observability = false\nlog_level = 'debug'\n"
+    config = resolve(["--config", _toml(tmp_path, text)], {"KVFLOW_SAMPLE_SEED": "7"})
+    assert config.l2_write_back is True and config.observability.enabled is True
+    assert config.observability.log_level == "debug"
+    assert config.observability.sample_seed == 7
+
+
+# -- kvflow server in this process --------------------------------------------------------------
+
+
+def test_server_logs_in_its_format_and_stops_on_sigterm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvflow server` (in this process) logs its own lines in --log-format, stops on SIGTERM
+    with status 0 and removes its log handler."""
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    done = threading.Event()
+    sent: list[bool] = []
+
+    def stop_when_serving() -> None:
+        with KVFlowClient(endpoint, timeout_s=1) as client:
+            while not done.is_set():
+                try:
+                    client.status()
+                except KVFlowError:
+                    continue
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    root_handlers = list(logging.getLogger().handlers)
+    stopper = threading.Thread(target=stop_when_serving)
+    stopper.start()
+    try:
+        argv = ["--port", str(port), "--l1-size-gb", "0.01", "--disable-observability"]
+        assert main("server", [*argv, "--log-format", "console"]) == 0
+    finally:
+        done.set()
+        stopper.join()
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert sent == [True]
+    assert logging.getLogger().handlers == root_handlers
+    lines = capsys.readouterr().err.splitlines()
+    listening = [line for line in lines if f"kvflow server listening on {endpoint}" in line]
+    assert listening and not listening[0].startswith("{")  # console, not JSON
+    assert any("kvflow server stopped" in line for line in lines)
