@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
-from kvflow.core.errors import InvalidRequestError, KVFlowError
+from kvflow.core.errors import InvalidRequestError, KVFlowError, ProtocolError, RequestTimeoutError
+from kvflow.core.server.protocol import Done, decode_request, encode_reply
 from kvflow.events import BlockAllocation
 
 # Nothing listens here: a call that reached the network would time out instead.
@@ -66,9 +71,10 @@ def test_bad_token_ids_fail_before_sending(
 @pytest.mark.parametrize(
     "records, match",
     [
-        ("abc", "sequence of BlockAllocation"),
+        ("abc", "sequence of BlockAllocation, got str"),
         ([("r", [1])], r"records\[0\] must be BlockAllocation"),
         ([BlockAllocation("r", [1.5], [1])], r"records\[0\].new_block_ids"),
+        ([("r", [1], ["x"])], r"records\[0\].new_token_ids"),
     ],
 )
 def test_bad_allocation_records_fail_before_sending(
@@ -86,3 +92,52 @@ def test_a_closed_client_refuses_calls() -> None:
     c.close()  # idempotent
     with pytest.raises(KVFlowError, match="closed"):
         c.status()
+
+
+def test_a_timed_out_call_leaves_the_next_call_working(client: KVFlowClient) -> None:
+    """A timed-out call throws its socket away; the thread's next call gets a fresh one
+    (and times out the same way, instead of tripping over the discarded socket)."""
+    for _ in range(2):
+        with pytest.raises(RequestTimeoutError, match="no reply to Status"):
+            client.status()
+
+
+def test_a_timed_out_call_closes_its_sockets(client: KVFlowClient) -> None:
+    """The discarded socket and its handshake monitor are closed, not left to the garbage
+    collector (which warns about each unclosed socket)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RequestTimeoutError):
+            client.status()
+        gc.collect()
+    assert [w.message for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_a_reply_of_the_wrong_type_is_a_protocol_error() -> None:
+    """A server that answers Prefetch or PrefetchQuery with the wrong reply type (a plain
+    Done) gets a ProtocolError naming both, not a wrong value."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_with_done(n: int) -> None:
+        for _ in range(n):
+            if not router.poll(20_000):
+                return
+            identity, *frames = router.recv_multipart()
+            request, _ = decode_request(frames)
+            router.send_multipart([identity, encode_reply(Done(id=request.id))])
+
+    answering = threading.Thread(target=answer_with_done, args=(2,))
+    answering.start()
+    try:
+        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
+            with pytest.raises(ProtocolError, match=r"unexpected Done reply to a Prefetch$"):
+                c.prefetch([1, 2], model_name="m")
+            with pytest.raises(ProtocolError, match=r"unexpected Done reply to a PrefetchQuery$"):
+                c.prefetch_state("pf-1")
+    finally:
+        answering.join(20)
+        router.close(0)
+        ctx.term()
