@@ -91,6 +91,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/server/client.py": [
         "tests/core/server/test_client.py",
         "tests/core/server/test_server.py",
+        "tests/core/server/test_server_events.py",
     ],
     "kvflow/core/server/server.py": [
         "tests/core/server/test_server.py",
