@@ -8,8 +8,9 @@ from collections import Counter
 from concurrent.futures import Future
 
 import pytest
+import torch
 
-from kvflow.core.tiers.base import completed, gather, release_pins
+from kvflow.core.tiers.base import check_buffers, completed, gather, release_pins
 
 WAIT_S = 30.0  # bound on waits that return at once unless something is broken
 
@@ -58,3 +59,18 @@ def test_release_pins_keeps_a_key_pinned_until_each_pin_is_undone() -> None:
     assert dict(pins) == {}
     with pytest.raises(ValueError, match=r"^unpin of key 'a', which is not pinned$"):
         release_pins(pins, ["a"])
+
+
+def test_a_refused_buffer_is_described_in_the_error() -> None:
+    """The error names the argument, the index and what was passed instead: a tensor's
+    dtype, shape and device, or a non-tensor's type."""
+    good = torch.zeros(4, dtype=torch.uint8)
+    check_buffers([good, good], "dsts")
+    with pytest.raises(ValueError) as tensor:
+        check_buffers([good, torch.zeros((2, 3), dtype=torch.float32)], "dsts")
+    assert str(tensor.value) == (
+        "dsts[1] must be a 1-D uint8 CPU tensor, got torch.float32 (2, 3) on cpu"
+    )
+    with pytest.raises(ValueError) as other:
+        check_buffers([bytearray(4)], "srcs")
+    assert str(other.value) == "srcs[0] must be a 1-D uint8 CPU tensor, got bytearray"
