@@ -68,6 +68,13 @@ class ObservabilityPipeline:
         self._closed = False
         self.errors: list[BaseException] = []
 
+    def add_tracing(self, tracer_provider: TracerProvider, ttl_s: float) -> None:
+        """Trace through `tracer_provider`: adopt it and add a TracingSubscriber on it."""
+        self.tracer_provider = tracer_provider
+        self.subscribers += (
+            TracingSubscriber(tracer_provider, ttl_s=ttl_s, meter_provider=self.meter_provider),
+        )
+
     def subscriber(self, name: str) -> Subscriber | None:
         """The subscriber called `name` (metrics, l0_lifecycle, tracing, logging), if built."""
         return next((s for s in self.subscribers if s.name == name), None)
@@ -238,14 +245,7 @@ def _populate(
                 otlp_span_exporter(config.otlp_endpoint, config.otlp_protocol)
             )
             pipeline._owns_tracer = True
-        pipeline.tracer_provider = tracer_provider
-        pipeline.subscribers += (
-            TracingSubscriber(
-                tracer_provider,
-                ttl_s=config.tracing_ttl_s,
-                meter_provider=pipeline.meter_provider,
-            ),
-        )
+        pipeline.add_tracing(tracer_provider, config.tracing_ttl_s)
 
 
 def _event_log(

@@ -44,7 +44,6 @@ from kvflow.core.replay.window import parse_time
 from kvflow.events import Event, monotonic_to_epoch_ns
 from kvflow.subscribers import (
     PrometheusEndpoint,
-    TracingSubscriber,
     build_subscribers,
     make_meter_provider,
     otlp_metric_reader,
@@ -115,15 +114,8 @@ def replay(
         log_stream=log_stream,
     )
     if tracer_provider is not None:
-        # as build_subscribers wires it for a server (which also wants an OTLP endpoint)
-        pipeline.tracer_provider = tracer_provider
-        pipeline.subscribers += (
-            TracingSubscriber(
-                tracer_provider,
-                ttl_s=config.tracing_ttl_s,
-                meter_provider=pipeline.meter_provider,
-            ),
-        )
+        # its own provider, so spans carry the recorded times (no OTLP endpoint needed)
+        pipeline.add_tracing(tracer_provider, config.tracing_ttl_s)
     here = monotonic_to_epoch_ns(0)
     shift = (header.epoch_offset_ns - here) if header is not None else 0
     count, first, last, traced = 0, None, None, 0
