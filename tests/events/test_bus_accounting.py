@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -317,23 +318,30 @@ def test_a_never_started_bus_stops_cleanly() -> None:
     assert bus.stop(5)
 
 
-def test_flush_without_a_timeout_waits_for_delivery() -> None:
-    """flush() with no timeout waits (here 0.1 s) for a delivery; start() is idempotent."""
+@contextlib.contextmanager
+def _delivery_held_for(seconds: float) -> Iterator[tuple[EventBus, RecordingSubscriber]]:
+    """A bus (not started) whose one subscriber cannot take a delivery for `seconds`."""
     gate = threading.Event()
     sub = RecordingSubscriber(gate=gate)
     bus = EventBus(100)
     bus.register(sub)
-    assert bus.start() is bus
-    assert bus.start() is bus  # a second start starts nothing
-    opener = threading.Timer(0.1, gate.set)
+    opener = threading.Timer(seconds, gate.set)
     opener.start()
     try:
-        bus.publish(Event(T.L1_READ, op_id=3))
-        assert bus.flush()
-        assert [e.op_id for e in sub.events] == [3]
+        yield bus, sub
     finally:
         gate.set()
         opener.cancel()
+
+
+def test_flush_without_a_timeout_waits_for_delivery() -> None:
+    """flush() with no timeout waits (here 0.1 s) for a delivery; start() is idempotent."""
+    with _delivery_held_for(0.1) as (bus, sub):
+        assert bus.start() is bus
+        assert bus.start() is bus  # a second start starts nothing
+        bus.publish(Event(T.L1_READ, op_id=3))
+        assert bus.flush()
+        assert [e.op_id for e in sub.events] == [3]
     assert bus.stop(5)
     assert bus.start() is bus  # nor does a start after stop
     assert not bus.running
@@ -370,20 +378,11 @@ def test_stats_report_capacity_and_the_stampers_pending_events() -> None:
 
 def test_flush_uses_all_of_a_short_timeout() -> None:
     """flush(0.9) waits out a delivery that takes 0.1 s rather than giving up early."""
-    gate = threading.Event()
-    sub = RecordingSubscriber(gate=gate)
-    bus = EventBus(100)
-    bus.register(sub)
-    bus.start()
-    opener = threading.Timer(0.1, gate.set)
-    opener.start()
-    try:
+    with _delivery_held_for(0.1) as (bus, sub):
+        bus.start()
         bus.publish(Event(T.L1_READ))
         assert bus.flush(0.9)
         assert len(sub.events) == 1
-    finally:
-        gate.set()
-        opener.cancel()
     assert bus.stop(5)
 
 
