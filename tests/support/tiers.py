@@ -90,3 +90,17 @@ class FaultyTier:
         if self.gate is not None:
             self.gate.set()
         self.inner.close()
+
+
+class HeldFilter:
+    """A drop_where filter that keeps the I/O thread running it busy: it sets `entered`
+    on its first key, then waits (at most 30 s) for `release`, keeping nothing."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, _: ObjectKey) -> bool:
+        self.entered.set()
+        self.release.wait(30)
+        return False

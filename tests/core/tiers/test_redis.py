@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +29,7 @@ from tests.support.redis_servers import (
     require_tls,
     shared_server,
 )
+from tests.support.tiers import HeldFilter
 
 T = TypeVar("T")
 SECRET = "Zq-s3cret-7Hx!42"  # distinctive, so any leak of it is found
@@ -423,20 +423,14 @@ def test_pin_answers_0_when_the_lookup_outlasts_its_bound(server: RedisServer) -
     )
     try:
         answer(tier.store([(key(1), payload(1, 16))]))
-        entered, release = threading.Event(), threading.Event()
-
-        def blocking(_: ObjectKey) -> bool:
-            entered.set()
-            release.wait(30)
-            return False
-
+        held = HeldFilter()
         with ThreadPoolExecutor(1) as outside:
-            dropping = outside.submit(tier.drop_where, blocking)
-            assert entered.wait(10)
+            dropping = outside.submit(tier.drop_where, held)
+            assert held.entered.wait(10)
             try:
                 assert tier.pin([key(1)]) == 0  # its contains waits behind drop_where
             finally:
-                release.set()
+                held.release.set()
             assert dropping.result(timeout=10) == 0
         assert tier.stats()["pinned"] == 0
         assert tier.pin([key(1)]) == 1

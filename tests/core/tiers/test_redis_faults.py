@@ -20,6 +20,7 @@ from kvflow.core.tiers.base import ObjectKey
 from kvflow.core.tiers.redis import RedisTier
 from kvflow.core.tiers.redis_target import resolve_target
 from tests.support.redis_servers import RedisServer, free_port, redis_server
+from tests.support.tiers import HeldFilter
 
 T = TypeVar("T")
 TIMEOUT_S = 0.5
@@ -302,25 +303,19 @@ def test_close_during_an_outage_with_a_call_in_flight_returns_cleanly(
     still busy on an I/O thread: the reconnecting thread stops at once, and close returns
     without error once the busy call ends."""
     tier = make_tier(server)
-    entered, release = threading.Event(), threading.Event()
-
-    def blocking(_: ObjectKey) -> bool:
-        entered.set()
-        release.wait(30)
-        return False
-
+    held = HeldFilter()
     with ThreadPoolExecutor(2) as outside:
         try:
             assert works(tier, 1)
-            dropping = outside.submit(tier.drop_where, blocking)
-            assert entered.wait(10)
+            dropping = outside.submit(tier.drop_where, held)
+            assert held.entered.wait(10)
             server.stop()
             assert tier.contains([key(2)]).result(timeout=10) == [False]
             assert len(reconnectors()) == 1
             closing = outside.submit(tier.close)
             wait_for(lambda: not reconnectors())
         finally:
-            release.set()
+            held.release.set()
         closing.result(timeout=10)
         assert dropping.result(timeout=10) == 0
     assert tier.stats()["connected"] == 0
