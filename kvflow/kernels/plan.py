@@ -163,7 +163,6 @@ def _order(
 def _stageable(
     linear: int,
     run_bytes: int,
-    descs: list[StrideDesc],
     cache_strides: list[tuple[int, int]],
     stage_strides: tuple[int, int],
     *,
@@ -226,19 +225,27 @@ def build_plan(
         vec = min(max_vector_bytes, pow2_alignment(staging_alignment))
         for term in terms:
             vec = min(vec, pow2_alignment(term))
-        staged = vec < GRANULE and max_vector_bytes == GRANULE
-        staged = staged and _stageable(
-            linear,
-            run_bytes,
-            descs,
-            cache_strides,
-            stage_strides,
-            gather=gather,
-            dst_terms=(
-                [staging_alignment, chunk_bytes, offset, chunk_tokens * group.row_bytes, seg_bytes]
-                if gather
-                else [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
-            ),
+        staged = (
+            vec < GRANULE
+            and max_vector_bytes == GRANULE
+            and _stageable(
+                linear,
+                run_bytes,
+                cache_strides,
+                stage_strides,
+                gather=gather,
+                dst_terms=(
+                    [
+                        staging_alignment,
+                        chunk_bytes,
+                        offset,
+                        chunk_tokens * group.row_bytes,
+                        seg_bytes,
+                    ]
+                    if gather
+                    else [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
+                ),
+            )
         )
         unit = GRANULE if staged else vec
         mode = linear | (STAGED if staged else 0)
