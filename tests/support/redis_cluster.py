@@ -376,7 +376,7 @@ def _start_node(node: ClusterNode, password: str | None, node_timeout_ms: int) -
 
 
 def _wait_answers(node: ClusterNode, password: str | None, timeout: float) -> None:
-    """Until the node answers PING; RuntimeError with its log if it exits first."""
+    """Until the node's own process answers; RuntimeError with its log if it exits first."""
     deadline = time.monotonic() + timeout
     while True:
         assert node.proc is not None
@@ -385,8 +385,8 @@ def _wait_answers(node: ClusterNode, password: str | None, timeout: float) -> No
             raise RuntimeError(f"redis-server on {node.address} exited:\n{log[-2000:]}")
         try:
             with redis.Redis(port=node.port, password=password, socket_timeout=1.0) as r:
-                if r.ping():
-                    return
+                if int(r.info("server")["process_id"]) == node.proc.pid:
+                    return  # this node answers, not another server that holds its port
         except redis.RedisError:
             pass
         if time.monotonic() > deadline:
@@ -394,8 +394,22 @@ def _wait_answers(node: ClusterNode, password: str | None, timeout: float) -> No
         time.sleep(0.02)
 
 
-def _start_with_free_ports(node: ClusterNode, password: str | None, timeout_ms: int) -> None:
-    """Start the node, picking new ports when the ones it had were taken meanwhile."""
+def _distinct_free_ports(count: int, taken: set[int]) -> list[int]:
+    """`count` free loopback ports, none in `taken` nor repeated: the kernel may hand a
+    just-closed ephemeral port out twice, and two nodes on one port make one vanish."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _start_with_free_ports(
+    node: ClusterNode, others: list[ClusterNode], password: str | None, timeout_ms: int
+) -> None:
+    """Start the node, picking new ports (none of the `others`') when the ones it had
+    were taken meanwhile."""
     for _ in range(5):
         _start_node(node, password, timeout_ms)
         try:
@@ -404,7 +418,8 @@ def _start_with_free_ports(node: ClusterNode, password: str | None, timeout_ms: 
         except RuntimeError:
             if node.proc is not None and node.proc.poll() is None:
                 raise
-            node.port, node.bus_port = free_port(), free_port()
+            taken = {p for n in others if n is not node for p in (n.port, n.bus_port)}
+            node.port, node.bus_port = _distinct_free_ports(2, taken)
             for stale in node.dir.glob("*"):
                 stale.unlink()
     raise RuntimeError("could not start redis-server on free loopback ports")
@@ -423,15 +438,16 @@ def running_cluster(
     require_redis_binaries()
     root = Path(tempfile.mkdtemp(prefix="redis-cluster-", dir=where))
     count = 6 if replicas else 3
+    ports = _distinct_free_ports(2 * count, set())
     nodes = []
     for i in range(count):
         node_dir = root / f"node{i}"
         node_dir.mkdir()
-        nodes.append(ClusterNode(i, free_port(), free_port(), node_dir))
+        nodes.append(ClusterNode(i, ports[2 * i], ports[2 * i + 1], node_dir))
     cluster = RedisCluster(root, nodes, password=password, node_timeout_ms=node_timeout_ms)
     try:
         for node in nodes:
-            _start_with_free_ports(node, password, node_timeout_ms)
+            _start_with_free_ports(node, nodes, password, node_timeout_ms)
         auth = ["-a", password, "--no-auth-warning"] if password else []
         create = subprocess.run(
             ["redis-cli", *auth, "--cluster", "create", *(n.address for n in nodes),
