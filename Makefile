@@ -99,13 +99,14 @@ test-gpu: $(STAMP)
 # against only the tests that reach the mutated function (tests/support/mutation.py maps modules
 # to tests). `make mutation MODULE=kvflow/core/tiers/diskfile.py` runs one module; without
 # MODULE it runs every engine, tiers, server and bus module; RECHECK=1 reruns only the mutants
-# the last run left alive, against the current tests. Scores: docs/TESTING.md.
+# the last run left alive, against the current tests; GPU=1 (a GPU machine) runs the gpu-marked
+# tests too, which movers.py and ipc.py need. Scores: docs/TESTING.md.
 MUTATION_DIR ?= /tmp/kvflow-mutation
 MUTMUT_VERSION := 3.8.1
 
 mutation: $(STAMP)
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q mutmut==$(MUTMUT_VERSION)
-	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(if $(RESUME),--resume) $(if $(JOBS),--jobs $(JOBS)) $(MODULE)
+	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(if $(RESUME),--resume) $(if $(JOBS),--jobs $(JOBS)) $(if $(GPU),--gpu) $(MODULE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

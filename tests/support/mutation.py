@@ -35,8 +35,11 @@ import subprocess
 import sys
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from tests.support import mutation_hits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,14 +101,17 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server_hardening.py",
         "tests/core/server/test_server_shutdown.py",
         "tests/core/server/test_server_events.py",
+        "tests/core/server/test_server_gpu.py",
     ],
+    # CUDA IPC: only the gpu-marked tests reach it (make mutation GPU=1 on a GPU machine).
     "kvflow/core/server/ipc.py": [
-        "tests/core/server/test_server.py",
-        "tests/core/server/test_client.py",
+        "tests/core/server/test_server_gpu.py",
+        "tests/e2e/test_server_reuse.py",
     ],
     "kvflow/core/server/sharing.py": [
         "tests/core/server/test_server.py",
         "tests/core/server/test_shm.py",
+        "tests/core/server/test_server_gpu.py",
     ],
     "kvflow/core/engine/keys.py": ["tests/core/engine/test_keys.py"],
     "kvflow/core/engine/request.py": ["tests/core/engine/test_request.py"],
@@ -174,20 +180,40 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, target)
 
 
-def mutmut_table(work: Path, module: str, tests: list[str]) -> str:
+@dataclass(frozen=True)
+class RunOptions:
+    """How `make mutation` runs each module (see main's flags)."""
+
+    max_children: int = 1
+    recheck: bool = False
+    resume: bool = False
+    gpu: bool = False
+
+
+def mutmut_table(work: Path, module: str, tests: list[str], gpu: bool) -> str:
     # Copied into mutmut's mutants/ folder, where the tests run: every top-level entry of the
     # copy the tests may read (docs, benchmarks, Makefile ...), besides tests/ and pyproject.toml.
     also_copy = sorted(
         p.name for p in work.iterdir() if p.name not in {"kvflow", "tests", "mutants"}
     )
+    pytest_args = ["-p", "no:randomly", "-p", "tests.support.mutation_hits"]
+    if not gpu:
+        pytest_args += ["-m", "not gpu"]
     return (
         "\n[tool.mutmut]\n"
         'source_paths = ["kvflow"]\n'
         f"only_mutate = {json.dumps([module])}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         # -p no:randomly: mutmut records per-test timings and runs tests in its own order.
-        'pytest_add_cli_args = ["-p", "no:randomly", "-m", "not gpu"]\n'
+        # -p tests.support.mutation_hits: hits inside the tests' subprocesses count too.
+        # Without --gpu, -m "not gpu": the gpu-marked tests need a GPU.
+        f"pytest_add_cli_args = {json.dumps(pytest_args)}\n"
         f"also_copy = {json.dumps(also_copy)}\n"
+        # A mutant that hangs is stopped after (recorded test time + 10 s) x 5 of wall time
+        # (mutmut's default, x 15 + 1 s, let one hung server test run four minutes; the
+        # recorded time leaves out the module fixtures that start servers, hence the 10 s).
+        "timeout_multiplier = 5.0\n"
+        "timeout_constant = 10.0\n"
     )
 
 
@@ -221,23 +247,32 @@ def mutmut_env(work: Path | None = None) -> dict[str, str]:
     # PYTHONPATH <folder>/mutants (where mutmut runs the tests): a helper script a test runs
     # by path imports the mutated copy, as `python -m` subprocesses started there already
     # do, rather than an installed kvflow (or none).
-    mutants = str(work / "mutants") if work is not None else None
-    path = os.pathsep.join(filter(None, [mutants, os.environ.get("PYTHONPATH")]))
-    return {
+    # <folder>/hooks (first): the sitecustomize.py through which the tests' subprocesses
+    # report the functions they reach to mutmut's recording pass (tests/support/mutation_hits).
+    # PYTORCH_NVML_BASED_CUDA_CHECK: the gpu tests' skipif asks torch whether CUDA is there
+    # while mutmut's fork server collects them; asked through NVML, that leaves CUDA
+    # uninitialised, so the forked mutant runs can still use the GPU.
+    env = {
         "PYTEST_TIMEOUT": "60",
         **os.environ,
-        "PYTHONPATH": path,
         "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
     }
+    if work is None:
+        return env
+    folders = [str(work / "hooks"), str(work / "mutants"), os.environ.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, folders))
+    env[mutation_hits.HITS_ENV] = str(work / "hits")
+    return env
 
 
 MUTMUT = [sys.executable, "-m", "mutmut"]
 
 
-def prepare(module: str, work: Path, recheck: bool, resume: bool) -> list[str] | None:
+def prepare(module: str, work: Path, options: RunOptions) -> list[str] | None:
     """Set up `work` for a run; the mutant names to run (empty: all), None: nothing to do."""
     names: list[str] = []
-    if recheck:
+    if options.recheck:
         # Only the mutants the last run left alive, against the repo's current tests
         # (mutmut notices new tests and records which functions they reach).
         if not (work / "mutants").is_dir():
@@ -247,22 +282,23 @@ def prepare(module: str, work: Path, recheck: bool, resume: bool) -> list[str] |
             print(f"== {module}: nothing left to recheck", flush=True)
             return None
         shutil.rmtree(work / "tests")
-    elif resume and (work / "mutants").is_dir():
+    elif options.resume and (work / "mutants").is_dir():
         # mutmut keeps each mutant's result as it goes and runs only those without one.
         return names
     else:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
     copy_tree(work)
-    add_table(work, module)
+    add_table(work, module, options.gpu)
     return names
 
 
-def add_table(work: Path, module: str) -> None:
+def add_table(work: Path, module: str, gpu: bool) -> None:
     pyproject = work / "pyproject.toml"
     if "mutmut" in tomllib.loads(pyproject.read_text()).get("tool", {}):
         sys.exit("make mutation: pyproject.toml has a [tool.mutmut] table of its own; remove it")
-    pyproject.write_text(pyproject.read_text() + mutmut_table(work, module, tests_for(module)))
+    table = mutmut_table(work, module, tests_for(module), gpu)
+    pyproject.write_text(pyproject.read_text() + table)
 
 
 def collect(module: str, work: Path) -> dict[str, int]:
@@ -290,24 +326,21 @@ def summary(module: str, stats: dict[str, int]) -> str:
 
 
 def run_module(
-    module: str,
-    root: Path,
-    max_children: int,
-    recheck: bool = False,
-    resume: bool = False,
-    log: IO[str] | None = None,
+    module: str, root: Path, options: RunOptions, log: IO[str] | None = None
 ) -> dict[str, int] | None:
     if not (REPO / module).is_file():
         sys.exit(f"make mutation: no such module: {module}")
     work = module_folder(root, module)
-    names = prepare(module, work, recheck, resume)
+    names = prepare(module, work, options)
     if names is None:
         return collect(module, work)
     print(f"== {module}: tests {' '.join(tests_for(module))} (in {work})", flush=True)
-    command = [*MUTMUT, "run", "--max-children", str(max_children), *names]
+    command = [*MUTMUT, "run", "--max-children", str(options.max_children), *names]
     # On PYTHONPATH (mutmut_env) from the start: a folder missing when the interpreter
     # starts is cached as holding nothing, and the tests' own imports then fail.
     (work / "mutants").mkdir(exist_ok=True)
+    (work / "hits").mkdir(exist_ok=True)
+    mutation_hits.install_sitecustomize(work / "hooks")
     with subprocess.Popen(command, cwd=work, env=mutmut_env(work), stdout=log, stderr=log) as proc:
         try:
             returncode = proc.wait()
@@ -325,15 +358,13 @@ def run_module(
     return stats
 
 
-def run_logged(
-    module: str, root: Path, max_children: int, recheck: bool, resume: bool
-) -> dict[str, int] | None:
+def run_logged(module: str, root: Path, options: RunOptions) -> dict[str, int] | None:
     """run_module with mutmut's output in <folder>/mutmut.log (for --jobs > 1)."""
     work = module_folder(root, module)
     work.parent.mkdir(parents=True, exist_ok=True)
     log_path = root / f"{work.name}.log"
     with log_path.open("a") as log:
-        return run_module(module, root, max_children, recheck, resume, log)
+        return run_module(module, root, options, log)
 
 
 def write_diffs(work: Path) -> None:
@@ -400,6 +431,11 @@ def main() -> None:
         action="store_true",
         help="rerun only the mutants the last run left alive, with the repo's current tests",
     )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="run the gpu-marked tests too (a GPU machine): movers, ipc and the CUDA paths",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("make mutation: terminated"))
     root = args.dir.resolve()
@@ -409,17 +445,13 @@ def main() -> None:
     if args.progress:
         progress(root, modules, args.diffs, args.jobs)
         return
+    options = RunOptions(args.max_children, args.recheck, args.resume, args.gpu)
     if args.jobs > 1:
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = {
-                m: pool.submit(run_logged, m, root, args.max_children, args.recheck, args.resume)
-                for m in modules
-            }
+            futures = {m: pool.submit(run_logged, m, root, options) for m in modules}
             results = {m: f.result() for m, f in futures.items()}
     else:
-        results = {
-            m: run_module(m, root, args.max_children, args.recheck, args.resume) for m in modules
-        }
+        results = {m: run_module(m, root, options) for m in modules}
     print("\nmodule | killed/total | score")
     for module, stats in results.items():
         if stats is None:
