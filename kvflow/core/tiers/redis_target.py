@@ -80,8 +80,12 @@ def _split(url: str) -> tuple[bool, str | None, int | None, int | None, str | No
     tls = SCHEMES[scheme.lower()]
     try:
         parts = urlsplit(url)
-    except ValueError:  # e.g. a bad [IPv6] host; the library's text may quote the URL
-        raise ValueError("--l2-redis is not a well-formed URL") from None
+    except ValueError:  # the library's text may quote the URL (and so a password)
+        # Which bad [IPv6] hosts urlsplit refuses varies between Python releases; the
+        # check below names the rest, so name these the same way.
+        authority = url.partition("://")[2].partition("/")[0]
+        detail = " (bad [IPv6] host)" if "[" in authority or "]" in authority else ""
+        raise ValueError(f"--l2-redis is not a well-formed URL{detail}") from None
     if parts.query or parts.fragment:
         raise ValueError(
             "--l2-redis: query parameters and fragments are not supported "
