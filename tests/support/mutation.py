@@ -252,8 +252,11 @@ def mutmut_env(work: Path | None = None) -> dict[str, str]:
     # PYTORCH_NVML_BASED_CUDA_CHECK: the gpu tests' skipif asks torch whether CUDA is there
     # while mutmut's fork server collects them; asked through NVML, that leaves CUDA
     # uninitialised, so the forked mutant runs can still use the GPU.
+    # OMP_NUM_THREADS=1: mutmut's CPU-time limit counts every thread, and many mutants run
+    # side by side anyway; torch's default of one thread per core ran into that limit.
     env = {
         "PYTEST_TIMEOUT": "60",
+        "OMP_NUM_THREADS": "1",
         **os.environ,
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
