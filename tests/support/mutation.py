@@ -323,7 +323,8 @@ def summary(module: str, stats: dict[str, int]) -> str:
     return (
         f"== {module}: killed {stats['killed'] + stats['timeout']}/{stats['total'] - stats['skipped']}"
         f" = {score(stats):.1f}% (survived {stats['survived']}, no tests {stats['no_tests']},"
-        f" timeout {stats['timeout']}, suspicious {stats['suspicious']}, skipped {stats['skipped']},"
+        f" timeout {stats['timeout']}, crashed {stats.get('segfault', 0)},"
+        f" suspicious {stats['suspicious']}, skipped {stats['skipped']},"
         f" not checked yet {stats['total'] - decided})"
     )
 
