@@ -75,6 +75,8 @@ def test_bad_token_ids_fail_before_sending(
         ([("r", [1])], r"records\[0\] must be BlockAllocation"),
         ([BlockAllocation("r", [1.5], [1])], r"records\[0\].new_block_ids"),
         ([("r", [1], ["x"])], r"records\[0\].new_token_ids"),
+        # a column of ids is not a flat sequence, though each row holds one integer
+        ([("r", torch.tensor([[1], [2]]), [1])], r"records\[0\].new_block_ids"),
     ],
 )
 def test_bad_allocation_records_fail_before_sending(

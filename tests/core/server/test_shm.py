@@ -8,6 +8,7 @@ import errno
 import gc
 import mmap
 import os
+import pathlib
 import re
 import secrets
 import stat
@@ -450,3 +451,16 @@ def test_a_late_finalizer_of_a_reused_address_keeps_the_new_segment() -> None:
     assert shm.is_shared(tensor)
     memory = shm.shared_memory_of(tensor)
     assert memory is not None and memory.name != dead
+
+
+def test_a_late_finalizer_still_unlinks_its_name_when_its_address_was_forgotten(
+    tmp_path: pathlib.Path,
+) -> None:
+    """When a newer segment at the same address was released first, the late finalizer
+    finds no entry for that address; it must still unlink its own name (no /dev/shm
+    file left behind). (Called by hand, as above, for a deterministic interleaving.)"""
+    leftover = tmp_path / "kvflow-0-0-00000001"
+    leftover.write_bytes(b"x")
+    forgotten = 1 << 47  # an address no live segment has
+    shm._release(forgotten, leftover.name, str(leftover))
+    assert not leftover.exists()

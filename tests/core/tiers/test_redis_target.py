@@ -149,6 +149,9 @@ BAD_IPV6 = "--l2-redis is not a well-formed URL (bad [IPv6] host)"
         (None, {}, "--l2-redis must be a redis:// or rediss:// URL"),
         ("http://h:1/0", {}, "--l2-redis must be a redis:// or rediss:// URL (unknown scheme)"),
         ("redis://[::1/0", {}, BAD_IPV6),
+        ("redis://h]:1/0", {}, BAD_IPV6),
+        ("redis://[::1/0://x", {}, BAD_IPV6),  # the authority ends at the first "/"
+        ("redis://h\uff03x:1/[/0", {}, "--l2-redis is not a well-formed URL"),
         # U+FF03 FULLWIDTH NUMBER SIGN reads as '#' once normalised: urlsplit refuses it
         ("redis://h\uff03x:1/0", {}, "--l2-redis is not a well-formed URL"),
         ("redis://[::1]x/0", {}, BAD_IPV6),
