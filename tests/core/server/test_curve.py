@@ -24,7 +24,7 @@ import zmq
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.config import ServerConfig
 from kvflow.core.errors import AlreadyRegisteredError, AuthenticationError, PermissionDeniedError
-from kvflow.core.server.curve import AuthorizedKeys, load_key_pair, load_public_key
+from kvflow.core.server.curve import AuthorizedKeys, generate, load_key_pair, load_public_key
 from tests.core.server.test_server import ServerProcess
 
 NB, BS, NH, HS = 32, 16, 2, 8
@@ -282,3 +282,20 @@ def test_status_and_top_take_the_curve_keys(
     assert done.stdout.strip()
     refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "requires CURVE" in refused.stderr
+
+
+@pytest.mark.parametrize("name", ["", "a/b", ".hidden"])
+def test_keygen_refuses_a_name_that_is_not_a_plain_file_name(tmp_path: Path, name: str) -> None:
+    """An empty name, a path or a dot file is refused before anything is written."""
+    with pytest.raises(ValueError) as info:
+        generate(tmp_path, name)
+    assert str(info.value) == f"key name must be a plain file name, got {name!r}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_keygen_creates_the_missing_folders_of_its_directory(tmp_path: Path) -> None:
+    """`--dir` may name folders that do not exist yet: they are created."""
+    public, secret = generate(tmp_path / "keys" / "clients", "alice")
+    assert public == tmp_path / "keys" / "clients" / "alice.key"
+    assert secret == tmp_path / "keys" / "clients" / "alice.key_secret"
+    assert load_public_key(public) == load_key_pair(secret).public
