@@ -52,6 +52,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/tiers/diskfile.py": [
         "tests/core/tiers/test_disk.py",
         "tests/core/tiers/test_disk_faults.py",
+        "tests/core/tiers/test_diskfile_format.py",
     ],
     "kvflow/core/tiers/disk.py": [
         "tests/core/tiers/test_disk.py",

@@ -176,7 +176,7 @@ def scan_objects(root: str) -> Iterator[FoundObject]:
     """Every object file under disk path `root`, deleting temporary files (their writers
     are dead: the caller holds the path's lock) and emptied directories on the way."""
     top = os.path.join(root, OBJECTS_DIR)
-    for dirpath, dirnames, filenames in os.walk(top, topdown=False):
+    for dirpath, _, filenames in os.walk(top, topdown=False):
         for name in filenames:
             path = os.path.join(dirpath, name)
             if name.endswith(TMP_SUFFIX):
@@ -189,8 +189,10 @@ def scan_objects(root: str) -> Iterator[FoundObject]:
             with suppress(FileNotFoundError):
                 st = os.stat(path)
                 yield FoundObject(path, parsed[0], parsed[1], st.st_size, st.st_mtime_ns)
-        if dirpath != top and not dirnames:
-            with suppress(OSError):  # not empty: it holds objects or foreign files
+        # bottom-up, so a parent goes once its emptied children have (its `dirnames` were
+        # listed before they went: try every directory, not just those listed empty)
+        if dirpath != top:
+            with suppress(OSError):  # not empty: it holds objects, foreign files or dirs
                 os.rmdir(dirpath)
 
 

@@ -82,6 +82,14 @@ ODD_KEYS = [
 ]
 
 
+@pytest.fixture
+def fresh_names() -> None:
+    """Owner directories computed anew: diskfile caches an owner's, so without this a test
+    would check names an earlier test in the process computed."""
+    diskfile._owner_relpath.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_names")
 @pytest.mark.parametrize("k", ODD_KEYS, ids=range(len(ODD_KEYS)))
 def test_file_names_recover_every_key(k: ObjectKey) -> None:
     """Any model name or salt (unicode, '/', '%', '#', control characters, lone
@@ -105,10 +113,44 @@ def test_odd_keys_survive_a_restart(tmp_path: Path, tiers: list[DiskTier]) -> No
         assert got is not None and torch.equal(got, data)
 
 
+@pytest.mark.parametrize(
+    ("k", "text"),
+    [
+        (key(0xAB, "org/m 1", salt="s"), "ab" + "00" * 31 + "#org%2Fm 1#1#0#=s"),
+        (key(1, "%#\x7f\x1f\x00 ~", rank=3), "01" + "00" * 31 + "#%25%23%7F%1F%00 ~#1#3#-"),
+        (
+            key(2, "\ue000\ud7ff", salt="\udfff\ud800"),
+            "02" + "00" * 31 + "#\ue000\ud7ff#1#0#=%ED%BF%BF%ED%A0%80",
+        ),
+        (key(3, "", salt=""), "03" + "00" * 31 + "##1#0#="),
+    ],
+    ids=["plain", "escapes", "surrogates", "empty"],
+)
+def test_key_text_spells_hash_then_escaped_owner(k: ObjectKey, text: str) -> None:
+    """The header's key text: hash hex, model, world size, rank, then "-" (no salt) or
+    "=" and the salt; %, /, #, DEL, control characters and lone surrogates (only they:
+    space, other characters and private-use ones stay) as %XX of their UTF-8."""
+    assert diskfile.key_text(k) == text
+
+
+@pytest.mark.usefixtures("fresh_names")
+def test_long_owners_nest_in_full_directories_never_cutting_an_escape() -> None:
+    """An owner over 200 bytes is cut into "+" directories of exactly 200 bytes and a last
+    "o" one; an escape that would straddle a cut moves whole to the next directory."""
+    long_owner = diskfile.object_relpath(key(1, "x" * 450), 7).split(os.sep)
+    assert long_owner[:-1] == ["+" + "x" * 200, "+" + "x" * 200, "o" + "x" * 50 + "#1#0#-"]
+    escape_at_cut = diskfile.object_relpath(key(1, "x" * 199 + "/"), 7).split(os.sep)
+    assert escape_at_cut[:-1] == ["+" + "x" * 199, "o%2F#1#0#-"]
+    assert escape_at_cut[-1] == "01" + "00" * 31 + ".7.kv"
+
+
 def test_foreign_names_are_not_taken_for_objects() -> None:
-    """Paths kvflow would not have written (bad escapes, wrong shape) parse to None."""
+    """Paths kvflow would not have written (bad escapes, wrong shape, or a name that
+    parses but is not the one kvflow gives its key) parse to None."""
     good = diskfile.object_relpath(key(1, "a/b"), 10)
     assert diskfile.parse_relpath(good) is not None
+    owner, name = os.path.split(diskfile.object_relpath(key(0xAB, "ab"), 10))
+    assert diskfile.parse_relpath(os.path.join(owner, name)) == (key(0xAB, "ab"), 10)
     for bad in [
         good.replace("%2F", "%2f"),  # not the canonical escape
         good.replace(".10.kv", ".10.txt"),
@@ -116,6 +158,10 @@ def test_foreign_names_are_not_taken_for_objects() -> None:
         "x" + good,
         os.path.join("sub", good),
         os.path.basename(good),
+        os.path.join(owner, name.upper().replace(".KV", ".kv")),  # hash hex in capitals
+        os.path.join(owner, name.replace(".10.", ".010.")),  # size with a leading zero
+        os.path.join("o%61b#1#0#-", name),  # "a" escaped though it needs not be
+        os.path.join("+a", "ob#1#0#-", name),  # a short owner cut in two
     ]:
         assert diskfile.parse_relpath(bad) is None, bad
 
@@ -167,6 +213,63 @@ def test_start_up_deletes_dead_writers_temporary_files(
     assert not leftover.exists() and foreign.exists()
     got = load_one(again, key(1))
     assert got is not None and torch.equal(got, payload(1))
+
+
+def test_start_up_removes_emptied_directories_nested_ones_too(
+    tmp_path: Path, tiers: list[DiskTier]
+) -> None:
+    """Directories whose objects are gone (a long owner's nested ones included) are removed
+    at start, in one restart; directories holding foreign files stay, and so does the
+    objects directory, even empty."""
+    long_key, kept_key = key(1, "x" * 450), key(2, "kept")
+    tier = open_tier(tiers, [tmp_path], 1 << 20)
+    answer(tier.store([(long_key, payload(1)), (key(3, "short"), payload(3))]))
+    answer(tier.store([(kept_key, payload(2))]))
+    tier.close()
+    objects = tmp_path / diskfile.OBJECTS_DIR
+    for k in (long_key, key(3, "short"), kept_key):
+        os.unlink(diskfile.object_path(str(tmp_path), k, KIB))
+    foreign = Path(diskfile.object_path(str(tmp_path), kept_key, KIB)).parent / "notes.txt"
+    foreign.write_text("mine")
+    open_tier(tiers, [tmp_path], 1 << 20).close()
+    left = sorted(str(p.relative_to(objects)) for p in objects.rglob("*"))
+    assert left == [str(foreign.parent.relative_to(objects)), str(foreign.relative_to(objects))]
+    foreign.unlink()
+    open_tier(tiers, [tmp_path], 1 << 20)
+    assert objects.is_dir() and os.listdir(objects) == []
+
+
+def test_foreign_files_beside_objects_do_not_hide_them(
+    tmp_path: Path, tiers: list[DiskTier]
+) -> None:
+    """Files that are not kvflow's, in an owner's directory between its objects, are left
+    alone and every object beside them is found again."""
+    tier = open_tier(tiers, [tmp_path], 1 << 20)
+    owner_dir = Path(diskfile.object_path(str(tmp_path), key(0), KIB)).parent
+    for i in range(8):
+        answer(tier.store([(key(i), payload(i))]))
+        (owner_dir / f"notes{i}.txt").write_text("mine")
+    tier.close()
+    again = open_tier(tiers, [tmp_path], 1 << 20)
+    assert again.stats()["objects"] == 8
+    assert len(list(owner_dir.glob("notes*.txt"))) == 8
+
+
+def test_a_scan_skips_files_deleted_under_it(tmp_path: Path, tiers: list[DiskTier]) -> None:
+    """Files a scan has listed but another process deletes before it gets to them (an
+    object, a temporary file) are skipped, not errors."""
+    tier = open_tier(tiers, [tmp_path], 1 << 20)
+    answer(tier.store([(key(1), payload(1)), (key(2), payload(2))]))
+    tier.close()
+    leftover = tmp_path / diskfile.OBJECTS_DIR / f"x.999999-0{diskfile.TMP_SUFFIX}"
+    leftover.write_bytes(b"half an object")
+    scan = diskfile.scan_objects(str(tmp_path))
+    first = next(scan)  # the owner's directory is listed; the objects directory was first
+    other = ({key(1), key(2)} - {first.key}).pop()
+    os.unlink(diskfile.object_path(str(tmp_path), other, KIB))
+    leftover.unlink()
+    assert list(scan) == []
+    assert first.file_bytes == diskfile.BLOCK + KIB and first.nbytes == KIB
 
 
 def test_start_up_evicts_the_oldest_past_capacity(tmp_path: Path, tiers: list[DiskTier]) -> None:
@@ -381,7 +484,7 @@ def test_direct_io_writes_aligned_padded_files(tmp_path: Path, tiers: list[DiskT
     answer(tier.store(items))
     for (k, data), n in zip(items, sizes, strict=True):
         file_size = os.path.getsize(diskfile.object_path(str(tmp_path), k, n))
-        assert file_size % 4096 == 0 and file_size >= 4096 + n
+        assert file_size == 4096 + -(-n // 4096) * 4096  # the payload padded to whole blocks
         got = load_one(tier, k, n)
         assert got is not None and torch.equal(got, data)
     tier.close()

@@ -111,14 +111,44 @@ def _flip(path: str, offset: int) -> None:
         f.write(bytes([byte ^ 0x01]))
 
 
-DAMAGE: dict[str, tuple[Callable[[str, str], None], str]] = {
-    # name: (damage the object of key 1, given its file and key 2's file; counter it hits)
-    "truncated payload": (lambda p1, p2: os.truncate(p1, diskfile.BLOCK + NBYTES - 100), "corrupt"),
-    "truncated header": (lambda p1, p2: os.truncate(p1, 100), "corrupt"),
-    "payload byte flipped": (lambda p1, p2: _flip(p1, diskfile.BLOCK + 3000), "corrupt"),
-    "header byte flipped": (lambda p1, p2: _flip(p1, 17), "corrupt"),
-    "another key's file renamed over it": (lambda p1, p2: shutil.copy(p2, p1), "corrupt"),
-    "deleted behind the tier's back": (lambda p1, p2: os.unlink(p1), "missing"),
+DAMAGE: dict[str, tuple[Callable[[str, str], None], str, str]] = {
+    # name: (damage the object of key 1, given its file and key 2's file; counter it hits;
+    # the path's last_error after the load, {p1} standing for key 1's file)
+    "truncated payload": (
+        lambda p1, p2: os.truncate(p1, diskfile.BLOCK + NBYTES - 100),
+        "corrupt",
+        "load: {p1}: truncated payload",
+    ),
+    "payload cut off at the header's end": (
+        lambda p1, p2: os.truncate(p1, diskfile.BLOCK),
+        "corrupt",
+        "load: {p1}: truncated payload",
+    ),
+    "truncated header": (
+        lambda p1, p2: os.truncate(p1, 100),
+        "corrupt",
+        "load: {p1}: truncated header",
+    ),
+    "payload byte flipped": (
+        lambda p1, p2: _flip(p1, diskfile.BLOCK + 3000),
+        "corrupt",
+        "load: {p1}: payload checksum mismatch",
+    ),
+    "header byte flipped": (
+        lambda p1, p2: _flip(p1, 17),
+        "corrupt",
+        "load: {p1}: header checksum mismatch",
+    ),
+    "another key's file renamed over it": (
+        lambda p1, p2: shutil.copy(p2, p1),
+        "corrupt",
+        "load: {p1}: the header names another key than the file name",
+    ),
+    "deleted behind the tier's back": (
+        lambda p1, p2: os.unlink(p1),
+        "missing",
+        "load: [Errno 2] No such file or directory: '{p1}'",
+    ),
 }
 
 
@@ -128,17 +158,19 @@ def test_a_damaged_or_missing_file_is_a_counted_dropped_miss(
     tmp_path: Path, tiers: list[DiskTier], damage: str, direct: bool
 ) -> None:
     """Loading an object whose file was damaged or removed answers False, counts it
-    (corrupt or missing, and a load failure), drops the entry and the file; other
-    objects still load. (On False the destination's bytes are undefined.)"""
+    (corrupt or missing, and a load failure), says why in the path's last_error, drops
+    the entry and the file; other objects still load. (On False the destination's bytes
+    are undefined.)"""
     tier = DiskTier([str(tmp_path)], 1 << 20, direct_io=direct)
     tiers.append(tier)
     answer(tier.store([(key(1), payload(1)), (key(2), payload(2))]))
     p1, p2 = (diskfile.object_path(str(tmp_path), key(i), NBYTES) for i in (1, 2))
-    hurt, counter = DAMAGE[damage]
+    hurt, counter, error = DAMAGE[damage]
     hurt(p1, p2)
     dsts = [torch.zeros(NBYTES, dtype=torch.uint8) for _ in range(2)]
     assert answer(tier.load([key(1), key(2)], dsts)) == [False, True]
     assert torch.equal(dsts[1], payload(2))
+    assert tier.describe()["paths"][0]["last_error"] == error.format(p1=p1)
     stats = tier.stats()
     assert stats[f"{counter}_objects"] == 1 and stats["load_failures"] == 1
     other = "missing" if counter == "corrupt" else "corrupt"
