@@ -57,6 +57,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/tiers/disk.py": [
         "tests/core/tiers/test_disk.py",
         "tests/core/tiers/test_disk_faults.py",
+        "tests/core/tiers/test_disk_tier_behaviour.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
     "kvflow/core/tiers/l1.py": [
