@@ -8,6 +8,7 @@ non-loopback --host needs CURVE or --insecure-listen.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -299,3 +300,33 @@ def test_keygen_creates_the_missing_folders_of_its_directory(tmp_path: Path) -> 
     assert public == tmp_path / "keys" / "clients" / "alice.key"
     assert secret == tmp_path / "keys" / "clients" / "alice.key_secret"
     assert load_public_key(public) == load_key_pair(secret).public
+
+
+def test_the_key_check_logs_each_refusal_and_keeps_its_keys_when_the_folder_vanishes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An authorised key passes silently; an unknown one is refused with a warning naming
+    it; with the folder gone the last keys still decide, and a warning says why."""
+    folder = tmp_path / "authorized"
+    public, _ = generate(folder, "alice")
+    alice = load_public_key(public)
+    stranger = b"x" * 40
+    keys = AuthorizedKeys(folder)
+    caplog.set_level(logging.INFO, logger="kvflow.server")
+    caplog.clear()
+    assert keys.callback("global", alice)
+    assert [r.getMessage() for r in caplog.records] == []
+    assert not keys.callback("global", stranger)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            logging.WARNING,
+            f"CURVE: refused a client whose public key is not authorised: {stranger.decode()}",
+        )
+    ]
+    caplog.clear()
+    shutil.rmtree(folder)
+    assert keys.callback("global", alice)
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert len(messages) == 1 and messages[0][0] == logging.WARNING
+    assert messages[0][1].startswith(f"cannot re-read {folder} (")
+    assert messages[0][1].endswith("): using the last keys")
