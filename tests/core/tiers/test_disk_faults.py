@@ -237,6 +237,14 @@ def test_an_unwritable_path_fails_its_stores_and_the_rest_serve(
 # -- a writer killed mid-write ----------------------------------------------------------
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGSTOP `proc` and wait until the kernel has stopped it (state T)."""
+    proc.send_signal(signal.SIGSTOP)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rpartition(")")[2].split()[0] != "T":
+        time.sleep(0.001)
+
+
 def test_a_writer_killed_mid_write_leaves_only_whole_objects(
     tmp_path: Path, tiers: list[DiskTier]
 ) -> None:
@@ -256,9 +264,15 @@ def test_a_writer_killed_mid_write_leaves_only_whole_objects(
             ValueError, match=f"held by another kvflow server \\(pid {writer.pid}\\)"
         ):
             DiskTier([str(tmp_path)], 1 << 30)
+        # Stop it while a file is half written (a stopped writer cannot finish and rename
+        # that file before the kill lands, as a running one could on a loaded machine).
         deadline = time.monotonic() + 5
-        while not disk_writer.temporary_files(str(tmp_path)) and time.monotonic() < deadline:
-            pass  # kill it while a file is half written
+        while time.monotonic() < deadline:
+            if disk_writer.temporary_files(str(tmp_path)):
+                _stop(writer)
+                if disk_writer.temporary_files(str(tmp_path)):
+                    break
+                writer.send_signal(signal.SIGCONT)
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=10)
