@@ -82,6 +82,8 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_redis.py",
         "tests/core/tiers/test_redis_faults.py",
         "tests/core/tiers/test_redis_cluster.py",
+        "tests/core/tiers/test_redis_behaviour.py",
+        "tests/core/tiers/test_redis_cluster_nodes.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
     "kvflow/core/tiers/redis_target.py": ["tests/core/tiers/test_redis_target.py"],
