@@ -16,6 +16,7 @@ import torch
 from kvflow.core.tiers import redis as redis_tier
 from kvflow.core.tiers.base import StoreOutcome
 from kvflow.core.tiers.redis import RedisTier
+from tests.core.tiers import test_redis_cluster
 from tests.core.tiers.test_redis_cluster import (
     NBYTES,
     _split_by_node,
@@ -38,12 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
         yield made
 
 
-@pytest.fixture
-def tiers() -> Iterator[list[RedisTier]]:
-    made: list[RedisTier] = []
-    yield made
-    for tier in made:
-        tier.close()
+tiers = test_redis_cluster.tiers  # each test's tiers, closed after it
 
 
 def set_backoff(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
