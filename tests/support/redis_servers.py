@@ -19,7 +19,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 import redis
 
+from tests.support.collectors import free_port
 from tests.support.requirements import find, missing, require_or_skip
 
 REDIS_SERVER = find("redis-server") or "/usr/bin/redis-server"
@@ -40,13 +40,6 @@ OPENSSL = find("openssl")
 def require_redis_server() -> str:
     """The redis-server binary; missing, the test fails under CI and skips elsewhere."""
     return require_or_skip("redis-server", "the test runs a real redis-server")
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

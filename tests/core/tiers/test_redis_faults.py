@@ -19,7 +19,8 @@ import torch
 from kvflow.core.tiers.base import ObjectKey
 from kvflow.core.tiers.redis import RedisTier
 from kvflow.core.tiers.redis_target import resolve_target
-from tests.support.redis_servers import RedisServer, free_port, redis_server
+from tests.support.collectors import free_port
+from tests.support.redis_servers import RedisServer, redis_server
 from tests.support.tiers import HeldFilter
 
 T = TypeVar("T")
