@@ -142,7 +142,7 @@ class RedisServer:
     # -- process ------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        """Start redis-server on `port` and wait until it answers PING."""
+        """Start redis-server on `port` and wait until it (not another server) answers."""
         binary = require_redis_server()
         if self.process is not None and self.process.poll() is None:
             return self
@@ -162,8 +162,8 @@ class RedisServer:
                         f"redis-server exited ({self.process.returncode}): {err}{log[-2000:]}"
                     )
                 try:
-                    if client.ping():
-                        return self
+                    if int(client.info("server")["process_id"]) == self.process.pid:
+                        return self  # this server answers, not another one on its port
                 except redis.RedisError:
                     pass
                 if time.monotonic() > deadline:
