@@ -59,12 +59,13 @@ def _hit_logger(folder: Path) -> Callable[..., None]:
     fd = os.open(folder / f"{os.getpid()}.hits", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     epoch_file = folder / EPOCH
     seen: set[str] = set()
-    current = [_epoch_of(epoch_file)]
+    current = _epoch_of(epoch_file)
 
     def record(name: str, caller: str | None = None) -> None:
+        nonlocal current
         epoch = _epoch_of(epoch_file)
-        if epoch != current[0]:
-            current[0] = epoch
+        if epoch != current:
+            current = epoch
             seen.clear()
         if name not in seen:
             seen.add(name)
@@ -89,25 +90,22 @@ def install_sitecustomize(hook_dir: Path) -> None:
     (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
 
-class _Offsets:
-    """How far into each subprocess's hits file the test process has read."""
-
-    def __init__(self) -> None:
-        self.read_to: dict[Path, int] = {}
-
-    def new_hits(self, folder: Path) -> set[str]:
-        names: set[str] = set()
-        for path in folder.glob("*.hits"):
-            with path.open("rb") as f:
-                f.seek(self.read_to.get(path, 0))
-                data = f.read()
-            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-            self.read_to[path] = self.read_to.get(path, 0) + len(complete)
-            names.update(line.decode() for line in complete.splitlines() if line)
-        return names
+#: how far into each subprocess's hits file the test process has read
+_read_to: dict[Path, int] = {}
 
 
-_offsets = _Offsets()
+def _new_hits(folder: Path) -> set[str]:
+    """The function names the subprocesses logged since the last call."""
+    names: set[str] = set()
+    for path in folder.glob("*.hits"):
+        start = _read_to.get(path, 0)
+        with path.open("rb") as f:
+            f.seek(start)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        _read_to[path] = start + len(complete)
+        names.update(line.decode() for line in complete.splitlines() if line)
+    return names
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -129,5 +127,5 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, None]:
     from mutmut.state import state
 
     test = item.nodeid.removeprefix("mutants/")
-    for name in _offsets.new_hits(folder):
+    for name in _new_hits(folder):
         state().tests_by_mangled_function_name[name].add(test)
