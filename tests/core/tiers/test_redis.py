@@ -58,9 +58,14 @@ def server() -> RedisServer:
     return made
 
 
+def make_tier(server: RedisServer) -> RedisTier:
+    """A tier on `server` under the tests' key prefix."""
+    return RedisTier(resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=2.0)
+
+
 @pytest.fixture
 def tier(server: RedisServer) -> Iterator[RedisTier]:
-    made = RedisTier(resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=2.0)
+    made = make_tier(server)
     yield made
     made.close()
 

@@ -5,7 +5,6 @@ connection), and the exact stats and describe."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,28 +14,13 @@ import torch
 from kvflow.core.tiers import redis as redis_tier
 from kvflow.core.tiers.base import ObjectKey
 from kvflow.core.tiers.redis import HEADER, RedisTier
-from kvflow.core.tiers.redis_target import resolve_target
-from tests.core.tiers.test_redis import PREFIX, answer, key, payload
+from tests.core.tiers import test_redis
+from tests.core.tiers.test_redis import PREFIX, answer, key, make_tier, payload
 from tests.core.tiers.test_redis_faults import wait_for
-from tests.support.redis_servers import RedisServer, redis_server, shared_server
+from tests.support.redis_servers import RedisServer, redis_server
 
-
-@pytest.fixture
-def server() -> RedisServer:
-    made = shared_server()
-    made.flush()
-    return made
-
-
-def make_tier(server: RedisServer) -> RedisTier:
-    return RedisTier(resolve_target(server.url(), environ={}), key_prefix=PREFIX, timeout_s=2.0)
-
-
-@pytest.fixture
-def tier(server: RedisServer) -> Iterator[RedisTier]:
-    made = make_tier(server)
-    yield made
-    made.close()
+server = test_redis.server  # the fixtures: the shared server emptied, a tier on it
+tier = test_redis.tier
 
 
 @pytest.fixture
