@@ -275,7 +275,10 @@ def test_authorized_keys_must_be_a_directory_and_skip_junk(tmp_path: Path) -> No
 def test_status_and_top_take_the_curve_keys(
     server: ServerProcess, keys: dict[str, Path], command: list[str]
 ) -> None:
+    # A roomy --timeout-s (default 5 s): under load (make mutation runs many suites at once)
+    # the keyed command's reply may take longer, and the refusal comes at once anyway.
     base = [sys.executable, "-m", "kvflow.cli", *command, "--endpoint", server.endpoint]
+    base += ["--timeout-s", "60"]
     with_keys = [*base, "--curve-server-key", str(keys["server_public"])]
     with_keys += ["--curve-key", str(keys["alice"])]
     done = subprocess.run(with_keys, capture_output=True, text=True, timeout=120)
