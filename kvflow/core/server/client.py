@@ -63,7 +63,17 @@ from kvflow.core.server.sharing import describe_kv_caches
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 #: how often a waiting call looks for a failed handshake (so a refusal is reported at once)
 _HANDSHAKE_CHECK_S = 0.1
-_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+#: the handshake events a client watches: refusals, drops (the peer closed the connection
+#: mid-handshake, as a server requiring CURVE often does to a plain client) and successes
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
+#: handshakes dropped in a row (none succeeding between) that count as a refusal: one drop may
+#: be a server stopping mid-handshake; a peer that drops every one will never take this client
+_HANDSHAKE_DROPS = 3
 
 
 def _int_list(values: Any, where: str) -> list[int]:
@@ -145,6 +155,8 @@ class KVFlowClient:
         self._lock = threading.Lock()
         #: every open socket -> the monitor socket reporting its failed handshakes
         self._sockets: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
+        #: socket -> handshakes its server dropped in a row
+        self._drops: dict[zmq.Socket[Any], int] = {}
         self._events: dict[str, tuple[Any, int]] = {}
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
@@ -179,6 +191,7 @@ class KVFlowClient:
     def _discard_socket(self, sock: zmq.Socket[Any]) -> None:
         with self._lock:
             monitor = self._sockets.pop(sock, None)
+            self._drops.pop(sock, None)
         _close_pair(sock, monitor)
         self._local.socket = None
 
@@ -190,22 +203,33 @@ class KVFlowClient:
                 event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._drops.pop(sock, None)
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                drops = self._drops.get(sock, 0) + 1
+                self._drops[sock] = drops
+                if drops < _HANDSHAKE_DROPS:
+                    continue
+                detail = f"it closed {drops} handshakes in a row"
+            else:
+                detail = f"protocol error {event['value']:#x}"
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 why = (
                     f"the kvflow server at {self.endpoint} refused this client's CURVE key"
                     " (its public key is not in the server's --curve-authorized-keys directory)"
                 )
             elif self._curve is None:
                 why = (
-                    f"the kvflow server at {self.endpoint} requires CURVE authentication: give"
-                    " its public key (NAME.key) and this client's key pair (NAME.key_secret)"
+                    f"the kvflow server at {self.endpoint} requires CURVE authentication ({detail}):"
+                    " give its public key (NAME.key) and this client's key pair (NAME.key_secret)"
                     " as curve_server_key= and curve_key= (--curve-server-key, --curve-key)"
                 )
             else:
                 why = (
-                    f"CURVE handshake with {self.endpoint} failed (protocol error"
-                    f" {event['value']:#x}): the server does not use CURVE, or its key differs"
-                    " from curve_server_key"
+                    f"CURVE handshake with {self.endpoint} failed ({detail}): the server does"
+                    " not use CURVE, or its key differs from curve_server_key"
                 )
             self._discard_socket(sock)
             raise AuthenticationError(why)
@@ -502,6 +526,7 @@ class KVFlowClient:
             heartbeat.join()
         with self._lock:
             sockets, self._sockets = self._sockets, {}
+            self._drops.clear()
         for sock, monitor in sockets.items():
             _close_pair(sock, monitor)
         self._ctx.term()

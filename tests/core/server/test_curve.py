@@ -8,12 +8,15 @@ non-loopback --host needs CURVE or --insecure-listen.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,7 +75,7 @@ def server(keys: dict[str, Path]) -> Iterator[ServerProcess]:
 
 
 def _client(
-    server: ServerProcess, keys: dict[str, Path], who: str | None, **kw: object
+    server: ServerProcess | _DroppingPeer, keys: dict[str, Path], who: str | None, **kw: object
 ) -> KVFlowClient:
     if who is None:
         return KVFlowClient(server.endpoint, timeout_s=10, **kw)  # type: ignore[arg-type]
@@ -333,3 +336,90 @@ def test_the_key_check_logs_each_refusal_and_keeps_its_keys_when_the_folder_vani
     assert len(messages) == 1 and messages[0][0] == logging.WARNING
     assert messages[0][1].startswith(f"cannot re-read {folder} (")
     assert messages[0][1].endswith("): using the last keys")
+
+
+class _DroppingPeer:
+    """A TCP listener that closes its first `drops` connections at once (as a server that
+    turns a handshake away does) and pipes the later ones to `upstream` (host, port)."""
+
+    def __init__(self, drops: int, upstream: tuple[str, int] | None = None) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._drops, self._upstream = drops, upstream
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._drops > 0 or self._upstream is None:
+                self._drops -= 1
+                conn.close()
+                continue
+            far = socket.create_connection(self._upstream)
+            for src, dst in ((conn, far), (far, conn)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.mark.parametrize(
+    ("who", "match"),
+    [
+        (None, r"requires CURVE authentication \(it closed 3 handshakes in a row\)"),
+        ("alice", r"CURVE handshake with .* failed \(it closed 3 handshakes in a row\)"),
+    ],
+)
+def test_a_peer_that_drops_every_handshake_is_a_refusal_not_a_timeout(
+    keys: dict[str, Path], who: str | None, match: str
+) -> None:
+    """A server requiring CURVE may close a plain client's connection mid-handshake instead
+    of naming the mismatch (timing decides which): three drops in a row are a refusal."""
+    peer = _DroppingPeer(drops=10**9)
+    started = time.monotonic()
+    try:
+        client = _client(peer, keys, who)
+        with client, pytest.raises(AuthenticationError, match=match):
+            client.status()
+    finally:
+        peer.close()
+    assert time.monotonic() - started < 8  # refused, not timed out (timeout_s is 10)
+
+
+def test_two_dropped_handshakes_then_a_served_one_are_no_refusal(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    """A dropped handshake or two (a server restarting) is retried: the call is answered."""
+    host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    peer = _DroppingPeer(drops=2, upstream=(host, int(port)))
+    try:
+        with _client(peer, keys, "alice") as alice:
+            assert alice.status()["server"]["authentication"] == "curve"
+    finally:
+        peer.close()
+
+
+def test_a_wrong_server_key_is_refused_not_timed_out(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    """A client holding another key as the server's cannot finish the handshake; the server
+    drops each attempt and the client says its key may differ, without the timeout."""
+    started = time.monotonic()
+    client = KVFlowClient(
+        server.endpoint, timeout_s=10, curve_server_key=keys["alice"].with_suffix(".key"),
+        curve_key=keys["alice"],
+    )  # fmt: skip
+    with client, pytest.raises(AuthenticationError, match="its key differs"):
+        client.status()
+    assert time.monotonic() - started < 8
