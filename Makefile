@@ -100,13 +100,14 @@ test-gpu: $(STAMP)
 # to tests). `make mutation MODULE=kvflow/core/tiers/diskfile.py` runs one module; without
 # MODULE it runs every engine, tiers, server and bus module; RECHECK=1 reruns only the mutants
 # the last run left alive, against the current tests; GPU=1 (a GPU machine) runs the gpu-marked
-# tests too, which movers.py and ipc.py need. Scores: docs/TESTING.md.
+# tests too, which movers.py and ipc.py need; SEED=<folder> starts from the verdicts an earlier
+# run left there (a folder copied back from another machine). Scores: docs/TESTING.md.
 MUTATION_DIR ?= /tmp/kvflow-mutation
 MUTMUT_VERSION := 3.8.1
 
 mutation: $(STAMP)
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q mutmut==$(MUTMUT_VERSION)
-	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(if $(RESUME),--resume) $(if $(JOBS),--jobs $(JOBS)) $(if $(GPU),--gpu) $(MODULE)
+	nice -n 10 $(PY) -m tests.support.mutation --dir $(MUTATION_DIR) $(if $(RECHECK),--recheck) $(if $(RESUME),--resume) $(if $(JOBS),--jobs $(JOBS)) $(if $(GPU),--gpu) $(if $(SEED),--seed $(SEED)) $(MODULE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,7 +17,9 @@ of a module left alive, against the repo's current tests, and prints the new sco
 On a machine with more cores, `--jobs N` (make mutation JOBS=N) mutates N modules at once, each
 in its own folder with its output in <folder>/mutmut.log; `--resume` keeps a module's folder and
 lets mutmut go on where an interrupted run stopped; `--progress` prints every module's counts so
-far (from the folders) without running anything.
+far (from the folders) without running anything. `--seed DIR` (make mutation SEED=DIR) starts
+each new folder from the verdicts an earlier run left in DIR, say one copied back from a machine
+that was taken away: mutmut keeps those of unchanged functions and runs the rest.
 
 Score = (killed + timeout) / (total - skipped). "no tests" mutants (code no selected test
 reaches) count as not killed.
@@ -192,6 +194,7 @@ class RunOptions:
     recheck: bool = False
     resume: bool = False
     gpu: bool = False
+    seed: Path | None = None
 
 
 def mutmut_table(work: Path, module: str, tests: list[str], gpu: bool) -> str:
@@ -297,7 +300,21 @@ def prepare(module: str, work: Path, options: RunOptions) -> list[str] | None:
         work.mkdir(parents=True)
     copy_tree(work)
     add_table(work, module, options.gpu)
+    if options.seed is not None and not options.recheck:
+        seed_results(module, module_folder(options.seed, module), work)
     return names
+
+
+def seed_results(module: str, earlier: Path, work: Path) -> None:
+    """Start from an earlier run's verdicts (a folder copied back from another machine):
+    mutmut keeps each one whose function is unchanged (same AST hash, so the same Python
+    minor version) and runs only the rest; its survivors stay survivors until --recheck."""
+    results = Path("mutants") / f"{module}.meta"
+    if not (earlier / results).is_file():
+        print(f"== {module}: no earlier results in {earlier}; running every mutant", flush=True)
+        return
+    (work / results).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(earlier / results, work / results)
 
 
 def add_table(work: Path, module: str, gpu: bool) -> None:
@@ -440,6 +457,12 @@ def main() -> None:
         help="rerun only the mutants the last run left alive, with the repo's current tests",
     )
     parser.add_argument(
+        "--seed",
+        type=Path,
+        help="a scratch folder of an earlier run (say, from another machine): its verdicts of"
+        " unchanged functions are kept",
+    )
+    parser.add_argument(
         "--gpu",
         action="store_true",
         help="run the gpu-marked tests too (a GPU machine): movers, ipc and the CUDA paths",
@@ -453,7 +476,7 @@ def main() -> None:
     if args.progress:
         progress(root, modules, args.diffs, args.jobs)
         return
-    options = RunOptions(args.max_children, args.recheck, args.resume, args.gpu)
+    options = RunOptions(args.max_children, args.recheck, args.resume, args.gpu, args.seed)
     if args.jobs > 1:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = {m: pool.submit(run_logged, m, root, options) for m in modules}
