@@ -276,7 +276,8 @@ class RedisTier:
             **common,
             **tls,
         )
-        return redis.Redis(connection_pool=pool)
+        # from_pool: the client owns the pool, so close() closes its connections too
+        return redis.Redis.from_pool(pool)
 
     def _start(self) -> None:
         """One PING: wrong credentials are a ValueError; Redis unreachable is not fatal."""

@@ -27,6 +27,8 @@ from tests.support.redis_servers import RedisServer, redis_server
 
 MB = 1 << 20
 
+server = test_redis.server  # the fixture: the shared server, emptied
+
 
 def info_calls(server: RedisServer) -> int:
     """How many INFO commands the server ran since its last CONFIG RESETSTAT (the INFO
@@ -201,3 +203,14 @@ def test_cluster_capacity_sums_the_masters_and_is_0_if_any_is_unbounded(tmp_path
             assert tier.describe()["last_error"] is None
         finally:
             tier.close()
+
+
+def test_close_closes_the_connections_to_a_single_server(server: RedisServer) -> None:
+    """close() closes every connection the tier opened (at once, not when the garbage
+    collector frees the pool: the tier is still referenced here)."""
+    tier = test_redis.make_tier(server)
+    with server.admin() as admin:
+        test_redis._roundtrip(tier)
+        assert kvflow_clients(admin.client_list())
+        tier.close()
+        assert kvflow_clients(admin.client_list()) == []
