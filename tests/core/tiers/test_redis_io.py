@@ -275,3 +275,18 @@ def test_an_error_is_reported_as_one_line_of_at_most_300_characters_with_no_cred
         finally:
             monkeypatch.undo()
             tier.close()
+
+
+def test_the_database_the_url_names_is_where_the_objects_go(server: RedisServer) -> None:
+    """redis://host:port/3 stores into database 3, and database 0 stays empty."""
+    tier = RedisTier(
+        resolve_target(server.url(db=3), environ={}), key_prefix=test_redis.PREFIX, timeout_s=2.0
+    )
+    try:
+        test_redis._roundtrip(tier)
+        with server.admin(db=3) as db3, server.admin() as db0:
+            assert db3.dbsize() == 1 and db0.dbsize() == 0
+    finally:
+        tier.close()
+        with server.admin(db=3) as db3:
+            db3.flushdb()
