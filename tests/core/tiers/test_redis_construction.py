@@ -154,7 +154,7 @@ def test_a_timeout_is_not_retried_and_a_disconnected_tier_sends_nothing() -> Non
                 outcome = answer(tier.store([(key(2), payload(2, 16))]))
                 took = time.monotonic() - start
                 assert outcome.failed == 1
-                assert timeout_s <= took < 1.7 * timeout_s  # a retry would take 2 timeouts
+                assert 0.9 * timeout_s <= took < 1.7 * timeout_s  # a retry would take 2 timeouts
                 assert tier.stats()["connected"] == 0
                 start = time.monotonic()
                 assert tier.drop_where(lambda k: True) == 0
