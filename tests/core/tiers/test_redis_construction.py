@@ -1,8 +1,8 @@
 """The Redis tier's construction on real redis-server processes: each refused argument's
 exact message, the documented defaults (key prefix, timeout, pool size), the counts of a
 tier that never reached Redis, its I/O threads' names, a timeout that is not retried and a
-disconnected tier that sends nothing, TLS to a Redis Cluster, and the refusal of calls
-after close."""
+disconnected tier that sends nothing, TLS to a Redis Cluster and the per-node pool a
+cluster tier sizes by pool_size, and the refusal of calls after close."""
 
 from __future__ import annotations
 
@@ -167,22 +167,34 @@ def test_a_timeout_is_not_retried_and_a_disconnected_tier_sends_nothing() -> Non
             tier.close()
 
 
-@pytest.fixture
-def tls_cluster(tmp_path: Path) -> Iterator[RedisServer]:
-    """A one-node Redis Cluster listening with TLS only, serving every slot."""
-    require_tls()
+def one_node_cluster(directory: Path, tls: bool) -> Iterator[RedisServer]:
+    """A one-node Redis Cluster (TLS only when `tls`) serving every slot."""
     extra = [
         "cluster-enabled yes",
-        "tls-cluster yes",
         f"cluster-port {free_port()}",
-        f"cluster-config-file {tmp_path / 'nodes.conf'}",
+        f"cluster-config-file {directory / 'nodes.conf'}",
     ]
-    with RedisServer(tmp_path, tls=True, extra=extra) as node:
+    if tls:
+        extra.append("tls-cluster yes")
+    with RedisServer(directory, tls=tls, extra=extra) as node:
         admin = node.admin()
         admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         wait_for(lambda: "cluster_state:ok" in str(admin.execute_command("CLUSTER", "INFO")))
         admin.close()
         yield node
+
+
+@pytest.fixture
+def tls_cluster(tmp_path: Path) -> Iterator[RedisServer]:
+    """A one-node Redis Cluster listening with TLS only."""
+    require_tls()
+    yield from one_node_cluster(tmp_path, tls=True)
+
+
+@pytest.fixture
+def cluster_node(tmp_path: Path) -> Iterator[RedisServer]:
+    """A one-node Redis Cluster without TLS."""
+    yield from one_node_cluster(tmp_path, tls=False)
 
 
 def test_a_cluster_is_reached_over_tls(tls_cluster: RedisServer) -> None:
@@ -199,6 +211,32 @@ def test_a_cluster_is_reached_over_tls(tls_cluster: RedisServer) -> None:
         assert answer(tier.load([key(1)], [dst])) == [True]
         assert torch.equal(dst, payload(1, 64))
     finally:
+        tier.close()
+
+
+def test_a_cluster_tier_runs_pool_size_calls_on_one_node_at_once(
+    cluster_node: RedisServer,
+) -> None:
+    """The per-node connection pool of a cluster tier follows --l2-redis-pool-size: with
+    110 I/O threads (more than redis-py's default of 100 connections per node), 110
+    lookups held up together on one node (CLIENT PAUSE) all answer once it resumes, and
+    none fails for want of a connection."""
+    tier = RedisTier(
+        resolve_target(cluster_node.url(), environ={}),
+        cluster=True,
+        key_prefix="kvtest:",
+        timeout_s=10.0,
+        pool_size=110,
+    )
+    admin = cluster_node.admin()
+    try:
+        assert answer(tier.store([(key(1), payload(1, 16))])).stored == 1
+        admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        futures = [tier.contains([key(1)]) for _ in range(110)]
+        assert [answer(f, timeout=30) for f in futures] == [[True]] * 110
+        assert tier.stats()["lookup_failures"] == 0
+    finally:
+        admin.close()
         tier.close()
 
 
