@@ -60,6 +60,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_disk.py",
         "tests/core/tiers/test_disk_faults.py",
         "tests/core/tiers/test_disk_tier_behaviour.py",
+        "tests/core/tiers/test_disk_construction.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
     "kvflow/core/tiers/l1.py": [
@@ -86,6 +87,9 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_redis_cluster.py",
         "tests/core/tiers/test_redis_behaviour.py",
         "tests/core/tiers/test_redis_cluster_nodes.py",
+        "tests/core/tiers/test_redis_construction.py",
+        "tests/core/tiers/test_redis_info.py",
+        "tests/core/tiers/test_redis_io.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
     "kvflow/core/tiers/redis_target.py": ["tests/core/tiers/test_redis_target.py"],
