@@ -97,7 +97,7 @@ def test_the_defaults_are_the_documented_prefix_timeout_and_pool(server: RedisSe
 
 def test_a_tier_that_never_reached_redis_reports_zero_counts() -> None:
     """A tier whose Redis is not there reports no usage, no capacity and no objects (not
-    a stale or made-up figure) and that it is disconnected."""
+    a stale or made-up figure), that it is disconnected and why."""
     tier = RedisTier(nowhere(), timeout_s=0.5)
     try:
         assert tier.stats() == {
@@ -115,7 +115,10 @@ def test_a_tier_that_never_reached_redis_reports_zero_counts() -> None:
             "reconnects": 0,
             "connected": 0,
         }
-        assert tier.describe()["connected"] is False
+        described = tier.describe()
+        assert described["connected"] is False
+        # the failed first PING is named as the connect, with its error
+        assert described["last_error"].startswith("connect: ConnectionError: ")
     finally:
         tier.close()
 
