@@ -20,7 +20,11 @@ from kvflow.core.tiers.base import StoreOutcome
 from kvflow.core.tiers.disk import DiskTier
 from tests.core.tiers import test_disk
 from tests.core.tiers.test_disk import KIB, answer, key, load_one, open_tier, payload
-from tests.core.tiers.test_disk_tier_behaviour import age, exactly
+from tests.core.tiers.test_disk_tier_behaviour import (
+    age,
+    exactly,
+    restart_with_two_files_of_one_key,
+)
 
 tiers = test_disk.tiers  # the fixture: tiers a test makes, closed at its end
 
@@ -168,15 +172,7 @@ def test_the_older_file_of_a_key_found_twice_can_be_written_again(
 ) -> None:
     """The start-up scan keeps the newest file of a key and deletes the older; after the
     key is dropped, a store of the older size writes that file again, at once."""
-    tier = open_tier(tiers, [tmp_path], 1 << 20)
-    answer(tier.store([(key(1), payload(1))]))
-    tier.close()
-    old = diskfile.object_path(str(tmp_path), key(1), KIB)
-    new = diskfile.object_path(str(tmp_path), key(1), 2 * KIB)
-    diskfile.write_object(new, key(1), payload(2, 2 * KIB).numpy().data, direct=False)
-    age(old, 0)
-    age(new, 1)
-    again = open_tier(tiers, [tmp_path], 1 << 20)
+    old, again = restart_with_two_files_of_one_key(tmp_path, tiers)
     assert not os.path.exists(old)
     assert again.drop_where(lambda k: True) == 1
     assert again.store([(key(1), payload(3))]).result(timeout=10) == StoreOutcome(stored=1)

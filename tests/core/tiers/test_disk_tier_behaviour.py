@@ -132,9 +132,11 @@ def test_a_restart_deletes_and_counts_each_short_file(
     assert [os.path.exists(p) for p in files] == [False, False, True]
 
 
-def test_a_restart_keeps_only_the_newest_file_of_a_key(
+def restart_with_two_files_of_one_key(
     tmp_path: Path, tiers: list[DiskTier]
-) -> None:
+) -> tuple[str, DiskTier]:
+    """key(1) stored at 1 KiB, then a newer 2 KiB file of it written beside; the old
+    file's path and a tier started on the folder afterwards."""
     tier = open_tier(tiers, [tmp_path], 1 << 20)
     answer(tier.store([(key(1), payload(1))]))
     tier.close()
@@ -143,7 +145,13 @@ def test_a_restart_keeps_only_the_newest_file_of_a_key(
     diskfile.write_object(new, key(1), payload(2, 2 * KIB).numpy().data, direct=False)
     age(old, 0)
     age(new, 1)
-    again = open_tier(tiers, [tmp_path], 1 << 20)
+    return old, open_tier(tiers, [tmp_path], 1 << 20)
+
+
+def test_a_restart_keeps_only_the_newest_file_of_a_key(
+    tmp_path: Path, tiers: list[DiskTier]
+) -> None:
+    old, again = restart_with_two_files_of_one_key(tmp_path, tiers)
     stats = again.stats()
     assert (stats["objects"], stats["usage_bytes"], stats["corrupt_objects"]) == (1, 2 * KIB, 0)
     assert not os.path.exists(old)
