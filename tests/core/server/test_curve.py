@@ -8,15 +8,12 @@ non-loopback --host needs CURVE or --insecure-listen.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +27,7 @@ from kvflow.core.config import ServerConfig
 from kvflow.core.errors import AlreadyRegisteredError, AuthenticationError, PermissionDeniedError
 from kvflow.core.server.curve import AuthorizedKeys, generate, load_key_pair, load_public_key
 from tests.core.server.test_server import ServerProcess
+from tests.support.relay import TcpRelay
 
 NB, BS, NH, HS = 32, 16, 2, 8
 FIRST, SECOND = list(range(16)), list(range(16, 32))  # one chunk's blocks each
@@ -75,7 +73,7 @@ def server(keys: dict[str, Path]) -> Iterator[ServerProcess]:
 
 
 def _client(
-    server: ServerProcess | _DroppingPeer, keys: dict[str, Path], who: str | None, **kw: object
+    server: ServerProcess | TcpRelay, keys: dict[str, Path], who: str | None, **kw: object
 ) -> KVFlowClient:
     if who is None:
         return KVFlowClient(server.endpoint, timeout_s=10, **kw)  # type: ignore[arg-type]
@@ -338,42 +336,6 @@ def test_the_key_check_logs_each_refusal_and_keeps_its_keys_when_the_folder_vani
     assert messages[0][1].endswith("): using the last keys")
 
 
-class _DroppingPeer:
-    """A TCP listener that closes its first `drops` connections at once (as a server that
-    turns a handshake away does) and pipes the later ones to `upstream` (host, port)."""
-
-    def __init__(self, drops: int, upstream: tuple[str, int] | None = None) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._drops, self._upstream = drops, upstream
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            if self._drops > 0 or self._upstream is None:
-                self._drops -= 1
-                conn.close()
-                continue
-            far = socket.create_connection(self._upstream)
-            for src, dst in ((conn, far), (far, conn)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self._listener.close()
-
-
 @pytest.mark.parametrize(
     ("who", "match"),
     [
@@ -386,7 +348,7 @@ def test_a_peer_that_drops_every_handshake_is_a_refusal_not_a_timeout(
 ) -> None:
     """A server requiring CURVE may close a plain client's connection mid-handshake instead
     of naming the mismatch (timing decides which): three drops in a row are a refusal."""
-    peer = _DroppingPeer(drops=10**9)
+    peer = TcpRelay()
     started = time.monotonic()
     try:
         client = _client(peer, keys, who)
@@ -402,7 +364,7 @@ def test_two_dropped_handshakes_then_a_served_one_are_no_refusal(
 ) -> None:
     """A dropped handshake or two (a server restarting) is retried: the call is answered."""
     host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    peer = _DroppingPeer(drops=2, upstream=(host, int(port)))
+    peer = TcpRelay(drops=2, upstream=(host, int(port)))
     try:
         with _client(peer, keys, "alice") as alice:
             assert alice.status()["server"]["authentication"] == "curve"

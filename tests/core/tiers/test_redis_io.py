@@ -23,6 +23,7 @@ from tests.core.tiers.test_redis import SECRET, answer, key, payload
 from tests.core.tiers.test_redis_faults import messages, wait_for
 from tests.support.collectors import free_port
 from tests.support.redis_servers import RedisServer, redis_server
+from tests.support.relay import TcpRelay
 
 server = test_redis.server  # the fixtures: the shared server emptied, a tier on it
 tier = test_redis.tier
@@ -290,3 +291,19 @@ def test_the_database_the_url_names_is_where_the_objects_go(server: RedisServer)
         tier.close()
         with server.admin(db=3) as db3:
             db3.flushdb()
+
+
+def test_the_host_the_url_names_is_the_one_reached(server: RedisServer) -> None:
+    """A single server is reached at the URL's host: here 127.0.0.2, where only a relay to
+    the test server listens (its port on 127.0.0.1, redis-py's default host, is free)."""
+    relay = TcpRelay(upstream=("127.0.0.1", server.port), host="127.0.0.2")
+    tier = RedisTier(
+        resolve_target(f"redis://127.0.0.2:{relay.port}/0", environ={}),
+        key_prefix=test_redis.PREFIX,
+        timeout_s=2.0,
+    )
+    try:
+        test_redis._roundtrip(tier)
+    finally:
+        tier.close()
+        relay.close()

@@ -1,0 +1,47 @@
+"""A TCP relay for tests: a listener that drops its first connections (as a server turning a
+handshake away does) and pipes the later ones to an upstream server."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+
+class TcpRelay:
+    """Listens on (`host`, a free port); closes its first `drops` connections at once and pipes
+    each later one to `upstream` (host, port); with no upstream it drops every connection."""
+
+    def __init__(
+        self, drops: int = 0, upstream: tuple[str, int] | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self._listener = socket.create_server((host, 0))
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self._drops, self._upstream = drops, upstream
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._drops > 0 or self._upstream is None:
+                self._drops -= 1
+                conn.close()
+                continue
+            far = socket.create_connection(self._upstream)
+            for src, dst in ((conn, far), (far, conn)):
+                threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
