@@ -99,7 +99,10 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server_hardening.py",
     ],
     "kvflow/core/server/shm.py": ["tests/core/server/test_shm.py"],
-    "kvflow/core/server/curve.py": ["tests/core/server/test_curve.py"],
+    "kvflow/core/server/curve.py": [
+        "tests/core/server/test_curve.py",
+        "tests/core/server/test_curve_keys.py",
+    ],
     "kvflow/core/server/cli.py": ["tests/core/server/test_server_cli.py"],
     "kvflow/core/server/client.py": [
         "tests/core/server/test_client.py",
