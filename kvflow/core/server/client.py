@@ -155,8 +155,6 @@ class KVFlowClient:
         self._lock = threading.Lock()
         #: every open socket -> the monitor socket reporting its failed handshakes
         self._sockets: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
-        #: socket -> handshakes its server dropped in a row
-        self._drops: dict[zmq.Socket[Any], int] = {}
         self._events: dict[str, tuple[Any, int]] = {}
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
@@ -186,12 +184,12 @@ class KVFlowClient:
                 _close_pair(sock, monitor)
                 raise KVFlowError("the client is closed")
             self._local.socket = sock
+            self._local.drops = 0  # handshakes its server dropped in a row
         return sock
 
     def _discard_socket(self, sock: zmq.Socket[Any]) -> None:
         with self._lock:
             monitor = self._sockets.pop(sock, None)
-            self._drops.pop(sock, None)
         _close_pair(sock, monitor)
         self._local.socket = None
 
@@ -205,14 +203,13 @@ class KVFlowClient:
                 return
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._drops.pop(sock, None)
+                self._local.drops = 0
                 continue
             if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                drops = self._drops.get(sock, 0) + 1
-                self._drops[sock] = drops
-                if drops < _HANDSHAKE_DROPS:
+                self._local.drops += 1
+                if self._local.drops < _HANDSHAKE_DROPS:
                     continue
-                detail = f"it closed {drops} handshakes in a row"
+                detail = f"it closed {self._local.drops} handshakes in a row"
             else:
                 detail = f"protocol error {event['value']:#x}"
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -526,7 +523,6 @@ class KVFlowClient:
             heartbeat.join()
         with self._lock:
             sockets, self._sockets = self._sockets, {}
-            self._drops.clear()
         for sock, monitor in sockets.items():
             _close_pair(sock, monitor)
         self._ctx.term()
