@@ -15,6 +15,7 @@ the calling test under CI and skips it elsewhere (tests/support/requirements.py)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -222,6 +223,34 @@ def redis_server(**kwargs: Any) -> Iterator[RedisServer]:
         Path(tmp), **kwargs
     ) as server:  # fmt: skip
         yield server
+
+
+@contextmanager
+def one_node_cluster(tls: bool = False, **kwargs: Any) -> Iterator[RedisServer]:
+    """A Redis Cluster of one node serving all 16384 slots (TLS only when `tls`; `kwargs`
+    as for RedisServer). Its bus gets a free port of its own (the default, port + 10000,
+    may lie past 65535); a port taken meanwhile makes the node exit, and a fresh pair of
+    ports is tried, up to five times."""
+    extra = ["cluster-enabled yes", "cluster-config-file nodes.conf"]
+    if tls:
+        extra.append("tls-cluster yes")
+    with contextlib.ExitStack() as stack:
+        for attempt in range(5):
+            bus = f"cluster-port {free_port()}"
+            try:
+                node = stack.enter_context(redis_server(tls=tls, extra=[*extra, bus], **kwargs))
+                break
+            except RuntimeError:  # it exited: a port was taken meanwhile
+                if attempt == 4:
+                    raise
+        admin = stack.enter_context(node.admin())
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 10
+        while "cluster_state:ok" not in str(admin.execute_command("CLUSTER", "INFO")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the one-node cluster on port {node.port} is not ok after 10 s")
+            time.sleep(0.05)
+        yield node
 
 
 # -- TLS ----------------------------------------------------------------------------------

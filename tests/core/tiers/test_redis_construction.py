@@ -10,7 +10,6 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +22,12 @@ from tests.core.tiers import test_redis
 from tests.core.tiers.test_redis import answer, key, payload
 from tests.core.tiers.test_redis_faults import wait_for
 from tests.support.collectors import free_port
-from tests.support.redis_servers import RedisServer, redis_server, require_tls
+from tests.support.redis_servers import (
+    RedisServer,
+    one_node_cluster,
+    redis_server,
+    require_tls,
+)
 
 server = test_redis.server  # the fixture: the shared server, emptied
 
@@ -170,34 +174,19 @@ def test_a_timeout_is_not_retried_and_a_disconnected_tier_sends_nothing() -> Non
             tier.close()
 
 
-def one_node_cluster(directory: Path, tls: bool) -> Iterator[RedisServer]:
-    """A one-node Redis Cluster (TLS only when `tls`) serving every slot."""
-    extra = [
-        "cluster-enabled yes",
-        f"cluster-port {free_port()}",
-        f"cluster-config-file {directory / 'nodes.conf'}",
-    ]
-    if tls:
-        extra.append("tls-cluster yes")
-    with RedisServer(directory, tls=tls, extra=extra) as node:
-        admin = node.admin()
-        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        wait_for(lambda: "cluster_state:ok" in str(admin.execute_command("CLUSTER", "INFO")))
-        admin.close()
+@pytest.fixture
+def tls_cluster() -> Iterator[RedisServer]:
+    """A one-node Redis Cluster listening with TLS only."""
+    require_tls()
+    with one_node_cluster(tls=True) as node:
         yield node
 
 
 @pytest.fixture
-def tls_cluster(tmp_path: Path) -> Iterator[RedisServer]:
-    """A one-node Redis Cluster listening with TLS only."""
-    require_tls()
-    yield from one_node_cluster(tmp_path, tls=True)
-
-
-@pytest.fixture
-def cluster_node(tmp_path: Path) -> Iterator[RedisServer]:
+def cluster_node() -> Iterator[RedisServer]:
     """A one-node Redis Cluster without TLS."""
-    yield from one_node_cluster(tmp_path, tls=False)
+    with one_node_cluster() as node:
+        yield node
 
 
 def test_a_cluster_is_reached_over_tls(tls_cluster: RedisServer) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,8 @@ from kvflow.core.tiers.redis_target import resolve_target
 from tests.core.tiers import test_redis
 from tests.core.tiers.test_redis import PREFIX
 from tests.core.tiers.test_redis_faults import reconnectors, wait_for
-from tests.support.collectors import free_port
 from tests.support.redis_cluster import running_cluster
-from tests.support.redis_servers import RedisServer, redis_server
+from tests.support.redis_servers import RedisServer, one_node_cluster, redis_server
 
 MB = 1 << 20
 
@@ -144,22 +142,9 @@ def test_close_waits_for_a_reconnect_attempt_in_progress() -> None:
 
 @pytest.fixture
 def one_master_cluster() -> Iterator[RedisServer]:
-    """A Redis Cluster of one master holding all 16384 slots (its bus on a free port of
-    its own: the default, port + 10000, may lie past 65535)."""
-    with ExitStack() as stack:
-        for attempt in range(5):
-            extra = ["cluster-enabled yes", "cluster-config-file nodes.conf"]
-            extra.append(f"cluster-port {free_port()}")
-            try:
-                made = stack.enter_context(redis_server(extra=extra, maxmemory="48mb"))
-                break
-            except RuntimeError:  # a port taken meanwhile: the server exited
-                if attempt == 4:
-                    raise
-        admin = stack.enter_context(made.admin())
-        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        wait_for(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"))
-        yield made
+    """A Redis Cluster of one master holding all 16384 slots, maxmemory 48 MiB."""
+    with one_node_cluster(maxmemory="48mb") as node:
+        yield node
 
 
 def test_a_one_master_cluster_reports_its_master_and_close_closes_its_connections(
