@@ -137,6 +137,9 @@ VARIANTS = {
     "no-cs": KernelTuning(stream_loads=False, stream_stores=False),
     "ld-cs": KernelTuning(stream_stores=False),
     "st-cs": KernelTuning(stream_loads=False),
+    "untiled": KernelTuning(tiled=False),
+    "tiled8": KernelTuning(tiled_min_ctas=8),
+    "l2hint": KernelTuning(l2_hint_loads=True),
 }
 
 

@@ -27,6 +27,7 @@ from kvflow.kernels.streams import TransferStream, default_transfer_stream
 KERNEL_SOURCE = "block_transfer.cu"
 KERNEL_GENERAL = "kvf_block_transfer"
 KERNEL_LINEAR = "kvf_block_transfer_linear"  # same template, every group contiguous
+KERNEL_TILED = "kvf_block_transfer_tiled"  # same template, every group tiled
 _ARG_TYPES = [np.uintp] * 6 + [np.uint32, np.uint32]
 
 
@@ -36,7 +37,12 @@ class KernelTuning:
 
     lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
     stream_loads / stream_stores: .cs (evict-first) loads / stores instead of default caching;
-    linear_min_ctas: CTAs per SM the lean kernel's register budget must allow.
+    l2_hint_loads: 16-byte loads skip L1 and carry an L2 evict-first policy and a 256-byte
+    prefetch hint instead (overrides stream_loads for them);
+    linear_min_ctas / tiled_min_ctas: CTAs per SM the linear / tiled kernel's register
+    budget must allow;
+    tiled: plan staged groups through shared memory where they fit (a plan choice, not
+    a build option: both settings share one compiled module).
     """
 
     lane_bytes: int = DEFAULT_LANE_BYTES
@@ -44,6 +50,9 @@ class KernelTuning:
     stream_loads: bool = True
     stream_stores: bool = True
     linear_min_ctas: int = 1
+    tiled_min_ctas: int = 1
+    tiled: bool = True
+    l2_hint_loads: bool = False
 
     def options(self) -> tuple[str, ...]:
         """nvcc options selecting this build."""
@@ -53,6 +62,8 @@ class KernelTuning:
             f"-DKVF_STREAM_LOADS={int(self.stream_loads)}",
             f"-DKVF_STREAM_STORES={int(self.stream_stores)}",
             f"-DKVF_LINEAR_MIN_CTAS={self.linear_min_ctas}",
+            f"-DKVF_TILED_MIN_CTAS={self.tiled_min_ctas}",
+            f"-DKVF_L2_HINT_LOADS={int(self.l2_hint_loads)}",
         )
 
 
@@ -90,11 +101,14 @@ def device_plan(
             max_vector_bytes=max_vector_bytes,
             lane_bytes=tuning.lane_bytes,
             iters=tuning.iters,
+            tiled=tuning.tiled,
         )
         table = torch.from_numpy(plan.table).to(layout.device)  # synchronous upload
         index = layout.device.index
         assert index is not None
-        name = KERNEL_LINEAR if plan.all_linear else KERNEL_GENERAL
+        name = (
+            KERNEL_LINEAR if plan.all_linear else KERNEL_TILED if plan.all_tiled else KERNEL_GENERAL
+        )
         function = get_function(index, KERNEL_SOURCE, name, tuning.options())
         function.prepare(_ARG_TYPES)  # idempotent; runs once per cached plan
         found = DevicePlan(plan, table, function)
@@ -216,6 +230,7 @@ class UploadedTransfer:
                 staging.data_ptr(),
                 num_tiles,
                 1 if self.gather else 0,
+                shared_size=plan.shared_bytes,
             )
         if self._ordered:
             current.wait_stream(stream.torch)

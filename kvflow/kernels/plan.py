@@ -47,7 +47,8 @@ GROUP = np.dtype(
         ("seg_vecs", "<u4"),
         ("linear", "<u4"),
         ("tiles_per_seg", FASTDIV),
-        ("num_layers", FASTDIV),
+        ("span", "<u4"),
+        ("span_pad", "<u4", (3,)),
         ("run_vecs", FASTDIV),
         ("inner", FASTDIV),
     ],
@@ -60,6 +61,11 @@ LINEAR_BOTH, LINEAR_STAGE, LINEAR_CACHE = 0, 1, 2  # which side is linear in the
 # Flag or-ed into a group's `linear` field: the group is moved in 16-byte granules of its
 # (linear) destination, its source read as aligned 16-byte granules and shifted into place.
 STAGED = 4
+# Or-ed with STAGED: a staged group whose source segment is one aligned span small enough
+# for shared memory is moved a segment per CTA, the span loaded to shared memory first.
+TILED = 8
+TILE_SPAN_MAX = 48 * 1024  # shared memory a CTA may use without opting in
+TILE_MIN_BYTES = THREADS_PER_CTA * 16  # smaller segments leave a CTA's threads idle
 GRANULE = 16
 DEFAULT_LANE_BYTES = 64
 DEFAULT_ITERS = 4  # unrolled steps per warp tile (measured: fewer CTAs, same bytes in flight)
@@ -68,6 +74,8 @@ HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) -> int:
     """Vectors per lane per unrolled step, as the kernel's ``unroll<VEC, LIN>()``."""
+    if linear & TILED:  # a whole CTA moves one segment
+        return 1
     if linear & STAGED:  # a granule reads about two: lane_bytes of loads in flight
         return max(1, lane_bytes // (2 * GRANULE))
     most = 16 if linear == LINEAR_BOTH else 8
@@ -111,6 +119,7 @@ class GroupPlan:
     vec_bytes: int  # the vector width; a staged group moves 16-byte granules whatever it is
     linear: int  # LINEAR_BOTH / LINEAR_STAGE / LINEAR_CACHE: side(s) linear in the vector index
     staged: bool  # moved in 16-byte destination granules, the source shifted into place
+    span: int  # tiled (staged through shared memory): the source span of a segment; else 0
     run_bytes: int
     inner: int  # runs per outer index
     stage_strides: tuple[int, int]  # (outer, inner) byte strides in staging
@@ -132,11 +141,17 @@ class TransferPlan:
     table: np.ndarray  # uint8 bytes: header | group descs | (kv, layer) entries
     groups_offset: int
     entries_offset: int
+    shared_bytes: int  # dynamic shared memory per CTA: the largest tiled span, else 0
 
     @property
     def all_linear(self) -> bool:
         """Every group is contiguous on both sides: the lean kernel instantiation suffices."""
         return all(g.linear == LINEAR_BOTH and not g.staged for g in self.groups)
+
+    @property
+    def all_tiled(self) -> bool:
+        """Every group is tiled: the shared-memory kernel instantiation suffices."""
+        return all(g.span for g in self.groups)
 
 
 def _order(
@@ -185,6 +200,33 @@ def _stageable(
     return all(s == 0 or s >= GRANULE for s in src_strides)
 
 
+def _tile_span(
+    seg_bytes: int,
+    run_bytes: int,
+    inner: int,
+    src_strides: list[tuple[int, int]],
+    src_terms: list[int],
+) -> int:
+    """The source span a tiled group loads per segment, or 0 where it cannot be tiled.
+
+    The runs' source offsets (outer * s_outer + inner * s_inner, strides >= 0) lie in
+    [0, span) with span = the last run's end, the same for every (kv, layer). Tiling needs
+    that span 16-byte aligned at its start and end (whole granules, nothing read outside
+    the runs' hull), at most TILE_SPAN_MAX bytes, and at most a quarter more than the
+    segment's bytes (padding between runs is loaded too); segments under TILE_MIN_BYTES
+    stay staged from global memory (measured: a CTA per 2 KiB segment halves the speed).
+    """
+    if seg_bytes < TILE_MIN_BYTES:
+        return 0
+    outers = seg_bytes // run_bytes // inner
+    spans = {(outers - 1) * so + (inner - 1) * si + run_bytes for so, si in src_strides}
+    if len(spans) != 1 or any(s < 0 for pair in src_strides for s in pair):
+        return 0
+    span = spans.pop()
+    aligned = all(term % GRANULE == 0 for term in [span, *src_terms])
+    return span if aligned and span <= min(TILE_SPAN_MAX, seg_bytes + seg_bytes // 4) else 0
+
+
 def build_plan(
     layout: KVLayout,
     chunk_tokens: int,
@@ -194,6 +236,7 @@ def build_plan(
     max_vector_bytes: int = 16,
     lane_bytes: int = DEFAULT_LANE_BYTES,
     iters: int = DEFAULT_ITERS,
+    tiled: bool = True,
 ) -> TransferPlan:
     """Plan a transfer of ``chunk_tokens``-token chunks in one direction.
 
@@ -201,7 +244,9 @@ def build_plan(
     dividing its runs and every address it touches (cache bases and strides, staging
     offsets and alignment). A group narrower than 16 bytes whose destination is linear and
     16-byte aligned is *staged* (see `_stageable`) unless ``max_vector_bytes`` caps the
-    width. ``lane_bytes`` and ``iters`` must match the kernel build.
+    width, and a staged group whose source segment is one aligned span that fits in
+    shared memory is *tiled* (see `_tile_span`) unless ``tiled`` is false. ``lane_bytes``
+    and ``iters`` must match the kernel build.
     """
     if max_vector_bytes not in VECTOR_WIDTHS:
         raise ValueError(f"max_vector_bytes must be one of {VECTOR_WIDTHS}; got {max_vector_bytes}")
@@ -225,6 +270,9 @@ def build_plan(
         vec = min(max_vector_bytes, pow2_alignment(staging_alignment))
         for term in terms:
             vec = min(vec, pow2_alignment(term))
+        stage_terms = [staging_alignment, chunk_bytes, offset, chunk_tokens * group.row_bytes]
+        stage_terms.append(seg_bytes)
+        cache_terms = [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
         staged = (
             vec < GRANULE
             and max_vector_bytes == GRANULE
@@ -234,32 +282,35 @@ def build_plan(
                 cache_strides,
                 stage_strides,
                 gather=gather,
-                dst_terms=(
-                    [
-                        staging_alignment,
-                        chunk_bytes,
-                        offset,
-                        chunk_tokens * group.row_bytes,
-                        seg_bytes,
-                    ]
-                    if gather
-                    else [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
-                ),
+                dst_terms=stage_terms if gather else cache_terms,
             )
         )
+        span = 0
+        if staged and tiled:
+            span = _tile_span(
+                seg_bytes,
+                run_bytes,
+                inner,
+                cache_strides if gather else [stage_strides],
+                cache_terms if gather else stage_terms,
+            )
         unit = GRANULE if staged else vec
-        mode = linear | (STAGED if staged else 0)
+        mode = linear | (STAGED if staged else 0) | (TILED if span else 0)
         seg_vecs = seg_bytes // unit
         if seg_vecs >= MAX_NUMERATOR:
             raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
-        per_tile = WARP * unroll(vec, mode, lane_bytes) * iters
-        tiles_per_seg = math.ceil(seg_vecs / per_tile)
+        if span:  # one CTA per segment, its warps' tiles aligned to a CTA
+            tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
+            tiles_per_seg = WARPS_PER_CTA
+        else:
+            tiles_per_seg = math.ceil(seg_vecs / (WARP * unroll(vec, mode, lane_bytes) * iters))
         tiles = group.kv_size * len(group.layers) * per_chunk * tiles_per_seg
         group_plans.append(
             GroupPlan(
                 vec,
                 linear,
                 staged,
+                span,
                 run_bytes,
                 inner,
                 stage_strides,
@@ -282,7 +333,8 @@ def build_plan(
                 seg_vecs,
                 mode,
                 _pack_div(tiles_per_seg),
-                _pack_div(len(group.layers)),
+                span,
+                (0, 0, 0),
                 _pack_div(run_bytes if staged else run_bytes // vec),
                 _pack_div(inner),
             )
@@ -291,6 +343,8 @@ def build_plan(
             (d.base_ptr, d.block, *strides) for d, strides in zip(descs, cache_strides, strict=True)
         ]
         tile += tiles
+    if any(g.span for g in group_plans):  # the next chunk's tiled groups stay CTA-aligned
+        tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
     if tile >= MAX_NUMERATOR:
         raise ValueError(f"a chunk of {chunk_bytes} bytes needs too many warp tiles ({tile})")
     header = np.zeros(1, HEADER)
@@ -319,4 +373,5 @@ def build_plan(
         table=table,
         groups_offset=HEADER_BYTES,
         entries_offset=entries_offset,
+        shared_bytes=max((g.span for g in group_plans), default=0),
     )

@@ -137,13 +137,26 @@ def test_kernel_equals_reference_every_format_dtype_and_width(
         ),
         (KVFormat.VLLM_MLA, {"head_size": 132, "dtype": torch.int8, "block_size": 1}, 4),
         (KVFormat.SGLANG_MLA, {"head_size": 132, "dtype": torch.int8, "noncontiguous": True}, 4),
+        # a plain 16-byte group, then a tiled one starting on the next CTA
+        (
+            KVFormat.VLLM_FLASHINFER,
+            {
+                "layer_specs": [(1, 64, torch.bfloat16), (2, 132, torch.int8)],
+                "noncontiguous": True,
+                "block_size": 16,
+            },
+            4,
+        ),
     ],
 )
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
 def test_kernel_on_naturally_narrow_vectors(
-    fmt: KVFormat, kwargs: dict[str, Any], natural: int
+    fmt: KVFormat, kwargs: dict[str, Any], natural: int, tiled: bool
 ) -> None:
-    """Odd head sizes pick 4-, 2- and 1-byte vectors by themselves and stay exact."""
-    assert _check(fmt, 3, 4, 16, num_blocks=24, **kwargs) == natural
+    """Odd head sizes pick 4-, 2- and 1-byte vectors by themselves and stay exact, staged
+    groups moved through shared memory (tiled) or straight from global memory."""
+    tuning = KernelTuning(tiled=tiled)
+    assert _check(fmt, 3, 4, 16, tuning, num_blocks=24, **kwargs) == natural
 
 
 @pytest.mark.parametrize(
@@ -180,8 +193,11 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
         KernelTuning(stream_loads=False, stream_stores=False),
         KernelTuning(stream_stores=False),
         KernelTuning(linear_min_ctas=6),
+        KernelTuning(l2_hint_loads=True),
+        KernelTuning(stream_loads=False),
+        KernelTuning(tiled_min_ctas=8),
     ],
-    ids=["iters1", "iters3", "lane128", "no-cs", "ld-cs", "occ6"],
+    ids=["iters1", "iters3", "lane128", "no-cs", "ld-cs", "occ6", "l2hint", "st-cs", "tiled8"],
 )
 @pytest.mark.parametrize(
     ("fmt", "kwargs"),
@@ -190,6 +206,16 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
         (
             KVFormat.VLLM_CROSS_LAYER,
             {"block_size": 16, "num_heads": 4, "head_size": 66, "noncontiguous": True},
+        ),
+        (  # tiled: 129-byte heads in head-major blocks
+            KVFormat.VLLM_FLASHINFER,
+            {
+                "block_size": 16,
+                "num_heads": 4,
+                "head_size": 129,
+                "dtype": torch.uint8,
+                "noncontiguous": True,
+            },
         ),
     ],
 )

@@ -1,7 +1,8 @@
 """The transfer plan: vector widths, fast division, and the descriptor table's index math.
 
 ``_emulate`` walks the packed table exactly as ``block_transfer.cu`` does (warp tile ->
-chunk, group, (kv, layer), block, vectors) and moves real bytes with bounds-checked
+chunk, group, (kv, layer), block, vectors; a tiled group's CTA -> one segment through a
+shared-memory copy of its source span) and moves real bytes with bounds-checked
 memmoves, so the table and the kernel's addressing are checked on CPU against the
 reference transfer.
 """
@@ -27,6 +28,10 @@ from kvflow.kernels.plan import (
     LINEAR_CACHE,
     LINEAR_STAGE,
     STAGED,
+    TILE_MIN_BYTES,
+    TILE_SPAN_MAX,
+    TILED,
+    WARPS_PER_CTA,
     TransferPlan,
     build_plan,
     fast_divide,
@@ -191,6 +196,29 @@ def _staged_granule(
     return out
 
 
+def _tiled_segment(
+    memory: _Memory,
+    src: int,
+    dst: int,
+    g: Any,
+    strides: tuple[int, int],
+) -> None:
+    """A tiled group's CTA: the source span copied whole (as shared memory), then every
+    destination granule built from that copy by the staged path's addressing."""
+    span = int(g["span"])
+    assert src % 16 == 0 and dst % 16 == 0 and span % 16 == 0
+    buffer = torch.empty(span + 16, dtype=torch.uint8)
+    shared = buffer.data_ptr() + (-buffer.data_ptr() % 16)  # shared memory is 16-byte aligned
+    ctypes.memmove(shared, memory.read(src, span), span)
+    local = _Memory([])
+    local.ranges = [(shared, span)]  # reads outside the span fail
+    run_bytes, inner = int(g["run_vecs"]["d"]), int(g["inner"]["d"])
+    for j in range(int(g["seg_vecs"])):
+        memory.write(
+            dst + j * 16, _staged_granule(local, shared, j * 16, run_bytes, inner, strides)
+        )
+
+
 def _div(record: Any, name: str) -> tuple[int, int, int]:
     f = record[name]
     return int(f["d"]), int(f["m"]), int(f["s"])
@@ -219,6 +247,8 @@ def _emulate(
         while gi + 1 < int(header["num_groups"]) and rem >= int(groups[gi]["tile_end"]):
             gi += 1
         g = groups[gi]
+        if not int(g["tile_begin"]) <= rem < int(g["tile_end"]):
+            continue  # padding that aligns a tiled group to a CTA
         rem -= int(g["tile_begin"])
         tps = _div(g, "tiles_per_seg")
         seg = fast_divide(rem, tps)
@@ -238,6 +268,18 @@ def _emulate(
         )
         vec = 1 << int(g["vec_log2"])
         linear = int(g["linear"])
+        if linear & TILED:
+            assert int(g["tiles_per_seg"]["d"]) == WARPS_PER_CTA
+            assert (tile - seg_tile) % WARPS_PER_CTA == 0, "a tiled segment spans two CTAs"
+            if seg_tile == 0:  # the CTA's warps move the segment together
+                src_strides = (
+                    (int(e["s_outer"]), int(e["s_inner"]))
+                    if gather
+                    else (int(g["stage_outer"]), int(g["stage_inner"]))
+                )
+                src, dst = (cache, stage) if gather else (stage, cache)
+                _tiled_segment(memory, src, dst, g, src_strides)
+            continue
         steps = unroll(vec, linear) * iters
         run_vecs, inner = _div(g, "run_vecs"), _div(g, "inner")
         for lane in range(32):
@@ -323,13 +365,15 @@ def test_kernel_addressing_matches_the_reference(
 
 
 STAGED_CASES = [
-    # (format, make_kv_caches kwargs, gather staged, scatter staged)
+    # (format, make_kv_caches kwargs, gather staged, scatter staged); 2 heads x 16 tokens
     (KVFormat.VLLM_FLASHINFER, {"head_size": 132, "dtype": torch.int8}, True, True),
     (KVFormat.VLLM_FLASHINFER, {"head_size": 129, "dtype": torch.uint8}, True, True),
     (KVFormat.VLLM_FLASHINFER, {"head_size": 65, "dtype": torch.bfloat16}, True, True),
     # padded rows: a gather reads whole granules over the padding; a scatter must not
     # write it, so it keeps its narrow vectors
     (KVFormat.SGLANG_MLA, {"head_size": 132, "dtype": torch.int8}, True, False),
+    # a 2112-byte page: staged, too small to tile (under TILE_MIN_BYTES)
+    (KVFormat.VLLM_FLASHINFER, {"head_size": 66, "dtype": torch.int8}, True, True),
 ]
 
 
@@ -348,13 +392,19 @@ def test_narrow_groups_with_a_linear_aligned_destination_are_staged(
     assert not build_plan(layout, 32, gather=True).all_linear
 
 
-@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize(("tiled", "iters"), [(True, 1), (False, 1), (False, 3)])
 @pytest.mark.parametrize(("fmt", "kwargs", "gather_staged", "scatter_staged"), STAGED_CASES)
 def test_staged_addressing_matches_the_reference(
-    fmt: KVFormat, kwargs: dict[str, Any], gather_staged: bool, scatter_staged: bool, iters: int
+    fmt: KVFormat,
+    kwargs: dict[str, Any],
+    gather_staged: bool,
+    scatter_staged: bool,
+    tiled: bool,
+    iters: int,
 ) -> None:
-    """The emulated staged kernel (granule reads bounds-checked) moves exactly the reference's
-    bytes both ways, runs straddling granules and runs of other heads included."""
+    """The emulated staged kernel (granule reads bounds-checked), from global memory or
+    through a shared-memory copy of each segment's span (tiled), moves exactly the
+    reference's bytes both ways, runs straddling granules and runs of other heads included."""
     gen = torch.Generator().manual_seed(iters)
     shape: dict[str, Any] = {
         "num_blocks": 6,
@@ -366,8 +416,10 @@ def test_staged_addressing_matches_the_reference(
     layout = KVLayout.from_kv_caches(caches, **kw)
     ids = torch.tensor([[4, 1], [0, 5]])
     skip = torch.tensor([1, 0])
-    plan = build_plan(layout, 32, iters=iters)
+    plan = build_plan(layout, 32, iters=iters, tiled=tiled)
     assert plan.groups[0].staged == gather_staged
+    big = plan.groups[0].seg_bytes >= TILE_MIN_BYTES
+    assert bool(plan.groups[0].span) == (tiled and gather_staged and big)
     staging = torch.full((2, plan.chunk_bytes), 0xA5, dtype=torch.uint8)
     want = staging.clone()
     transfer_reference(layout, want, ids, skip, gather=True)
@@ -379,8 +431,64 @@ def test_staged_addressing_matches_the_reference(
     for dst, src in zip(flat_tensors(expected), flat_tensors(target), strict=True):
         dst.copy_(src)
     transfer_reference(KVLayout.from_kv_caches(expected, **kw), staging, ids, skip, gather=False)
-    plan = build_plan(KVLayout.from_kv_caches(target, **kw), 32, gather=False, iters=iters)
+    plan = build_plan(
+        KVLayout.from_kv_caches(target, **kw), 32, gather=False, iters=iters, tiled=tiled
+    )
     assert plan.groups[0].staged == scatter_staged
+    assert bool(plan.groups[0].span) == (tiled and scatter_staged and big)
     _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), False, iters)
     for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())
+
+
+def test_tiled_groups_start_on_a_cta_and_fit_shared_memory() -> None:
+    """A tiled group after a plain one starts on a CTA boundary (padding tiles between), a
+    chunk's tiles are whole CTAs, and the launch's shared memory is the largest span; a
+    segment larger than TILE_SPAN_MAX stays staged from global memory."""
+    specs = [(1, 64, torch.bfloat16), (2, 132, torch.int8)]
+    layout = _layout(
+        KVFormat.VLLM_FLASHINFER, noncontiguous=True, num_heads=2, block_size=16, layer_specs=specs
+    )
+    plan = build_plan(layout, 32)
+    plain, tiled = plan.groups
+    assert (plain.span, plain.tile_end) == (0, 4)
+    assert (tiled.span, tiled.tiles_per_seg, tiled.tile_begin) == (4224, WARPS_PER_CTA, 8)
+    assert plan.tiles_per_chunk % WARPS_PER_CTA == 0
+    assert plan.shared_bytes == 4224
+    big = _layout(
+        KVFormat.VLLM_FLASHINFER,
+        noncontiguous=True,
+        num_heads=8,
+        block_size=64,
+        head_size=132,
+        dtype=torch.int8,
+    )
+    group = build_plan(big, 64).groups[0]
+    assert TILE_SPAN_MAX < 8 * 64 * 132
+    assert group.staged and group.span == 0
+
+
+@pytest.mark.parametrize("tiled_first", [False, True])
+def test_mixed_plain_and_tiled_groups_match_the_reference(tiled_first: bool) -> None:
+    """Padding tiles before a tiled group, or ending a chunk so the next chunk's tiled
+    segments start on a CTA, move nothing; both groups land byte for byte."""
+    specs = [(1, 64, torch.bfloat16), (2, 132, torch.int8)][:: -1 if tiled_first else 1]
+    shape: dict[str, Any] = {
+        "num_blocks": 6,
+        "block_size": 16,
+        "num_heads": 2,
+        "noncontiguous": True,
+        "layer_specs": specs,
+    }
+    gen = torch.Generator().manual_seed(7)
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASHINFER, generator=gen, **shape)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    ids = torch.tensor([[4, 1], [0, 5]])
+    skip = torch.tensor([1, 0])
+    plan = build_plan(layout, 32)
+    staging = torch.full((2, plan.chunk_bytes), 0xA5, dtype=torch.uint8)
+    want = staging.clone()
+    transfer_reference(layout, want, ids, skip, gather=True)
+    memory = _Memory([*flat_tensors(caches), staging])
+    _emulate(plan, ids, skip, staging, memory, True, DEFAULT_ITERS)
+    assert torch.equal(staging, want)

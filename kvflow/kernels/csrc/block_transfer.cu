@@ -28,8 +28,14 @@
 #ifndef KVF_STREAM_LOADS
 #define KVF_STREAM_LOADS 1  // .cs loads: the source is read once
 #endif
+#ifndef KVF_L2_HINT_LOADS
+#define KVF_L2_HINT_LOADS 0  // 16-byte loads: L1 no-allocate, L2 evict-first, 256 B prefetch
+#endif
 #ifndef KVF_STREAM_STORES
 #define KVF_STREAM_STORES 1  // .cs stores: the copy is not kept in L2
+#endif
+#ifndef KVF_TILED_MIN_CTAS
+#define KVF_TILED_MIN_CTAS 1  // resident CTAs per SM the tiled kernel's registers allow
 #endif
 #ifndef KVF_LINEAR_MIN_CTAS
 #define KVF_LINEAR_MIN_CTAS 1  // resident CTAs per SM the linear kernel's registers allow
@@ -62,6 +68,7 @@ struct PlanHeader {
 
 enum Linear : int { kBoth = 0, kStage = 1, kCache = 2 };
 constexpr uint32_t kStaged = 4;      // or-ed into GroupDesc::linear (plan.STAGED)
+constexpr uint32_t kTiled = 8;       // or-ed with kStaged (plan.TILED): via shared memory
 // Destination granules per lane per step of a staged group: each reads about two granules.
 constexpr unsigned kStagedUnroll = KVF_LANE_BYTES / 32 > 0 ? KVF_LANE_BYTES / 32 : 1;
 
@@ -78,7 +85,8 @@ struct GroupDesc {
   uint32_t seg_vecs;          // vectors in one segment (staged: destination granules)
   uint32_t linear;            // Linear: which side is linear in v, | kStaged
   FastDiv tiles_per_seg;
-  FastDiv num_layers;
+  uint32_t span;              // tiled: source bytes of a segment loaded to shared memory
+  uint32_t span_pad[3];
   FastDiv run_vecs;           // vectors in one run contiguous on both sides (staged: bytes)
   FastDiv inner;              // runs per outer index
 };
@@ -118,6 +126,20 @@ template <typename T> __device__ __forceinline__ T load(const T* p) {
   return *p;
 #endif
 }
+
+#if KVF_L2_HINT_LOADS
+// A 16-byte load that leaves L1 alone, marks its L2 line evict-first (so a large copy does
+// not flush the engine's working set) and asks L2 to fetch 256 bytes around it.
+__device__ __forceinline__ uint4 load(const uint4* p) {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  uint4 v;
+  asm("ld.global.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "l"(policy));
+  return v;
+}
+#endif
 
 
 template <typename T> __device__ __forceinline__ void store(T* p, T value) {
@@ -289,6 +311,66 @@ __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, 
   }
 }
 
+// Dynamic shared memory of a tiled group's CTA: one segment's source span.
+extern __shared__ uint4 kvf_span[];
+
+// Copy 16 bytes global -> shared without registers (cp.async; evict-first in L2 when
+// loads stream, as .cs does for the register path).
+__device__ __forceinline__ void async_granule(uint4* to, const uint4* from) {
+  const uint32_t to_shared = static_cast<uint32_t>(__cvta_generic_to_shared(to));
+#if KVF_STREAM_LOADS
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(to_shared),
+               "l"(from), "l"(policy)
+               : "memory");
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to_shared), "l"(from)
+               : "memory");
+#endif
+}
+
+// The shared-memory granule holding span byte `at` and, when `next`, the one after it.
+__device__ __forceinline__ Granules granules_in(uint32_t at, bool next) {
+  const uint4* granule = kvf_span + (at >> 4);
+  return {*granule, next ? granule[1] : make_uint4(0, 0, 0, 0)};
+}
+
+// A tiled group's segment, moved by a whole CTA: the source span (contiguous, 16-byte
+// aligned) goes to shared memory in 16-byte cp.async copies, then each thread builds
+// destination granules out of it as the staged path does from global memory, so global
+// loads and stores are all whole, linear 16-byte granules. Every warp of the CTA is on
+// this segment (the planner aligns tiled groups to CTAs), so the barrier is uniform.
+template <bool GATHER>
+__device__ __forceinline__ void copy_tiled(const GroupDesc& g, const Entry& e, char* cache,
+                                           char* stage) {
+  const uint4* src = reinterpret_cast<const uint4*>(GATHER ? cache : stage);
+  uint4* dst = reinterpret_cast<uint4*>(GATHER ? stage : cache);
+  for (uint32_t i = threadIdx.x; i < g.span / 16; i += kThreads) async_granule(kvf_span + i, src + i);
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+  const int64_t s_outer = GATHER ? e.s_outer : g.stage_outer;
+  const int64_t s_inner = GATHER ? e.s_inner : g.stage_inner;
+  const uint32_t run_bytes = g.run_vecs.d;
+  for (uint32_t j = threadIdx.x; j < g.seg_vecs; j += kThreads) {
+    const uint32_t d = j * 16;
+    const uint32_t r = divide(g.run_vecs, d);
+    const uint32_t c = d - r * run_bytes;
+    const uint32_t outer = divide(g.inner, r);
+    const uint32_t in = r - outer * g.inner.d;
+    const uint32_t a = static_cast<uint32_t>(outer * s_outer + in * s_inner) + c;
+    const uint32_t n = min(16u, run_bytes - c);
+    const bool wrap = in + 1 == g.inner.d;
+    const uint32_t b = n < 16 ? static_cast<uint32_t>((wrap ? outer + 1 : outer) * s_outer +
+                                                      (wrap ? 0u : in + 1) * s_inner) - n
+                              : a;
+    const Granules x = granules_in(a, (a & 15) + n > 16);
+    const Granules y = granules_in(b, n < 16 && (b & 15) != 0);
+    const char* base = reinterpret_cast<const char*>(kvf_span);
+    store(dst + j, splice(bytes_at(x, base + a), bytes_at(y, base + b), n));
+  }
+}
+
 template <int VEC, bool GATHER, bool GENERAL>
 __device__ __forceinline__ void copy_tile_any(const GroupDesc& g, const Entry& e, char* cache,
                                               char* stage, uint32_t tile, uint32_t iters,
@@ -302,10 +384,18 @@ __device__ __forceinline__ void copy_tile_any(const GroupDesc& g, const Entry& e
   }
 }
 
-template <bool GATHER, bool GENERAL>
+// Kernel instantiations: every group linear, any group, or every group tiled.
+enum Kind : int { kLinearOnly = 0, kAny = 1, kTiledOnly = 2 };
+
+template <bool GATHER, Kind KIND>
 __device__ __forceinline__ void dispatch(const GroupDesc& g, const Entry& e, char* cache,
                                          char* stage, uint32_t tile, uint32_t iters,
                                          uint32_t lane) {
+  constexpr bool GENERAL = KIND == kAny;
+  if (KIND == kTiledOnly || (GENERAL && (g.linear & kTiled))) {
+    copy_tiled<GATHER>(g, e, cache, stage);
+    return;
+  }
   if (GENERAL && (g.linear & kStaged)) {
     copy_staged<GATHER>(g, e, cache, stage, tile, iters, lane);
     return;
@@ -321,7 +411,7 @@ __device__ __forceinline__ void dispatch(const GroupDesc& g, const Entry& e, cha
 
 // gather != 0: cache -> staging; else staging -> cache. block_ids is [chunks, per_chunk]
 // int32, skip is [chunks] int32; num_tiles = chunks * tiles_per_chunk.
-template <bool GENERAL>
+template <Kind KIND>
 __device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
                                          const GroupDesc* __restrict__ groups,
                                          const Entry* __restrict__ entries,
@@ -337,6 +427,7 @@ __device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
   uint32_t gi = 0;
   while (gi + 1 < hdr->num_groups && rem >= groups[gi].tile_end) ++gi;
   const GroupDesc& g = groups[gi];
+  if (rem < g.tile_begin || rem >= g.tile_end) return;  // padding before a tiled group
   rem -= g.tile_begin;
   const uint32_t seg = divide(g.tiles_per_seg, rem);
   const uint32_t seg_tile = rem - seg * g.tiles_per_seg.d;
@@ -350,9 +441,9 @@ __device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
                 static_cast<int64_t>(kv_layer) * g.layer_stage_bytes +
                 static_cast<int64_t>(block) * g.seg_bytes;
   if (gather) {
-    dispatch<true, GENERAL>(g, e, cache, stage, seg_tile, hdr->iters, lane);
+    dispatch<true, KIND>(g, e, cache, stage, seg_tile, hdr->iters, lane);
   } else {
-    dispatch<false, GENERAL>(g, e, cache, stage, seg_tile, hdr->iters, lane);
+    dispatch<false, KIND>(g, e, cache, stage, seg_tile, hdr->iters, lane);
   }
 }
 
@@ -366,7 +457,8 @@ kvf_block_transfer_linear(const kvf::PlanHeader* __restrict__ hdr,
                           const int32_t* __restrict__ block_ids,
                           const int32_t* __restrict__ skip, char* __restrict__ staging,
                           uint32_t num_tiles, uint32_t gather) {
-  kvf::transfer<false>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather);
+  kvf::transfer<kvf::kLinearOnly>(hdr, groups, entries, block_ids, skip, staging, num_tiles,
+                                  gather);
 }
 
 // Any group layout (runs addressed through the stride descriptor).
@@ -377,5 +469,18 @@ kvf_block_transfer(const kvf::PlanHeader* __restrict__ hdr,
                    const int32_t* __restrict__ block_ids,
                    const int32_t* __restrict__ skip, char* __restrict__ staging,
                    uint32_t num_tiles, uint32_t gather) {
-  kvf::transfer<true>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather);
+  kvf::transfer<kvf::kAny>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather);
+}
+
+// Every group tiled (narrow heads in head-major blocks): the shared-memory path alone,
+// lean enough for more resident CTAs, so one CTA's loads overlap another's stores.
+extern "C" __global__ void __launch_bounds__(kvf::kThreads, KVF_TILED_MIN_CTAS)
+kvf_block_transfer_tiled(const kvf::PlanHeader* __restrict__ hdr,
+                         const kvf::GroupDesc* __restrict__ groups,
+                         const kvf::Entry* __restrict__ entries,
+                         const int32_t* __restrict__ block_ids,
+                         const int32_t* __restrict__ skip, char* __restrict__ staging,
+                         uint32_t num_tiles, uint32_t gather) {
+  kvf::transfer<kvf::kTiledOnly>(hdr, groups, entries, block_ids, skip, staging, num_tiles,
+                                 gather);
 }
