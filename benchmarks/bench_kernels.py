@@ -139,7 +139,6 @@ VARIANTS = {
     "st-cs": KernelTuning(stream_loads=False),
     "untiled": KernelTuning(tiled=False),
     "tiled8": KernelTuning(tiled_min_ctas=8),
-    "l2hint": KernelTuning(l2_hint_loads=True),
 }
 
 

@@ -37,8 +37,6 @@ class KernelTuning:
 
     lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
     stream_loads / stream_stores: .cs (evict-first) loads / stores instead of default caching;
-    l2_hint_loads: 16-byte loads skip L1 and carry an L2 evict-first policy and a 256-byte
-    prefetch hint instead (overrides stream_loads for them);
     linear_min_ctas / tiled_min_ctas: CTAs per SM the linear / tiled kernel's register
     budget must allow;
     tiled: plan staged groups through shared memory where they fit (a plan choice, not
@@ -52,7 +50,6 @@ class KernelTuning:
     linear_min_ctas: int = 1
     tiled_min_ctas: int = 1
     tiled: bool = True
-    l2_hint_loads: bool = False
 
     def options(self) -> tuple[str, ...]:
         """nvcc options selecting this build."""
@@ -63,7 +60,6 @@ class KernelTuning:
             f"-DKVF_STREAM_STORES={int(self.stream_stores)}",
             f"-DKVF_LINEAR_MIN_CTAS={self.linear_min_ctas}",
             f"-DKVF_TILED_MIN_CTAS={self.tiled_min_ctas}",
-            f"-DKVF_L2_HINT_LOADS={int(self.l2_hint_loads)}",
         )
 
 

@@ -193,11 +193,10 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
         KernelTuning(stream_loads=False, stream_stores=False),
         KernelTuning(stream_stores=False),
         KernelTuning(linear_min_ctas=6),
-        KernelTuning(l2_hint_loads=True),
         KernelTuning(stream_loads=False),
         KernelTuning(tiled_min_ctas=8),
     ],
-    ids=["iters1", "iters3", "lane128", "no-cs", "ld-cs", "occ6", "l2hint", "st-cs", "tiled8"],
+    ids=["iters1", "iters3", "lane128", "no-cs", "ld-cs", "occ6", "st-cs", "tiled8"],
 )
 @pytest.mark.parametrize(
     ("fmt", "kwargs"),

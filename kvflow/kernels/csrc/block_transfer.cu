@@ -28,9 +28,6 @@
 #ifndef KVF_STREAM_LOADS
 #define KVF_STREAM_LOADS 1  // .cs loads: the source is read once
 #endif
-#ifndef KVF_L2_HINT_LOADS
-#define KVF_L2_HINT_LOADS 0  // 16-byte loads: L1 no-allocate, L2 evict-first, 256 B prefetch
-#endif
 #ifndef KVF_STREAM_STORES
 #define KVF_STREAM_STORES 1  // .cs stores: the copy is not kept in L2
 #endif
@@ -127,19 +124,6 @@ template <typename T> __device__ __forceinline__ T load(const T* p) {
 #endif
 }
 
-#if KVF_L2_HINT_LOADS
-// A 16-byte load that leaves L1 alone, marks its L2 line evict-first (so a large copy does
-// not flush the engine's working set) and asks L2 to fetch 256 bytes around it.
-__device__ __forceinline__ uint4 load(const uint4* p) {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  uint4 v;
-  asm("ld.global.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "l"(policy));
-  return v;
-}
-#endif
 
 
 template <typename T> __device__ __forceinline__ void store(T* p, T value) {
