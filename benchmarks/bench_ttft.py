@@ -80,8 +80,9 @@ class Row:
     kvflow_ms: float
     copy_ms: float
     suffix_ms: float
-    retrieve_ms: float  # the client's retrieve call
+    retrieve_ms: float  # the client's retrieve call (a CUDA retrieve returns once queued)
     retrieve_server_ms: float  # of which the server's own handling (receipt to reply)
+    landed_ms: float  # call start to the copies landed on the GPU (CUDA; else the call)
     logits_rel_err: float
 
     @property
@@ -93,6 +94,17 @@ class Row:
     def over_copy(self) -> float:
         """((b) - (d)) / (c): kvflow's part of the TTFT against a plain pinned copy."""
         return (self.kvflow_ms - self.suffix_ms) / self.copy_ms
+
+
+def _mark(device: torch.device) -> Any:
+    """A timing event recorded on the current CUDA stream (None on the CPU). Recorded
+    before a retrieve on an idle stream and after it (behind the wait on the server's
+    event), their interval is the time until the retrieved KV landed."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def build_model(shape: Shape, dtype: torch.dtype, device: torch.device) -> Any:
@@ -254,9 +266,11 @@ def measure(
 
     def with_kvflow() -> torch.Tensor:
         rid = f"{name}-{length}-r{next(requests)}"
+        begin = _mark(device)
         started = time.perf_counter()
         got = client.retrieve(instance, tokens[:prefix], retrieved_at, request_id=rid)
         retrieve_s.append(time.perf_counter() - started)
+        landed.append((begin, _mark(device), retrieve_s[-1]))
         server_s.append(client.last_server_time_s)
         assert got == prefix, f"retrieved {got} of {prefix} tokens"
         client.end_session(rid)
@@ -264,12 +278,14 @@ def measure(
 
     retrieve_s: list[float] = []
     server_s: list[float] = []
+    landed: list[tuple[Any, Any, float]] = []
     cache.fill(retrieved_at, float("nan"))  # a retrieve that wrote nothing shows as NaN logits
     got_logits = with_kvflow()
     for a, b in zip(cache.blocks(stored_at), cache.blocks(retrieved_at), strict=True):
         assert torch.equal(a, b), "retrieved blocks differ from the stored ones"
     retrieve_s.clear()
     server_s.clear()
+    landed.clear()
 
     def suffix_only() -> torch.Tensor:
         return _last_logits(model, ids[prefix:], cache.past(model, prefix, retrieved_at))
@@ -296,6 +312,10 @@ def measure(
         suffix_ms=1e3 * statistics.median(suffix_s),
         retrieve_ms=1e3 * statistics.median(retrieve_s),
         retrieve_server_ms=1e3 * statistics.median(server_s),
+        landed_ms=statistics.median(
+            begin.elapsed_time(end) if begin is not None else 1e3 * call
+            for begin, end, call in landed
+        ),
         logits_rel_err=err,
     )
 
@@ -337,7 +357,8 @@ def _format(rows: list[Row], header: bool = True) -> str:
     head = (
         f"{'model':<5} {'prompt':>6} {'prefix':>6} {'suffix':>6} {'GiB':>6} "
         f"{'(a) recompute':>13} {'(b) kvflow':>10} {'(c) copy':>9} {'(d) suffix':>10} "
-        f"{'retrieve':>9} {'server':>9} {'b/a':>6} {'(b-d)/c':>7} {'logit err':>9}"
+        f"{'retrieve':>9} {'server':>9} {'landed':>9} {'b/a':>6} {'(b-d)/c':>7} "
+        f"{'logit err':>9}"
     )
     lines = [head] if header else []
     for r in rows:
@@ -345,6 +366,7 @@ def _format(rows: list[Row], header: bool = True) -> str:
             f"{r.model:<5} {r.prompt:>6} {r.prefix:>6} {r.suffix:>6} {r.prefix_gib:>6.3f} "
             f"{r.recompute_ms:>10.2f} ms {r.kvflow_ms:>7.2f} ms {r.copy_ms:>6.2f} ms "
             f"{r.suffix_ms:>7.2f} ms {r.retrieve_ms:>6.2f} ms {r.retrieve_server_ms:>6.2f} ms "
+            f"{r.landed_ms:>6.2f} ms "
             f"{r.ratio:>6.3f} "
             f"{r.over_copy:>7.2f} {r.logits_rel_err:>9.2e}"
         )

@@ -41,7 +41,14 @@ def test_toy_run_on_cpu_checks_logits_and_writes_rows_and_plot(tmp_path: Path) -
     for row in rows:
         assert row["logits_rel_err"] <= 0.05
         assert row["prefix_gib"] == row["prefix"] * 2 * 2 * 2 * 32 * 2 / (1 << 30)
-        for key in ("recompute_ms", "kvflow_ms", "copy_ms", "suffix_ms", "retrieve_ms"):
+        for key in (
+            "recompute_ms",
+            "kvflow_ms",
+            "copy_ms",
+            "suffix_ms",
+            "retrieve_ms",
+            "landed_ms",
+        ):
             assert row[key] > 0, key
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "(a) recompute" in done.stdout and "(b-d)/c" in done.stdout

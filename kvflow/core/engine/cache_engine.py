@@ -666,11 +666,15 @@ class CacheEngine:
         request_id: str,
         skip_first_n_tokens: int = 0,
         cache_salt: str | None = None,
+        enqueued: Callable[[Any, int], None] | None = None,
     ) -> int:
         """Copy the consecutive L1 hits from chunk 0 into the request's blocks.
 
         Returns the hit prefix in tokens (the tokens now valid in the blocks from
         token 0); the first `skip_first_n_tokens` (whole blocks) are not written.
+        `enqueued(stream, hit_tokens)`, for a CUDA cache, is called once every copy is
+        queued on `stream` (a TransferStream), before the engine waits for them: the
+        server replies then, with an event recorded on that stream.
         """
         inst = self._instance(instance_id)
         attrs = _transfer_attrs(inst, token_ids)
@@ -732,6 +736,8 @@ class CacheEngine:
                         "chunk_hashes": [o.key[0] for o in objs[:hit_chunks]],
                     }
                     op.end(inst.mover.retrieve_stream, **result)
+                    if enqueued is not None and inst.mover.retrieve_stream is not None:
+                        enqueued(inst.mover.retrieve_stream, int(result["hit_tokens"]))
                     inst.mover.wait()
                 except BaseException:
                     self._quiesce(inst)

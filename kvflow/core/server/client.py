@@ -155,7 +155,8 @@ class KVFlowClient:
         self._lock = threading.Lock()
         #: every open socket -> the monitor socket reporting its failed handshakes
         self._sockets: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
-        self._events: dict[str, tuple[Any, int]] = {}
+        # per CUDA instance: (KV-written event, retrieve-queued event, device)
+        self._events: dict[str, tuple[Any, Any, int]] = {}
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
         self._stopping = threading.Event()
@@ -317,7 +318,7 @@ class KVFlowClient:
         (AlreadyRegisteredError) unless `takeover` is True.
         """
         desc = describe_kv_caches(kv_caches)
-        event, event_handle = None, None
+        event = retrieved = event_handle = retrieved_handle = None
         device = next(
             (t.memory.device_index for t in desc.tensors if isinstance(t.memory, CudaIpcMemory)),
             None,
@@ -331,6 +332,8 @@ class KVFlowClient:
                 event = make_interprocess_event()
                 event.record(torch.cuda.current_stream(device))
                 event_handle = bytes(event.ipc_handle())
+                retrieved = make_interprocess_event()
+                retrieved_handle = bytes(retrieved.ipc_handle())
         request = Register(
             instance_id=instance_id,
             kv_caches=desc,
@@ -340,6 +343,7 @@ class KVFlowClient:
             block_size=block_size,
             kv_format=kv_format,
             event_handle=event_handle,
+            retrieve_event_handle=retrieved_handle,
             takeover=takeover,
         )
         reply = self._call(request)
@@ -347,7 +351,7 @@ class KVFlowClient:
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
         if event is not None and device is not None:
             with self._lock:
-                self._events[instance_id] = (event, device)
+                self._events[instance_id] = (event, retrieved, device)
         self._start_heartbeat(reply.heartbeat_interval_s)
 
     def lookup(
@@ -419,7 +423,7 @@ class KVFlowClient:
         if entry is not None:  # mark "KV written up to here" on the engine's stream
             import torch
 
-            event, device = entry
+            event, _, device = entry
             event.record(torch.cuda.current_stream(device))
         request = Store(instance_id=instance_id, request_id=request_id, cache_salt=cache_salt)
         return self._count(request, (tokens, blocks))
@@ -434,7 +438,12 @@ class KVFlowClient:
         skip_first_n_tokens: int = 0,
         cache_salt: str | None = None,
     ) -> int:
-        """Copy stored chunks into the request's blocks; returns the hit prefix in tokens."""
+        """Copy stored chunks into the request's blocks; returns the hit prefix in tokens.
+
+        For CUDA caches the server replies once the copies are queued, and the copies
+        are ordered before the work torch's current stream queues after this returns
+        (like a torch op: read the blocks on the host only after synchronizing it).
+        """
         tokens = as_int32_array(token_ids, "token_ids")
         blocks = as_int32_array(block_ids, "block_ids")
         request = Retrieve(
@@ -443,7 +452,15 @@ class KVFlowClient:
             skip_first_n_tokens=skip_first_n_tokens,
             cache_salt=cache_salt,
         )
-        return self._count(request, (tokens, blocks))
+        hit = self._count(request, (tokens, blocks))
+        with self._lock:
+            entry = self._events.get(instance_id)
+        if entry is not None:  # the server recorded it after queueing the copies
+            import torch
+
+            _, retrieved, device = entry
+            torch.cuda.current_stream(device).wait_event(retrieved)
+        return hit
 
     def end_session(self, request_id: str) -> None:
         """The request finished."""

@@ -99,6 +99,9 @@ class Register(Request, tag="register"):
     kv_format: str | None = None
     #: IPC handle of the engine's interprocess CUDA event (GPU caches only).
     event_handle: bytes | None = None
+    #: IPC handle of a second one the server records when a retrieve's copies are queued,
+    #: replying then; the client's stream waits on it (GPU caches; None: reply when done).
+    retrieve_event_handle: bytes | None = None
     #: take over the instance id even when another (dead) client still holds it
     takeover: bool = False
 

@@ -78,8 +78,9 @@ _FORCED_CLOSE_S = 5.0
 #: most instance worker threads, whatever --max-instances is
 _MAX_WORKERS = 8
 
-#: A worker job: computes the reply for one queued request.
-Job = Callable[[], Reply]
+#: A worker job: computes the reply for one queued request (None: it already sent it,
+#: through `_Worker.answer`, before finishing).
+Job = Callable[[], Reply | None]
 
 
 def _failed(request_id: int, exc: BaseException, started_ns: int) -> Failed:
@@ -167,12 +168,21 @@ class _Worker:
         self._ctx = ctx
         self._results = results
         self._jobs: queue.SimpleQueue[tuple[bytes | None, Job] | None] = queue.SimpleQueue()
+        self._push: zmq.Socket[Any]  # made by the worker thread, used only there
         self._thread = threading.Thread(target=self._run, name=f"kvflow-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, identity: bytes | None, job: Job) -> None:
         """Queue `job`; its reply goes to `identity` (None: nobody waits for it)."""
         self._jobs.put((identity, job))
+
+    def answer(self, identity: bytes, reply: Reply) -> None:
+        """Send a job's reply now, from the job itself (on this worker's thread), so the
+        client goes on while the job finishes; the job then returns None."""
+        try:
+            self._push.send_multipart([identity, encode_reply(reply)])
+        except zmq.Again:
+            log.warning("reply dropped: the server stopped without waiting for it")
 
     def finish(self) -> None:
         """Stop after the jobs already queued."""
@@ -187,6 +197,7 @@ class _Worker:
         push.linger = 1000
         push.sndtimeo = 1000  # only blocks once the main loop is gone (a forced stop)
         push.connect(self._results)
+        self._push = push
         try:
             while (item := self._jobs.get()) is not None:
                 identity, job = item
@@ -196,11 +207,8 @@ class _Worker:
                 except Exception as exc:  # jobs answer their own errors; never lose the thread
                     reply = _failed(0, exc, time.perf_counter_ns())
                 del job
-                if identity is not None:
-                    try:
-                        push.send_multipart([identity, encode_reply(reply)])
-                    except zmq.Again:
-                        log.warning("reply dropped: the server stopped without waiting for it")
+                if identity is not None and reply is not None:
+                    self.answer(identity, reply)
                 del reply
         finally:
             push.close()
@@ -215,11 +223,13 @@ class _Registration:
     worker: _Worker
     opened: OpenedKVCaches | None = None
     event: Any = None
+    #: the client's event a retrieve records once its copies are queued (CUDA caches)
+    retrieved: Any = None
     registered_at: float = field(default_factory=time.monotonic)
 
     def release(self) -> None:
         """Unmap the instance's memory and drop its CUDA event now (idempotent)."""
-        opened, self.opened, self.event = self.opened, None, None
+        opened, self.opened, self.event, self.retrieved = self.opened, None, None, None
         if opened is not None:
             opened.release()
 
@@ -452,7 +462,8 @@ class KVFlowServer:
                 return StatusResult(id=rid, status=state, server_ns=_since(started))
             case Store() | Retrieve():
                 reg = self._owned(request.instance_id, request.client, type(request).__name__)
-                reg.worker.submit(identity, self._transfer_job(reg, request, arrays, started))
+                job = self._transfer_job(reg, request, arrays, started, identity)
+                reg.worker.submit(identity, job)
                 return None
             case Heartbeat():
                 return Done(id=rid, server_ns=_since(started))
@@ -534,10 +545,22 @@ class KVFlowServer:
         request: Store | Retrieve,
         arrays: tuple[np.ndarray, ...],
         started: int,
+        identity: bytes,
     ) -> Job:
         tokens, blocks = arrays
+        answered = False
 
-        def run() -> Reply:
+        def answer_early(stream: Any, hit_tokens: int) -> None:
+            """A retrieve's copies are queued: mark their end with the client's event on
+            the copy stream and reply now; the client's stream waits on the event, and
+            the reply's trip overlaps the copy."""
+            nonlocal answered
+            reg.retrieved.record(stream.torch)
+            done = Done(id=request.id, value=hit_tokens, server_ns=_since(started))
+            reg.worker.answer(identity, done)
+            answered = True
+
+        def run() -> Reply | None:
             try:
                 if isinstance(request, Store):
                     if reg.event is not None:  # the engine's KV writes must be done first
@@ -557,10 +580,16 @@ class KVFlowServer:
                         request_id=request.request_id,
                         skip_first_n_tokens=request.skip_first_n_tokens,
                         cache_salt=request.cache_salt,
+                        enqueued=answer_early if reg.retrieved is not None else None,
                     )
             except Exception as exc:
                 self._count_error()
+                if answered:  # too late to tell the client: its blocks may be partly written
+                    log.error("retrieve %r failed after its reply: %s", request.request_id, exc)
+                    return None
                 return _failed(request.id, exc, started)
+            if answered:
+                return None
             return Done(id=request.id, value=value, server_ns=_since(started))
 
         return run
@@ -619,11 +648,15 @@ class KVFlowServer:
             opened: OpenedKVCaches | None = None
             try:
                 opened = open_kv_caches(request.kv_caches)
-                event = None
-                if request.event_handle is not None and opened.cuda_device is not None:
+                event = retrieved = None
+                if opened.cuda_device is not None:
                     from kvflow.core.server.ipc import open_interprocess_event
 
-                    event = open_interprocess_event(request.event_handle, opened.cuda_device)
+                    device = opened.cuda_device
+                    if request.event_handle is not None:
+                        event = open_interprocess_event(request.event_handle, device)
+                    if request.retrieve_event_handle is not None:
+                        retrieved = open_interprocess_event(request.retrieve_event_handle, device)
                 self.engine.register_kv_caches(
                     request.instance_id,
                     opened.kv_caches,
@@ -642,8 +675,8 @@ class KVFlowServer:
                     del opened
                 self._count_error()
                 return _failed(request.id, exc, started)
-            reg.opened, reg.event = opened, event
-            del opened, event
+            reg.opened, reg.event, reg.retrieved = opened, event, retrieved
+            del opened, event, retrieved
             log.info(
                 "registered instance %r of model %r (rank %d/%d) for client %s",
                 request.instance_id,
