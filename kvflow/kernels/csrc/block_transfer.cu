@@ -330,7 +330,9 @@ __device__ __forceinline__ void copy_tiled(const GroupDesc& g, const Entry& e, c
                                            char* stage) {
   const uint4* src = reinterpret_cast<const uint4*>(GATHER ? cache : stage);
   uint4* dst = reinterpret_cast<uint4*>(GATHER ? stage : cache);
-  for (uint32_t i = threadIdx.x; i < g.span / 16; i += kThreads) async_granule(kvf_span + i, src + i);
+  for (uint32_t i = threadIdx.x; i < g.span / 16; i += kThreads) {
+    async_granule(kvf_span + i, src + i);
+  }
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
   __syncthreads();
   const int64_t s_outer = GATHER ? e.s_outer : g.stage_outer;
@@ -433,38 +435,22 @@ __device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
 
 }  // namespace kvf
 
+// One entry point per instantiation (launch bounds last); gather != 0: cache -> staging.
+#define KVF_TRANSFER_KERNEL(NAME, KIND, ...)                                               \
+  extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                               \
+      NAME(const kvf::PlanHeader* __restrict__ hdr, const kvf::GroupDesc* __restrict__ groups, \
+           const kvf::Entry* __restrict__ entries, const int32_t* __restrict__ block_ids,  \
+           const int32_t* __restrict__ skip, char* __restrict__ staging, uint32_t num_tiles, \
+           uint32_t gather) {                                                               \
+    kvf::transfer<KIND>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather); \
+  }
+
 // Every group's segments are contiguous on both sides (the common NHD case): lean code.
-extern "C" __global__ void __launch_bounds__(kvf::kThreads, KVF_LINEAR_MIN_CTAS)
-kvf_block_transfer_linear(const kvf::PlanHeader* __restrict__ hdr,
-                          const kvf::GroupDesc* __restrict__ groups,
-                          const kvf::Entry* __restrict__ entries,
-                          const int32_t* __restrict__ block_ids,
-                          const int32_t* __restrict__ skip, char* __restrict__ staging,
-                          uint32_t num_tiles, uint32_t gather) {
-  kvf::transfer<kvf::kLinearOnly>(hdr, groups, entries, block_ids, skip, staging, num_tiles,
-                                  gather);
-}
+KVF_TRANSFER_KERNEL(kvf_block_transfer_linear, kvf::kLinearOnly, kvf::kThreads, KVF_LINEAR_MIN_CTAS)
 
 // Any group layout (runs addressed through the stride descriptor).
-extern "C" __global__ void __launch_bounds__(kvf::kThreads)
-kvf_block_transfer(const kvf::PlanHeader* __restrict__ hdr,
-                   const kvf::GroupDesc* __restrict__ groups,
-                   const kvf::Entry* __restrict__ entries,
-                   const int32_t* __restrict__ block_ids,
-                   const int32_t* __restrict__ skip, char* __restrict__ staging,
-                   uint32_t num_tiles, uint32_t gather) {
-  kvf::transfer<kvf::kAny>(hdr, groups, entries, block_ids, skip, staging, num_tiles, gather);
-}
+KVF_TRANSFER_KERNEL(kvf_block_transfer, kvf::kAny, kvf::kThreads)
 
 // Every group tiled (narrow heads in head-major blocks): the shared-memory path alone,
 // lean enough for more resident CTAs, so one CTA's loads overlap another's stores.
-extern "C" __global__ void __launch_bounds__(kvf::kThreads, KVF_TILED_MIN_CTAS)
-kvf_block_transfer_tiled(const kvf::PlanHeader* __restrict__ hdr,
-                         const kvf::GroupDesc* __restrict__ groups,
-                         const kvf::Entry* __restrict__ entries,
-                         const int32_t* __restrict__ block_ids,
-                         const int32_t* __restrict__ skip, char* __restrict__ staging,
-                         uint32_t num_tiles, uint32_t gather) {
-  kvf::transfer<kvf::kTiledOnly>(hdr, groups, entries, block_ids, skip, staging, num_tiles,
-                                 gather);
-}
+KVF_TRANSFER_KERNEL(kvf_block_transfer_tiled, kvf::kTiledOnly, kvf::kThreads, KVF_TILED_MIN_CTAS)
