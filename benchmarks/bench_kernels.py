@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvflow.kernels import KVFormat, KVLayout, cuda_available, new_transfer_stream
-from kvflow.kernels.cuda_backend import DEFAULT_TUNING, KernelTuning, launch_transfer
+from kvflow.kernels.cuda_backend import DEFAULT_TUNING, KernelTuning, UploadedTransfer
 from kvflow.kernels.plan import build_plan
 from kvflow.kernels.reference import transfer_reference
 from kvflow.kernels.streams import TransferStream
@@ -134,9 +134,9 @@ VARIANTS = {
     "iters2": KernelTuning(iters=2),
     "occ6": KernelTuning(linear_min_ctas=6),
     "lane128": KernelTuning(lane_bytes=128),
-    "no-cs": KernelTuning(stream_loads=False, stream_stores=False),
-    "ld-cs": KernelTuning(stream_stores=False),
-    "st-cs": KernelTuning(stream_loads=False),
+    "cs": KernelTuning(stream_loads=True, stream_stores=True),
+    "ld-cs": KernelTuning(stream_loads=True),
+    "st-cs": KernelTuning(stream_stores=True),
     "untiled": KernelTuning(tiled=False),
     "tiled8": KernelTuning(tiled_min_ctas=8),
 }
@@ -205,16 +205,17 @@ def run_case(
     }
 
     def kernel(gather: bool, tuning: KernelTuning) -> Callable[[], object]:
-        return lambda: launch_transfer(
+        """The kernel alone: the ids go up once (a request's upload is not the kernel's)."""
+        uploaded = UploadedTransfer(
             layout,
-            staging,
-            ids,
-            skip,
+            ids.numpy(),
+            skip.numpy(),
             gather=gather,
             stream=stream,
             max_vector_bytes=case.max_vec,
             tuning=tuning,
         )
+        return lambda: uploaded.launch(staging, 0, case.chunks)
 
     fns: dict[str, Callable[[], object]] = {"copy": lambda: copy_dst.copy_(copy_src)}
     for variant in variants:

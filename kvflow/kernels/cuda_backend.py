@@ -45,8 +45,8 @@ class KernelTuning:
 
     lane_bytes: int = DEFAULT_LANE_BYTES
     iters: int = DEFAULT_ITERS
-    stream_loads: bool = True
-    stream_stores: bool = True
+    stream_loads: bool = False
+    stream_stores: bool = False
     linear_min_ctas: int = 1
     tiled_min_ctas: int = 1
     tiled: bool = True
