@@ -64,8 +64,11 @@ STAGED = 4
 # Or-ed with STAGED: a staged group whose source segment is one aligned span small enough
 # for shared memory is moved a segment per CTA, the span loaded to shared memory first.
 TILED = 8
+# Or-ed with TILED: the segment is small (under TILE_MIN_BYTES), so one warp moves it
+# through its own slice of shared memory instead of a whole CTA.
+WARP_TILED = 16
 TILE_SPAN_MAX = 48 * 1024  # shared memory a CTA may use without opting in
-TILE_MIN_BYTES = THREADS_PER_CTA * 16  # smaller segments leave a CTA's threads idle
+TILE_MIN_BYTES = THREADS_PER_CTA * 16  # smaller segments go a warp each (WARP_TILED)
 GRANULE = 16
 DEFAULT_LANE_BYTES = 64
 DEFAULT_ITERS = 4  # unrolled steps per warp tile (measured: fewer CTAs, same bytes in flight)
@@ -74,7 +77,7 @@ HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) -> int:
     """Vectors per lane per unrolled step, as the kernel's ``unroll<VEC, LIN>()``."""
-    if linear & TILED:  # a whole CTA moves one segment
+    if linear & TILED:  # a whole CTA (or warp) moves one segment
         return 1
     if linear & STAGED:  # a granule reads about two: lane_bytes of loads in flight
         return max(1, lane_bytes // (2 * GRANULE))
@@ -120,6 +123,7 @@ class GroupPlan:
     linear: int  # LINEAR_BOTH / LINEAR_STAGE / LINEAR_CACHE: side(s) linear in the vector index
     staged: bool  # moved in 16-byte destination granules, the source shifted into place
     span: int  # tiled (staged through shared memory): the source span of a segment; else 0
+    warp_tiled: bool  # tiled a segment per warp (small segments), not per CTA
     run_bytes: int
     inner: int  # runs per outer index
     stage_strides: tuple[int, int]  # (outer, inner) byte strides in staging
@@ -213,18 +217,18 @@ def _tile_span(
     [0, span) with span = the last run's end, the same for every (kv, layer). Tiling needs
     that span 16-byte aligned at its start and end (whole granules, nothing read outside
     the runs' hull), at most TILE_SPAN_MAX bytes, and at most a quarter more than the
-    segment's bytes (padding between runs is loaded too); segments under TILE_MIN_BYTES
-    stay staged from global memory (measured: a CTA per 2 KiB segment halves the speed).
+    segment's bytes (padding between runs is loaded too). A segment under TILE_MIN_BYTES
+    is warp-tiled (a CTA per 2 KiB segment measured half the speed), so its span must fit
+    a CTA's shared memory once per warp.
     """
-    if seg_bytes < TILE_MIN_BYTES:
-        return 0
     outers = seg_bytes // run_bytes // inner
     spans = {(outers - 1) * so + (inner - 1) * si + run_bytes for so, si in src_strides}
     if len(spans) != 1 or any(s < 0 for pair in src_strides for s in pair):
         return 0
     span = spans.pop()
     aligned = all(term % GRANULE == 0 for term in [span, *src_terms])
-    return span if aligned and span <= min(TILE_SPAN_MAX, seg_bytes + seg_bytes // 4) else 0
+    room = TILE_SPAN_MAX // (WARPS_PER_CTA if seg_bytes < TILE_MIN_BYTES else 1)
+    return span if aligned and span <= min(room, seg_bytes + seg_bytes // 4) else 0
 
 
 def build_plan(
@@ -295,11 +299,15 @@ def build_plan(
                 cache_terms if gather else stage_terms,
             )
         unit = GRANULE if staged else vec
+        warp_tiled = bool(span) and seg_bytes < TILE_MIN_BYTES
         mode = linear | (STAGED if staged else 0) | (TILED if span else 0)
+        mode |= WARP_TILED if warp_tiled else 0
         seg_vecs = seg_bytes // unit
         if seg_vecs >= MAX_NUMERATOR:
             raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
-        if span:  # one CTA per segment, its warps' tiles aligned to a CTA
+        if warp_tiled:  # one warp per segment
+            tiles_per_seg = 1
+        elif span:  # one CTA per segment, its warps' tiles aligned to a CTA
             tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
             tiles_per_seg = WARPS_PER_CTA
         else:
@@ -311,6 +319,7 @@ def build_plan(
                 linear,
                 staged,
                 span,
+                warp_tiled,
                 run_bytes,
                 inner,
                 stage_strides,
@@ -343,7 +352,7 @@ def build_plan(
             (d.base_ptr, d.block, *strides) for d, strides in zip(descs, cache_strides, strict=True)
         ]
         tile += tiles
-    if any(g.span for g in group_plans):  # the next chunk's tiled groups stay CTA-aligned
+    if any(g.span and not g.warp_tiled for g in group_plans):  # next chunk's stay aligned
         tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
     if tile >= MAX_NUMERATOR:
         raise ValueError(f"a chunk of {chunk_bytes} bytes needs too many warp tiles ({tile})")
@@ -373,5 +382,7 @@ def build_plan(
         table=table,
         groups_offset=HEADER_BYTES,
         entries_offset=entries_offset,
-        shared_bytes=max((g.span for g in group_plans), default=0),
+        shared_bytes=max(
+            (g.span * (WARPS_PER_CTA if g.warp_tiled else 1) for g in group_plans), default=0
+        ),
     )

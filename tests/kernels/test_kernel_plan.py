@@ -31,6 +31,7 @@ from kvflow.kernels.plan import (
     TILE_MIN_BYTES,
     TILE_SPAN_MAX,
     TILED,
+    WARP_TILED,
     WARPS_PER_CTA,
     TransferPlan,
     build_plan,
@@ -269,9 +270,13 @@ def _emulate(
         vec = 1 << int(g["vec_log2"])
         linear = int(g["linear"])
         if linear & TILED:
-            assert int(g["tiles_per_seg"]["d"]) == WARPS_PER_CTA
-            assert (tile - seg_tile) % WARPS_PER_CTA == 0, "a tiled segment spans two CTAs"
-            if seg_tile == 0:  # the CTA's warps move the segment together
+            if linear & WARP_TILED:  # a warp per segment, in the warp's shared memory
+                assert int(g["tiles_per_seg"]["d"]) == 1
+                assert WARPS_PER_CTA * int(g["span"]) <= TILE_SPAN_MAX
+            else:
+                assert int(g["tiles_per_seg"]["d"]) == WARPS_PER_CTA
+                assert (tile - seg_tile) % WARPS_PER_CTA == 0, "a tiled segment spans two CTAs"
+            if seg_tile == 0:  # the CTA's (or the warp's) threads move the segment together
                 src_strides = (
                     (int(e["s_outer"]), int(e["s_inner"]))
                     if gather
@@ -372,7 +377,7 @@ STAGED_CASES = [
     # padded rows: a gather reads whole granules over the padding; a scatter must not
     # write it, so it keeps its narrow vectors
     (KVFormat.SGLANG_MLA, {"head_size": 132, "dtype": torch.int8}, True, False),
-    # a 2112-byte page: staged, too small to tile (under TILE_MIN_BYTES)
+    # a 2112-byte page: staged, tiled a warp per segment (under TILE_MIN_BYTES)
     (KVFormat.VLLM_FLASHINFER, {"head_size": 66, "dtype": torch.int8}, True, True),
 ]
 
@@ -418,8 +423,9 @@ def test_staged_addressing_matches_the_reference(
     skip = torch.tensor([1, 0])
     plan = build_plan(layout, 32, iters=iters, tiled=tiled)
     assert plan.groups[0].staged == gather_staged
-    big = plan.groups[0].seg_bytes >= TILE_MIN_BYTES
-    assert bool(plan.groups[0].span) == (tiled and gather_staged and big)
+    small = plan.groups[0].seg_bytes < TILE_MIN_BYTES
+    assert bool(plan.groups[0].span) == (tiled and gather_staged)
+    assert plan.groups[0].warp_tiled == (tiled and gather_staged and small)
     staging = torch.full((2, plan.chunk_bytes), 0xA5, dtype=torch.uint8)
     want = staging.clone()
     transfer_reference(layout, want, ids, skip, gather=True)
@@ -435,7 +441,8 @@ def test_staged_addressing_matches_the_reference(
         KVLayout.from_kv_caches(target, **kw), 32, gather=False, iters=iters, tiled=tiled
     )
     assert plan.groups[0].staged == scatter_staged
-    assert bool(plan.groups[0].span) == (tiled and scatter_staged and big)
+    assert bool(plan.groups[0].span) == (tiled and scatter_staged)
+    assert plan.groups[0].warp_tiled == (tiled and scatter_staged and small)
     _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), False, iters)
     for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())
@@ -492,3 +499,28 @@ def test_mixed_plain_and_tiled_groups_match_the_reference(tiled_first: bool) -> 
     memory = _Memory([*flat_tensors(caches), staging])
     _emulate(plan, ids, skip, staging, memory, True, DEFAULT_ITERS)
     assert torch.equal(staging, want)
+
+
+def test_small_segments_are_tiled_a_warp_each() -> None:
+    """Segments under TILE_MIN_BYTES take one warp tile each (no CTA padding) and a slice
+    of shared memory per warp; a padded-row gather is one of them, its scatter is not."""
+    small = _layout(
+        KVFormat.VLLM_FLASHINFER,
+        noncontiguous=True,
+        num_heads=2,
+        block_size=16,
+        head_size=66,
+        dtype=torch.int8,
+        num_layers=3,
+    )
+    plan = build_plan(small, 32)
+    (group,) = plan.groups
+    assert group.seg_bytes < TILE_MIN_BYTES
+    assert (group.warp_tiled, group.span, group.tiles_per_seg) == (True, 2112, 1)
+    assert plan.tiles_per_chunk == 2 * 3 * 2  # kv x layers x blocks: no padding to a CTA
+    assert plan.shared_bytes == WARPS_PER_CTA * 2112
+    padded = _layout(
+        KVFormat.SGLANG_MLA, noncontiguous=True, block_size=16, head_size=132, dtype=torch.int8
+    )
+    assert build_plan(padded, 32).groups[0].warp_tiled
+    assert not build_plan(padded, 32, gather=False).groups[0].span

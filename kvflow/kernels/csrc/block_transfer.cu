@@ -66,6 +66,7 @@ struct PlanHeader {
 enum Linear : int { kBoth = 0, kStage = 1, kCache = 2 };
 constexpr uint32_t kStaged = 4;      // or-ed into GroupDesc::linear (plan.STAGED)
 constexpr uint32_t kTiled = 8;       // or-ed with kStaged (plan.TILED): via shared memory
+constexpr uint32_t kWarpTiled = 16;  // or-ed with kTiled (plan.WARP_TILED): a warp per segment
 // Destination granules per lane per step of a staged group: each reads about two granules.
 constexpr unsigned kStagedUnroll = KVF_LANE_BYTES / 32 > 0 ? KVF_LANE_BYTES / 32 : 1;
 
@@ -295,7 +296,8 @@ __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, 
   }
 }
 
-// Dynamic shared memory of a tiled group's CTA: one segment's source span.
+// Dynamic shared memory of a tiled group's CTA: one segment's source span, or one per
+// warp for a warp-tiled group.
 extern __shared__ uint4 kvf_span[];
 
 // Copy 16 bytes global -> shared without registers (cp.async; evict-first in L2 when
@@ -314,31 +316,39 @@ __device__ __forceinline__ void async_granule(uint4* to, const uint4* from) {
 #endif
 }
 
-// The shared-memory granule holding span byte `at` and, when `next`, the one after it.
-__device__ __forceinline__ Granules granules_in(uint32_t at, bool next) {
-  const uint4* granule = kvf_span + (at >> 4);
+// The shared-memory granule holding byte `at` of `span` and, when `next`, the one after.
+__device__ __forceinline__ Granules granules_in(const uint4* span, uint32_t at, bool next) {
+  const uint4* granule = span + (at >> 4);
   return {*granule, next ? granule[1] : make_uint4(0, 0, 0, 0)};
 }
 
-// A tiled group's segment, moved by a whole CTA: the source span (contiguous, 16-byte
-// aligned) goes to shared memory in 16-byte cp.async copies, then each thread builds
-// destination granules out of it as the staged path does from global memory, so global
-// loads and stores are all whole, linear 16-byte granules. Every warp of the CTA is on
-// this segment (the planner aligns tiled groups to CTAs), so the barrier is uniform.
+// A tiled group's segment, moved by a whole CTA (or, warp-tiled, by one warp): the
+// source span (contiguous, 16-byte aligned) goes to shared memory in 16-byte cp.async
+// copies, then each thread builds destination granules out of it as the staged path
+// does from global memory, so global loads and stores are all whole, linear 16-byte
+// granules. Every warp of the CTA is on a CTA-tiled segment (the planner aligns those
+// groups to CTAs), so the barrier is uniform; a warp-tiled segment uses the warp's own
+// slice of shared memory and a warp barrier.
 template <bool GATHER>
 __device__ __forceinline__ void copy_tiled(const GroupDesc& g, const Entry& e, char* cache,
                                            char* stage) {
   const uint4* src = reinterpret_cast<const uint4*>(GATHER ? cache : stage);
   uint4* dst = reinterpret_cast<uint4*>(GATHER ? stage : cache);
-  for (uint32_t i = threadIdx.x; i < g.span / 16; i += kThreads) {
-    async_granule(kvf_span + i, src + i);
-  }
+  const bool per_warp = g.linear & kWarpTiled;
+  const uint32_t threads = per_warp ? kWarp : kThreads;
+  const uint32_t tid = per_warp ? threadIdx.x % kWarp : threadIdx.x;
+  uint4* span = kvf_span + (per_warp ? threadIdx.x / kWarp * (g.span / 16) : 0);
+  for (uint32_t i = tid; i < g.span / 16; i += threads) async_granule(span + i, src + i);
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-  __syncthreads();
+  if (per_warp) {
+    __syncwarp();
+  } else {
+    __syncthreads();
+  }
   const int64_t s_outer = GATHER ? e.s_outer : g.stage_outer;
   const int64_t s_inner = GATHER ? e.s_inner : g.stage_inner;
   const uint32_t run_bytes = g.run_vecs.d;
-  for (uint32_t j = threadIdx.x; j < g.seg_vecs; j += kThreads) {
+  for (uint32_t j = tid; j < g.seg_vecs; j += threads) {
     const uint32_t d = j * 16;
     const uint32_t r = divide(g.run_vecs, d);
     const uint32_t c = d - r * run_bytes;
@@ -350,9 +360,9 @@ __device__ __forceinline__ void copy_tiled(const GroupDesc& g, const Entry& e, c
     const uint32_t b = n < 16 ? static_cast<uint32_t>((wrap ? outer + 1 : outer) * s_outer +
                                                       (wrap ? 0u : in + 1) * s_inner) - n
                               : a;
-    const Granules x = granules_in(a, (a & 15) + n > 16);
-    const Granules y = granules_in(b, n < 16 && (b & 15) != 0);
-    const char* base = reinterpret_cast<const char*>(kvf_span);
+    const Granules x = granules_in(span, a, (a & 15) + n > 16);
+    const Granules y = granules_in(span, b, n < 16 && (b & 15) != 0);
+    const char* base = reinterpret_cast<const char*>(span);
     store(dst + j, splice(bytes_at(x, base + a), bytes_at(y, base + b), n));
   }
 }
