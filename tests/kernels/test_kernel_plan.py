@@ -63,6 +63,11 @@ def _layout(fmt: KVFormat, **kwargs: Any) -> KVLayout:
     return KVLayout.from_kv_caches(caches, **kw)
 
 
+def _int8_hnd(**kwargs: Any) -> KVLayout:
+    """A head-major (HND) flashinfer layout of int8 heads."""
+    return _layout(KVFormat.VLLM_FLASHINFER, noncontiguous=True, dtype=torch.int8, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("fmt", "kwargs", "vec", "linear"),
     [
@@ -462,15 +467,7 @@ def test_tiled_groups_start_on_a_cta_and_fit_shared_memory() -> None:
     assert (tiled.span, tiled.tiles_per_seg, tiled.tile_begin) == (4224, WARPS_PER_CTA, 8)
     assert plan.tiles_per_chunk % WARPS_PER_CTA == 0
     assert plan.shared_bytes == 4224
-    big = _layout(
-        KVFormat.VLLM_FLASHINFER,
-        noncontiguous=True,
-        num_heads=8,
-        block_size=64,
-        head_size=132,
-        dtype=torch.int8,
-    )
-    group = build_plan(big, 64).groups[0]
+    group = build_plan(_int8_hnd(num_heads=8, block_size=64, head_size=132), 64).groups[0]
     assert TILE_SPAN_MAX < 8 * 64 * 132
     assert group.staged and group.span == 0
 
@@ -504,16 +501,7 @@ def test_mixed_plain_and_tiled_groups_match_the_reference(tiled_first: bool) -> 
 def test_small_segments_are_tiled_a_warp_each() -> None:
     """Segments under TILE_MIN_BYTES take one warp tile each (no CTA padding) and a slice
     of shared memory per warp; a padded-row gather is one of them, its scatter is not."""
-    small = _layout(
-        KVFormat.VLLM_FLASHINFER,
-        noncontiguous=True,
-        num_heads=2,
-        block_size=16,
-        head_size=66,
-        dtype=torch.int8,
-        num_layers=3,
-    )
-    plan = build_plan(small, 32)
+    plan = build_plan(_int8_hnd(num_heads=2, block_size=16, head_size=66, num_layers=3), 32)
     (group,) = plan.groups
     assert group.seg_bytes < TILE_MIN_BYTES
     assert (group.warp_tiled, group.span, group.tiles_per_seg) == (True, 2112, 1)
