@@ -58,6 +58,7 @@ ENTRY = np.dtype(
     [("base", "<i8"), ("s_block", "<i8"), ("s_outer", "<i8"), ("s_inner", "<i8")], align=True
 )
 LINEAR_BOTH, LINEAR_STAGE, LINEAR_CACHE = 0, 1, 2  # which side is linear in the vector index
+ORDER_BITS = 3  # a group record's `linear` field: the order above, or-ed with the flags below
 # Flag or-ed into a group's `linear` field: the group is moved in 16-byte granules of its
 # (linear) destination, its source read as aligned 16-byte granules and shifted into place.
 STAGED = 4
@@ -67,6 +68,10 @@ TILED = 8
 # Or-ed with TILED: the segment is small (under TILE_MIN_BYTES), so one warp moves it
 # through its own slice of shared memory instead of a whole CTA.
 WARP_TILED = 16
+# Or-ed into a scatter whose destination (the cache) is not linear and has bytes the
+# transfer does not own between its runs (padded rows): the kernel prefetches the
+# sectors it will write in part into L2 before writing them.
+PREFETCH_GAPS = 32
 TILE_SPAN_MAX = 48 * 1024  # shared memory a CTA may use without opting in
 TILE_MIN_BYTES = THREADS_PER_CTA * 16  # smaller segments go a warp each (WARP_TILED)
 GRANULE = 16
@@ -81,7 +86,7 @@ def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) ->
         return 1
     if linear & STAGED:  # a granule reads about two: lane_bytes of loads in flight
         return max(1, lane_bytes // (2 * GRANULE))
-    most = 16 if linear == LINEAR_BOTH else 8
+    most = 16 if linear & ORDER_BITS == LINEAR_BOTH else 8
     return min(most, max(4, lane_bytes // vec_bytes))
 
 
@@ -124,6 +129,7 @@ class GroupPlan:
     staged: bool  # moved in 16-byte destination granules, the source shifted into place
     span: int  # tiled (staged through shared memory): the source span of a segment; else 0
     warp_tiled: bool  # tiled a segment per warp (small segments), not per CTA
+    prefetch_gaps: bool  # a scatter into padded rows: partial sectors prefetched first
     run_bytes: int
     inner: int  # runs per outer index
     stage_strides: tuple[int, int]  # (outer, inner) byte strides in staging
@@ -204,6 +210,13 @@ def _stageable(
     return all(s == 0 or s >= GRANULE for s in src_strides)
 
 
+def _spans(seg_bytes: int, run_bytes: int, inner: int, strides: list[tuple[int, int]]) -> set[int]:
+    """Per (outer, inner) stride pair, the end of a segment's last run (strides >= 0):
+    the bytes from a segment's first run to its last, holes included."""
+    outers = seg_bytes // run_bytes // inner
+    return {(outers - 1) * so + (inner - 1) * si + run_bytes for so, si in strides}
+
+
 def _tile_span(
     seg_bytes: int,
     run_bytes: int,
@@ -221,8 +234,7 @@ def _tile_span(
     is warp-tiled (a CTA per 2 KiB segment measured half the speed), so its span must fit
     a CTA's shared memory once per warp.
     """
-    outers = seg_bytes // run_bytes // inner
-    spans = {(outers - 1) * so + (inner - 1) * si + run_bytes for so, si in src_strides}
+    spans = _spans(seg_bytes, run_bytes, inner, src_strides)
     if len(spans) != 1 or any(s < 0 for pair in src_strides for s in pair):
         return 0
     span = spans.pop()
@@ -302,6 +314,10 @@ def build_plan(
         warp_tiled = bool(span) and seg_bytes < TILE_MIN_BYTES
         mode = linear | (STAGED if staged else 0) | (TILED if span else 0)
         mode |= WARP_TILED if warp_tiled else 0
+        if not gather and linear == LINEAR_STAGE and not staged:  # scatter, cache not linear
+            holes = max(_spans(seg_bytes, run_bytes, inner, cache_strides)) > seg_bytes
+            mode |= PREFETCH_GAPS if holes else 0
+        prefetch_gaps = bool(mode & PREFETCH_GAPS)
         seg_vecs = seg_bytes // unit
         if seg_vecs >= MAX_NUMERATOR:
             raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
@@ -320,6 +336,7 @@ def build_plan(
                 staged,
                 span,
                 warp_tiled,
+                prefetch_gaps,
                 run_bytes,
                 inner,
                 stage_strides,

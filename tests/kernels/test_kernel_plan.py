@@ -27,6 +27,8 @@ from kvflow.kernels.plan import (
     LINEAR_BOTH,
     LINEAR_CACHE,
     LINEAR_STAGE,
+    ORDER_BITS,
+    PREFETCH_GAPS,
     STAGED,
     TILE_MIN_BYTES,
     TILE_SPAN_MAX,
@@ -274,6 +276,8 @@ def _emulate(
         )
         vec = 1 << int(g["vec_log2"])
         linear = int(g["linear"])
+        if linear & PREFETCH_GAPS:  # prefetches only: no bytes move
+            assert not gather and linear & ORDER_BITS == LINEAR_STAGE
         if linear & TILED:
             if linear & WARP_TILED:  # a warp per segment, in the warp's shared memory
                 assert int(g["tiles_per_seg"]["d"]) == 1
@@ -317,9 +321,9 @@ def _emulate(
                 at_stage = (
                     index[0] * int(g["stage_outer"]) + index[1] * int(g["stage_inner"]) + word
                 )
-                if linear in (LINEAR_BOTH, LINEAR_CACHE):
+                if linear & ORDER_BITS in (LINEAR_BOTH, LINEAR_CACHE):
                     at_cache = v * vec
-                if linear in (LINEAR_BOTH, LINEAR_STAGE):
+                if linear & ORDER_BITS in (LINEAR_BOTH, LINEAR_STAGE):
                     at_stage = v * vec
                 src, dst = (cache + at_cache, stage + at_stage)
                 memory.move(*((dst, src) if gather else (src, dst)), vec)
@@ -512,3 +516,21 @@ def test_small_segments_are_tiled_a_warp_each() -> None:
     )
     assert build_plan(padded, 32).groups[0].warp_tiled
     assert not build_plan(padded, 32, gather=False).groups[0].span
+
+
+def test_scatter_into_padded_rows_prefetches_its_partial_sectors() -> None:
+    """Only a scatter whose (non-linear) cache destination has holes between its runs is
+    marked to prefetch; gathers and dense destinations are not."""
+    padded = _layout(
+        KVFormat.SGLANG_MLA, noncontiguous=True, block_size=16, head_size=132, dtype=torch.int8
+    )
+    assert build_plan(padded, 32, gather=False).groups[0].prefetch_gaps
+    assert not build_plan(padded, 32, gather=True).groups[0].prefetch_gaps
+    table = build_plan(padded, 32, gather=False).table
+    record = table[HEADER_BYTES : HEADER_BYTES + GROUP.itemsize].view(GROUP)[0]
+    assert int(record["linear"]) == LINEAR_STAGE | PREFETCH_GAPS
+    dense = _layout(KVFormat.VLLM_FLASH_ATTN, noncontiguous=True, block_size=16)
+    assert not build_plan(dense, 32, gather=False).groups[0].prefetch_gaps
+    assert (
+        not build_plan(_layout(KVFormat.VLLM_FLASH_ATTN), 32, gather=False).groups[0].prefetch_gaps
+    )
