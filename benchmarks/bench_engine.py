@@ -78,6 +78,9 @@ def _free_port() -> int:
 
 #: with --event-log, the observed engine also records its events here (a temporary directory)
 EVENT_LOG_DIR: str | None = None
+#: --control: the "on" engine is built with observability off too (an A/A run: its on/off
+#: columns show the spread of two identical engines)
+CONTROL = False
 
 
 def _engine(case: Case, l1_bytes: int, observe: bool) -> CacheEngine:
@@ -138,7 +141,7 @@ def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
     src, dst = perm[:blocks], perm[blocks:]
     engines = {
         "off": _engine(case, 3 * op_bytes, observe=False),
-        "on": _engine(case, 3 * op_bytes, observe=True),
+        "on": _engine(case, 3 * op_bytes, observe=not CONTROL),
     }
     tally = OpTally()
     engines["on"].bus.register(tally)
@@ -259,8 +262,12 @@ def main() -> None:
     parser.add_argument("--event-log", action="store_true",
                         help="the observed engine also writes an event log (temporary directory);"
                              " compare its on/off with a run without")  # fmt: skip
+    parser.add_argument("--control", action="store_true",
+                        help="both engines with observability off: the on/off columns then"
+                             " measure the spread between identical engines")  # fmt: skip
     args = parser.parse_args()
-    global EVENT_LOG_DIR
+    global EVENT_LOG_DIR, CONTROL
+    CONTROL = args.control
     if args.event_log:
         EVENT_LOG_DIR = tempfile.mkdtemp(prefix="kvflow-bench-engine-events-")
     use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
