@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import statistics
 import subprocess
@@ -216,9 +217,17 @@ def _median_ms(fn: Callable[[], object], repeat: int, device: torch.device) -> f
     return 1e3 * statistics.median(_seconds(fn, device) for _ in range(repeat))
 
 
+def _cache_keyword(model: Any) -> str:
+    """The forward keyword for a KV cache: `cache` from transformers 5.24 (which
+    deprecates `past_key_values`), `past_key_values` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _last_logits(model: Any, ids: torch.Tensor, past: Any = None) -> torch.Tensor:
     with torch.no_grad():
-        out = model(ids.unsqueeze(0), past_key_values=past, use_cache=True, logits_to_keep=1)
+        kw = {_cache_keyword(model): past}
+        out = model(ids.unsqueeze(0), **kw, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float()
 
 
@@ -255,7 +264,7 @@ def measure(
     recompute_ms = _median_ms(lambda: _last_logits(model, ids), repeat, device)
     with torch.no_grad():
         full = model(ids[:prefix].unsqueeze(0), use_cache=True, logits_to_keep=1)
-    cache.write(full.past_key_values, prefix, stored_at)
+    cache.write(full["cache"] if "cache" in full else full["past_key_values"], prefix, stored_at)
     del full
     _sync(device)
     stored = client.store(instance, tokens[:prefix], stored_at, request_id=f"{name}-{length}-s")

@@ -7,8 +7,10 @@ handled as one tensor `[num_layers, 2, num_tokens, num_kv_heads, head_size]`
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -56,11 +58,24 @@ class Prefill:
     logits: torch.Tensor  # [num_tokens, vocab]
 
 
+def _with_past(model: LlamaForCausalLM, past: DynamicCache) -> dict[str, DynamicCache]:
+    """The forward keyword for a KV cache: `cache` from transformers 5.24 (which
+    deprecates `past_key_values`), `past_key_values` before."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: past}
+
+
+def _returned_cache(out: Any) -> DynamicCache:
+    """The cache a forward returned, under either name (see `_with_past`)."""
+    cache: DynamicCache = out["cache"] if "cache" in out else out["past_key_values"]
+    return cache
+
+
 def prefill(model: LlamaForCausalLM, token_ids: torch.Tensor) -> Prefill:
     """Run `token_ids` (1-D) from scratch and collect the per-layer K/V the model cached."""
     with torch.no_grad():
         out = model(token_ids.unsqueeze(0).to(model.device), use_cache=True)
-    cache = out.past_key_values
+    cache = _returned_cache(out)
     kv = torch.stack(
         [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
     )  # [NL, 2, NH, T, HS]
@@ -81,7 +96,7 @@ def continue_from(model: LlamaForCausalLM, kv: torch.Tensor, suffix: torch.Tenso
     """Logits `[len(suffix), vocab]` of running `suffix` after a past whose KV is `kv`."""
     past = to_past_key_values(model, kv)
     with torch.no_grad():
-        out = model(suffix.unsqueeze(0).to(model.device), past_key_values=past, use_cache=True)
+        out = model(suffix.unsqueeze(0).to(model.device), **_with_past(model, past), use_cache=True)
     return out.logits[0]
 
 
