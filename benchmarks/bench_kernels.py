@@ -132,6 +132,8 @@ VARIANTS = {
     "default": DEFAULT_TUNING,
     "iters1": KernelTuning(iters=1),
     "iters2": KernelTuning(iters=2),
+    "witers2": KernelTuning(wide_iters=2),
+    "witers4": KernelTuning(wide_iters=4),
     "occ6": KernelTuning(linear_min_ctas=6),
     "lane128": KernelTuning(lane_bytes=128),
     "cs": KernelTuning(stream_loads=True, stream_stores=True),

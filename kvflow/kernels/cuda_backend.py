@@ -15,6 +15,7 @@ from kvflow.kernels.loader import DEFAULT_OPTIONS, cuda_available, get_function
 from kvflow.kernels.plan import (
     DEFAULT_ITERS,
     DEFAULT_LANE_BYTES,
+    DEFAULT_WIDE_ITERS,
     MAX_NUMERATOR,
     THREADS_PER_CTA,
     WARPS_PER_CTA,
@@ -35,7 +36,8 @@ _ARG_TYPES = [np.uintp] * 6 + [np.uint32, np.uint32]
 class KernelTuning:
     """Build-time knobs of the kernel (defaults measured best; benchmarks compare others).
 
-    lane_bytes: bytes per lane per unrolled step; iters: unrolled steps per warp tile;
+    lane_bytes: bytes per lane per unrolled step; iters / wide_iters: unrolled steps per
+    warp tile of narrow or strided groups / of groups linear on both sides (a plan choice);
     stream_loads / stream_stores: .cs (evict-first) loads / stores instead of default caching;
     linear_min_ctas / tiled_min_ctas: CTAs per SM the linear / tiled kernel's register
     budget must allow;
@@ -45,6 +47,7 @@ class KernelTuning:
 
     lane_bytes: int = DEFAULT_LANE_BYTES
     iters: int = DEFAULT_ITERS
+    wide_iters: int = DEFAULT_WIDE_ITERS
     stream_loads: bool = False
     stream_stores: bool = False
     linear_min_ctas: int = 1
@@ -97,6 +100,7 @@ def device_plan(
             max_vector_bytes=max_vector_bytes,
             lane_bytes=tuning.lane_bytes,
             iters=tuning.iters,
+            wide_iters=tuning.wide_iters,
             tiled=tuning.tiled,
         )
         table = torch.from_numpy(plan.table).to(layout.device)  # synchronous upload

@@ -28,8 +28,7 @@ HEADER = np.dtype(
         ("tiles_per_chunk", FASTDIV),
         ("per_chunk_div", FASTDIV),
         ("chunk_bytes", "<i8"),
-        ("iters", "<u4"),
-        ("pad", "<u4"),
+        ("pad", "<u4", (2,)),
     ],
     align=True,
 )
@@ -48,7 +47,8 @@ GROUP = np.dtype(
         ("linear", "<u4"),
         ("tiles_per_seg", FASTDIV),
         ("span", "<u4"),
-        ("span_pad", "<u4", (3,)),
+        ("iters", "<u4"),
+        ("iters_pad", "<u4", (2,)),
         ("run_vecs", FASTDIV),
         ("inner", FASTDIV),
     ],
@@ -76,7 +76,11 @@ TILE_SPAN_MAX = 48 * 1024  # shared memory a CTA may use without opting in
 TILE_MIN_BYTES = THREADS_PER_CTA * 16  # smaller segments go a warp each (WARP_TILED)
 GRANULE = 16
 DEFAULT_LANE_BYTES = 64
-DEFAULT_ITERS = 4  # unrolled steps per warp tile (measured: fewer CTAs, same bytes in flight)
+# Unrolled steps per warp tile: 1 for wide groups (`is_wide`; measured best: small tiles
+# even out the end of a launch), 4 for the others (narrow or strided vectors: measured
+# best, fewer CTAs for the same bytes in flight).
+DEFAULT_ITERS = 4
+DEFAULT_WIDE_ITERS = 1
 HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 
@@ -88,6 +92,12 @@ def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) ->
         return max(1, lane_bytes // (2 * GRANULE))
     most = 16 if linear & ORDER_BITS == LINEAR_BOTH else 8
     return min(most, max(4, lane_bytes // vec_bytes))
+
+
+def is_wide(vec_bytes: int, linear: int, staged: bool) -> bool:
+    """A group moved in 8- or 16-byte vectors, or in 4-byte ones linear on both sides
+    (not staged): its warp tiles take `wide_iters` steps."""
+    return not staged and (vec_bytes >= 8 or (vec_bytes == 4 and linear == LINEAR_BOTH))
 
 
 def fast_divisor(d: int) -> tuple[int, int, int]:
@@ -130,6 +140,7 @@ class GroupPlan:
     span: int  # tiled (staged through shared memory): the source span of a segment; else 0
     warp_tiled: bool  # tiled a segment per warp (small segments), not per CTA
     prefetch_gaps: bool  # a scatter into padded rows: partial sectors prefetched first
+    iters: int  # unrolled steps per warp tile
     run_bytes: int
     inner: int  # runs per outer index
     stage_strides: tuple[int, int]  # (outer, inner) byte strides in staging
@@ -252,6 +263,7 @@ def build_plan(
     max_vector_bytes: int = 16,
     lane_bytes: int = DEFAULT_LANE_BYTES,
     iters: int = DEFAULT_ITERS,
+    wide_iters: int = DEFAULT_WIDE_ITERS,
     tiled: bool = True,
 ) -> TransferPlan:
     """Plan a transfer of ``chunk_tokens``-token chunks in one direction.
@@ -261,8 +273,9 @@ def build_plan(
     offsets and alignment). A group narrower than 16 bytes whose destination is linear and
     16-byte aligned is *staged* (see `_stageable`) unless ``max_vector_bytes`` caps the
     width, and a staged group whose source segment is one aligned span that fits in
-    shared memory is *tiled* (see `_tile_span`) unless ``tiled`` is false. ``lane_bytes``
-    and ``iters`` must match the kernel build.
+    shared memory is *tiled* (see `_tile_span`) unless ``tiled`` is false. A warp tile
+    is ``wide_iters`` unrolled steps in a wide group (see `is_wide`), ``iters`` in any
+    other; ``lane_bytes`` must match the kernel build.
     """
     if max_vector_bytes not in VECTOR_WIDTHS:
         raise ValueError(f"max_vector_bytes must be one of {VECTOR_WIDTHS}; got {max_vector_bytes}")
@@ -311,6 +324,7 @@ def build_plan(
                 cache_terms if gather else stage_terms,
             )
         unit = GRANULE if staged else vec
+        group_iters = wide_iters if is_wide(vec, linear, staged) else iters
         warp_tiled = bool(span) and seg_bytes < TILE_MIN_BYTES
         mode = linear | (STAGED if staged else 0) | (TILED if span else 0)
         mode |= WARP_TILED if warp_tiled else 0
@@ -327,7 +341,8 @@ def build_plan(
             tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
             tiles_per_seg = WARPS_PER_CTA
         else:
-            tiles_per_seg = math.ceil(seg_vecs / (WARP * unroll(vec, mode, lane_bytes) * iters))
+            per_tile = WARP * unroll(vec, mode, lane_bytes) * group_iters
+            tiles_per_seg = math.ceil(seg_vecs / per_tile)
         tiles = group.kv_size * len(group.layers) * per_chunk * tiles_per_seg
         group_plans.append(
             GroupPlan(
@@ -337,6 +352,7 @@ def build_plan(
                 span,
                 warp_tiled,
                 prefetch_gaps,
+                group_iters,
                 run_bytes,
                 inner,
                 stage_strides,
@@ -360,7 +376,8 @@ def build_plan(
                 mode,
                 _pack_div(tiles_per_seg),
                 span,
-                (0, 0, 0),
+                group_iters,
+                (0, 0),
                 _pack_div(run_bytes if staged else run_bytes // vec),
                 _pack_div(inner),
             )
@@ -380,8 +397,7 @@ def build_plan(
         _pack_div(max(tile, 1)),
         _pack_div(per_chunk),
         chunk_bytes,
-        iters,
-        0,
+        (0, 0),
     )
     groups_arr = np.array(group_rows, dtype=GROUP)
     entries_arr = np.array(entries, dtype=ENTRY)

@@ -189,6 +189,7 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
     [
         KernelTuning(iters=1),
         KernelTuning(iters=3),
+        KernelTuning(wide_iters=4),
         KernelTuning(lane_bytes=128),
         KernelTuning(stream_loads=True, stream_stores=True),
         KernelTuning(stream_loads=True),
@@ -196,7 +197,7 @@ def test_kernel_on_large_pages(fmt: KVFormat, kwargs: dict[str, Any], max_vec: i
         KernelTuning(stream_stores=True),
         KernelTuning(tiled_min_ctas=8),
     ],
-    ids=["iters1", "iters3", "lane128", "cs", "ld-cs", "occ6", "st-cs", "tiled8"],
+    ids=["iters1", "iters3", "witers4", "lane128", "cs", "ld-cs", "occ6", "st-cs", "tiled8"],
 )
 @pytest.mark.parametrize(
     ("fmt", "kwargs"),

@@ -20,6 +20,7 @@ import torch
 from kvflow.kernels import KVFormat, KVLayout
 from kvflow.kernels.plan import (
     DEFAULT_ITERS,
+    DEFAULT_WIDE_ITERS,
     ENTRY,
     GROUP,
     HEADER,
@@ -39,6 +40,7 @@ from kvflow.kernels.plan import (
     build_plan,
     fast_divide,
     fast_divisor,
+    is_wide,
     unroll,
 )
 from kvflow.kernels.reference import transfer_reference
@@ -149,7 +151,9 @@ def test_table_layout_and_tile_counts() -> None:
     assert int(header["chunk_bytes"]) == layout.chunk_nbytes(64)
     for g in plan.groups:
         mode, unit = (g.linear | STAGED, 16) if g.staged else (g.linear, g.vec_bytes)
-        per_tile = 32 * unroll(g.vec_bytes, mode) * DEFAULT_ITERS * unit
+        wide = is_wide(g.vec_bytes, g.linear, g.staged)
+        assert g.iters == (DEFAULT_WIDE_ITERS if wide else DEFAULT_ITERS)
+        per_tile = 32 * unroll(g.vec_bytes, mode) * g.iters * unit
         assert g.tiles_per_seg == -(-g.seg_bytes // per_tile)
     assert plan.groups[0].tile_begin == 0
     assert plan.groups[0].tile_end == plan.groups[1].tile_begin
@@ -239,11 +243,9 @@ def _emulate(
     staging: torch.Tensor,
     memory: _Memory,
     gather: bool,
-    iters: int,
 ) -> None:
     """The kernel's per-warp-tile addressing, one lane and one vector at a time."""
     header = plan.table[: HEADER.itemsize].view(HEADER)[0]
-    assert int(header["iters"]) == iters
     groups = plan.table[plan.groups_offset : plan.entries_offset].view(GROUP)
     entries = plan.table[plan.entries_offset :].view(ENTRY)
     per_chunk = int(header["blocks_per_chunk"])
@@ -294,7 +296,7 @@ def _emulate(
                 src, dst = (cache, stage) if gather else (stage, cache)
                 _tiled_segment(memory, src, dst, g, src_strides)
             continue
-        steps = unroll(vec, linear) * iters
+        steps = unroll(vec, linear) * int(g["iters"])
         run_vecs, inner = _div(g, "run_vecs"), _div(g, "inner")
         for lane in range(32):
             for u in range(steps):
@@ -354,13 +356,16 @@ def test_kernel_addressing_matches_the_reference(
     layout = KVLayout.from_kv_caches(caches, **kw)
     ids = torch.tensor([[4, 1, 3], [0, 5, 2]])
     skip = torch.tensor([1, 0])
-    plan = build_plan(layout, 3 * layout.block_size, max_vector_bytes=max_vec, iters=iters)
+    steps = {"iters": iters, "wide_iters": iters + 1}  # both kinds of group, apart
+    plan = build_plan(layout, 3 * layout.block_size, max_vector_bytes=max_vec, **steps)
+    for g in plan.groups:
+        assert g.iters == (iters + 1 if is_wide(g.vec_bytes, g.linear, g.staged) else iters)
     nbytes = plan.chunk_bytes
     staging = torch.full((2, nbytes), 0xA5, dtype=torch.uint8)
     want = staging.clone()
     transfer_reference(layout, want, ids, skip, gather=True)
     memory = _Memory([*flat_tensors(caches), staging])
-    _emulate(plan, ids, skip, staging, memory, gather=True, iters=iters)
+    _emulate(plan, ids, skip, staging, memory, gather=True)
     assert torch.equal(staging, want)
 
     target, _ = make_kv_caches(fmt, num_blocks=6, block_size=2, generator=gen, **kwargs)
@@ -370,10 +375,10 @@ def test_kernel_addressing_matches_the_reference(
         dst.copy_(src)
     transfer_reference(KVLayout.from_kv_caches(expected, **kw), staging, ids, skip, gather=False)
     plan = build_plan(
-        target_layout, 3 * layout.block_size, gather=False, max_vector_bytes=max_vec, iters=iters
+        target_layout, 3 * layout.block_size, gather=False, max_vector_bytes=max_vec, **steps
     )
     memory = _Memory([*flat_tensors(target), staging])
-    _emulate(plan, ids, skip, staging, memory, gather=False, iters=iters)
+    _emulate(plan, ids, skip, staging, memory, gather=False)
     for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())
 
@@ -438,7 +443,7 @@ def test_staged_addressing_matches_the_reference(
     staging = torch.full((2, plan.chunk_bytes), 0xA5, dtype=torch.uint8)
     want = staging.clone()
     transfer_reference(layout, want, ids, skip, gather=True)
-    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(caches), staging]), True, iters)
+    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(caches), staging]), True)
     assert torch.equal(staging, want)
 
     target, _ = make_kv_caches(fmt, generator=gen, **shape, **kwargs)
@@ -452,7 +457,7 @@ def test_staged_addressing_matches_the_reference(
     assert plan.groups[0].staged == scatter_staged
     assert bool(plan.groups[0].span) == (tiled and scatter_staged)
     assert plan.groups[0].warp_tiled == (tiled and scatter_staged and small)
-    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), False, iters)
+    _emulate(plan, ids, skip, staging, _Memory([*flat_tensors(target), staging]), False)
     for got, exp in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert np.array_equal(got.view(torch.uint8).numpy(), exp.view(torch.uint8).numpy())
 
@@ -498,7 +503,7 @@ def test_mixed_plain_and_tiled_groups_match_the_reference(tiled_first: bool) -> 
     want = staging.clone()
     transfer_reference(layout, want, ids, skip, gather=True)
     memory = _Memory([*flat_tensors(caches), staging])
-    _emulate(plan, ids, skip, staging, memory, True, DEFAULT_ITERS)
+    _emulate(plan, ids, skip, staging, memory, True)
     assert torch.equal(staging, want)
 
 
@@ -534,3 +539,15 @@ def test_scatter_into_padded_rows_prefetches_its_partial_sectors() -> None:
     assert (
         not build_plan(_layout(KVFormat.VLLM_FLASH_ATTN), 32, gather=False).groups[0].prefetch_gaps
     )
+
+
+def test_wide_groups_take_their_own_steps_per_tile() -> None:
+    """8- and 16-byte groups, and 4-byte ones linear on both sides, use wide_iters; staged,
+    strided 4-byte and narrower groups use iters."""
+    assert is_wide(16, LINEAR_STAGE, False) and is_wide(8, LINEAR_CACHE, False)
+    assert is_wide(4, LINEAR_BOTH, False)
+    assert not is_wide(4, LINEAR_STAGE, False) and not is_wide(2, LINEAR_BOTH, False)
+    assert not is_wide(4, LINEAR_BOTH, True)
+    hnd = _layout(KVFormat.VLLM_FLASHINFER, noncontiguous=True, block_size=16)
+    assert build_plan(hnd, 32, iters=3, wide_iters=2).groups[0].iters == 2
+    assert build_plan(hnd, 32, iters=3, wide_iters=2, max_vector_bytes=4).groups[0].iters == 3

@@ -4,7 +4,7 @@
 // (kvflow/kernels/plan.py) reduces each (layer, kv) to an affine stride descriptor and
 // each group to a vector width and a vector order, and this kernel only moves bytes.
 //
-// Work unit: a warp tile = 32 lanes x UNROLL vectors (x iters) of one segment, i.e. one
+// Work unit: a warp tile = 32 lanes x UNROLL vectors (x the group's iters) of one segment, i.e. one
 // block of one (kv, layer). Warp tiles are numbered chunk-major, then group, then
 // (kv, layer), then block, so consecutive warps sweep the staging buffer in order.
 // Inside a segment vector v sits at run r = v / run_vecs, word w = v % run_vecs, and the
@@ -59,8 +59,7 @@ struct PlanHeader {
   FastDiv tiles_per_chunk;
   FastDiv per_chunk;
   int64_t chunk_bytes;  // bytes of one staging row (one chunk)
-  uint32_t iters;       // unrolled steps per warp tile
-  uint32_t pad;
+  uint32_t pad[2];
 };
 
 enum Linear : int { kBoth = 0, kStage = 1, kCache = 2 };
@@ -86,7 +85,8 @@ struct GroupDesc {
   uint32_t linear;            // Linear: which side is linear in v, | kStaged
   FastDiv tiles_per_seg;
   uint32_t span;              // tiled: source bytes of a segment loaded to shared memory
-  uint32_t span_pad[3];
+  uint32_t iters;             // unrolled steps per warp tile
+  uint32_t iters_pad[2];
   FastDiv run_vecs;           // vectors in one run contiguous on both sides (staged: bytes)
   FastDiv inner;              // runs per outer index
 };
@@ -99,7 +99,8 @@ struct Entry {  // one (kv, layer): affine cache address in bytes
 };
 
 static_assert(sizeof(FastDiv) == 16, "mirror plan.FASTDIV");
-static_assert(sizeof(PlanHeader) == 56 && offsetof(PlanHeader, iters) == 48, "mirror plan.HEADER");
+static_assert(sizeof(PlanHeader) == 56 && offsetof(PlanHeader, chunk_bytes) == 40,
+              "mirror plan.HEADER");
 static_assert(sizeof(GroupDesc) == 128 && offsetof(GroupDesc, tile_begin) == 40 &&
                   offsetof(GroupDesc, tiles_per_seg) == 64 && offsetof(GroupDesc, inner) == 112,
               "mirror plan.GROUP");
@@ -466,9 +467,9 @@ __device__ __forceinline__ void transfer(const PlanHeader* __restrict__ hdr,
                 static_cast<int64_t>(kv_layer) * g.layer_stage_bytes +
                 static_cast<int64_t>(block) * g.seg_bytes;
   if (gather) {
-    dispatch<true, KIND>(g, e, cache, stage, seg_tile, hdr->iters, lane);
+    dispatch<true, KIND>(g, e, cache, stage, seg_tile, g.iters, lane);
   } else {
-    dispatch<false, KIND>(g, e, cache, stage, seg_tile, hdr->iters, lane);
+    dispatch<false, KIND>(g, e, cache, stage, seg_tile, g.iters, lane);
   }
 }
 
