@@ -74,6 +74,8 @@ WARP_TILED = 16
 PREFETCH_GAPS = 32
 TILE_SPAN_MAX = 48 * 1024  # shared memory a CTA may use without opting in
 TILE_MIN_BYTES = THREADS_PER_CTA * 16  # smaller segments go a warp each (WARP_TILED)
+# a warp-tiled span (< 1.25 x TILE_MIN_BYTES) fits once per warp in a CTA's shared memory
+assert WARPS_PER_CTA * (TILE_MIN_BYTES + TILE_MIN_BYTES // 4) <= TILE_SPAN_MAX
 GRANULE = 16
 DEFAULT_LANE_BYTES = 64
 # Unrolled steps per warp tile: 1 for wide groups (`is_wide`; measured best: small tiles
@@ -86,8 +88,6 @@ HEADER_BYTES = 64  # the group table starts here (16-byte aligned)
 
 def unroll(vec_bytes: int, linear: int, lane_bytes: int = DEFAULT_LANE_BYTES) -> int:
     """Vectors per lane per unrolled step, as the kernel's ``unroll<VEC, LIN>()``."""
-    if linear & TILED:  # a whole CTA (or warp) moves one segment
-        return 1
     if linear & STAGED:  # a granule reads about two: lane_bytes of loads in flight
         return max(1, lane_bytes // (2 * GRANULE))
     most = 16 if linear & ORDER_BITS == LINEAR_BOTH else 8
@@ -242,16 +242,15 @@ def _tile_span(
     that span 16-byte aligned at its start and end (whole granules, nothing read outside
     the runs' hull), at most TILE_SPAN_MAX bytes, and at most a quarter more than the
     segment's bytes (padding between runs is loaded too). A segment under TILE_MIN_BYTES
-    is warp-tiled (a CTA per 2 KiB segment measured half the speed), so its span must fit
-    a CTA's shared memory once per warp.
+    is warp-tiled (a CTA per 2 KiB segment measured half the speed): its span, at most
+    5 KiB, fits a CTA's shared memory once per warp.
     """
     spans = _spans(seg_bytes, run_bytes, inner, src_strides)
     if len(spans) != 1 or any(s < 0 for pair in src_strides for s in pair):
         return 0
     span = spans.pop()
     aligned = all(term % GRANULE == 0 for term in [span, *src_terms])
-    room = TILE_SPAN_MAX // (WARPS_PER_CTA if seg_bytes < TILE_MIN_BYTES else 1)
-    return span if aligned and span <= min(room, seg_bytes + seg_bytes // 4) else 0
+    return span if aligned and span <= min(TILE_SPAN_MAX, seg_bytes + seg_bytes // 4) else 0
 
 
 def build_plan(

@@ -10,6 +10,7 @@ reference transfer.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import random
 from typing import Any
 
@@ -60,6 +61,92 @@ def test_fast_division_is_exact_below_two_to_the_31() -> None:
                 assert fast_divide(n, div) == n // d, (n, d)
     with pytest.raises(ValueError, match="outside"):
         fast_divisor(0)
+    with pytest.raises(ValueError, match="outside"):
+        fast_divisor(2**31)
+    # the magic numbers themselves (the kernel reads them from the table)
+    assert fast_divisor(1) == (1, 1, 0)
+    assert fast_divisor(7) == (7, (1 << 32) // 7 + 1, 3)
+    assert fast_divisor(132) == (132, ((256 - 132) << 32) // 132 + 1, 8)
+
+
+@pytest.mark.parametrize(
+    ("vec", "mode", "lane_bytes", "vectors"),
+    [
+        (16, LINEAR_BOTH, 64, 4),
+        (4, LINEAR_BOTH, 64, 16),
+        (1, LINEAR_BOTH, 64, 16),
+        (16, LINEAR_BOTH, 32, 4),
+        (4, LINEAR_STAGE, 64, 8),
+        (4, LINEAR_CACHE | PREFETCH_GAPS, 64, 8),
+        (2, LINEAR_STAGE, 128, 8),
+        (16, LINEAR_STAGE, 64, 4),
+        (4, LINEAR_STAGE | STAGED, 64, 2),
+        (4, LINEAR_STAGE | STAGED, 128, 4),
+        (4, LINEAR_STAGE | STAGED, 32, 1),
+        (1, LINEAR_CACHE | STAGED, 16, 1),
+    ],
+)
+def test_vectors_per_lane_step_mirror_the_kernel(
+    vec: int, mode: int, lane_bytes: int, vectors: int
+) -> None:
+    """unroll() is the kernel's unroll<VEC, LIN>() and kStagedUnroll: lane_bytes / vec
+    within [4, 16] on both-linear groups and [4, 8] on the others, a staged group
+    lane_bytes / 32 granules (at least 1)."""
+    assert unroll(vec, mode, lane_bytes) == vectors
+
+
+def test_group_records_carry_the_planned_mode() -> None:
+    """Each packed group record's `linear` field is its order or-ed with exactly the flags
+    its plan has (the kernel dispatches on them), and its step count."""
+    layouts = [
+        _layout(KVFormat.VLLM_FLASH_ATTN, block_size=16),
+        _int8_hnd(num_heads=2, block_size=16, head_size=132),
+        _int8_hnd(num_heads=2, block_size=16, head_size=66),
+        _layout(KVFormat.SGLANG_MLA, noncontiguous=True, head_size=132, dtype=torch.int8),
+    ]
+    seen = 0
+    for layout, lane_bytes in itertools.product(layouts, (64, 128)):
+        for gather in (True, False):
+            plan = build_plan(layout, 32, gather=gather, lane_bytes=lane_bytes, iters=3)
+            records = plan.table[plan.groups_offset : plan.entries_offset].view(GROUP)
+            for g, record in zip(plan.groups, records, strict=True):
+                mode = g.linear | (STAGED if g.staged else 0) | (TILED if g.span else 0)
+                mode |= (WARP_TILED if g.warp_tiled else 0) | (PREFETCH_GAPS * g.prefetch_gaps)
+                assert int(record["linear"]) == mode
+                assert int(record["iters"]) == g.iters
+                assert int(record["span"]) == g.span
+                assert int(record["tiles_per_seg"]["d"]) == g.tiles_per_seg
+                if not g.span:  # warp tiles of `iters` steps cover the segment
+                    unit = 16 if g.staged else g.vec_bytes
+                    per_tile = 32 * unroll(g.vec_bytes, mode, lane_bytes) * g.iters * unit
+                    assert g.tiles_per_seg == -(-g.seg_bytes // per_tile)
+                seen |= mode
+    assert seen == LINEAR_STAGE | LINEAR_CACHE | STAGED | TILED | WARP_TILED | PREFETCH_GAPS
+
+
+def test_tiling_loads_at_most_a_quarter_of_padding() -> None:
+    """A padded-row gather is tiled while its span is at most 1.25 x its data: 66-byte
+    rows padded to 82 (1.23 x) are, 50-byte rows padded to 66 (1.30 x) stay staged."""
+
+    def gather(head: int) -> Any:
+        layout = _layout(
+            KVFormat.SGLANG_MLA, noncontiguous=True, block_size=16, head_size=head,
+            dtype=torch.int8,
+        )  # fmt: skip
+        return build_plan(layout, 32).groups[0]
+
+    tiled = gather(66)
+    assert tiled.staged and tiled.span == 15 * 82 + 66
+    assert tiled.span <= 1.25 * tiled.seg_bytes
+    staged = gather(50)
+    assert staged.staged and staged.span == 0
+
+
+def test_staged_groups_keep_the_narrow_step_count() -> None:
+    """A staged group of 8-byte vectors (untiled) takes `iters`, not `wide_iters`."""
+    layout = _int8_hnd(num_heads=2, block_size=16, head_size=136)
+    group = build_plan(layout, 32, tiled=False, iters=3, wide_iters=2).groups[0]
+    assert (group.vec_bytes, group.staged, group.iters) == (8, True, 3)
 
 
 def _layout(fmt: KVFormat, **kwargs: Any) -> KVLayout:
@@ -148,6 +235,8 @@ def test_table_layout_and_tile_counts() -> None:
     assert plan.table.nbytes == plan.entries_offset + (2 * 2 + 2 * 1) * ENTRY.itemsize
     header = plan.table[: HEADER.itemsize].view(HEADER)[0]
     assert (int(header["num_groups"]), int(header["blocks_per_chunk"])) == (2, 4)
+    assert (plan.chunk_tokens, plan.blocks_per_chunk) == (64, 4)
+    assert all(g.run_bytes == g.seg_bytes for g in plan.groups)  # contiguous: a run per block
     assert int(header["chunk_bytes"]) == layout.chunk_nbytes(64)
     for g in plan.groups:
         mode, unit = (g.linear | STAGED, 16) if g.staged else (g.linear, g.vec_bytes)

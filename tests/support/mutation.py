@@ -129,6 +129,8 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/engine/keys.py": ["tests/core/engine/test_keys.py"],
     "kvflow/core/engine/request.py": ["tests/core/engine/test_request.py"],
     "kvflow/core/engine/observability.py": ["tests/core/engine/test_observability.py"],
+    # the planner: its CPU tests emulate the kernel's addressing from the packed table
+    "kvflow/kernels/plan.py": ["tests/kernels/test_kernel_plan.py"],
 }
 ENGINE_TESTS = ["tests/core/engine"]
 
