@@ -100,6 +100,7 @@ def test_group_records_carry_the_planned_mode() -> None:
     its plan has (the kernel dispatches on them), and its step count."""
     layouts = [
         _layout(KVFormat.VLLM_FLASH_ATTN, block_size=16),
+        _layout(KVFormat.VLLM_FLASH_ATTN, block_size=32, num_heads=8, head_size=128),
         _int8_hnd(num_heads=2, block_size=16, head_size=132),
         _int8_hnd(num_heads=2, block_size=16, head_size=66),
         _layout(KVFormat.SGLANG_MLA, noncontiguous=True, head_size=132, dtype=torch.int8),
