@@ -37,7 +37,7 @@ class KernelTuning:
     """Build-time knobs of the kernel (defaults measured best; benchmarks compare others).
 
     lane_bytes: bytes per lane per unrolled step; iters / wide_iters: unrolled steps per
-    warp tile of narrow or strided groups / of groups linear on both sides (a plan choice);
+    warp tile of narrow or strided groups / of wide ones (`plan.is_wide`; a plan choice);
     stream_loads / stream_stores: .cs (evict-first) loads / stores instead of default caching;
     linear_min_ctas / tiled_min_ctas: CTAs per SM the linear / tiled kernel's register
     budget must allow;

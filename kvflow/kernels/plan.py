@@ -221,6 +221,11 @@ def _stageable(
     return all(s == 0 or s >= GRANULE for s in src_strides)
 
 
+def _cta_aligned(tile: int) -> int:
+    """The first warp tile at or after `tile` that starts a CTA."""
+    return -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
+
+
 def _spans(seg_bytes: int, run_bytes: int, inner: int, strides: list[tuple[int, int]]) -> set[int]:
     """Per (outer, inner) stride pair, the end of a segment's last run (strides >= 0):
     the bytes from a segment's first run to its last, holes included."""
@@ -298,8 +303,13 @@ def build_plan(
         vec = min(max_vector_bytes, pow2_alignment(staging_alignment))
         for term in terms:
             vec = min(vec, pow2_alignment(term))
-        stage_terms = [staging_alignment, chunk_bytes, offset, chunk_tokens * group.row_bytes]
-        stage_terms.append(seg_bytes)
+        stage_terms = [
+            staging_alignment,
+            chunk_bytes,
+            offset,
+            chunk_tokens * group.row_bytes,
+            seg_bytes,
+        ]
         cache_terms = [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
         staged = (
             vec < GRANULE
@@ -325,19 +335,22 @@ def build_plan(
         unit = GRANULE if staged else vec
         group_iters = wide_iters if is_wide(vec, linear, staged) else iters
         warp_tiled = bool(span) and seg_bytes < TILE_MIN_BYTES
+        # a plain scatter whose (non-linear) cache side has holes between its runs
+        prefetch_gaps = (
+            not gather
+            and linear == LINEAR_STAGE
+            and not staged
+            and max(_spans(seg_bytes, run_bytes, inner, cache_strides)) > seg_bytes
+        )
         mode = linear | (STAGED if staged else 0) | (TILED if span else 0)
-        mode |= WARP_TILED if warp_tiled else 0
-        if not gather and linear == LINEAR_STAGE and not staged:  # scatter, cache not linear
-            holes = max(_spans(seg_bytes, run_bytes, inner, cache_strides)) > seg_bytes
-            mode |= PREFETCH_GAPS if holes else 0
-        prefetch_gaps = bool(mode & PREFETCH_GAPS)
+        mode |= (WARP_TILED if warp_tiled else 0) | (PREFETCH_GAPS if prefetch_gaps else 0)
         seg_vecs = seg_bytes // unit
         if seg_vecs >= MAX_NUMERATOR:
             raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
         if warp_tiled:  # one warp per segment
             tiles_per_seg = 1
         elif span:  # one CTA per segment, its warps' tiles aligned to a CTA
-            tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
+            tile = _cta_aligned(tile)
             tiles_per_seg = WARPS_PER_CTA
         else:
             per_tile = WARP * unroll(vec, mode, lane_bytes) * group_iters
@@ -386,7 +399,7 @@ def build_plan(
         ]
         tile += tiles
     if any(g.span and not g.warp_tiled for g in group_plans):  # next chunk's stay aligned
-        tile = -(-tile // WARPS_PER_CTA) * WARPS_PER_CTA
+        tile = _cta_aligned(tile)
     if tile >= MAX_NUMERATOR:
         raise ValueError(f"a chunk of {chunk_bytes} bytes needs too many warp tiles ({tile})")
     header = np.zeros(1, HEADER)

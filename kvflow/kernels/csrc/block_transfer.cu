@@ -129,7 +129,6 @@ template <typename T> __device__ __forceinline__ T load(const T* p) {
 }
 
 
-
 template <typename T> __device__ __forceinline__ void store(T* p, T value) {
 #if KVF_STREAM_STORES
   __stcs(p, value);
