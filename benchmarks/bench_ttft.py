@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import json
 import statistics
@@ -217,16 +218,18 @@ def _median_ms(fn: Callable[[], object], repeat: int, device: torch.device) -> f
     return 1e3 * statistics.median(_seconds(fn, device) for _ in range(repeat))
 
 
-def _cache_keyword(model: Any) -> str:
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
     """The forward keyword for a KV cache: `cache` from transformers 5.24 (which
-    deprecates `past_key_values`), `past_key_values` before."""
-    params = inspect.signature(model.forward).parameters
+    deprecates `past_key_values`), `past_key_values` before. Looked up once per class:
+    `_last_logits` is inside the timed prefills."""
+    params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 def _last_logits(model: Any, ids: torch.Tensor, past: Any = None) -> torch.Tensor:
     with torch.no_grad():
-        kw = {_cache_keyword(model): past}
+        kw = {_cache_keyword(type(model)): past}
         out = model(ids.unsqueeze(0), **kw, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float()
 
