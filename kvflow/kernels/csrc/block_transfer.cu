@@ -270,12 +270,36 @@ __device__ __forceinline__ uint4 splice(const uint4& x, const uint4& y, uint32_t
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-// A staged group's warp tile: lane-contiguous 16-byte granules of the linear destination.
-// Destination byte d of the segment is byte c = d % run_bytes of run r = d / run_bytes,
-// found on the source side at (outer, inner) = divmod(r, inner). A granule's first n bytes
-// come from run r at a; the rest from the start of run r + 1, read from b, n bytes before
-// it (b = a when the granule lies in one run). Every lane computes its addresses, then
-// issues all its loads, then splices and stores, so a second run costs no extra round trip.
+// Where the 16 bytes of destination granule d (a byte offset into the segment) lie on the
+// source side. Destination byte d is byte c = d % run_bytes of run r = d / run_bytes,
+// found on the source side at (outer, inner) = divmod(r, inner). The granule's first n
+// bytes come from run r at offset a; the rest from the start of run r + 1, read from
+// offset b, n bytes before it (b = a when the granule lies in one run). Offsets are bytes
+// from the source side's segment base.
+struct GranuleSource {
+  int64_t a, b;
+  uint32_t n;
+};
+
+__device__ __forceinline__ GranuleSource granule_source(const GroupDesc& g, int64_t s_outer,
+                                                        int64_t s_inner, uint32_t d) {
+  const uint32_t run_bytes = g.run_vecs.d;
+  const uint32_t r = divide(g.run_vecs, d);
+  const uint32_t c = d - r * run_bytes;
+  const uint32_t outer = divide(g.inner, r);
+  const uint32_t in = r - outer * g.inner.d;
+  const int64_t a = outer * s_outer + in * s_inner + c;
+  const uint32_t n = min(16u, run_bytes - c);
+  const bool wrap = in + 1 == g.inner.d;
+  const int64_t b =
+      n < 16 ? (wrap ? outer + 1 : outer) * s_outer + (wrap ? 0u : in + 1) * s_inner - n : a;
+  return {a, b, n};
+}
+
+// A staged group's warp tile: lane-contiguous 16-byte granules of the linear destination,
+// each spliced from its two source runs (granule_source). Every lane computes its
+// addresses, then issues all its loads, then splices and stores, so a second run costs no
+// extra round trip.
 template <bool GATHER>
 __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, char* cache,
                                             char* stage, uint32_t tile, uint32_t iters,
@@ -285,7 +309,6 @@ __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, 
   uint4* dst = reinterpret_cast<uint4*>(GATHER ? stage : cache);
   const int64_t s_outer = GATHER ? e.s_outer : g.stage_outer;
   const int64_t s_inner = GATHER ? e.s_inner : g.stage_inner;
-  const uint32_t run_bytes = g.run_vecs.d;
   for (uint32_t it = 0; it < iters; ++it) {
     const uint32_t first = (tile * iters + it) * (kWarp * U) + lane;
     const int32_t left = static_cast<int32_t>(g.seg_vecs) - static_cast<int32_t>(first);
@@ -295,17 +318,10 @@ __device__ __forceinline__ void copy_staged(const GroupDesc& g, const Entry& e, 
     uint32_t n[U];
 #pragma unroll
     for (unsigned u = 0; u < U; ++u) {
-      const uint32_t d = (first + u * kWarp) * 16;
-      const uint32_t r = divide(g.run_vecs, d);
-      const uint32_t c = d - r * run_bytes;
-      const uint32_t outer = divide(g.inner, r);
-      const uint32_t in = r - outer * g.inner.d;
-      a[u] = src + outer * s_outer + in * s_inner + c;
-      n[u] = min(16u, run_bytes - c);
-      const bool wrap = in + 1 == g.inner.d;
-      b[u] = n[u] < 16 ? src + (wrap ? outer + 1 : outer) * s_outer +
-                             (wrap ? 0u : in + 1) * s_inner - n[u]
-                       : a[u];
+      const GranuleSource at = granule_source(g, s_outer, s_inner, (first + u * kWarp) * 16);
+      a[u] = src + at.a;
+      b[u] = src + at.b;
+      n[u] = at.n;
     }
     Granules x[U], y[U];
 #pragma unroll
@@ -375,19 +391,10 @@ __device__ __forceinline__ void copy_tiled(const GroupDesc& g, const Entry& e, c
   }
   const int64_t s_outer = GATHER ? e.s_outer : g.stage_outer;
   const int64_t s_inner = GATHER ? e.s_inner : g.stage_inner;
-  const uint32_t run_bytes = g.run_vecs.d;
   for (uint32_t j = tid; j < g.seg_vecs; j += threads) {
-    const uint32_t d = j * 16;
-    const uint32_t r = divide(g.run_vecs, d);
-    const uint32_t c = d - r * run_bytes;
-    const uint32_t outer = divide(g.inner, r);
-    const uint32_t in = r - outer * g.inner.d;
-    const uint32_t a = static_cast<uint32_t>(outer * s_outer + in * s_inner) + c;
-    const uint32_t n = min(16u, run_bytes - c);
-    const bool wrap = in + 1 == g.inner.d;
-    const uint32_t b = n < 16 ? static_cast<uint32_t>((wrap ? outer + 1 : outer) * s_outer +
-                                                      (wrap ? 0u : in + 1) * s_inner) - n
-                              : a;
+    const GranuleSource at = granule_source(g, s_outer, s_inner, j * 16);
+    // offsets into the span (< 48 KiB): 32-bit arithmetic from here
+    const uint32_t a = static_cast<uint32_t>(at.a), b = static_cast<uint32_t>(at.b), n = at.n;
     const Granules x = granules_in(span, a, (a & 15) + n > 16);
     const Granules y = granules_in(span, b, n < 16 && (b & 15) != 0);
     const char* base = reinterpret_cast<const char*>(span);
