@@ -39,8 +39,9 @@ from kvflow.kernels.synthetic import block_bytes, make_kv_caches
 BF16 = torch.bfloat16
 
 
-#: blocks of store+retrieve pairs per engine for the sustained ratio (median of rounds)
-SUSTAINED_ROUNDS = 5
+#: rounds of one block of store+retrieve pairs per engine for the sustained ratio (its
+#: median over the rounds): 5 rounds let identical engines (--control) differ by 3-11%
+SUSTAINED_ROUNDS = 15
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,9 @@ def _check_round_trip(
         raise AssertionError(f"{case.name}: retrieved blocks differ from the stored ones")
 
 
-def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
+def run_case(
+    case: Case, device: torch.device, reps: int, rounds: int = SUSTAINED_ROUNDS
+) -> dict[str, Any]:
     """Check and time one case; returns its row of figures."""
     per_chunk = case.chunk // case.block
     blocks = case.chunks * per_chunk
@@ -185,7 +188,7 @@ def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
     # rounds, the engines' order alternating, each round's off/on ratio from blocks timed
     # side by side: one block each swung the ratio by +-30% with the machine's drift.
     block_ratios: list[float] = []
-    for rnd in range(SUSTAINED_ROUNDS):
+    for rnd in range(rounds):
         block: dict[str, float] = {}
         for mode, engine in list(engines.items())[:: 1 if rnd % 2 == 0 else -1]:
 
@@ -222,6 +225,7 @@ def run_case(case: Case, device: torch.device, reps: int) -> dict[str, Any]:
         "store_on_off": paired("store_on", "store_off"),
         "retrieve_on_off": paired("retrieve_on", "retrieve_off"),
         "sustained_on_off": statistics.median(block_ratios),
+        "sustained_rounds": block_ratios,
         "open_ops": tally.open_ops(),
         "ops_seen": sum(t.ops for t in tally.snapshot().values()),
         "dropped": stats.total_dropped,
@@ -255,6 +259,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", help="case names to run (default: all)")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case")
+    parser.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS,
+                        help="rounds of the sustained on/off blocks (median over rounds)")  # fmt: skip
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--small", action="store_true",
                         help="4 layers and 2 chunks per op: a quick CPU sanity run")  # fmt: skip
@@ -266,6 +272,8 @@ def main() -> None:
                         help="both engines with observability off: the on/off columns then"
                              " measure the spread between identical engines")  # fmt: skip
     args = parser.parse_args()
+    if args.reps < 1 or args.rounds < 1:
+        parser.error(f"--reps and --rounds must be >= 1, got {args.reps} and {args.rounds}")
     global EVENT_LOG_DIR, CONTROL
     CONTROL = args.control
     if args.event_log:
@@ -280,7 +288,7 @@ def main() -> None:
             continue
         if args.small:
             case = replace(case, layers=4, chunks=2)
-        rows.append(run_case(case, device, args.reps))
+        rows.append(run_case(case, device, args.reps, args.rounds))
         if use_cuda:
             torch.cuda.empty_cache()
     where = torch.cuda.get_device_name() if use_cuda else "CPU (no pinned memory)"
