@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ def test_toy_run_on_cpu_checks_logits_and_writes_rows_and_plot(tmp_path: Path) -
             "landed_ms",
         ):
             assert row[key] > 0, key
+        assert math.isfinite(row["added_ms"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "(a) recompute" in done.stdout and "(b-d)/c" in done.stdout
 
@@ -86,3 +88,16 @@ def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and "--models from" in done.stderr
+
+
+def test_kvflow_part_is_the_paired_difference_not_the_medians_difference() -> None:
+    """((b) - (d)) / (c) divides the median of back-to-back (b) - (d) pairs by the copy:
+    the medians of (b) and (d) alone drift apart with the suffix prefill's noise."""
+    bench = _load()
+    row = bench.Row(  # type: ignore[attr-defined]
+        model="toy", prompt=512, prefix=256, suffix=256, prefix_gib=0.1, recompute_ms=40.0,
+        kvflow_ms=30.0, copy_ms=2.0, suffix_ms=20.0, added_ms=3.0, retrieve_ms=1.0,
+        retrieve_server_ms=0.5, landed_ms=2.5, logits_rel_err=0.0,
+    )  # fmt: skip
+    assert row.over_copy == 1.5
+    assert row.ratio == 0.75
