@@ -21,5 +21,5 @@ step() {
 }
 step gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests
 step gpu_e2e 90 python3 -m tests.e2e.gpu_e2e --json "$out/gpu_e2e.json"
-step bench_engine 150 python3 benchmarks/bench_engine.py --reps 5 --json "$out/bench_engine.json"
+step bench_engine 240 python3 benchmarks/bench_engine.py --reps 10 --json "$out/bench_engine.json"
 exit $status
