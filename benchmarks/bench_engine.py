@@ -254,6 +254,19 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def _round_spread(rows: list[dict[str, Any]]) -> str:
+    """The sustained rounds' interquartile range over all cases: how steady the machine
+    was during the run (identical engines on a quiet H100 VM: about 0.99-1.01)."""
+    ratios = sorted(x for r in rows for x in r["sustained_rounds"])
+    if len(ratios) < 2:
+        return f"sustained rounds: {len(ratios)} (too few for a spread)"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return (
+        f"sustained rounds: {len(ratios)}, on/off interquartile range {low:.3f}-{high:.3f}"
+        " (the machine's steadiness: a wide range makes single cells unreliable)"
+    )
+
+
 def main() -> None:
     """Run every case (or those named) and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -297,6 +310,7 @@ def main() -> None:
         "median of per-repetition ratios"
     )
     print_table(rows)
+    print(_round_spread(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
