@@ -34,3 +34,19 @@ def test_too_few_gpus_is_a_clear_failure() -> None:
         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 1 and "needs 2 GPUs" in done.stdout
+
+
+def test_same_gpu_needs_cuda_and_one_gpu() -> None:
+    """--same-gpu (both ranks on cuda:0) is refused on the CPU by name, and without any
+    GPU fails as clearly as the two-GPU run."""
+    wrong = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--same-gpu"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert wrong.returncode == 2 and "--same-gpu needs --device cuda" in wrong.stderr
+    none = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda", "--same-gpu"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert none.returncode == 1 and "needs a GPU, found 0" in none.stdout
