@@ -41,13 +41,17 @@ SKIPS = (0, 3)
 
 
 def _median_retrieve_ms(worker: EngineWorker, tokens: torch.Tensor, repeat: int) -> float:
-    """Median wall time of `repeat` more retrieves of the stored prefix into fresh tables."""
+    """Median wall time of `repeat` more retrieves of the stored prefix into fresh tables,
+    until their copies landed (a CUDA retrieve returns once they are queued, with the
+    current stream waiting on them)."""
     gen = torch.Generator().manual_seed(99)
     times = []
     for i in range(repeat):
         table = paged_kv.random_block_table(NUM_BLOCKS, len(tokens), BLOCK_SIZE, gen)
         started = time.perf_counter()
         worker.client.retrieve(worker.instance_id, tokens, table, request_id=f"timing-{i}")
+        if worker.device.type == "cuda":
+            torch.cuda.current_stream(worker.device).synchronize()
         times.append(time.perf_counter() - started)
         worker.client.end_session(f"timing-{i}")
     return 1e3 * statistics.median(times)

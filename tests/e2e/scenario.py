@@ -167,7 +167,7 @@ class ReuseResult:
 
     recompute_error: float  # continuation vs full recompute, relative to the largest logit
     store_s: float  # wall time of the store call (client side)
-    retrieve_s: float  # wall time of the retrieve call (client side)
+    retrieve_s: float  # wall time of the retrieve call (client side; CUDA: until queued)
     chunk_bytes: int  # bytes of one chunk of this worker's KV
 
 
