@@ -15,36 +15,17 @@ sharing. Needs a CUDA GPU and pycuda.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from bench_kernels import VARIANTS  # this folder is on sys.path when run as a script
 
 from kvflow.kernels import KVFormat, KVLayout, cuda_available, new_transfer_stream
-from kvflow.kernels.cuda_backend import KernelTuning, UploadedTransfer
+from kvflow.kernels.cuda_backend import UploadedTransfer
 from kvflow.kernels.synthetic import make_kv_caches
 
 CHUNK_TOKENS, CHUNKS, BLOCK = 256, 16, 16
-
-
-def _variants() -> dict[str, KernelTuning]:
-    """bench_kernels.py's named builds (loaded by path: benchmarks are scripts, and
-    `kvflow bench` runs them by path too)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", Path(__file__).resolve().with_name("bench_kernels.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    variants: dict[str, KernelTuning] = module.VARIANTS
-    return variants
-
-
-VARIANTS = _variants()
 
 
 def _elapsed_ms(fn: Callable[[], object], stream: torch.cuda.Stream, reps: int) -> float:

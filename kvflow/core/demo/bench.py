@@ -28,5 +28,8 @@ def main(command: str, argv: list[str]) -> int:
         )
         return 2
     sys.argv = [f"bench_{name}.py", *argv[1:]]
+    # as `python benchmarks/bench_NAME.py` would: the script's folder first on the path,
+    # so a benchmark imports its siblings (bench_two_gpus uses bench_ttft's server)
+    sys.path.insert(0, str(BENCH_DIR))
     runpy.run_path(str(BENCH_DIR / f"bench_{name}.py"), run_name="__main__")
     return 0
