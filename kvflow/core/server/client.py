@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -97,6 +97,20 @@ def _close_pair(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
 MAX_TIMEOUT_S = 86400.0
 
 
+class _CudaEvents(NamedTuple):
+    """The interprocess events of an instance with CUDA caches, and their device."""
+
+    written: Any  # recorded by a store: the engine's KV writes before it are done
+    retrieved: Any  # recorded by the server once a retrieve's copies are queued
+    device: int
+
+    def stream(self) -> Any:
+        """torch's current stream on the caches' device."""
+        import torch
+
+        return torch.cuda.current_stream(self.device)
+
+
 class KVFlowClient:
     """A connection to `kvflow server` at `endpoint` (e.g. "tcp://127.0.0.1:5555").
 
@@ -155,8 +169,7 @@ class KVFlowClient:
         self._lock = threading.Lock()
         #: every open socket -> the monitor socket reporting its failed handshakes
         self._sockets: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
-        # per CUDA instance: (KV-written event, retrieve-queued event, device)
-        self._events: dict[str, tuple[Any, Any, int]] = {}
+        self._events: dict[str, _CudaEvents] = {}  # per instance with CUDA caches
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
         self._stopping = threading.Event()
@@ -351,7 +364,7 @@ class KVFlowClient:
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
         if event is not None and device is not None:
             with self._lock:
-                self._events[instance_id] = (event, retrieved, device)
+                self._events[instance_id] = _CudaEvents(event, retrieved, device)
         self._start_heartbeat(reply.heartbeat_interval_s)
 
     def lookup(
@@ -418,13 +431,9 @@ class KVFlowClient:
         """Store the request's full chunks from its blocks; returns the tokens now stored."""
         tokens = as_int32_array(token_ids, "token_ids")
         blocks = as_int32_array(block_ids, "block_ids")
-        with self._lock:
-            entry = self._events.get(instance_id)
-        if entry is not None:  # mark "KV written up to here" on the engine's stream
-            import torch
-
-            event, _, device = entry
-            event.record(torch.cuda.current_stream(device))
+        events = self._cuda_events(instance_id)
+        if events is not None:  # mark "KV written up to here" on the engine's stream
+            events.written.record(events.stream())
         request = Store(instance_id=instance_id, request_id=request_id, cache_salt=cache_salt)
         return self._count(request, (tokens, blocks))
 
@@ -453,14 +462,14 @@ class KVFlowClient:
             cache_salt=cache_salt,
         )
         hit = self._count(request, (tokens, blocks))
-        with self._lock:
-            entry = self._events.get(instance_id)
-        if entry is not None:  # the server recorded it after queueing the copies
-            import torch
-
-            _, retrieved, device = entry
-            torch.cuda.current_stream(device).wait_event(retrieved)
+        events = self._cuda_events(instance_id)
+        if events is not None:  # the server recorded it after queueing the copies
+            events.stream().wait_event(events.retrieved)
         return hit
+
+    def _cuda_events(self, instance_id: str) -> _CudaEvents | None:
+        with self._lock:
+            return self._events.get(instance_id)
 
     def end_session(self, request_id: str) -> None:
         """The request finished."""
