@@ -144,12 +144,17 @@ VARIANTS = {
 }
 
 
+def reps_for(moved: int) -> int:
+    """Calls queued back to back per timed block: ~10 GB of traffic, 3 to 20 calls."""
+    return max(3, min(20, int(1e10 // moved)))
+
+
 def _time_ms(fn: Callable[[], object], stream: TransferStream, reps: int, rounds: int) -> float:
     """Median over rounds of the mean GPU time per call, with reps calls queued back to back."""
-    return _time_interleaved({"fn": fn}, stream, reps, rounds)["fn"]
+    return time_interleaved({"fn": fn}, stream, reps, rounds)["fn"]
 
 
-def _time_interleaved(
+def time_interleaved(
     fns: dict[str, Callable[[], object]], stream: TransferStream, reps: int, rounds: int
 ) -> dict[str, float]:
     """Per function, the median over rounds of its mean time per call (ms).
@@ -180,10 +185,39 @@ def _time_interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run_case(
-    case: Case, stream: TransferStream, torch_reps: int, variants: list[str]
-) -> list[dict[str, Any]]:
-    """Time one case: the copy and torch once, the kernel per tuning variant (one row each)."""
+@dataclass(frozen=True)
+class CaseData:
+    """A case on the GPU: its caches' layout, random block ids and a staging buffer."""
+
+    case: Case
+    layout: KVLayout
+    ids: torch.Tensor
+    skip: torch.Tensor
+    staging: torch.Tensor
+
+    @property
+    def moved(self) -> int:
+        """Bytes one gather or scatter of every chunk moves."""
+        return self.staging.numel()
+
+    def kernel(
+        self, gather: bool, tuning: KernelTuning, stream: TransferStream
+    ) -> Callable[[], object]:
+        """The kernel alone: the ids go up once (a request's upload is not the kernel's)."""
+        uploaded = UploadedTransfer(
+            self.layout,
+            self.ids.numpy(),
+            self.skip.numpy(),
+            gather=gather,
+            stream=stream,
+            max_vector_bytes=self.case.max_vec,
+            tuning=tuning,
+        )
+        return lambda: uploaded.launch(self.staging, 0, self.case.chunks)
+
+
+def case_data(case: Case) -> CaseData:
+    """Build a case's caches (twice the blocks it moves) and pick its blocks at random."""
     per_chunk = case.chunk_tokens // case.cache["block_size"]
     blocks = case.chunks * per_chunk
     caches, kw = make_kv_caches(case.fmt, num_blocks=2 * blocks, device="cuda", **case.cache)
@@ -193,10 +227,19 @@ def run_case(
     skip = torch.zeros(case.chunks, dtype=torch.int64)
     nbytes = layout.chunk_nbytes(case.chunk_tokens)
     staging = torch.randint(0, 256, (case.chunks, nbytes), dtype=torch.uint8, device="cuda")
-    copy_src = torch.randint(0, 256, (case.chunks * nbytes,), dtype=torch.uint8, device="cuda")
+    return CaseData(case, layout, ids, skip, staging)
+
+
+def run_case(
+    case: Case, stream: TransferStream, torch_reps: int, variants: list[str]
+) -> list[dict[str, Any]]:
+    """Time one case: the copy and torch once, the kernel per tuning variant (one row each)."""
+    data = case_data(case)
+    layout, ids, skip, staging = data.layout, data.ids, data.skip, data.staging
+    moved = data.moved
+    copy_src = torch.randint(0, 256, (moved,), dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
-    moved = case.chunks * nbytes
-    reps = max(3, min(20, int(1e10 // moved)))
+    reps = reps_for(moved)
 
     def reference(gather: bool) -> Callable[[], object]:
         return lambda: transfer_reference(layout, staging, ids, skip, gather=gather)
@@ -206,24 +249,11 @@ def run_case(
         "torch_scatter": _time_ms(reference(False), stream, torch_reps, rounds=3),
     }
 
-    def kernel(gather: bool, tuning: KernelTuning) -> Callable[[], object]:
-        """The kernel alone: the ids go up once (a request's upload is not the kernel's)."""
-        uploaded = UploadedTransfer(
-            layout,
-            ids.numpy(),
-            skip.numpy(),
-            gather=gather,
-            stream=stream,
-            max_vector_bytes=case.max_vec,
-            tuning=tuning,
-        )
-        return lambda: uploaded.launch(staging, 0, case.chunks)
-
     fns: dict[str, Callable[[], object]] = {"copy": lambda: copy_dst.copy_(copy_src)}
     for variant in variants:
-        fns[f"{variant}:gather"] = kernel(True, VARIANTS[variant])
-        fns[f"{variant}:scatter"] = kernel(False, VARIANTS[variant])
-    timed = _time_interleaved(fns, stream, reps, rounds=9)
+        fns[f"{variant}:gather"] = data.kernel(True, VARIANTS[variant], stream)
+        fns[f"{variant}:scatter"] = data.kernel(False, VARIANTS[variant], stream)
+    timed = time_interleaved(fns, stream, reps, rounds=9)
     rows = []
     for variant in variants:
         ms = {

@@ -1,4 +1,4 @@
-"""Every .cu file compiles for sm_90 with warnings as errors, and the hot kernels never spill
+"""Every .cu file (the package's and the benchmarks') compiles for sm_90 with warnings as errors, and the hot kernels never spill
 and use the registers docs/KERNELS.md states (ptxas -v, nvcc 13.0)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kvflow.kernels.loader import CSRC_DIR
 from tests.support.requirements import ROOT, find
 
 NVCC = find("nvcc")
-SOURCES = sorted(CSRC_DIR.glob("*.cu"))
+SOURCES = sorted(CSRC_DIR.glob("*.cu")) + sorted((ROOT / "benchmarks" / "csrc").glob("*.cu"))
 HOT_KERNELS = {"kvf_block_transfer", "kvf_block_transfer_linear", "kvf_block_transfer_tiled"}
 KERNELS_DOC = ROOT / "docs" / "KERNELS.md"
 
