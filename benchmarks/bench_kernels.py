@@ -25,7 +25,7 @@ from kvflow.kernels.reference import transfer_reference
 from kvflow.kernels.streams import TransferStream
 from kvflow.kernels.synthetic import make_kv_caches
 
-BF16, FP8, INT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8
+BF16, FP8, INT8, UINT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.uint8
 
 
 @dataclass(frozen=True)
@@ -85,14 +85,14 @@ CASES = [
     Case(
         "fi-u8-HND-h129",
         KVFormat.VLLM_FLASHINFER,
-        _mha(size=129, dtype=torch.uint8, noncontiguous=True),
+        _mha(size=129, dtype=UINT8, noncontiguous=True),
         256,
         32,
     ),
     Case(
         "fi-u8-HND-h129-v1",
         KVFormat.VLLM_FLASHINFER,
-        _mha(size=129, dtype=torch.uint8, noncontiguous=True),
+        _mha(size=129, dtype=UINT8, noncontiguous=True),
         256,
         32,
         max_vec=1,
@@ -116,14 +116,18 @@ CASES = [
         4,
     ),
     Case(
-        "mla-int8-h132", KVFormat.VLLM_MLA, _mha(layers=61, heads=1, size=132, dtype=INT8), 256, 128
+        "mla-int8-h132", KVFormat.VLLM_MLA, _mha(layers=61, heads=1, size=132, dtype=INT8), 256, 256
+    ),
+    # DeepSeek's fp8 MLA rows (512 fp8 + 16 scale bytes + 64 bf16 rope = 656 bytes)
+    Case(
+        "mla-u8-h656", KVFormat.VLLM_MLA, _mha(layers=61, heads=1, size=656, dtype=UINT8), 256, 50
     ),
     Case(
         "sgl-mla-int8-h132-pad",
         KVFormat.SGLANG_MLA,
         _mha(layers=61, heads=1, size=132, dtype=INT8, noncontiguous=True),
         256,
-        128,
+        256,
     ),
 ]
 
