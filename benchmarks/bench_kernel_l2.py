@@ -19,13 +19,11 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from bench_kernels import VARIANTS  # this folder is on sys.path when run as a script
+from bench_kernels import CASES, VARIANTS, case_data  # this folder is on sys.path as a script
 
-from kvflow.kernels import KVFormat, KVLayout, cuda_available, new_transfer_stream
-from kvflow.kernels.cuda_backend import UploadedTransfer
-from kvflow.kernels.synthetic import make_kv_caches
+from kvflow.kernels import cuda_available, new_transfer_stream
 
-CHUNK_TOKENS, CHUNKS, BLOCK = 256, 16, 16
+CASE = "fa-bf16-32K"  # bench_kernels' case: 32 layers x 8 heads x 128 bf16, 0.5 GiB per call
 
 
 def _elapsed_ms(fn: Callable[[], object], stream: torch.cuda.Stream, reps: int) -> float:
@@ -52,17 +50,7 @@ def main() -> None:
     if not cuda_available():
         raise SystemExit("bench_kernel_l2 needs a CUDA GPU and pycuda")
     device = torch.device("cuda", torch.cuda.current_device())
-    caches, kw = make_kv_caches(
-        KVFormat.VLLM_FLASH_ATTN, num_layers=32, num_heads=8, head_size=128,
-        dtype=torch.bfloat16, block_size=BLOCK, num_blocks=2 * CHUNKS * CHUNK_TOKENS // BLOCK,
-        device="cuda",
-    )  # fmt: skip
-    layout = KVLayout.from_kv_caches(caches, **kw)
-    per_chunk = CHUNK_TOKENS // BLOCK
-    ids = torch.randperm(layout.num_blocks)[: CHUNKS * per_chunk].view(CHUNKS, per_chunk)
-    skip = torch.zeros(CHUNKS, dtype=torch.int64)
-    nbytes = CHUNKS * layout.chunk_nbytes(CHUNK_TOKENS)
-    staging = torch.empty((CHUNKS, nbytes // CHUNKS), dtype=torch.uint8, device=device)
+    data = case_data(next(c for c in CASES if c.name == CASE))
     weight = torch.randn(4096, (args.victim_mib << 20) // (2 * 4096), device=device).bfloat16()
     tokens = torch.randn(16, 4096, device=device).bfloat16()
     out = torch.empty(16, weight.shape[1], dtype=torch.bfloat16, device=device)
@@ -80,12 +68,7 @@ def main() -> None:
     print(f"{'variant':<9}{'dir':<8}{'victim us':>10}{'x alone':>8}{'transfer GB/s':>14}")
     for variant in args.variants:
         for gather in (True, False):
-            up = UploadedTransfer(layout, ids.numpy(), skip.numpy(), gather=gather,
-                                  stream=transfer_stream, tuning=VARIANTS[variant])  # fmt: skip
-
-            def transfer(up: UploadedTransfer = up) -> None:
-                up.launch(staging, 0, CHUNKS)
-
+            transfer = data.kernel(gather, VARIANTS[variant], transfer_stream)
             transfer()
             torch.cuda.synchronize()
             victims, rates = [], []
@@ -99,7 +82,7 @@ def main() -> None:
                 # the victim runs while the transfers do (it is far shorter than they are)
                 victims.append(_elapsed_ms(victim_pass, victim_stream, 100))
                 end.synchronize()
-                rates.append(8 * 2 * nbytes / (start.elapsed_time(end) * 1e-3) / 1e9)
+                rates.append(8 * 2 * data.moved / (start.elapsed_time(end) * 1e-3) / 1e9)
             shared = statistics.median(victims)
             print(f"{variant:<9}{'gather' if gather else 'scatter':<8}{shared * 1e3:>10.1f}"
                   f"{shared / alone:>8.2f}{statistics.median(rates):>14.0f}")  # fmt: skip

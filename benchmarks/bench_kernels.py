@@ -148,6 +148,13 @@ VARIANTS = {
 }
 
 
+def same_bytes_copy(moved: int) -> Callable[[], object]:
+    """A device-to-device copy of `moved` bytes: the ceiling every kernel is compared with."""
+    src = torch.randint(0, 256, (moved,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def reps_for(moved: int) -> int:
     """Calls queued back to back per timed block: ~10 GB of traffic, 3 to 20 calls."""
     return max(3, min(20, int(1e10 // moved)))
@@ -241,8 +248,6 @@ def run_case(
     data = case_data(case)
     layout, ids, skip, staging = data.layout, data.ids, data.skip, data.staging
     moved = data.moved
-    copy_src = torch.randint(0, 256, (moved,), dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
     reps = reps_for(moved)
 
     def reference(gather: bool) -> Callable[[], object]:
@@ -253,7 +258,7 @@ def run_case(
         "torch_scatter": _time_ms(reference(False), stream, torch_reps, rounds=3),
     }
 
-    fns: dict[str, Callable[[], object]] = {"copy": lambda: copy_dst.copy_(copy_src)}
+    fns: dict[str, Callable[[], object]] = {"copy": same_bytes_copy(moved)}
     for variant in variants:
         fns[f"{variant}:gather"] = data.kernel(True, VARIANTS[variant], stream)
         fns[f"{variant}:scatter"] = data.kernel(False, VARIANTS[variant], stream)

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_kernels import CASES, case_data, reps_for, time_interleaved
+from bench_kernels import CASES, case_data, reps_for, same_bytes_copy, time_interleaved
 
-from kvflow.cuda.context import pycuda_context
 from kvflow.kernels import cuda_available, new_transfer_stream
 from kvflow.kernels.cuda_backend import DEFAULT_TUNING
+from kvflow.kernels.loader import DEFAULT_OPTIONS, get_function
 from kvflow.kernels.streams import TransferStream
 
 CASE = "sgl-mla-int8-h132-pad"
@@ -67,22 +67,13 @@ class PaddedCache:
 
 
 def compile_kernels(stream: TransferStream) -> dict[str, Any]:
-    """The hand-written kernels, built for this GPU with the layout's sizes."""
-    from pycuda.compiler import SourceModule
-
+    """The hand-written kernels, built for this GPU with the layout's sizes (through the
+    package's loader: compiled once, cached on disk)."""
     index = stream.device.index
     assert index is not None
-    major, minor = torch.cuda.get_device_capability(index)
-    defines = [
-        f"-DROW_BYTES={ROW_BYTES}",
-        f"-DROW_STRIDE={ROW_STRIDE}",
-        f"-DBLOCK_ROWS={BLOCK_ROWS}",
-    ]
-    with pycuda_context(index):
-        module = SourceModule(
-            SOURCE.read_text(), arch=f"sm_{major}{minor}", no_extern_c=True, options=defines
-        )
-    return {name: module.get_function(name) for name in PAD}
+    sizes = (f"-DROW_BYTES={ROW_BYTES}", f"-DROW_STRIDE={ROW_STRIDE}", f"-DBLOCK_ROWS={BLOCK_ROWS}")
+    options = (*DEFAULT_OPTIONS, *sizes)
+    return {name: get_function(index, str(SOURCE), name, options) for name in PAD}
 
 
 def launcher(function: Any, padded: PaddedCache, stream: TransferStream) -> Callable[[], object]:
@@ -132,10 +123,8 @@ def main() -> None:
     data = case_data(case)
     moved = data.moved
     padded = PaddedCache(moved // (BLOCK_ROWS * ROW_BYTES))
-    copy_src = torch.randint(0, 256, (moved,), dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
     fns: dict[str, Callable[[], object]] = {
-        "copy": lambda: copy_dst.copy_(copy_src),
+        "copy": same_bytes_copy(moved),
         "kvflow": data.kernel(False, DEFAULT_TUNING, stream),
     }
     for name, function in compile_kernels(stream).items():

@@ -45,7 +45,8 @@ def cuda_available() -> bool:
 def get_function(
     device_index: int, source: str, name: str, options: Sequence[str] = DEFAULT_OPTIONS
 ) -> Any:
-    """The compiled kernel ``name`` from ``csrc/<source>`` for this device's architecture."""
+    """The compiled kernel ``name`` from ``csrc/<source>`` (or from ``source`` when it is
+    an absolute path, as a benchmark's own kernels are) for this device's architecture."""
     ctx = primary_context(device_index)
     key = (ctx, source, name, tuple(options))
     function = _functions.get(key)
