@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.support.gpus import DEVICE_PARAMS, device_under_test
 from tests.support.requirements import PARTS, require_or_skip
 
 
@@ -19,3 +21,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs"):
         (part,) = mark.args
         require_or_skip(part, mark.kwargs.get("why", "this test exercises it"))
+
+
+@pytest.fixture(params=DEVICE_PARAMS)
+def cuda_device(request: pytest.FixtureRequest) -> torch.device:
+    """The CUDA device a GPU test works on: cuda:0, then (gpu2) cuda:1 with cuda:0's
+    context current on the test thread (tests/support/gpus.py)."""
+    return device_under_test(request.param)

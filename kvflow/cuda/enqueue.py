@@ -49,8 +49,12 @@ class DriverEvent:
         if not self.context:
             raise RuntimeError(f"CUDA stream {stream:#x} has no context")
         handle = ctypes.c_void_p()
-        _call("cuEventCreate", self.context, lib.cuEventCreate, ctypes.byref(handle),
-              CU_EVENT_DISABLE_TIMING)  # fmt: skip
+        # an event belongs to the context current when it is made: the thread may have
+        # another device's context current, and recording that event on this stream fails
+        with CurrentContext(self.context):
+            rc = lib.cuEventCreate(ctypes.byref(handle), CU_EVENT_DISABLE_TIMING)
+        if rc:
+            raise lib.fail(rc, "cuEventCreate")
         self.handle = handle.value or 0
         weakref.finalize(self, lib.cuEventDestroy, self.handle)
 

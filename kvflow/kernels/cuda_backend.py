@@ -169,7 +169,8 @@ class UploadedTransfer:
                 raise ValueError(
                     f"id_buffer is on {id_buffer.device} but the cache is on {layout.device}"
                 )
-            self._ids_ptr = id_buffer.upload((block_ids, skip_blocks), self._stream)
+            with CurrentContext(self._context):  # the copy runs on this device's stream
+                self._ids_ptr = id_buffer.upload((block_ids, skip_blocks), self._stream)
         else:
             host = np.concatenate([block_ids.reshape(-1), skip_blocks]).astype(np.int32)
             pinned = torch.from_numpy(host).pin_memory()

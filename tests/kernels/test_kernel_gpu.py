@@ -36,9 +36,11 @@ POISON = 0x5A
 _seeds = itertools.count(1000)
 
 
-def _caches(fmt: KVFormat, seed: int, **kwargs: Any) -> tuple[Any, KVLayout]:
+def _caches(
+    fmt: KVFormat, seed: int, device: torch.device | str = "cuda", **kwargs: Any
+) -> tuple[Any, KVLayout]:
     gen = torch.Generator().manual_seed(seed)
-    caches, kw = make_kv_caches(fmt, device="cuda", generator=gen, **kwargs)
+    caches, kw = make_kv_caches(fmt, device=device, generator=gen, **kwargs)
     return caches, KVLayout.from_kv_caches(caches, **kw)
 
 
@@ -48,34 +50,36 @@ def _check(
     per_chunk: int,
     max_vec: int,
     tuning: KernelTuning = DEFAULT_TUNING,
+    *,
+    device: torch.device | str = "cuda",
     **kwargs: Any,
 ) -> int:
     """Kernel vs reference for gather and scatter; returns the vector width used."""
     seed = next(_seeds)
-    _, layout = _caches(fmt, seed, **kwargs)
+    _, layout = _caches(fmt, seed, device, **kwargs)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(layout.num_blocks, generator=g)[: chunks * per_chunk]
     ids = ids.view(chunks, per_chunk)
     skip = torch.randint(0, per_chunk + 1, (chunks,), generator=g)
     skip[0] = 0
     nbytes = layout.chunk_nbytes(per_chunk * layout.block_size)
-    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device="cuda")
+    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device=device)
     want = got.clone()
     plan = launch_transfer(
         layout, got, ids, skip, gather=True, max_vector_bytes=max_vec, tuning=tuning
     )
     transfer_reference(layout, want, ids, skip, gather=True)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     assert torch.equal(got, want), f"gather differs ({fmt.value}, vec cap {max_vec})"
 
-    staging = torch.randint(0, 256, (chunks, nbytes), dtype=torch.uint8, device="cuda")
-    target, target_layout = _caches(fmt, seed + 1, **kwargs)
-    expected, expected_layout = _caches(fmt, seed + 1, **kwargs)
+    staging = torch.randint(0, 256, (chunks, nbytes), dtype=torch.uint8, device=device)
+    target, target_layout = _caches(fmt, seed + 1, device, **kwargs)
+    expected, expected_layout = _caches(fmt, seed + 1, device, **kwargs)
     launch_transfer(
         target_layout, staging, ids, skip, gather=False, max_vector_bytes=max_vec, tuning=tuning
     )
     transfer_reference(expected_layout, staging, ids, skip, gather=False)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     for a, b in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
             f"scatter differs ({fmt.value})"
@@ -227,23 +231,35 @@ def test_kernel_tuning_builds_stay_exact(
         _check(fmt, 3, 4, width, tuning, num_blocks=30, **kwargs)
 
 
-def test_default_stream_is_ordered_with_torch_current_stream() -> None:
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+def test_kernel_equals_reference_on_the_device_under_test(
+    fmt: KVFormat, cuda_device: torch.device
+) -> None:
+    """Every format, widest and narrowest vector, on cuda:0 and on cuda:1 with cuda:0's
+    context current: the module, plan table and launch all belong to the cache's device."""
+    for width in (16, 2):
+        _check(fmt, 3, 4, width, device=cuda_device, num_blocks=30)
+
+
+def test_default_stream_is_ordered_with_torch_current_stream(cuda_device: torch.device) -> None:
     """With stream=None the kernel sees prior torch work and torch sees the kernel's output."""
-    caches, layout = _caches(KVFormat.VLLM_FLASH_ATTN, 1, num_blocks=64, block_size=16)
+    caches, layout = _caches(KVFormat.VLLM_FLASH_ATTN, 1, cuda_device, num_blocks=64, block_size=16)
     ids = torch.arange(32).view(4, 8)
-    staging = torch.empty(4, layout.chunk_nbytes(128), dtype=torch.uint8, device="cuda")
+    staging = torch.empty(4, layout.chunk_nbytes(128), dtype=torch.uint8, device=cuda_device)
     for t in caches:
         t.fill_(3.0)  # queued on the current stream, not yet synchronised
     transfer_blocks(layout, staging, ids, direction="gather")
     assert bool((staging.view(torch.bfloat16) == 3.0).all())
 
 
-def test_explicit_stream_is_shared_by_torch_and_the_kernel() -> None:
+def test_explicit_stream_is_shared_by_torch_and_the_kernel(cuda_device: torch.device) -> None:
     """Work queued through stream.torch and the kernel on the same stream runs in order."""
-    caches, layout = _caches(KVFormat.VLLM_MLA, 2, num_blocks=16, block_size=16, head_size=64)
+    caches, layout = _caches(
+        KVFormat.VLLM_MLA, 2, cuda_device, num_blocks=16, block_size=16, head_size=64
+    )
     stream = new_transfer_stream(layout.device)
-    staging = torch.empty(2, layout.chunk_nbytes(32), dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
+    staging = torch.empty(2, layout.chunk_nbytes(32), dtype=torch.uint8, device=cuda_device)
+    torch.cuda.synchronize(cuda_device)
     with torch.cuda.stream(stream.torch):
         staging.fill_(7)
     ids = torch.tensor([[1, 2], [3, 4]])
@@ -253,9 +269,9 @@ def test_explicit_stream_is_shared_by_torch_and_the_kernel() -> None:
     assert all(bool((t[5:].view(torch.uint8) != 7).any()) for t in caches)
 
 
-def test_cuda_backend_needs_staging_on_the_cache_device() -> None:
+def test_cuda_backend_needs_staging_on_the_cache_device(cuda_device: torch.device) -> None:
     """Pinned host staging must be copied by the caller: the kernel refuses it clearly."""
-    _, layout = _caches(KVFormat.VLLM_FLASH_ATTN, 3)
+    _, layout = _caches(KVFormat.VLLM_FLASH_ATTN, 3, cuda_device)
     staging = torch.empty(1, layout.chunk_nbytes(8), dtype=torch.uint8)
     with pytest.raises(ValueError, match="both on one device"):
         transfer_blocks(layout, staging, torch.tensor([[0, 1]]), direction="gather")
@@ -264,10 +280,12 @@ def test_cuda_backend_needs_staging_on_the_cache_device() -> None:
 @pytest.mark.parametrize(
     "fmt", [KVFormat.VLLM_FLASH_ATTN, KVFormat.SGLANG_MHA], ids=lambda f: f.value
 )
-def test_prepared_transfer_launches_groups_on_a_stream_exactly(fmt: KVFormat) -> None:
+def test_prepared_transfer_launches_groups_on_a_stream_exactly(
+    fmt: KVFormat, cuda_device: torch.device
+) -> None:
     """Ids uploaded once, groups launched at offsets: same bytes as the reference, both ways."""
     seed = next(_seeds)
-    _, layout = _caches(fmt, seed, num_blocks=64)
+    _, layout = _caches(fmt, seed, cuda_device, num_blocks=64)
     stream = new_transfer_stream(layout.device)
     chunks, per_chunk = 7, 3
     g = torch.Generator().manual_seed(seed)
@@ -276,9 +294,9 @@ def test_prepared_transfer_launches_groups_on_a_stream_exactly(fmt: KVFormat) ->
     )
     skip = [c % (per_chunk + 1) for c in range(chunks)]
     nbytes = layout.chunk_nbytes(per_chunk * layout.block_size)
-    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device="cuda")
+    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device=cuda_device)
     want = got.clone()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(cuda_device)
     moves = PreparedTransfer(layout, ids, direction="gather", skip_blocks=skip, stream=stream)
     for first, count in ((0, 3), (3, 1), (4, 3)):
         moves.launch(got[first : first + count], first, count)
@@ -286,9 +304,9 @@ def test_prepared_transfer_launches_groups_on_a_stream_exactly(fmt: KVFormat) ->
     stream.synchronize()
     assert torch.equal(got, want)
 
-    target, target_layout = _caches(fmt, seed + 1, num_blocks=64)
-    expected, expected_layout = _caches(fmt, seed + 1, num_blocks=64)
-    torch.cuda.synchronize()
+    target, target_layout = _caches(fmt, seed + 1, cuda_device, num_blocks=64)
+    expected, expected_layout = _caches(fmt, seed + 1, cuda_device, num_blocks=64)
+    torch.cuda.synchronize(cuda_device)
     scatter = PreparedTransfer(
         target_layout, ids, direction="scatter", skip_blocks=skip, stream=stream
     )
