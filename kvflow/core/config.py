@@ -26,6 +26,7 @@ MAX_SIZE_GIB = 1 << 20  # 1 PiB: above any machine's memory or disk, far below a
 HEARTBEAT_TIMEOUT_S_RANGE = (0.5, 86400.0)  # the client beats every quarter of it
 MAX_MESSAGE_MB_RANGE = (0.0625, 2048.0)  # 64 KiB .. 2 GiB
 L2_TIMEOUT_S_RANGE = (0.001, 600.0)  # --l2-timeout-s and --l2-redis-timeout-s
+L2_BACKLOG_WAIT_S_RANGE = (0.0, 600.0)  # --l2-backlog-wait-s (0: drop at once, as before)
 TRACING_TTL_S_RANGE = (1.0, 86400.0)
 EXPORT_INTERVAL_S_RANGE = (0.1, 86400.0)
 #: share of L1 that pending L2 write-throughs may pin: the rest stays evictable for stores
@@ -166,6 +167,9 @@ class ServerConfig:
     l2_write_back: bool = True
     #: the longest the request path waits on an L2 tier (a lookup's question, a retrieve's load)
     l2_timeout_s: float = 2.0
+    #: the longest a store waits for L2 writes to catch up (backlog full, or L1 full of
+    #: chunks still being written) before the chunks past that point skip L2, counted
+    l2_backlog_wait_s: float = 10.0
     #: L2 on Redis: redis:// or rediss:// URL (None = no Redis tier); credentials may come
     #: from it, from the two fields below or from KVFLOW_REDIS_* variables (docs/REDIS.md)
     l2_redis_url: str | None = field(default=None, repr=False)
@@ -222,6 +226,9 @@ class ServerConfig:
                 f"--l2-disk-sharding must be one of {allowed}, got {self.l2_disk_sharding!r}"
             )
         _check_range("--l2-timeout-s", self.l2_timeout_s, *L2_TIMEOUT_S_RANGE, "seconds")
+        _check_range(
+            "--l2-backlog-wait-s", self.l2_backlog_wait_s, *L2_BACKLOG_WAIT_S_RANGE, "seconds"
+        )
         url = self.l2_redis_url
         if url is not None and not (isinstance(url, str) and url.startswith(REDIS_SCHEMES)):
             # the value may hold a password: name the flag and the schemes, never the value

@@ -35,12 +35,12 @@ def _page_locked(nbytes: int) -> Iterator[torch.Tensor]:
         cudart.cudaHostUnregister(host.data_ptr())
 
 
-def test_copies_round_trip_host_device_host_bit_for_bit() -> None:
-    stream = new_transfer_stream("cuda")
+def test_copies_round_trip_host_device_host_bit_for_bit(cuda_device: torch.device) -> None:
+    stream = new_transfer_stream(cuda_device)
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     with _page_locked(src.numel()) as host_in, _page_locked(src.numel()) as host_out:
         host_in.copy_(src)
-        dev = torch.empty(src.numel(), dtype=torch.uint8, device="cuda")
+        dev = torch.empty(src.numel(), dtype=torch.uint8, device=cuda_device)
         dev2 = torch.empty_like(dev)
         n = src.numel()
         copy_async(dev.data_ptr(), host_in.data_ptr(), n, stream.handle)
@@ -50,11 +50,11 @@ def test_copies_round_trip_host_device_host_bit_for_bit() -> None:
         assert torch.equal(host_out, src)
 
 
-def test_an_event_orders_one_stream_after_another() -> None:
+def test_an_event_orders_one_stream_after_another(cuda_device: torch.device) -> None:
     """The second stream's copy reads what the first stream wrote after a long kernel."""
-    first, second = new_transfer_stream("cuda"), new_transfer_stream("cuda")
+    first, second = new_transfer_stream(cuda_device), new_transfer_stream(cuda_device)
     done = DriverEvent(first.handle)
-    a = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")
+    a = torch.zeros(64 << 20, dtype=torch.float32, device=cuda_device)
     out = torch.empty_like(a)
     with torch.cuda.stream(first.torch):
         for _ in range(20):  # keep `first` busy so an unordered copy would see zeros
@@ -66,12 +66,12 @@ def test_an_event_orders_one_stream_after_another() -> None:
     assert bool((out == 20.0).all())
 
 
-def test_a_fresh_thread_records_on_the_default_stream_and_copies() -> None:
+def test_a_fresh_thread_records_on_the_default_stream_and_copies(cuda_device: torch.device) -> None:
     """A thread where torch never ran CUDA work has no current context; the calls make
     the stream's (or event's) context current instead of failing."""
-    stream = new_transfer_stream("cuda")
+    stream = new_transfer_stream(cuda_device)
     event = DriverEvent(stream.handle)
-    a = torch.arange(1 << 16, dtype=torch.int32, device="cuda")
+    a = torch.arange(1 << 16, dtype=torch.int32, device=cuda_device)
     b = torch.empty_like(a)
     errors: list[BaseException] = []
 
@@ -91,16 +91,18 @@ def test_a_fresh_thread_records_on_the_default_stream_and_copies() -> None:
     assert torch.equal(a, b)
 
 
-def test_current_context_runs_a_block_under_the_stream_context_over_another_one() -> None:
+def test_current_context_runs_a_block_under_the_stream_context_over_another_one(
+    cuda_device: torch.device,
+) -> None:
     """With another context current (as in a process driving several GPUs), driver calls
     inside CurrentContext run in the stream's context; the other one is current after."""
     import pycuda.driver as drv
 
-    stream = new_transfer_stream("cuda")
-    a = torch.arange(1 << 16, dtype=torch.int32, device="cuda")
+    stream = new_transfer_stream(cuda_device)
+    a = torch.arange(1 << 16, dtype=torch.int32, device=cuda_device)
     b = torch.empty_like(a)
     event = DriverEvent(stream.handle)
-    other = drv.Device(0).make_context()  # a second context, now current
+    other = drv.Device(0).make_context()  # a second context (device 0's), now current
     try:
         with CurrentContext(stream_context(stream.handle)):
             event.record(0)  # the stream's context's default stream
@@ -121,11 +123,11 @@ def test_current_stream_handle_is_torchs_current_stream() -> None:
     assert current_stream_handle(0) == torch.cuda.current_stream(0).cuda_stream
 
 
-def test_a_copy_past_a_device_allocation_raises_naming_the_call() -> None:
+def test_a_copy_past_a_device_allocation_raises_naming_the_call(cuda_device: torch.device) -> None:
     """The driver checks device ranges (host addresses it cannot: they may be pageable)."""
-    stream = new_transfer_stream("cuda")
-    a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-    b = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    stream = new_transfer_stream(cuda_device)
+    a = torch.empty(1 << 20, dtype=torch.uint8, device=cuda_device)
+    b = torch.empty(1 << 20, dtype=torch.uint8, device=cuda_device)
     with pytest.raises(RuntimeError, match=r"cuMemcpyAsync failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         copy_async(a.data_ptr(), b.data_ptr(), 1 << 40, stream.handle)
     copy_async(a.data_ptr(), b.data_ptr(), 1 << 20, stream.handle)  # the stream still works

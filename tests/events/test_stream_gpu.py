@@ -245,3 +245,29 @@ def test_stress_with_gil_hogs_and_synchronizing_threads() -> None:
         f"stress {seconds:.0f}s: published {sum(published)}, delivered {sum(admitted)}, "
         f"dropped {dict(per_type)}"
     )
+
+
+@pytest.mark.gpu2
+def test_streams_of_both_gpus_under_the_other_gpus_context() -> None:
+    """Events on a cuda:1 stream published while cuda:0's context is current, and on a
+    cuda:0 stream published from cuda:1's, are stamped in order by each stream's own
+    context's clock (no CUDA error falls back to host stamps)."""
+    from tests.support.gpus import make_context_current, require_gpus
+
+    require_gpus(2)
+    bus, sub = _started_bus()
+    streams = [torch.cuda.Stream(device=d) for d in (0, 1)]
+    for i in range(400):
+        d = i % 2
+        make_context_current(1 - d)  # the other device's context is current
+        with torch.cuda.device(d), torch.cuda.stream(streams[d]):
+            torch.cuda._sleep(20_000)
+        assert bus.publish_on_stream(streams[d], Event(T.L1_WRITE, op_id=i))
+    for d in (0, 1):
+        torch.cuda.synchronize(d)
+    assert bus.flush(10)
+    for d in (0, 1):
+        mine = [e for e in sub.events if e.op_id is not None and e.op_id % 2 == d]
+        assert [e.op_id for e in mine] == list(range(d, 400, 2))
+        assert all(a.ts_ns < b.ts_ns for a, b in itertools.pairwise(mine))
+    assert bus.stop(5) and _exact(bus)

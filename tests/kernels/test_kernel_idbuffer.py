@@ -14,12 +14,12 @@ from kvflow.kernels import IdBuffer, KVLayout, PreparedTransfer, cuda_available,
 from kvflow.kernels.synthetic import make_kv_caches
 
 
-def _read(address: int, n: int) -> list[int]:
-    """n int32 from a device address (a driver copy; the address is device 0's)."""
+def _read(address: int, n: int, device: torch.device) -> list[int]:
+    """n int32 from an address on `device` (a driver copy in that device's context)."""
     import pycuda.driver as drv
 
     out = np.empty(n, dtype=np.int32)
-    with pycuda_context(0):
+    with pycuda_context(device.index or 0):
         drv.memcpy_dtoh(out, address)
     return out.tolist()
 
@@ -31,34 +31,34 @@ def test_an_id_buffer_needs_a_cuda_device() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-def test_uploads_land_end_to_end_and_survive_growth_until_reset() -> None:
+def test_uploads_land_end_to_end_and_survive_growth_until_reset(cuda_device: torch.device) -> None:
     """Parts of any integer dtype become int32; a request too big for the buffer gets a
     larger one while earlier uploads stay readable; reset starts over at its beginning."""
-    stream = new_transfer_stream("cuda")
-    buf = IdBuffer(torch.device("cuda", 0), slots=8)
+    stream = new_transfer_stream(cuda_device)
+    buf = IdBuffer(cuda_device, slots=8)
     a = buf.upload((np.array([[1, 2], [3, 4]], dtype=np.int64), np.array([7])), stream)
     b = buf.upload((np.arange(20, dtype=np.int32),), stream)  # does not fit: grows
     stream.synchronize()
-    assert _read(a, 5) == [1, 2, 3, 4, 7]
-    assert _read(b, 20) == list(range(20))
+    assert _read(a, 5, cuda_device) == [1, 2, 3, 4, 7]
+    assert _read(b, 20, cuda_device) == list(range(20))
     buf.reset()
     c = buf.upload((np.array([9, 8], dtype=np.int32),), stream)
     stream.synchronize()
-    assert c == b and _read(c, 2) == [9, 8]
+    assert c == b and _read(c, 2, cuda_device) == [9, 8]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-def test_transfers_through_one_buffer_match_fresh_uploads() -> None:
+def test_transfers_through_one_buffer_match_fresh_uploads(cuda_device: torch.device) -> None:
     """Two prepared gathers sharing a buffer move the same bytes as with their own uploads."""
-    caches, kw = make_kv_caches("vllm_flash_attn", num_blocks=32, block_size=16, device="cuda",
+    caches, kw = make_kv_caches("vllm_flash_attn", num_blocks=32, block_size=16, device=cuda_device,
                                 generator=torch.Generator().manual_seed(5))  # fmt: skip
     layout = KVLayout.from_kv_caches(caches, **kw)
-    stream = new_transfer_stream("cuda")
+    stream = new_transfer_stream(cuda_device)
     buf = IdBuffer(layout.device)
     ids = np.random.default_rng(0).permutation(32)[:24].reshape(3, 8)
     nbytes = layout.chunk_nbytes(8 * 16)
-    shared = torch.zeros((3, nbytes), dtype=torch.uint8, device="cuda")
+    shared = torch.zeros((3, nbytes), dtype=torch.uint8, device=cuda_device)
     own = torch.zeros_like(shared)
     first = PreparedTransfer(layout, ids[:1], direction="gather", stream=stream, id_buffer=buf)
     rest = PreparedTransfer(layout, ids[1:], direction="gather", stream=stream, id_buffer=buf)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, cast
@@ -26,7 +27,8 @@ from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.request import RequestIds
-from kvflow.core.engine.tiering import Tiering
+from kvflow.core.engine.tiering import Fetched, Tiering
+from kvflow.core.engine.writethrough import WriteReceipt
 from kvflow.core.errors import (
     AlreadyRegisteredError,
     CapacityError,
@@ -37,6 +39,7 @@ from kvflow.core.errors import (
 )
 from kvflow.core.tiers.base import HostTier, ObjectKey, PlacedTier, StorageTier, WritePlan
 from kvflow.core.tiers.l1 import L1Cache
+from kvflow.core.tiers.quota import TenantQuotas, parse_quotas
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
 
@@ -45,6 +48,10 @@ GIB = 1 << 30
 MAX_WORLD_SIZE = 1024
 #: Most tokens one lookup or prefetch may carry: checked before any hashing.
 MAX_REQUEST_TOKENS = 1 << 22
+#: Share of L1 one window of a store or retrieve streaming through L1 takes (a request
+#: larger than L1 with an L2 tier): with the write-through backlog (BACKLOG_SHARE) and a
+#: retrieve's next window in flight, the streaming request never needs all of L1.
+STREAM_SHARE = 0.25
 
 
 def _check_str(name: str, value: Any) -> str:
@@ -212,7 +219,11 @@ class CacheEngine:
         self.config = config if config is not None else ServerConfig()
         self.chunk_size = self.config.chunk_size
         # the engine reaches every tier only through the tier interface (kvflow.core.tiers.base)
-        self.l1: HostTier = L1Cache(int(self.config.l1_size_gb * GIB))
+        #: per-tenant L1 usage, limits and lookup hits (docs/OPERATIONS.md, Tenant quotas)
+        self.tenants = TenantQuotas(
+            parse_quotas(self.config.l1_quotas), self.config.observability.max_label_values
+        )
+        self.l1: HostTier = L1Cache(int(self.config.l1_size_gb * GIB), tenants=self.tenants)
         self._keys = KeyCache(self.chunk_size)
         self._lock = threading.Lock()
         self._instances: dict[str, Instance] = {}
@@ -231,6 +242,7 @@ class CacheEngine:
             self._tiering = Tiering(
                 self.l1, tiers, self.bus, chunk_size=self.chunk_size,
                 write_back=self.config.l2_write_back, timeout_s=self.config.l2_timeout_s,
+                backlog_wait_s=self.config.l2_backlog_wait_s,
             )  # fmt: skip
 
     # -- helpers ---------------------------------------------------------------------
@@ -274,7 +286,11 @@ class CacheEngine:
             self._publish(
                 EventType.L1_EVICT,
                 session_id,
-                {"chunks": plan.evicted_chunks, "bytes": plan.evicted_bytes},
+                {
+                    "chunks": plan.evicted_chunks,
+                    "bytes": plan.evicted_bytes,
+                    "keys": plan.evicted_keys,
+                },
             )
 
     @staticmethod
@@ -457,6 +473,7 @@ class CacheEngine:
             op.fail(exc, **result)
             raise
         hit_tokens = hit * self.chunk_size
+        self.tenants.record_lookup(model_name, salt, n_req, hit_tokens)
         # chunk_hashes: the list the key cache returned (no copy), for kvflow whatif
         op.end(
             requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier,
@@ -581,11 +598,12 @@ class CacheEngine:
         request_id: str,
         cache_salt: str | None = None,
     ) -> int:
-        """Copy the full chunks missing from L1 into it; returns tokens of the request in L1.
+        """Copy the full chunks missing from L1 into it; returns tokens of the request held.
 
-        The result counts, from token 0, the chunks now in L1 (written by this call,
-        already there, or being written by a concurrent store); it stops at the
-        first chunk L1 had no room for.
+        The result counts, from token 0, the chunks now held: in L1 (written by this call,
+        already there, or being written by a concurrent store) or, with L2 tiers, in L2 or
+        being written to it. Without L2 it stops at the first chunk L1 had no room for;
+        with L2 a request larger than (free) L1 streams through it (`_stream_store`).
         """
         inst = self._instance(instance_id)
         attrs = _transfer_attrs(inst, token_ids)
@@ -602,9 +620,9 @@ class CacheEngine:
                 ids.convert(stop)
                 keys = self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
                 plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
-                evictions_told = False
+                evictions_told = streaming = False
                 try:
-                    if keys and not plan.covered:
+                    if keys and not plan.covered and self._tiering is None:
                         raise CapacityError(
                             f"L1 is full of objects being read; no room for a chunk of "
                             f"{inst.chunk_nbytes} bytes"
@@ -619,12 +637,24 @@ class CacheEngine:
                         ids.convert(stop)
                         keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
                         self.l1.extend_write(plan, [*plan.keys, *keys], inst.chunk_nbytes)
+                    streaming = self._tiering is not None and plan.covered < n_chunks
+                    if streaming:  # the rest goes through L1 window by window
+                        inst.mover.flush()
+                        inst.mover.wait()
+                        self.l1.commit(plan)
+                        self._publish_evictions(plan, request_id)
+                        evictions_told = True
+                        result = self._stream_store(inst, ids, plan, request_id, cache_salt)
+                        op.end(None, **result)
+                        return int(result["held_tokens"])
                     result = {
                         "tokens": len(plan.new) * self.chunk_size,
                         "bytes": len(plan.new) * inst.chunk_nbytes,
                         # the chunks now in L1 and their object size, for kvflow whatif
                         "chunk_hashes": list(map(_HASH_OF, plan.keys[: plan.covered])),
                         "chunk_bytes": inst.chunk_nbytes,
+                        "held_tokens": plan.covered * self.chunk_size,
+                        "tokens_by_tier": {"l1": plan.covered * self.chunk_size},
                     }
                     inst.mover.flush()
                     self._publish_evictions(plan, request_id)  # events once the GPU is busy
@@ -633,19 +663,135 @@ class CacheEngine:
                     inst.mover.wait()
                 except BaseException:
                     self._quiesce(inst)
-                    self.l1.abort(plan)
+                    self.l1.abort(plan)  # committed already when streaming: a no-op then
                     if not evictions_told:
                         self._publish_evictions(plan, request_id)
                     raise
                 self.l1.commit(plan)
         if plan.new:
+            new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
             self._publish(
-                EventType.L1_WRITE, request_id, {"chunks": len(plan.new), "bytes": result["bytes"]}
+                EventType.L1_WRITE,
+                request_id,
+                {"chunks": len(plan.new), "bytes": result["bytes"], "keys": new_keys},
             )
             if self._tiering is not None:  # in the background: the reply never waits for L2
-                new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
                 self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id)
         return plan.covered * self.chunk_size
+
+    def _stream_chunks(self, nbytes: int) -> int:
+        """Chunks of `nbytes` in one window of a request streaming through L1."""
+        return max(1, int(self.l1.capacity_bytes * STREAM_SHARE) // max(nbytes, 1))
+
+    def _written(
+        self, inst: Instance, plan: WritePlan, first: int, request_id: str, receipt: WriteReceipt
+    ) -> int:
+        """A streaming store's committed window (chunks from `first`): L1_WRITE, then its
+        write-through, waiting for backlog room within the bound; returns chunks dropped."""
+        if not plan.new:
+            return 0
+        assert self._tiering is not None
+        new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
+        attrs = {
+            "chunks": len(new_keys), "bytes": len(new_keys) * inst.chunk_nbytes,
+            "keys": new_keys, "first_chunk": first,
+        }  # fmt: skip
+        self._publish(EventType.L1_WRITE, request_id, attrs)
+        return self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id, receipt)
+
+    def _window_plan(self, keys: Sequence[ObjectKey], nbytes: int, request_id: str) -> WritePlan:
+        """Reserve L1 room for a window's keys; while L1 has none (its objects pinned by
+        writes to L2, or by reads), wait for the writes, at most --l2-backlog-wait-s.
+        The plan covers nothing when the wait ran out."""
+        assert self._tiering is not None
+        writes = self._tiering.writes
+        deadline = time.monotonic() + writes.wait_s
+        while True:
+            plan = self.l1.prepare_write(keys, nbytes)
+            self._publish_evictions(plan, request_id)
+            if plan.covered or not writes.wait_progress(deadline):
+                return plan
+
+    def _stream_store(
+        self, inst: Instance, ids: RequestIds, plan: WritePlan, request_id: str,
+        cache_salt: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Store the chunks after `plan` (committed, covering what L1 took at once) through
+        L1 in windows of STREAM_SHARE of it: each window is copied into L1, committed and
+        written through to L2; its L1 room is reused once L2 has it. Stops when no room
+        comes within the bound or L2 writes were dropped (their chunks live in L1 only,
+        and a later window would evict them). Returns the STORE_END attrs."""
+        assert self._tiering is not None
+        nbytes = inst.chunk_nbytes
+        receipt = WriteReceipt([t.name for t in self._tiering.tiers])
+        done: list[ObjectKey] = [cast(ObjectKey, k) for k in plan.keys[: plan.covered]]
+        new = len(plan.new)
+        dropped = self._written(inst, plan, 0, request_id, receipt)
+        window = self._stream_chunks(nbytes)
+        head = done[:window]  # kept the most recently used: the streamed middle goes first
+        n_chunks = ids.n_chunks
+        while not dropped and len(done) < n_chunks:
+            first = len(done)
+            stop = min(n_chunks, first + window)
+            ids.convert(stop)
+            keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
+            wplan = self._window_plan(keys, nbytes, request_id)
+            if not wplan.covered:
+                break
+            try:
+                self._enqueue_store(inst, ids.table, [(first + i, o) for i, o in wplan.new])
+                inst.mover.flush()
+                inst.mover.wait()
+            except BaseException:
+                self._quiesce(inst)
+                self.l1.abort(wplan)
+                raise
+            self.l1.commit(wplan)
+            self.l1.release(self.l1.pin_prefix(head))  # refreshes the head's recency
+            done.extend(keys[: wplan.covered])
+            new += len(wplan.new)
+            head = head or done[:window]
+            dropped = self._written(inst, wplan, first, request_id, receipt)
+        self._tiering.count_streamed("stores", len(done))
+        return self._held(inst, done, new, receipt)
+
+    def _held(
+        self, inst: Instance, keys: list[ObjectKey], new: int, receipt: WriteReceipt
+    ) -> dict[str, Any]:
+        """A streamed store's END attrs: the chunks held from chunk 0 (in L1, confirmed by an
+        L2 tier, or with a write to L2 under way) and what each tier holds of them."""
+        assert self._tiering is not None
+        confirmed, pending = self._tiering.writes.holding(receipt)
+        in_l1 = self.l1.contains(keys).result()
+        unknown = [
+            k for k, hit in zip(keys, in_l1, strict=True)
+            if not hit and k not in pending and not any(k in c for c in confirmed.values())
+        ]  # fmt: skip
+        if unknown:  # held before this store (not written by it): ask the tiers
+            where = self._tiering.loader.residency(unknown)
+            for k in unknown:
+                if where[k] not in (None, "l1"):
+                    confirmed[cast(str, where[k])].add(k)
+        held = 0
+        for k, hit in zip(keys, in_l1, strict=True):
+            if not (hit or k in pending or any(k in c for c in confirmed.values())):
+                break
+            held += 1
+        cs = self.chunk_size
+        by_tier = {"l1": sum(in_l1[:held]) * cs}
+        for name, got in confirmed.items():
+            by_tier[name] = sum(1 for k in keys[:held] if k in got) * cs
+        return {
+            "tokens": new * cs,
+            "bytes": new * inst.chunk_nbytes,
+            "chunk_hashes": [k[0] for k in keys[:held]],
+            "chunk_bytes": inst.chunk_nbytes,
+            "held_tokens": held * cs,
+            "tokens_by_tier": by_tier,
+            "l2_pending_tokens": sum(1 for k in keys[:held] if k in pending) * cs,
+            "l2_dropped_chunks": receipt.dropped,
+            "streamed": True,
+        }
 
     def _enqueue_store(
         self, inst: Instance, table: np.ndarray, new: Sequence[tuple[int, Any]]
@@ -711,14 +857,30 @@ class CacheEngine:
                         more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
                         chunks, tokens = chunks + more[0], tokens + more[1]
                     hit_chunks, from_l2 = len(objs), 0
-                    if tiering is not None and len(objs) < n_chunks:
-                        # L1 misses some tier may hold: load them (or wait for their prefetch)
-                        first = len(objs)
+                    hit_hashes = [o.key[0] for o in objs]
+                    first = len(objs)
+                    keys = []
+                    if tiering is not None and first < n_chunks:
                         keys = self._chunk_keys(inst, ids, first, n_chunks, request_id, cache_salt)
+                    if len(keys) > 2 * self._stream_chunks(inst.chunk_nbytes):
+                        # more than half of L1 misses it: the L1 part's copies land and its
+                        # pins go, then L2 streams through L1 window by window
+                        inst.mover.flush()
+                        inst.mover.wait()
+                        self.l1.release(objs)
+                        objs = []
+                        got = self._stream_retrieve(inst, ids, keys, first, skip, request_id)
+                        hit_chunks, from_l2 = first + got[0], got[1]
+                        chunks, tokens = chunks + got[2], tokens + got[3]
+                        hit_hashes.extend(k[0] for k in keys[: got[0]])
+                    elif keys:
+                        # L1 misses some tier may hold: load them (or wait for their prefetch)
+                        assert tiering is not None
                         fetched = tiering.fetch(keys, inst.chunk_nbytes, request_id)
                         objs.extend(fetched.pinned)
                         staged = fetched.staged
                         hit_chunks, from_l2 = first + len(fetched.objs), fetched.from_l2
+                        hit_hashes.extend(o.key[0] for o in fetched.objs)
                         more = self._scatter(
                             inst, [*objs[:first], *fetched.objs], first, ids,
                             skip // inst.block_size,
@@ -733,7 +895,7 @@ class CacheEngine:
                         "chunks": chunks,
                         "l2_chunks": from_l2,
                         # the hit prefix (L1 refreshes its recency), for kvflow whatif
-                        "chunk_hashes": [o.key[0] for o in objs[:hit_chunks]],
+                        "chunk_hashes": hit_hashes[:hit_chunks],
                     }
                     op.end(inst.mover.retrieve_stream, **result)
                     if enqueued is not None and inst.mover.retrieve_stream is not None:
@@ -754,19 +916,68 @@ class CacheEngine:
             )
         return int(result["hit_tokens"])
 
+    def _stream_retrieve(
+        self, inst: Instance, ids: RequestIds, keys: list[ObjectKey], first: int, skip: int,
+        request_id: str,
+    ) -> tuple[int, int, int, int]:  # fmt: skip
+        """Load `keys` (chunks `first`...) from L2 into L1 a window (STREAM_SHARE of L1) at
+        a time and copy each to the blocks, the next window's loads running meanwhile;
+        each window's L1 objects are released once copied, so the prefix never needs to
+        fit in L1 at once. Returns (chunks landed, of them from L2, chunks copied, tokens).
+        A window that lands short is retried once from its first missing chunk (L1 may
+        have lacked room while the previous window was held); the prefix ends where a
+        retry lands nothing."""
+        tiering = self._tiering
+        assert tiering is not None
+        nbytes, window = inst.chunk_nbytes, self._stream_chunks(inst.chunk_nbytes)
+        skip_blocks = skip // inst.block_size
+        pos = landed_l2 = chunks = tokens = 0
+        span = keys[:window]
+        job = tiering.start_fetch(span, nbytes, request_id)
+        while True:
+            fetched = tiering.finish_fetch(job, span)
+            n = len(fetched.objs)
+            span = keys[pos + n : pos + n + window] if n == len(span) else []
+            if span:  # the next window loads while this one is copied
+                job = tiering.start_fetch(span, nbytes, request_id)
+            try:
+                more = self._scatter(inst, fetched.objs, first + pos, ids, skip_blocks, base=True)
+                inst.mover.flush()
+                inst.mover.wait()
+            finally:
+                self._drop_fetched(fetched)
+            chunks, tokens = chunks + more[0], tokens + more[1]
+            pos, landed_l2 = pos + n, landed_l2 + fetched.from_l2
+            if pos == len(keys) or not n:
+                break
+            if not span:  # landed short: once more from the first chunk missing
+                span = keys[pos : pos + window]
+                job = tiering.start_fetch(span, nbytes, request_id)
+        tiering.count_streamed("retrieves", pos)
+        return pos, landed_l2, chunks, tokens
+
+    def _drop_fetched(self, fetched: Fetched) -> None:
+        """Release a fetch's L1 pins and free its staged objects (the copies have landed)."""
+        self.l1.release(fetched.pinned)
+        if fetched.staged:
+            assert self._tiering is not None
+            self._tiering.loader.discard(fetched.staged)
+
     def _scatter(
-        self, inst: Instance, objs: Sequence[Any], first: int, ids: RequestIds, skip_blocks: int
-    ) -> tuple[int, int]:
+        self, inst: Instance, objs: Sequence[Any], first: int, ids: RequestIds, skip_blocks: int,
+        *, base: bool = False,
+    ) -> tuple[int, int]:  # fmt: skip
         """Enqueue the copies of hit chunks [first, len(objs)) not wholly skipped; returns
-        (chunks enqueued, tokens they write).
+        (chunks enqueued, tokens they write). With `base`, objs[i] is chunk first + i.
 
         The block ids are converted and checked, all of them, when the mover first asks
         for them: after its first host copies are queued, before it writes any block.
         """
         bpc = inst.blocks_per_chunk
+        shift = first if base else 0
         rows: list[int] = []
         skips: list[int] = []
-        for c in range(first, len(objs)):
+        for c in range(first, len(objs) + shift):
             s = min(max(skip_blocks - c * bpc, 0), bpc)
             if s < bpc:
                 rows.append(c)
@@ -777,7 +988,7 @@ class CacheEngine:
             return _rows_of(ids.table, rows)
 
         if rows:
-            inst.mover.retrieve(self.l1.views([objs[c] for c in rows]), block_rows, skips)
+            inst.mover.retrieve(self.l1.views([objs[c - shift] for c in rows]), block_rows, skips)
         return len(rows), sum(bpc - s for s in skips) * inst.block_size
 
     # -- sessions and allocations ------------------------------------------------------------
@@ -841,6 +1052,15 @@ class CacheEngine:
         """The L2 tiers behind L1, in order (empty: L1 only)."""
         return [t.name for t in self._tiering.tiers] if self._tiering is not None else []
 
+    @property
+    def l2_tiers(self) -> list[StorageTier]:
+        """The L2 tiers behind L1, in order (for admin operations: clear, probes)."""
+        return list(self._tiering.tiers) if self._tiering is not None else []
+
+    def pending_l2_writes(self) -> int:
+        """Write-through calls still waiting on L2 (0 without L2): a drain waits for them."""
+        return self._tiering.writes.pending()["calls"] if self._tiering is not None else 0
+
     def l1_stats(self) -> dict[str, int]:
         """L1 usage, capacity, objects and evictions (what the L1 gauges read)."""
         return self.l1.stats()
@@ -857,6 +1077,7 @@ class CacheEngine:
             "chunk_size": self.chunk_size,
             "instances": instances,
             "l1": self.l1.stats(),
+            "l1_pinning": self.l1.pin_state(),
             "l2": self._tiering.describe() if self._tiering is not None else None,
             "bus": {
                 "published": stats.total_published,

@@ -22,6 +22,9 @@ from kvflow.events import Event, EventBus, EventType
 
 #: finished prefetches whose state stays queryable
 KEEP_PREFETCHES = 1024
+#: share of L1 one prefetch may fill: a prefix larger than that is prefetched up to it
+#: (the state says how many chunks did not fit) and the rest streams in at retrieve
+PREFETCH_SHARE = 0.5
 
 
 class Prefetch:
@@ -35,6 +38,7 @@ class Prefetch:
         self.job: Job | None = None
         self.loaded = self.written_back = self.discarded = 0
         self.chunk_size = 0
+        self.skipped = 0  # chunk positions past PREFETCH_SHARE of L1, not prefetched
 
     def describe(self) -> dict[str, Any]:
         job = self.job
@@ -50,6 +54,7 @@ class Prefetch:
             "loaded_chunks": self.loaded,
             "written_back_chunks": self.written_back,
             "discarded_chunks": self.discarded,
+            "skipped_chunks": self.skipped,
         }
 
 
@@ -83,6 +88,7 @@ class Tiering:
         chunk_size: int,
         write_back: bool,
         timeout_s: float,
+        backlog_wait_s: float,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names) or "l1" in names:
@@ -92,7 +98,7 @@ class Tiering:
         self._l1 = l1
         self._bus = bus
         self.counters = {t.name: TierCounters() for t in tiers}
-        self.writes = WriteThrough(l1, self.tiers, bus, self.counters)
+        self.writes = WriteThrough(l1, self.tiers, bus, self.counters, wait_s=backlog_wait_s)
         self.loader = Loader(
             l1, self.tiers, bus, self.counters, write_back=write_back, timeout_s=timeout_s
         )
@@ -100,7 +106,11 @@ class Tiering:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._prefetches: OrderedDict[str, Prefetch] = OrderedDict()
-        self.prefetch_totals = {"requests": 0, "loaded": 0, "written_back": 0, "discarded": 0}
+        self.prefetch_totals = {
+            "requests": 0, "loaded": 0, "written_back": 0, "discarded": 0, "skipped": 0,
+        }  # fmt: skip
+        # stores and retrieves larger than L1 could take at once (they streamed through it)
+        self.streamed = {"stores": 0, "store_chunks": 0, "retrieves": 0, "retrieve_chunks": 0}
 
     @property
     def write_back(self) -> bool:
@@ -143,23 +153,32 @@ class Tiering:
         session_id: str | None,
         residency: Residency,
     ) -> str:
-        """Load the L2 keys of `rows` (every key held somewhere) into L1; returns its id."""
+        """Load the L2 keys of `rows` (every key held somewhere) into L1; returns its id.
+
+        Only the positions that fit in PREFETCH_SHARE of L1 are loaded; the state and the
+        END event count the others as `skipped_chunks`."""
+        fit = _fitting_rows(nbytes, len(rows), int(self._l1.capacity_bytes * PREFETCH_SHARE))
+        skipped = sum(1 for row in rows[fit:] for k in row if residency.get(k) not in (None, "l1"))
+        rows = rows[:fit]
         to_load = sum(1 for row in rows for k in row if residency.get(k) not in (None, "l1"))
         world = len(rows[0]) if rows else 1
         prefetch_id = f"pf-{next(self._ids)}"
         record = Prefetch(prefetch_id, model_name, to_load, len(rows) * self.chunk_size)
         record.chunk_size = self.chunk_size
+        record.skipped = skipped
         attrs = {
             "model_name": model_name,
             "world_size": world,
             "chunks": to_load,
             "tokens": record.tokens,
             "trigger": trigger,
+            "skipped_chunks": skipped,
         }
         op = Op(self._bus, EventType.PREFETCH_START, session_id, attrs)
         op.publish_start()
         with self._lock:
             self.prefetch_totals["requests"] += 1
+            self.prefetch_totals["skipped"] += skipped
             self._prefetches[prefetch_id] = record
             while len(self._prefetches) > KEEP_PREFETCHES:
                 self._prefetches.popitem(last=False)
@@ -178,6 +197,7 @@ class Tiering:
                 loaded_chunks=record.loaded,
                 written_back_chunks=record.written_back,
                 discarded_chunks=record.discarded,
+                skipped_chunks=record.skipped,
             )
 
         record.job = self.loader.start(
@@ -196,10 +216,17 @@ class Tiering:
 
     def fetch(self, keys: Sequence[ObjectKey], nbytes: int, session_id: str | None) -> Fetched:
         """Bring the leading `keys` that L1 misses back from L2, waiting at most the timeout."""
-        job = self.loader.start(
+        return self.finish_fetch(self.start_fetch(keys, nbytes, session_id), keys)
+
+    def start_fetch(self, keys: Sequence[ObjectKey], nbytes: int, session_id: str | None) -> Job:
+        """Start loading the `keys` L1 misses (a retrieve's window); `finish_fetch` collects."""
+        return self.loader.start(
             [[k] for k in keys], [nbytes], reason="retrieve", session_id=session_id,
             on_done=self._publish_write_back,
         )  # fmt: skip
+
+    def finish_fetch(self, job: Job, keys: Sequence[ObjectKey]) -> Fetched:
+        """The leading keys of a `start_fetch` that landed, waiting at most the timeout."""
         landed = self.loader.wait_prefix(job, self.loader.timeout_s)
         fetched = Fetched([], [], [], 0)
         if self.write_back:  # one pin of the run: recency refreshed head last, like any read
@@ -237,13 +264,22 @@ class Tiering:
                 tiers[tier.name]["detail"] = tier.describe()
         with self._lock:
             prefetch = dict(self.prefetch_totals)
+            streamed = dict(self.streamed)
         return {
             "tiers": tiers,
             "write_back": self.write_back,
             "timeout_s": self.loader.timeout_s,
             "prefetch": prefetch,
+            "streamed": streamed,
+            "write_through": self.writes.totals(),
             "in_flight": {**self.loader.in_flight(), "write_through": self.writes.pending()},
         }
+
+    def count_streamed(self, kind: str, chunks: int) -> None:
+        """A store or retrieve ("stores", "retrieves") streamed `chunks` through L1."""
+        with self._lock:
+            self.streamed[kind] += 1
+            self.streamed[f"{kind[:-1]}_chunks"] += chunks
 
     def close(self, timeout: float) -> None:
         """Let pending writes finish (bounded), close the tiers, free staged objects."""
@@ -251,3 +287,10 @@ class Tiering:
         for tier in self.tiers:
             tier.close()
         self.loader.sweep(0.0)
+
+
+def _fitting_rows(nbytes: Sequence[int], n_rows: int, budget: int) -> int:
+    """How many rows (one object of nbytes[i] per rank i) fit in `budget` bytes (at least
+    one: a single row never overflows L1, registration checked that)."""
+    per_row = max(1, sum(nbytes))
+    return min(n_rows, max(1, budget // per_row))

@@ -1,14 +1,19 @@
 """Write-through: chunks a store wrote to L1 are copied to every L2 tier in the background.
 
-The store's reply never waits: the chunks' L1 objects are pinned (so eviction leaves
-their bytes alone), each tier's `store` is submitted, and the pins are released when
-every tier has answered. A backlog bound keeps a slow tier from pinning all of L1:
-chunks beyond it are not written to L2 and count as failed (L1 is unaffected).
+The store's reply does not wait for the writes: the chunks' L1 objects are pinned (so
+eviction leaves their bytes alone), each tier's `store` is submitted, and the pins are
+released when every tier has answered. A backlog bound keeps a slow tier from pinning all
+of L1: a submit past it waits (at most `wait_s`, --l2-backlog-wait-s) for earlier writes
+to finish, so a write burst slows the store down instead of losing L2 writes; chunks
+still past the bound when the wait ends are not written to L2 and count as dropped (L1
+is unaffected). Drops are logged once per burst: when the first one happens, and when a
+submit goes through whole again.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -20,6 +25,8 @@ from kvflow.core.engine.ops import Op
 from kvflow.core.errors import L2BacklogError
 from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier, StoreOutcome
 from kvflow.events import Event, EventBus, EventType
+
+log = logging.getLogger("kvflow.l2")
 
 
 class TierCounters:
@@ -35,6 +42,17 @@ class TierCounters:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+class WriteReceipt:
+    """What became of the chunks one store submitted, per tier (read under the
+    write-through's lock): keys a tier confirmed (stored or present, in calls with no
+    failure), keys whose writes are still pending, and chunks dropped past the bound."""
+
+    def __init__(self, tiers: Sequence[str]) -> None:
+        self.confirmed: dict[str, set[ObjectKey]] = {name: set() for name in tiers}
+        self.pending: dict[ObjectKey, int] = {}  # key -> tier calls not answered yet
+        self.dropped = 0
+
+
 class WriteThrough:
     """Submits L1's new chunks to each L2 tier; `drain` waits for what is pending."""
 
@@ -44,33 +62,95 @@ class WriteThrough:
         tiers: Sequence[StorageTier],
         bus: EventBus,
         counters: dict[str, TierCounters],
+        *,
+        wait_s: float,
     ) -> None:
         self._l1 = l1
         self._tiers = tiers
         self._bus = bus
         self._counters = counters
-        self._max_pending = int(l1.capacity_bytes * BACKLOG_SHARE)
+        self.wait_s = wait_s
+        self.max_pending = int(l1.capacity_bytes * BACKLOG_SHARE)
         self._pending_bytes = 0
         self._pending_calls = 0
         self._idle = threading.Condition()
+        # backpressure and drops since start (status), and the drop burst under way
+        self.waits = self.dropped_chunks = self.drop_bursts = 0
+        self.waited_s = 0.0
+        self._burst: tuple[float, int] | None = None  # (start, chunks dropped in it)
 
-    def submit(self, keys: Sequence[ObjectKey], nbytes: int, session_id: str | None) -> None:
-        """Write these L1 chunks (each `nbytes`) to every tier; returns at once.
+    def submit(
+        self,
+        keys: Sequence[ObjectKey],
+        nbytes: int,
+        session_id: str | None,
+        receipt: WriteReceipt | None = None,
+    ) -> int:
+        """Write these L1 chunks (each `nbytes`) to every tier; returns the chunks dropped.
 
-        Chunks that would take the pinned backlog past its bound are not written (the
-        head of the request goes first: it is the part a lookup can reach).
+        Returns once every chunk's writes are submitted (not finished): when the pinned
+        backlog has no room, it waits for earlier writes to finish, at most `wait_s` in
+        all; chunks still without room then are dropped (the head of the request goes
+        first: it is the part a lookup can reach). `receipt` records what becomes of them.
         """
+        deadline = time.monotonic() + self.wait_s
+        done = 0
+        while done < len(keys):
+            with self._idle:
+                fit = self._room(nbytes, deadline)
+                fit = min(len(keys) - done, fit)
+                self._pending_bytes += fit * nbytes
+            if not fit:
+                break
+            self._write(keys[done : done + fit], nbytes, session_id, receipt)
+            done += fit
+        dropped = len(keys) - done
+        if dropped:
+            self._refuse(dropped, nbytes, session_id)
+            if receipt is not None:
+                with self._idle:
+                    receipt.dropped += dropped
+        elif keys:
+            self._end_burst()
+        return dropped
+
+    def _room(self, nbytes: int, deadline: float) -> int:
+        """Chunks of `nbytes` the backlog takes now, waiting (under the condition) until
+        it takes one or `deadline` passes. A chunk larger than the bound goes alone."""
+        started = None
+        while True:
+            free = self.max_pending - self._pending_bytes
+            room = max(0, free // nbytes) if nbytes else 0
+            if room or (nbytes and not self._pending_bytes):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._pending_calls:
+                break
+            if started is None:
+                started = time.monotonic()
+                self.waits += 1
+            self._idle.wait(left)
+        if started is not None:
+            self.waited_s += time.monotonic() - started
+        return max(room, 1) if nbytes and not self._pending_bytes else room
+
+    def _write(
+        self,
+        keys: Sequence[ObjectKey],
+        nbytes: int,
+        session_id: str | None,
+        receipt: WriteReceipt | None,
+    ) -> None:
+        """Pin the chunks (their backlog bytes are counted already) and submit each tier's
+        write of them."""
+        objs, pinned = self._pin(keys)
         with self._idle:
-            room = max(0, (self._max_pending - self._pending_bytes) // nbytes) if nbytes else 0
-            fit = min(len(keys), room)
-            self._pending_bytes += fit * nbytes
-        objs, pinned = self._pin(keys[:fit])
-        with self._idle:
-            self._pending_bytes -= (fit - len(objs)) * nbytes
+            self._pending_bytes -= (len(keys) - len(objs)) * nbytes
             if objs:
                 self._pending_calls += len(self._tiers)
-        if len(keys) > fit:
-            self._refuse(len(keys) - fit, nbytes, session_id)
+                if receipt is not None:
+                    for key in pinned:
+                        receipt.pending[key] = len(self._tiers)
         if not objs:
             return
         views = self._l1.views(objs)
@@ -85,8 +165,25 @@ class WriteThrough:
                 future.set_exception(exc)
             future.add_done_callback(
                 functools.partial(self._finished, tier=tier, op=op, items=items, nbytes=nbytes,
-                                  objs=objs, remaining=remaining)
+                                  objs=objs, remaining=remaining, receipt=receipt)
             )  # fmt: skip
+
+    def wait_progress(self, deadline: float) -> bool:
+        """Wait until some pending tier call answers (True) or `deadline` passes or nothing
+        is pending (False): a store that found L1 full of chunks being written waits here."""
+        with self._idle:
+            calls = self._pending_calls
+            started = time.monotonic()
+            while self._pending_calls >= calls > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            progressed = self._pending_calls < calls
+            if calls:
+                self.waits += 1
+                self.waited_s += time.monotonic() - started
+            return progressed
 
     def _pin(self, keys: Sequence[ObjectKey]) -> tuple[list[Any], list[ObjectKey]]:
         """Pin each key's L1 object (evicted ones are skipped): the chunks need not be one
@@ -104,14 +201,42 @@ class WriteThrough:
         return objs, pinned
 
     def _refuse(self, chunks: int, nbytes: int, session_id: str | None) -> None:
-        """Chunks past the backlog bound: each tier's write of them fails, counted."""
+        """Chunks past the backlog bound after the wait: each tier's write of them fails,
+        counted; the first drop of a burst is logged."""
         error = L2BacklogError(
-            f"{self._pending_bytes} bytes already wait for L2 writes (bound {self._max_pending})"
+            f"{self._pending_bytes} bytes still waited for L2 writes after {self.wait_s:g} s "
+            f"(bound {self.max_pending}, --l2-backlog-wait-s)"
         )
+        with self._idle:
+            self.dropped_chunks += chunks
+            first = self._burst is None
+            if first:
+                self.drop_bursts += 1
+                self._burst = (time.monotonic(), chunks)
+            else:
+                assert self._burst is not None
+                self._burst = (self._burst[0], self._burst[1] + chunks)
+        if first:
+            log.warning(
+                "l2_writes_dropped",
+                extra={"tiers": [t.name for t in self._tiers], "chunks": chunks,
+                       "reason": str(error)},
+            )  # fmt: skip
         for tier in self._tiers:
             op = self._start(tier, chunks, chunks * nbytes, session_id)
             self._counters[tier.name].store_failures += chunks
             op.fail(error, stored_chunks=0, stored_bytes=0, present_chunks=0, failed_chunks=chunks)
+
+    def _end_burst(self) -> None:
+        """A submit went through whole: log the drop burst under way, if any, as ended."""
+        with self._idle:
+            burst, self._burst = self._burst, None
+        if burst is not None:
+            log.warning(
+                "l2_write_drop_burst_ended",
+                extra={"dropped_chunks": burst[1],
+                       "seconds": round(time.monotonic() - burst[0], 3)},
+            )  # fmt: skip
 
     def _start(self, tier: StorageTier, chunks: int, total: int, session_id: str | None) -> Op:
         attrs = {"tier": tier.name, "chunks": chunks, "bytes": total}
@@ -128,9 +253,11 @@ class WriteThrough:
         nbytes: int,
         objs: list[Any],
         remaining: list[int],
+        receipt: WriteReceipt | None,
     ) -> None:
         """One tier answered: publish its END (and evictions), release pins after the last."""
         counters = self._counters[tier.name]
+        outcome: StoreOutcome | None = None
         try:
             outcome = future.result()
         except Exception as exc:
@@ -145,15 +272,20 @@ class WriteThrough:
                 stored_bytes=outcome.stored * nbytes,
                 present_chunks=outcome.present,
                 failed_chunks=outcome.failed,
+                # which keys the tier holds now is known only when none failed
+                **({} if outcome.failed else {"keys": [key for key, _ in items]}),
             )
             if outcome.evicted_chunks:
                 attrs = {
                     "tier": tier.name,
                     "chunks": outcome.evicted_chunks,
                     "bytes": outcome.evicted_bytes,
+                    "keys": list(outcome.evicted_keys),
                 }
                 self._bus.publish(Event(EventType.L2_EVICT, 0, op.session_id, None, attrs))
         with self._idle:
+            if receipt is not None:
+                self._settle(receipt, tier.name, [k for k, _ in items], outcome)
             remaining[0] -= 1
             last = remaining[0] == 0
             self._pending_calls -= 1
@@ -162,6 +294,42 @@ class WriteThrough:
             self._idle.notify_all()
         if last:
             self._l1.release(objs)
+
+    @staticmethod
+    def _settle(
+        receipt: WriteReceipt, tier: str, keys: list[ObjectKey], outcome: StoreOutcome | None
+    ) -> None:
+        """Record one tier's answer for these keys (under the condition). A call with any
+        failed key confirms none of them: the outcome does not say which failed."""
+        if outcome is not None and not outcome.failed:
+            receipt.confirmed[tier].update(keys)
+        for key in keys:
+            left = receipt.pending.get(key, 0) - 1
+            if left > 0:
+                receipt.pending[key] = left
+            else:
+                receipt.pending.pop(key, None)
+
+    def holding(self, receipt: WriteReceipt) -> tuple[dict[str, set[ObjectKey]], set[ObjectKey]]:
+        """A copy of the receipt's confirmed keys per tier and its pending keys."""
+        with self._idle:
+            return (
+                {name: set(keys) for name, keys in receipt.confirmed.items()},
+                set(receipt.pending),
+            )
+
+    def totals(self) -> dict[str, Any]:
+        """Backpressure and drops since start, for status (kvflow top shows them)."""
+        with self._idle:
+            return {
+                "bound_bytes": self.max_pending,
+                "wait_s": self.wait_s,
+                "waits": self.waits,
+                "waited_s": round(self.waited_s, 6),
+                "dropped_chunks": self.dropped_chunks,
+                "drop_bursts": self.drop_bursts,
+                "dropping": self._burst is not None,
+            }
 
     def pending(self) -> dict[str, int]:
         """Bytes pinned for and tier calls still waiting on L2 writes."""

@@ -128,6 +128,14 @@ OPTIONS = (
         "longest wait of a request on an L2 tier, in seconds, 0.001..600 (default 2)",
     ),
     _Option(
+        "--l2-backlog-wait-s",
+        "l2_backlog_wait_s",
+        _S,
+        float,
+        "longest a store waits for slow L2 writes before skipping L2 (counted), in seconds,"
+        " 0..600 (default 10)",
+    ),
+    _Option(
         "--l2-redis",
         "l2_redis_url",
         _S,

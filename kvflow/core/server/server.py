@@ -2,10 +2,11 @@
 
 The main loop owns the socket: it decodes every request, answers cheap ones
 (lookup, status, heartbeat, sessions, allocations) itself, and hands
-register/store/retrieve/unregister to one of a fixed pool of worker threads,
-picked by a stable hash of the instance id, so one instance's work runs in
-order while different instances run in parallel, and no number of instances
-adds threads or sockets. An instance belongs to the client that registered it.
+register/store/retrieve/unregister to one of a fixed pool of worker threads:
+an instance gets the worker serving the fewest instances when it registers and
+keeps it, so one instance's work runs in order while different instances (the
+ranks of a tensor-parallel engine, one per GPU) run in parallel on workers of
+their own, and no number of instances adds threads or sockets. An instance belongs to the client that registered it.
 Workers send replies back through an inproc socket the main loop forwards.
 Clients that stop heartbeating have their instances reaped; `request_stop`
 finishes in-flight work, then closes the engine (bus and exporters).
@@ -21,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,19 +35,27 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.errors import (
     AlreadyRegisteredError,
     CapacityError,
+    InvalidRequestError,
     KVFlowError,
     PermissionDeniedError,
     ProtocolError,
     UnknownInstanceError,
 )
+from kvflow.core.server.admin import AdminAuth, AdminOps, DrainState
 from kvflow.core.server.curve import CurveServer
+from kvflow.core.server.kv_streams import KVSubscriptions
+from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
+    AdminRequest,
     Done,
     EndSession,
     Failed,
     Heartbeat,
+    KVEvents,
+    KVSubscribed,
     Lookup,
+    PollKVEvents,
     Prefetch,
     PrefetchQuery,
     PrefetchStarted,
@@ -60,13 +68,16 @@ from kvflow.core.server.protocol import (
     Status,
     StatusResult,
     Store,
+    SubscribeKVEvents,
     Unregister,
+    UnsubscribeKVEvents,
     decode_request,
     encode_reply,
     peek_id,
 )
 from kvflow.core.server.sharing import OpenedKVCaches, open_kv_caches
 from kvflow.events import BlockAllocation
+from kvflow.subscribers.kv_events import KVEventLog, RecordFilter
 
 log = logging.getLogger("kvflow.server")
 
@@ -169,6 +180,7 @@ class _Worker:
         self._results = results
         self._jobs: queue.SimpleQueue[tuple[bytes | None, Job] | None] = queue.SimpleQueue()
         self._push: zmq.Socket[Any]  # made by the worker thread, used only there
+        self.name = name
         self._thread = threading.Thread(target=self._run, name=f"kvflow-{name}", daemon=True)
         self._thread.start()
 
@@ -262,6 +274,8 @@ class KVFlowServer:
                     self._ctx, self.config.curve_secret_key, self.config.curve_authorized_keys
                 )
                 self._curve.secure(self._router)
+            #: who may call admin operations (docs/OPERATIONS.md)
+            self._admin_auth = AdminAuth(self.config)
             self._router.bind(f"tcp://{self.config.host}:{port}")
         except BaseException as exc:
             self._close_sockets()
@@ -280,15 +294,21 @@ class KVFlowServer:
             self._results.close(0)
             self._close_sockets()
             raise
+        #: the KV-event log routers subscribe to (None: --kv-events-chunks 0)
+        self.kv_events: KVSubscriptions | None = None
+        if self.config.kv_events_chunks:
+            self.kv_events = KVSubscriptions(KVEventLog(self.config.kv_events_chunks))
+            self.engine.bus.register(self.kv_events.log)
         self._max_instances = int(self.config.max_instances)
         #: instance id -> registration; workers remove failed registrations (under the lock)
         self._registrations: dict[str, _Registration] = {}
         self._registrations_lock = threading.Lock()
-        #: the fixed pool: an instance's jobs all go to _pool[hash(id) % len]
+        #: the fixed pool: an instance's jobs all go to the worker it got at registration
         self._pool = [
             _Worker(self._ctx, self._results_addr, f"worker-{i}")
             for i in range(max(1, min(self._max_instances, _MAX_WORKERS)))
         ]
+        self._next_worker = 0  # where the search for the least-loaded worker starts
         self._workers: list[_Worker] = list(self._pool)
         #: lookups and prefetches, when L2 tiers may make them wait (L1 only: none)
         self._queries: _Worker | None = None
@@ -306,6 +326,36 @@ class KVFlowServer:
         self._errors_lock = threading.Lock()
         self._reaped = 0
         self._closed = False
+        #: drain state, admin operations (on their own worker) and the probes
+        self._drain = DrainState()
+        self._admin = AdminOps(self.engine, self._drain, self.engine.pending_l2_writes)
+        self._admin_worker = _Worker(self._ctx, self._results_addr, "admin")
+        self._workers.append(self._admin_worker)
+        self._clock = LoopClock()
+        self._probes: ProbeServer | None = None
+        if self.config.probe_port:
+            self._probes = self._start_probes()
+
+    def _start_probes(self) -> ProbeServer:
+        """Serve /healthz and /readyz (an unusable port closes the server: OSError)."""
+        l1 = self.engine.l1
+        probes = Probes(
+            loop_age_s=self._clock.age_s,
+            pin_state=getattr(l1, "pin_state", lambda: None),
+            tier_stats=lambda: {t.name: t.stats() for t in self.engine.l2_tiers},
+            draining=lambda: self._drain.draining,
+            stopping=self._stop.is_set,
+        )
+        try:
+            return ProbeServer(probes, self.config.probe_host, self.config.probe_port)
+        except OSError:
+            self.close()
+            raise
+
+    @property
+    def probe_port(self) -> int | None:
+        """The port /healthz and /readyz answer on (None: probes off)."""
+        return self._probes.port if self._probes is not None else None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -330,6 +380,7 @@ class KVFlowServer:
         poller.register(self._results, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                self._clock.tick()
                 ready = dict(poller.poll(int(_TICK_S * 1000)))
                 if self._results in ready:
                     self._forward_results()
@@ -346,6 +397,8 @@ class KVFlowServer:
         if self._closed:
             return
         self._closed = True
+        if self._probes is not None:
+            self._probes.close()
         log.info("kvflow server stopping: finishing in-flight work")
         workers = self._workers
         for worker in workers:
@@ -439,6 +492,8 @@ class KVFlowServer:
             if self._curve is not None:  # the key ZAP authenticated: no other client has it
                 request.client = f"{frames[0].get('User-Id')} {request.client}"
             self._last_seen[request.client] = time.monotonic()
+            if isinstance(request, AdminRequest):
+                return self._admin_call(identity, request, frames[0], started)
             return self._dispatch(identity, request, arrays, started)
         except Exception as exc:
             self._count_error()
@@ -463,10 +518,15 @@ class KVFlowServer:
             case Store() | Retrieve():
                 reg = self._owned(request.instance_id, request.client, type(request).__name__)
                 job = self._transfer_job(reg, request, arrays, started, identity)
+                if isinstance(request, Store):  # a drain refuses new ones, waits for these
+                    self._drain.check("store")
+                    job = self._drain.track(job)
                 reg.worker.submit(identity, job)
                 return None
             case Heartbeat():
                 return Done(id=rid, server_ns=_since(started))
+            case SubscribeKVEvents() | PollKVEvents() | UnsubscribeKVEvents():
+                return self._kv_events(request, started)
             case Status():
                 return StatusResult(id=rid, status=self.status(), server_ns=_since(started))
             case Register():
@@ -487,6 +547,59 @@ class KVFlowServer:
                 engine.report_block_allocations(request.instance_id, records)
                 return Done(id=rid, server_ns=_since(started))
         raise ProtocolError(f"unsupported request {type(request).__name__}")
+
+    def _kv_events(
+        self, request: SubscribeKVEvents | PollKVEvents | UnsubscribeKVEvents, started: int
+    ) -> Reply:
+        """Subscribe to, poll or leave the KV-event log (answered on the loop: a poll
+        copies at most MAX_POLL_RECORDS records)."""
+        streams = self.kv_events
+        if streams is None:
+            raise InvalidRequestError("KV events are off on this server (--kv-events-chunks 0)")
+        rid, client = request.id, request.client
+        if isinstance(request, SubscribeKVEvents):
+            wanted = RecordFilter(
+                request.model_name, request.world_size, request.cache_salt, request.match_salt
+            )
+            sub_id, log_seq = streams.subscribe(client, wanted)
+            return KVSubscribed(
+                id=rid, subscription=sub_id, epoch=streams.epoch, log_seq=log_seq,
+                server_ns=_since(started),
+            )  # fmt: skip
+        if isinstance(request, PollKVEvents):
+            poll = streams.poll(
+                client, request.subscription, request.after_seq, request.after_log_seq,
+                request.max_records,
+            )  # fmt: skip
+            return KVEvents(id=rid, poll=poll, server_ns=_since(started))
+        streams.unsubscribe(client, request.subscription)
+        return Done(id=rid, server_ns=_since(started))
+
+    def _admin_call(
+        self, identity: bytes, request: AdminRequest, frame: zmq.Frame, started: int
+    ) -> Reply | None:
+        """Refuse a caller who is no admin; run an admin's request on the admin worker."""
+        key = frame.get("User-Id") if self._curve is not None else None
+        try:
+            peer: str | None = frame.get("Peer-Address")
+        except zmq.ZMQError:  # a transport without peer addresses (inproc): no admin
+            peer = None
+        caller = f"{request.client or '?'} at {peer or '?'}"
+        if key is not None:
+            caller = f"{caller} with CURVE key {key}"
+        if not self._admin_auth.allowed(key, peer):
+            raise self._admin.refuse(request, caller, self._admin_auth.why_not())
+
+        def run() -> Reply:
+            try:
+                result = self._admin.run(request, caller)
+            except Exception as exc:
+                self._count_error()
+                return _failed(request.id, exc, started)
+            return StatusResult(id=request.id, status=result, server_ns=_since(started))
+
+        self._admin_worker.submit(identity, run)
+        return None
 
     def _query(self, request: Lookup | Prefetch, tokens: np.ndarray, started: int) -> Reply:
         """A lookup's hit tokens or a prefetch's id (errors raise to the caller)."""
@@ -603,6 +716,7 @@ class KVFlowServer:
         really served. Re-registering one's own instance id (same client), or another
         client's with `takeover`, first retires the old registration on the same worker.
         """
+        self._drain.check("register")
         iid = request.instance_id
         old = self._registrations.get(iid)
         if old is not None and old.client != request.client and not request.takeover:
@@ -626,7 +740,7 @@ class KVFlowServer:
                 f"the server already serves {len(self._registrations)} instances, its limit"
                 " (--max-instances): unregister one or raise the limit"
             )
-        worker = self._pool[zlib.crc32(iid.encode("utf-8", "surrogatepass")) % len(self._pool)]
+        worker = old.worker if old is not None else self._least_loaded_worker()
         if old is not None:
             log.info(
                 "instance %r re-registered by client %s%s: releasing the old registration",
@@ -639,7 +753,20 @@ class KVFlowServer:
         with self._registrations_lock:
             self._registrations[iid] = reg
         self._reaped_ids.pop(iid, None)
-        worker.submit(identity, self._register_job(reg, request, started))
+        worker.submit(identity, self._drain.track(self._register_job(reg, request, started)))
+
+    def _least_loaded_worker(self) -> _Worker:
+        """The pool's worker serving the fewest instances, equals taken in turn after the
+        last one picked: two ranks never share a worker while another one idles."""
+        with self._registrations_lock:
+            load = dict.fromkeys(map(id, self._pool), 0)
+            for reg in self._registrations.values():
+                load[id(reg.worker)] = load.get(id(reg.worker), 0) + 1
+        n = len(self._pool)
+        turn = [self._pool[(self._next_worker + i) % n] for i in range(n)]
+        worker = min(turn, key=lambda w: load[id(w)])
+        self._next_worker = (self._pool.index(worker) + 1) % n
+        return worker
 
     def _register_job(self, reg: _Registration, request: Register, started: int) -> Job:
         interval = self._heartbeat_timeout / 4
@@ -732,6 +859,8 @@ class KVFlowServer:
                 while len(self._reaped_ids) > _REMEMBER_REAPED:
                     self._reaped_ids.popitem(last=False)
                 self._retire(reg, None, 0, time.perf_counter_ns())
+        if self.kv_events is not None:
+            self.kv_events.expire(self._last_seen, limit)
         with self._registrations_lock:
             owners = {reg.client for reg in self._registrations.values()}
         for client, seen in list(self._last_seen.items()):
@@ -762,9 +891,17 @@ class KVFlowServer:
             "authentication": "curve" if self._curve is not None else "none",
             "authorized_keys": len(self._curve.authorized) if self._curve is not None else None,
             "instances": {
-                iid: {"client": reg.client, "registered_s_ago": round(now - reg.registered_at, 3)}
+                iid: {
+                    "client": reg.client,
+                    "worker": reg.worker.name,
+                    "registered_s_ago": round(now - reg.registered_at, 3),
+                }
                 for iid, reg in registrations
             },
             "clients": {c: round(now - seen, 3) for c, seen in self._last_seen.items()},
+            "drain": self._admin.drain_status(),
+            "tenants": self._admin.l1.tenant_stats(),
+            "probe_port": self.probe_port,
+            "kv_events": self.kv_events.status() if self.kv_events is not None else None,
         }
         return status

@@ -46,7 +46,8 @@ class StoreOutcome:
 
     `stored` objects were written, `present` were held already, `failed` could not be
     written (no room left once unpinned objects were evicted, an I/O error); writing
-    evicted `evicted_chunks` objects of `evicted_bytes` bytes.
+    evicted `evicted_chunks` objects of `evicted_bytes` bytes, `evicted_keys` (a tier that
+    evicts fills them in, for the KV-event stream).
     """
 
     stored: int = 0
@@ -54,6 +55,7 @@ class StoreOutcome:
     failed: int = 0
     evicted_chunks: int = 0
     evicted_bytes: int = 0
+    evicted_keys: tuple[ObjectKey, ...] = ()
 
 
 @dataclass
@@ -62,7 +64,8 @@ class WritePlan:
 
     `covered` keys (a prefix of `keys`) are present, being written by another writer,
     or newly reserved in `new` as (index in keys, object handle); the handles are
-    invisible to readers until `commit`.
+    invisible to readers until `commit`. `evicted_keys` are the objects evicted to make
+    room (for the KV-event stream: docs/EVENTS.md, KV events).
     """
 
     keys: Sequence[Hashable]
@@ -70,6 +73,7 @@ class WritePlan:
     new: list[tuple[int, Any]] = field(default_factory=list)
     evicted_chunks: int = 0
     evicted_bytes: int = 0
+    evicted_keys: list[Hashable] = field(default_factory=list)
 
 
 class HostChunks(Protocol):
@@ -171,6 +175,10 @@ class HostTier(StorageTier, Protocol):
 
     def release(self, objs: Sequence[Any]) -> None:
         """Undo `pin_prefix` for these objects."""
+        ...
+
+    def pin_state(self) -> dict[str, Any] | None:
+        """How far the host memory is pinned ahead of demand; None if it grows on demand."""
         ...
 
     def views(self, objs: Sequence[Any]) -> HostChunks:

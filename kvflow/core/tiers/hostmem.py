@@ -20,10 +20,15 @@ def cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+#: cudaHostRegisterPortable: pinned for every device's context, not only the one current
+#: on the pinning thread (a server copies into L1 from every GPU of its host)
+REGISTER_PORTABLE = 1
+
+
 def _pin(segment: torch.Tensor) -> None:
-    """Page-lock `segment`'s memory for asynchronous copies (cudaHostRegister)."""
+    """Page-lock `segment`'s memory for asynchronous copies from any GPU (cudaHostRegister)."""
     cudart = torch.cuda.cudart()
-    rc = cudart.cudaHostRegister(segment.data_ptr(), segment.numel(), 0)
+    rc = cudart.cudaHostRegister(segment.data_ptr(), segment.numel(), REGISTER_PORTABLE)
     if rc != cudart.cudaError.success:
         raise MemoryError(f"cudaHostRegister of {segment.numel()} bytes failed: {rc}")
 
@@ -47,13 +52,30 @@ class HostPool:
 
     def add_segment(self, nbytes: int) -> int:
         """Allocate a new segment of `nbytes`; returns its index."""
+        return self.adopt(self.make_segment(nbytes))
+
+    def make_segment(self, nbytes: int) -> torch.Tensor:
+        """Allocate (and pin, for a pinned pool) `nbytes` of host memory, not yet part of
+        the pool: the slow half of `add_segment` (~0.27 s per GiB pinned), safe to run on
+        any thread, with no lock held."""
         seg = torch.empty(nbytes, dtype=torch.uint8)
         if self.pinned:
             _pin(seg)
-            self._registered.append(seg.data_ptr())
-        self._segments.append(seg)
-        self._bases.append(seg.data_ptr())
+        return seg
+
+    def adopt(self, segment: torch.Tensor) -> int:
+        """Make a segment from `make_segment` part of the pool; returns its index (call
+        from one thread at a time: L1 does, under its lock)."""
+        if self.pinned:
+            self._registered.append(segment.data_ptr())
+        self._segments.append(segment)
+        self._bases.append(segment.data_ptr())
         return len(self._segments) - 1
+
+    def discard(self, segment: torch.Tensor) -> None:
+        """Undo `make_segment` for a segment the pool never adopted."""
+        if self.pinned:
+            _unpin_all([segment.data_ptr()])
 
     def view(self, segment: int, offset: int, nbytes: int) -> torch.Tensor:
         """The uint8 bytes [offset, offset + nbytes) of a segment (shares memory)."""
@@ -63,6 +85,16 @@ class HostPool:
         """The host address of byte `offset` of a segment (what `view(...).data_ptr()`
         gives, without making a tensor: a driver copy needs only this)."""
         return self._bases[segment] + offset
+
+    def release_segment(self, segment: int) -> None:
+        """Unpin and drop one segment, whose index stays taken (L1 shrinking; no object
+        may live there any more)."""
+        base = self._bases[segment]
+        if base in self._registered:
+            self._registered.remove(base)
+            _unpin_all([base])
+        self._segments[segment] = torch.empty(0, dtype=torch.uint8)
+        self._bases[segment] = 0
 
     def release(self) -> None:
         """Unpin and drop every segment (a view still held elsewhere keeps its bytes,

@@ -23,6 +23,8 @@ import torch
 
 from kvflow.core.tiers.base import StoreOutcome, WritePlan, check_buffers, completed
 from kvflow.core.tiers.hostmem import HostPool
+from kvflow.core.tiers.pinahead import DEFAULT_THREADS, PinAhead
+from kvflow.core.tiers.quota import Tenant, TenantQuotas
 
 ALIGN = 256
 DEFAULT_SEGMENT_BYTES = 1 << 30
@@ -90,70 +92,160 @@ class L1Cache:
         *,
         pool: HostPool | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        tenants: TenantQuotas | None = None,
+        pin_ahead: bool | None = None,
+        pin_threads: int = DEFAULT_THREADS,
     ) -> None:
+        """`pin_ahead` (default: when the pool pins) grows L1 to its capacity in the
+        background from now on (`kvflow.core.tiers.pinahead`), so no store pins memory."""
         if capacity_bytes < ALIGN:
             raise ValueError(f"L1 capacity must be at least {ALIGN} bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes
         self.pool = pool if pool is not None else HostPool()
         self._lock = threading.Lock()
+        self._grown = threading.Condition(self._lock)  # a pinned-ahead segment arrived
+        self._growing = 0  # bytes of segments being pinned ahead, not yet in _reserved
+        self._closed = False
         self._index: dict[Hashable, L1Object] = {}
         self._lru: OrderedDict[Hashable, L1Object] = OrderedDict()  # ready objects only
         self._free: list[_FreeList] = []
+        self._sizes: list[int] = []  # each segment's bytes (0 once released by a shrink)
+        #: segments a shrink gives back: no new objects; live bytes left (released at 0)
+        self._retiring: dict[int, int] = {}
+        #: per-tenant usage and limits (kvflow.core.tiers.quota)
+        self.tenants = tenants if tenants is not None else TenantQuotas()
         self._reserved = 0  # bytes of segments allocated
         self._usage = 0
         self._writing = 0
         self.evicted_chunks = 0
         self.evicted_bytes = 0
+        want_ahead = self.pool.pinned if pin_ahead is None else pin_ahead
+        self._pinner: PinAhead | None = None
+        if want_ahead:
+            self._pinner = PinAhead(
+                capacity_bytes, segment_bytes, claim=self._claim_segment,
+                make=self.pool.make_segment, settle=self._settle_segment, threads=pin_threads,
+            )  # fmt: skip
 
     # -- allocation ---------------------------------------------------------------
 
     def _alloc(self, key: Hashable, nbytes: int, plan: WritePlan) -> L1Object | None:
+        """Room for one object (hold the lock): free space, else (while L1 is pinned ahead)
+        an eviction, else a new segment; waits only for a segment being pinned ahead when
+        nothing can be evicted. None: no room for it at all."""
         size = _align(nbytes)
-        for seg, free in enumerate(self._free):
-            off = free.alloc(size)
-            if off is not None:
-                return L1Object(key, seg, off, nbytes, size)
-        room = self.capacity_bytes - self._reserved
-        if room >= size:
-            seg_size = max(size, min(self.segment_bytes, room))
-            seg = self.pool.add_segment(seg_size)
-            free = _FreeList(seg_size)
-            self._free.append(free)
-            self._reserved += seg_size
-            off = free.alloc(size)
-            assert off is not None
-            return L1Object(key, seg, off, nbytes, size)
+        if self.tenants.limited and not self.tenants.make_room(
+            key, size, lambda victim: self._evict(victim, plan)
+        ):
+            return None
         while True:
+            for seg, free in enumerate(self._free):
+                off = free.alloc(size)
+                if off is not None:
+                    return L1Object(key, seg, off, nbytes, size)
+            room = self.capacity_bytes - self._reserved - self._growing
+            ahead = self._pinner is not None and not self._pinner.done
+            if room >= size and not ahead:
+                return self._new_segment(key, nbytes, size, room)
             victim = self._evict_one()
-            if victim is None:
+            if victim is not None:
+                plan.evicted_chunks += 1
+                plan.evicted_bytes += victim.nbytes
+                plan.evicted_keys.append(victim.key)
+                off = self._free[victim.segment].alloc(size)
+                if off is not None:
+                    return L1Object(key, victim.segment, off, nbytes, size)
+                continue
+            if not ahead:
                 return None
-            plan.evicted_chunks += 1
-            plan.evicted_bytes += victim.nbytes
-            off = self._free[victim.segment].alloc(size)
-            if off is not None:
-                return L1Object(key, victim.segment, off, nbytes, size)
+            self._grown.wait(0.05)  # releases the lock; the pinning threads settle under it
+
+    def _new_segment(self, key: Hashable, nbytes: int, size: int, room: int) -> L1Object:
+        """Grow on demand (memory not pinned ahead): a segment, and the object at its start."""
+        seg_size = max(size, min(self.segment_bytes, room))
+        seg = self.pool.add_segment(seg_size)
+        self._free.append(_FreeList(seg_size))
+        self._sizes.append(seg_size)
+        self._reserved += seg_size
+        off = self._free[seg].alloc(size)
+        assert off is not None
+        return L1Object(key, seg, off, nbytes, size)
+
+    def _claim_segment(self) -> int:
+        """PinAhead: reserve the next segment's bytes; 0 once L1 is (being) grown whole."""
+        with self._lock:
+            room = self.capacity_bytes - self._reserved - self._growing
+            if self._closed or room < ALIGN:
+                return 0
+            size = min(self.segment_bytes, room)
+            self._growing += size
+            return size
+
+    def _settle_segment(self, size: int, segment: torch.Tensor | None) -> bool:
+        """PinAhead: take a pinned segment (None: it failed; its claim is given back)."""
+        with self._lock:
+            self._growing -= size
+            taken = segment is not None and not self._closed
+            if taken:
+                assert segment is not None
+                self.pool.adopt(segment)
+                self._free.append(_FreeList(size))
+                self._sizes.append(size)
+                self._reserved += size
+            self._grown.notify_all()
+        if segment is not None and not taken:
+            self.pool.discard(segment)
+        return taken
 
     def _evict_one(self) -> L1Object | None:
         for key, obj in self._lru.items():
             if obj.pins == 0:
                 del self._lru[key]
-                self._remove(obj)
+                self._remove(obj, evicted=True)
                 self.evicted_chunks += 1
                 self.evicted_bytes += obj.nbytes
                 return obj
         return None
 
-    def _remove(self, obj: L1Object) -> None:
+    def _evict(self, obj: L1Object, plan: WritePlan | None) -> None:
+        """Evict the readable, unpinned `obj` (a tenant's own, or a shrink's), counted."""
+        del self._lru[obj.key]
+        self._remove(obj, evicted=True)
+        self.evicted_chunks += 1
+        self.evicted_bytes += obj.nbytes
+        if plan is not None:
+            plan.evicted_chunks += 1
+            plan.evicted_bytes += obj.nbytes
+            plan.evicted_keys.append(obj.key)
+
+    def _remove(self, obj: L1Object, *, evicted: bool = False) -> None:
         del self._index[obj.key]
-        self._free[obj.segment].free(obj.offset, obj.size)
         self._usage -= obj.size
+        self.tenants.removed(obj, evicted=evicted)
+        live = self._retiring.get(obj.segment)
+        if live is None:
+            self._free[obj.segment].free(obj.offset, obj.size)
+        elif live - obj.size > 0:
+            self._retiring[obj.segment] = live - obj.size
+        else:
+            self._release_segment(obj.segment)
+
+    def _release_segment(self, seg: int) -> None:
+        """Give a retiring segment's memory back (its last object just left)."""
+        del self._retiring[seg]
+        self.pool.release_segment(seg)
+        self._reserved -= self._sizes[seg]
+        self._sizes[seg] = 0
 
     def _touch(self, objs: Sequence[L1Object]) -> None:
         lru = self._lru
         for obj in reversed(objs):
             if obj.ready:
                 lru.move_to_end(obj.key)
+        if self.tenants.limited:
+            for obj in reversed(objs):
+                self.tenants.touched(obj)
 
     # -- two-phase write ---------------------------------------------------------
 
@@ -197,6 +289,7 @@ class L1Cache:
                         break
                     self._index[key] = obj
                     self._usage += obj.size
+                    self.tenants.added(obj)
                     self._writing += 1
                     plan.new.append((i, obj))
                     plan.covered = i + 1
@@ -349,6 +442,67 @@ class L1Cache:
                 self._remove(obj)
             return len(doomed)
 
+    def resize(self, capacity_bytes: int) -> dict[str, int]:
+        """Change the byte budget live. Growing only raises it (memory is pinned as L1
+        grows into it). Shrinking retires the last segments until the rest fit: no new
+        object goes there, every readable unpinned object there is evicted now, and each
+        segment's memory is given back once its last object (pinned by a reader or being
+        written meanwhile, never dropped) leaves. Returns the outcome in bytes."""
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise ValueError(f"L1 capacity must be an integer of bytes, got {capacity_bytes!r}")
+        if capacity_bytes < ALIGN:
+            raise ValueError(f"L1 capacity must be at least {ALIGN} bytes, got {capacity_bytes}")
+        with self._lock:
+            before = self.evicted_chunks
+            self.capacity_bytes = capacity_bytes
+            active = [s for s, n in enumerate(self._sizes) if n and s not in self._retiring]
+            kept = sum(self._sizes[s] for s in active)
+            doomed: dict[int, int] = {}
+            while active and kept > capacity_bytes:
+                seg = active.pop()
+                kept -= self._sizes[seg]
+                doomed[seg] = 0
+            if doomed:
+                for obj in self._index.values():
+                    if obj.segment in doomed:
+                        doomed[obj.segment] += obj.size
+                for seg, live in doomed.items():
+                    self._free[seg] = _FreeList(0)  # nothing is allocated there any more
+                    self._retiring[seg] = live
+                    if not live:
+                        self._release_segment(seg)
+                for obj in [o for o in self._lru.values() if o.segment in doomed and o.pins == 0]:
+                    self._evict(obj, None)
+            return {
+                "capacity_bytes": self.capacity_bytes,
+                "reserved_bytes": self._reserved,
+                "usage_bytes": self._usage,
+                "evicted_chunks": self.evicted_chunks - before,
+                "retiring_bytes": sum(self._retiring.values()),
+            }
+
+    def set_quota(self, tenant: Tenant, nbytes: int | None) -> dict[str, int]:
+        """Give a tenant a byte limit (None: none) and evict its own LRU objects now
+        until it fits (never pinned or in-flight ones); returns its usage and evictions."""
+        with self._lock:
+            before = self.evicted_chunks
+            self.tenants.set_limit(tenant, nbytes, self._lru.values())
+            if nbytes is not None:
+                self.tenants.shed(tenant, lambda victim: self._evict(victim, None))
+            return {
+                "usage_bytes": self.tenants.usage(tenant),
+                "evicted_chunks": self.evicted_chunks - before,
+            }
+
+    def tenant_stats(self) -> list[dict[str, object]]:
+        """Per-tenant usage, limits, evictions and lookup hits (`TenantQuotas.snapshot`)."""
+        with self._lock:
+            return self.tenants.snapshot()
+
+    def pin_state(self) -> dict[str, Any] | None:
+        """How far pinning L1 ahead has got (`PinAhead.state`); None when L1 grows on demand."""
+        return None if self._pinner is None else self._pinner.state()
+
     def stats(self) -> dict[str, int]:
         """usage/capacity/objects (readable)/writing/evictions/host bytes reserved."""
         with self._lock:
@@ -363,8 +517,11 @@ class L1Cache:
             }
 
     def close(self) -> None:
-        """Forget every object and release the host memory."""
+        """Forget every object and release the host memory; segments still being pinned
+        ahead are released by their threads when they finish."""
         with self._lock:
+            self._closed = True
+            self._grown.notify_all()
             self._index.clear()
             self._lru.clear()
             self._free.clear()

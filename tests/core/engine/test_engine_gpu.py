@@ -25,16 +25,18 @@ BLOCK, CHUNK, CHUNKS = 16, 64, 11  # 11 chunks: several groups, both staging hal
 
 
 @pytest.mark.parametrize("fmt", [f.value for f in KVFormat])
-def test_cuda_round_trip_with_skip_is_bit_exact(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_round_trip_with_skip_is_bit_exact(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, cuda_device: torch.device
+) -> None:
     """Store 11 chunks one per launch through 2 stages, retrieve them skipping 3 blocks."""
     monkeypatch.setattr(movers, "STAGING_BUDGET_BYTES", 1)  # one chunk per stage, 2 stages
     engine, recorder = small_engine(l1_bytes=64 << 20, chunk_size=CHUNK)
     n = CHUNKS * CHUNK // BLOCK
     gen = torch.Generator().manual_seed(3)
     src, kw = make_kv_caches(fmt, num_blocks=2 * n + 1, block_size=BLOCK, num_layers=3,
-                             device="cuda", generator=gen, noncontiguous=True)  # fmt: skip
+                             device=cuda_device, generator=gen, noncontiguous=True)  # fmt: skip
     dst, _ = make_kv_caches(fmt, num_blocks=2 * n + 1, block_size=BLOCK, num_layers=3,
-                            device="cuda", generator=gen)  # fmt: skip
+                            device=cuda_device, generator=gen)  # fmt: skip
     engine.register_kv_caches("src", src, model_name="m", **kw)
     engine.register_kv_caches("dst", dst, model_name="m", **kw)
     perm = torch.randperm(2 * n + 1, generator=gen).tolist()
@@ -55,12 +57,14 @@ def test_cuda_round_trip_with_skip_is_bit_exact(fmt: str, monkeypatch: pytest.Mo
     engine.close()
 
 
-def test_a_given_bus_gets_the_stream_stamper_with_the_first_cuda_cache() -> None:
+def test_a_given_bus_gets_the_stream_stamper_with_the_first_cuda_cache(
+    cuda_device: torch.device,
+) -> None:
     """A bus handed to the engine without a stamper gets the native one when the engine
     makes its first CUDA mover, so GPU ops' END events carry the GPU's time."""
     engine, _ = small_engine(chunk_size=CHUNK)
     assert engine.bus.stamper is None
-    kv, kw = make_kv_caches("vllm_flash_attn", block_size=BLOCK, device="cuda")
+    kv, kw = make_kv_caches("vllm_flash_attn", block_size=BLOCK, device=cuda_device)
     engine.register_kv_caches("a", kv, model_name="m", **kw)
     assert isinstance(engine.bus.stamper, NativeStreamStamper)
     engine.close()
@@ -68,14 +72,14 @@ def test_a_given_bus_gets_the_stream_stamper_with_the_first_cuda_cache() -> None
 
 @pytest.mark.parametrize("max_group", [2, movers.MAX_GROUP])
 def test_cuda_store_groups_chunks_around_the_staging_ring(
-    max_group: int, monkeypatch: pytest.MonkeyPatch
+    max_group: int, monkeypatch: pytest.MonkeyPatch, cuda_device: torch.device
 ) -> None:
     """Several chunks per launch (6 groups of 2 wrap a ring of 4 stages), still exact."""
     monkeypatch.setattr(movers, "MAX_GROUP", max_group)
     engine, _ = small_engine(l1_bytes=64 << 20, chunk_size=CHUNK)
     n = CHUNKS * CHUNK // BLOCK
     src, kw = make_kv_caches("vllm_flash_attn", num_blocks=2 * n, block_size=BLOCK,
-                             device="cuda")  # fmt: skip
+                             device=cuda_device)  # fmt: skip
     engine.register_kv_caches("a", src, model_name="m", **kw)
     mover = engine._instance("a").mover
     assert (mover.group, mover.stages) == (max_group, 4)  # type: ignore[attr-defined]
@@ -89,13 +93,13 @@ def test_cuda_store_groups_chunks_around_the_staging_ring(
 
 
 def test_one_op_enqueued_in_several_calls_continues_the_staging_ring(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cuda_device: torch.device
 ) -> None:
     """Three store calls before one wait (1 + 3 + 3 chunks through 2 stages) gather exactly
     what one call would: each call's groups take the ring slots after the previous call's."""
     monkeypatch.setattr(movers, "STAGING_BUDGET_BYTES", 1)  # one chunk per stage, 2 stages
     caches, kw = make_kv_caches("vllm_flashinfer", num_blocks=64, block_size=BLOCK, num_layers=3,
-                                device="cuda", generator=torch.Generator().manual_seed(8))  # fmt: skip
+                                device=cuda_device, generator=torch.Generator().manual_seed(8))  # fmt: skip
     layout = KVLayout.from_kv_caches(caches, **kw)
     per_chunk = CHUNK // BLOCK
     nbytes = layout.chunk_nbytes(CHUNK)
@@ -108,7 +112,7 @@ def test_one_op_enqueued_in_several_calls_continues_the_staging_ring(
     for a, b in ((0, 1), (1, 4), (4, 7)):
         mover.store(ids[a:b], TensorChunks(dsts[a:b]))
     mover.wait()
-    want = torch.empty((7, nbytes), dtype=torch.uint8, device="cuda")
+    want = torch.empty((7, nbytes), dtype=torch.uint8, device=cuda_device)
     PreparedTransfer(layout, ids, direction="gather", backend="cpu").launch(want)
     assert all(torch.equal(d, w) for d, w in zip(dsts, want.cpu(), strict=True))
     mover.close()
@@ -116,7 +120,7 @@ def test_one_op_enqueued_in_several_calls_continues_the_staging_ring(
 
 
 def test_a_retrieve_failing_in_a_later_wave_writes_no_block(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cuda_device: torch.device
 ) -> None:
     """The first wave's host copies are queued and its scatter held back; when the second
     wave fails, the held scatter is dropped: no block changes, END reports the failure,
@@ -126,7 +130,7 @@ def test_a_retrieve_failing_in_a_later_wave_writes_no_block(
     n = 4 * CHUNK // BLOCK
     gen = torch.Generator().manual_seed(5)
     src, kw = make_kv_caches("vllm_flash_attn", num_blocks=2 * n, block_size=BLOCK,
-                             device="cuda", generator=gen)  # fmt: skip
+                             device=cuda_device, generator=gen)  # fmt: skip
     engine.register_kv_caches("a", src, model_name="m", **kw)
     tokens = np.arange(4 * CHUNK, dtype=np.int32)
     assert engine.store("a", tokens, list(range(n)), request_id="w") == 4 * CHUNK
@@ -143,7 +147,7 @@ def test_a_retrieve_failing_in_a_later_wave_writes_no_block(
     monkeypatch.setattr(engine.l1, "pin_prefix", failing)
     with pytest.raises(Exception, match="lookup fault"):
         engine.retrieve("a", tokens, out, request_id="r")
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(cuda_device)
     assert calls[0] == 2 and torch.equal(block_bytes(src, kw, out), before)
     monkeypatch.setattr(engine.l1, "pin_prefix", real)
     assert engine.retrieve("a", tokens, out, request_id="r2") == 4 * CHUNK
@@ -153,16 +157,18 @@ def test_a_retrieve_failing_in_a_later_wave_writes_no_block(
     engine.close()
 
 
-def test_cuda_caches_round_trip_through_the_disk_tier(tmp_path: Path) -> None:
+def test_cuda_caches_round_trip_through_the_disk_tier(
+    tmp_path: Path, cuda_device: torch.device
+) -> None:
     """CUDA caches with L2 on disk: chunks evicted from L1 come back bit-exact, once loaded
     by the retrieve itself and once by a prefetch, for every format."""
     for fmt in [f.value for f in KVFormat]:
         gen = torch.Generator().manual_seed(5)
         n = CHUNKS * CHUNK // BLOCK
         src, kw = make_kv_caches(fmt, num_blocks=n, block_size=BLOCK, num_layers=3,
-                                 device="cuda", generator=gen)  # fmt: skip
+                                 device=cuda_device, generator=gen)  # fmt: skip
         dst, _ = make_kv_caches(fmt, num_blocks=2 * n, block_size=BLOCK, num_layers=3,
-                                device="cuda", generator=gen)  # fmt: skip
+                                device=cuda_device, generator=gen)  # fmt: skip
         engine, recorder = small_engine(
             l1_bytes=64 << 20, chunk_size=CHUNK, l2_disk_paths=(str(tmp_path / fmt),)
         )

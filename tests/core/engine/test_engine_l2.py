@@ -312,10 +312,11 @@ def test_world_of_two_hits_only_when_every_rank_is_in_some_tier() -> None:
 
 def test_a_slow_tier_pins_at_most_half_of_l1_and_never_fails_a_store() -> None:
     """Writes that never finish pin at most half of L1: later stores still succeed in
-    full, and their chunks past the bound skip L2, counted as backlog failures."""
+    full once they waited --l2-backlog-wait-s, and their chunks past the bound skip L2,
+    counted as backlog failures."""
     tier = FaultyTier(memory_tier())
     tier.hang = {"store"}
-    s = Setup(tier)
+    s = Setup(tier, l2_backlog_wait_s=0.2)
     assert s.engine.store("src", T, SRC, request_id="w1") == N * CHUNK  # pins 6 of 12
     assert s.engine.store("src", OTHER, SRC, request_id="w2") == N * CHUNK
     assert s.engine.store("src", THIRD, SRC, request_id="w3") == 4 * CHUNK

@@ -136,6 +136,24 @@ def test_round_trip_is_bit_exact_into_other_blocks(client: KVFlowClient) -> None
         client.store(iid, tokens, list(range(32)), request_id="r3")
 
 
+def test_ranks_registered_one_after_another_get_workers_of_their_own(
+    client: KVFlowClient,
+) -> None:
+    """Consecutive registrations (the ranks of a TP engine) land on different workers, so
+    their transfers run in parallel, even for ids a hash would put on one worker."""
+    kv = _kv(2)
+    ids = ["rank0", "worker-0"]  # crc32 % 8 == 6 for both
+    for iid in ids:
+        client.register_kv_caches(iid, kv, model_name="workers")
+    try:
+        instances = client.status()["server"]["instances"]
+        workers = [instances[iid]["worker"] for iid in ids]
+        assert workers[0] != workers[1], workers
+    finally:
+        for iid in ids:
+            client.unregister(iid)
+
+
 def test_retrieve_skips_whole_blocks_and_rejects_unaligned_skips(client: KVFlowClient) -> None:
     """skip_first_n_tokens leaves its blocks untouched; a non-multiple of block_size is refused."""
     kv = _kv(2)

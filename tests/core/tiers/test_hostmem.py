@@ -20,7 +20,7 @@ SUCCESS = 0
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
-REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
+REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every GPU's context
 
 
 class _FakeErrors:
@@ -63,15 +63,15 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudaRuntime]:
     gc.collect()  # pools dropped by the test unpin now, while the fake is still in place
 
 
-def test_each_segment_is_page_locked_whole_with_default_flags(cudart: FakeCudaRuntime) -> None:
+def test_each_segment_is_page_locked_whole_and_portable(cudart: FakeCudaRuntime) -> None:
     pool = HostPool(pinned=True)
     assert pool.pinned
     first = pool.add_segment(4096)
     second = pool.add_segment(8192)
     starts = [pool.address(first, 0), pool.address(second, 0)]
     assert cudart.register_calls == [
-        (starts[0], 4096, REGISTER_DEFAULT),
-        (starts[1], 8192, REGISTER_DEFAULT),
+        (starts[0], 4096, REGISTER_PORTABLE),
+        (starts[1], 8192, REGISTER_PORTABLE),
     ]
     assert cudart.registered == {starts[0]: 4096, starts[1]: 8192}
     pool.release()

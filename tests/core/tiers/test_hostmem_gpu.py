@@ -14,13 +14,13 @@ pytestmark = [
 ]
 
 
-def test_segments_are_pinned_and_copy_asynchronously_both_ways() -> None:
+def test_segments_are_pinned_and_copy_asynchronously_both_ways(cuda_device: torch.device) -> None:
     pool = HostPool()
     assert pool.pinned
     view = pool.view(pool.add_segment(1 << 24), 4096, 1 << 20)
     assert view.is_pinned()
-    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=cuda_device)
+    stream = torch.cuda.Stream(cuda_device)  # pinned for every GPU: the pool is portable
     with torch.cuda.stream(stream):
         view.copy_(src, non_blocking=True)
         back = torch.empty_like(src)

@@ -1,0 +1,132 @@
+"""L1 pinned ahead of demand: stores use what is pinned, evict rather than wait for a
+segment, wait only when nothing can be evicted, and growth reports its progress."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvflow.core.tiers.hostmem import HostPool
+from kvflow.core.tiers.l1 import L1Cache
+
+SEG = 4096  # bytes per segment: four objects of 1 KiB
+OBJ = 1024
+
+
+class GatedPool(HostPool):
+    """An unpinned pool whose segments are 'pinned' only as permits are released, so a
+    test decides when each background segment arrives; `fail` makes the next one raise."""
+
+    def __init__(self) -> None:
+        super().__init__(pinned=False)
+        self.permits = threading.Semaphore(0)
+        self.fail = False
+        self.made = 0
+
+    def make_segment(self, nbytes: int) -> torch.Tensor:
+        assert self.permits.acquire(timeout=30), "a test forgot to release a segment"
+        if self.fail:
+            raise MemoryError("cudaHostRegister of 4096 bytes failed: 2")
+        self.made += 1
+        return super().make_segment(nbytes)
+
+
+def _gated_l1(segments: int = 3) -> tuple[L1Cache, GatedPool]:
+    pool = GatedPool()
+    l1 = L1Cache(segments * SEG, pool=pool, segment_bytes=SEG, pin_ahead=True, pin_threads=1)
+    return l1, pool
+
+
+def _item(i: int) -> tuple[str, torch.Tensor]:
+    return f"k{i}", torch.full((OBJ,), i % 251, dtype=torch.uint8)
+
+
+def _wait_pinned(l1: L1Cache, nbytes: int) -> None:
+    for _ in range(3000):
+        state = l1.pin_state()
+        assert state is not None
+        if state["pinned_bytes"] >= nbytes:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"L1 never pinned {nbytes} bytes: {l1.pin_state()}")
+
+
+def test_a_store_evicts_instead_of_waiting_for_the_next_segment() -> None:
+    """One segment pinned, the next held back: a fifth object evicts the oldest at once
+    (the store does not wait on pinning); once the rest arrive, nothing more is evicted."""
+    l1, pool = _gated_l1()
+    pool.permits.release()
+    _wait_pinned(l1, SEG)
+    assert l1.store([_item(i) for i in range(4)]).result().stored == 4
+    outcome = l1.store([_item(4)]).result()  # segment 2 is still "being pinned"
+    assert outcome.stored == 1 and outcome.evicted_chunks == 1
+    assert l1.contains(["k0", "k4"]).result() == [False, True]
+    pool.permits.release(2)
+    _wait_pinned(l1, 3 * SEG)
+    outcome = l1.store([_item(i) for i in range(5, 13)]).result()
+    assert (outcome.stored, outcome.evicted_chunks) == (8, 0)
+    state = l1.pin_state()
+    assert state is not None and state["pinned_bytes"] == 3 * SEG
+    assert not state["pinning"] and state["failed"] is None
+    assert l1.stats()["reserved_bytes"] == 3 * SEG
+    l1.close()
+
+
+def test_a_store_with_nothing_to_evict_waits_for_the_first_segment() -> None:
+    """A store into an L1 that has pinned nothing yet waits for the first segment and then
+    succeeds (the one case it waits: there is nothing it could evict)."""
+    l1, pool = _gated_l1()
+    done: list[int] = []
+    writer = threading.Thread(target=lambda: done.append(l1.store([_item(0)]).result().stored))
+    writer.start()
+    writer.join(0.2)
+    assert writer.is_alive() and done == []  # no memory yet, nothing to evict
+    pool.permits.release(3)
+    writer.join(10)
+    assert done == [1]
+    l1.close()
+
+
+def test_a_failed_pin_stops_growth_ahead_and_l1_grows_on_demand() -> None:
+    """The first background segment fails (out of pinnable memory): the failure is reported,
+    growth ahead stops, and stores grow L1 on demand as before instead of hanging."""
+    l1, pool = _gated_l1()
+    pool.fail = True
+    pool.permits.release()
+    for _ in range(3000):
+        state = l1.pin_state()
+        assert state is not None
+        if not state["pinning"]:
+            break
+        threading.Event().wait(0.01)
+    assert state["failed"] is not None and "MemoryError" in state["failed"]
+    pool.fail = False
+    pool.permits.release(3)  # the on-demand segments
+    assert l1.store([_item(i) for i in range(6)]).result().stored == 6
+    assert l1.stats()["reserved_bytes"] == 2 * SEG
+    l1.close()
+
+
+def test_close_while_pinning_drops_the_segment_in_flight() -> None:
+    """A segment that finishes pinning after close() is given back, not adopted."""
+    l1, pool = _gated_l1()
+    l1.close()
+    pool.permits.release(3)
+    assert l1._pinner is not None
+    l1._pinner.join(10)
+    assert l1.stats()["reserved_bytes"] == 0
+    assert pool.made <= 1  # the thread claimed at most the segment it was making
+
+
+def test_pin_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="pin threads must be at least 1"):
+        L1Cache(SEG, pool=HostPool(pinned=False), segment_bytes=SEG, pin_ahead=True, pin_threads=0)
+
+
+def test_an_unpinned_pool_grows_on_demand_by_default() -> None:
+    l1 = L1Cache(SEG, pool=HostPool(pinned=False), segment_bytes=SEG)
+    assert l1.pin_state() is None
+    assert l1.store([_item(0)]).result().stored == 1
+    l1.close()
