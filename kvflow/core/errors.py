@@ -73,6 +73,13 @@ class RequestTimeoutError(KVFlowError, TimeoutError):
     code = "timeout"
 
 
+class UnknownSubscriptionError(KVFlowError, LookupError):
+    """A KV-event poll named a subscription the server does not hold (it expired with
+    its client, or the server restarted): subscribe again."""
+
+    code = "unknown_subscription"
+
+
 ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
     cls.code: cls
     for cls in (
@@ -87,5 +94,6 @@ ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
         L2BacklogError,
         AuthenticationError,
         RequestTimeoutError,
+        UnknownSubscriptionError,
     )
 }

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, cast
 
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.writethrough import TierCounters
@@ -67,6 +67,8 @@ class Job:
         self.gap = False
         self.finished = False
         self.loads = self.kept = self.discarded = self.kept_bytes = 0
+        #: keys committed to L1 (write-back on), for WRITE_BACK's `keys`
+        self.kept_keys: list[ObjectKey] = []
         self.l1_pins: list[ObjectKey] = []
         self.done: Future[None] = Future()
 
@@ -158,11 +160,14 @@ class Loader:
         loads: dict[str, list[Slot]] = {}
         borrowed: list[Slot] = []
         evicted = [0, 0]
+        evicted_keys: list[ObjectKey] = []
         with self._lock:
             for row in rows:
                 entries: list[Entry] = []
                 for i, key in enumerate(row):
-                    entry = self._entry(key, nbytes[i], where.get(key), tiers, job, evicted)
+                    entry = self._entry(
+                        key, nbytes[i], where.get(key), tiers, job, evicted, evicted_keys
+                    )
                     entries.append(entry)
                     if isinstance(entry, Slot):
                         if entry.owner is job:
@@ -175,7 +180,7 @@ class Loader:
                     break
             job.loads = sum(len(v) for v in loads.values())
         if evicted[0]:
-            attrs = {"chunks": evicted[0], "bytes": evicted[1]}
+            attrs = {"chunks": evicted[0], "bytes": evicted[1], "keys": evicted_keys}
             self._bus.publish(Event(EventType.L1_EVICT, 0, session_id, None, attrs))
         for name, slots in loads.items():
             self._submit(tiers[name], slots, job)
@@ -192,6 +197,7 @@ class Loader:
         tiers: dict[str, StorageTier],
         job: Job,
         evicted: list[int],
+        evicted_keys: list[ObjectKey],
     ) -> Entry:
         """A key's entry in a new job (under the lock): reuse a slot, or reserve and own one."""
         slot = self._slots.get(key)
@@ -209,6 +215,7 @@ class Loader:
         plan = self._l1.prepare_write([key], nbytes)
         evicted[0] += plan.evicted_chunks
         evicted[1] += plan.evicted_bytes
+        evicted_keys.extend(cast(list[ObjectKey], plan.evicted_keys))
         if not plan.covered:
             return False  # no room in L1
         if not plan.new:
@@ -298,6 +305,7 @@ class Loader:
         if keep and self.write_back:
             self._l1.commit(slot.plan)
             del self._slots[slot.key]
+            job.kept_keys.append(slot.key)
         elif keep:
             slot.staged_at = time.monotonic()
         else:

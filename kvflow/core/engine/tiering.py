@@ -250,6 +250,7 @@ class Tiering:
                 "discarded": job.discarded,
                 "bytes": job.kept_bytes,
                 "reason": job.reason,
+                "keys": job.kept_keys,
             }
             self._bus.publish(Event(EventType.WRITE_BACK, 0, job.session_id, None, attrs))
 

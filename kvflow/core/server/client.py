@@ -34,6 +34,7 @@ from kvflow.core.errors import (
     RequestTimeoutError,
 )
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
+from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.protocol import (
     AllocationRecord,
     CudaIpcMemory,
@@ -41,7 +42,10 @@ from kvflow.core.server.protocol import (
     EndSession,
     Failed,
     Heartbeat,
+    KVEvents,
+    KVSubscribed,
     Lookup,
+    PollKVEvents,
     Prefetch,
     PrefetchQuery,
     PrefetchStarted,
@@ -54,7 +58,9 @@ from kvflow.core.server.protocol import (
     Status,
     StatusResult,
     Store,
+    SubscribeKVEvents,
     Unregister,
+    UnsubscribeKVEvents,
     decode_reply,
     encode_request,
 )
@@ -509,6 +515,47 @@ class KVFlowClient:
         if not isinstance(reply, StatusResult):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Status")
         return reply.status
+
+    # -- KV events (docs/EVENTS.md, KV events; kv_subscriber.KVEventStream keeps the position) --
+
+    def subscribe_kv_events(
+        self,
+        *,
+        model_name: str | None = None,
+        world_size: int | None = None,
+        cache_salt: str | None = None,
+        match_salt: bool = False,
+    ) -> KVSubscribed:
+        """Subscribe to the server's KV-event log (None fields match every owner; the salt
+        is matched only with `match_salt`); the reply names the subscription, the
+        server's epoch and the log position the subscription starts at."""
+        reply = self._call(
+            SubscribeKVEvents(
+                model_name=model_name, world_size=world_size, cache_salt=cache_salt,
+                match_salt=match_salt,
+            )
+        )  # fmt: skip
+        if not isinstance(reply, KVSubscribed):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a SubscribeKVEvents")
+        return reply
+
+    def poll_kv_events(
+        self, subscription: str, *, after_seq: int, after_log_seq: int, max_records: int = 1024
+    ) -> KVPoll:
+        """The subscription's records after the position (its seq, the log's), at once."""
+        reply = self._call(
+            PollKVEvents(
+                subscription=subscription, after_seq=after_seq, after_log_seq=after_log_seq,
+                max_records=max_records,
+            )
+        )  # fmt: skip
+        if not isinstance(reply, KVEvents):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a PollKVEvents")
+        return reply.poll
+
+    def unsubscribe_kv_events(self, subscription: str) -> None:
+        """End a subscription now (else it expires with this client)."""
+        self._done(UnsubscribeKVEvents(subscription=subscription))
 
     # -- heartbeat and shutdown ------------------------------------------------------------------
 

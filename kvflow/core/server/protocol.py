@@ -17,6 +17,7 @@ import numpy as np
 
 from kvflow.core.arrays import INT32_LE
 from kvflow.core.errors import InvalidRequestError, ProtocolError
+from kvflow.core.server.kv_streams import KVPoll
 
 PROTOCOL_VERSION = 1
 
@@ -164,6 +165,27 @@ class Heartbeat(Request, tag="heartbeat"):
     pass
 
 
+class SubscribeKVEvents(Request, tag="kv_subscribe"):
+    """Subscribe to the KV-event log; None fields match every owner (docs/EVENTS.md)."""
+
+    model_name: str | None = None
+    world_size: int | None = None
+    cache_salt: str | None = None
+    #: match the salt exactly (None included) instead of every salt
+    match_salt: bool = False
+
+
+class PollKVEvents(Request, tag="kv_poll"):
+    subscription: str
+    after_seq: int = 0
+    after_log_seq: int = 0
+    max_records: int = 1024
+
+
+class UnsubscribeKVEvents(Request, tag="kv_unsubscribe"):
+    subscription: str
+
+
 AnyRequest = (
     Register
     | Lookup
@@ -176,6 +198,9 @@ AnyRequest = (
     | Unregister
     | Status
     | Heartbeat
+    | SubscribeKVEvents
+    | PollKVEvents
+    | UnsubscribeKVEvents
 )
 
 
@@ -221,7 +246,21 @@ class Failed(Reply, tag="failed"):
     message: str
 
 
-AnyReply = Done | Registered | StatusResult | PrefetchStarted | Failed
+class KVSubscribed(Reply, tag="kv_subscribed"):
+    """A KV-event subscription: its id, the server's epoch, the log position it starts at."""
+
+    subscription: str
+    epoch: str
+    log_seq: int
+
+
+class KVEvents(Reply, tag="kv_events"):
+    """One poll's records (kvflow.core.server.kv_streams.KVPoll)."""
+
+    poll: KVPoll
+
+
+AnyReply = Done | Registered | StatusResult | PrefetchStarted | Failed | KVSubscribed | KVEvents
 
 
 class _Versioned(msgspec.Struct):

@@ -398,6 +398,7 @@ class DiskTier:
         check_buffers([buf for _, buf in items], "items' bytes")
         paths = [diskfile.object_relpath(key, buf.numel()) for key, buf in items]
         present = failed = evicted_chunks = evicted_bytes = 0
+        evicted_keys: list[ObjectKey] = []
         writes: list[_Write] = []
         with self._lock:
             self._check_open()
@@ -413,6 +414,7 @@ class DiskTier:
                     continue
                 evicted_chunks += len(victims)
                 evicted_bytes += sum(v.nbytes for v in victims)
+                evicted_keys.extend(v.key for v in victims)
                 root = self._root_of(key)
                 path = os.path.join(self.roots[root], diskfile.OBJECTS_DIR, relpath)
                 entry = _Entry(key, root, path, nbytes, ready=False)
@@ -429,8 +431,9 @@ class DiskTier:
             written = [ok for batch in batches for ok in batch]
             stored = sum(written)
             return StoreOutcome(
-                stored, present, failed + len(written) - stored, evicted_chunks, evicted_bytes
-            )
+                stored, present, failed + len(written) - stored, evicted_chunks, evicted_bytes,
+                tuple(evicted_keys),
+            )  # fmt: skip
 
         return gather(futures, outcome)
 
