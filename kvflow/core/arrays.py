@@ -6,6 +6,7 @@ Used by the engine (keys are hashed over int32 LE bytes) and by the wire protoco
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,9 @@ from kvflow.core.errors import InvalidRequestError
 INT32_LE = np.dtype("<i4")
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
+#: the array module's 4-byte signed type code: lists convert in one C loop that refuses
+#: non-integers and values outside int32 (numpy's conversion of a list is ~1.5x slower)
+_ARRAY_INT32 = next(code for code in "ilh" if array.array(code).itemsize == 4)
 
 
 def as_int32_array(values: Any, what: str) -> np.ndarray:
@@ -25,6 +29,13 @@ def as_int32_array(values: Any, what: str) -> np.ndarray:
     """
     if isinstance(values, (str, bytes)):
         raise InvalidRequestError(f"{what} must be a sequence of integers, got a string")
+    if isinstance(values, (list, tuple)) and values:
+        try:
+            fast = np.frombuffer(array.array(_ARRAY_INT32, values), dtype=f"={_ARRAY_INT32}")
+        except (TypeError, OverflowError):
+            pass  # a bad value: numpy's path below names what was wrong
+        else:
+            return fast.astype(INT32_LE, copy=False)
     if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
         values = values.detach().cpu().numpy()
     try:

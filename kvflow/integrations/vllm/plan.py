@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class LoadSpec:
     """Retrieve `token_ids`' chunks into `block_ids`, leaving the first `skip_tokens` alone."""
 
     req_id: str
-    #: the prompt's tokens up to the end of the hit (whole chunks)
-    token_ids: list[int]
+    #: the prompt's tokens up to the end of the hit (whole chunks), int32
+    token_ids: np.ndarray
     #: the request's blocks covering `token_ids`
     block_ids: list[int]
     #: tokens vLLM computed itself (a multiple of the block size): not loaded
@@ -24,7 +26,8 @@ class StoreSpec:
     """Store the full chunks of `token_ids` from `block_ids` after this step's forward pass."""
 
     req_id: str
-    token_ids: list[int]
+    #: the prompt's full chunks to store, int32
+    token_ids: np.ndarray
     block_ids: list[int]
     cache_salt: str | None = None
 

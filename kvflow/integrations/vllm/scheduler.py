@@ -19,7 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvflow.core import KVFlowClient
+from kvflow.core.arrays import as_int32_array
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 
@@ -38,6 +41,8 @@ class _Tracked:
     """What the scheduler side knows of one request."""
 
     request: Any
+    #: the prompt's token ids as int32, converted once (by the lookup, else the first plan)
+    prompt: np.ndarray | None = None
     lookup: Future[int] | None = None
     #: the local (block-aligned) computed tokens and vLLM's external tokens of a pending load
     load: tuple[int, int] | None = None
@@ -119,7 +124,7 @@ class SchedulerSide:
             tracked = _Tracked(request)
             self._requests[request.request_id] = tracked
             if self.config.load:
-                tracked.lookup = self._pool.submit(self._lookup, request)
+                tracked.lookup = self._pool.submit(self._lookup, tracked)
                 return None, False  # always: the answer comes on a later step
         tracked.request = request
         if tracked.lookup is None:
@@ -142,9 +147,18 @@ class SchedulerSide:
         tracked.local = num_computed_tokens
         return (need, False) if need > 0 else (0, False)
 
-    def _lookup(self, request: Any) -> int:
+    @staticmethod
+    def _prompt(tracked: _Tracked) -> np.ndarray:
+        """The request's prompt as an int32 array, converted on first use only: the lookup,
+        the loads and the stores all send slices of it (vLLM's prompt is a list)."""
+        if tracked.prompt is None:
+            tracked.prompt = as_int32_array(tracked.request.prompt_token_ids, "prompt_token_ids")
+        return tracked.prompt
+
+    def _lookup(self, tracked: _Tracked) -> int:
+        request = tracked.request
         return self._client.lookup(
-            list(request.prompt_token_ids),
+            self._prompt(tracked),
             model_name=self.model_name,
             world_size=self.world_size,
             cache_salt=self._salt(request),
@@ -209,9 +223,8 @@ class SchedulerSide:
     def _allocated(self, plan: StepPlan, tracked: _Tracked, first: int, blocks: list[int]) -> None:
         if not blocks or not self.config.report_allocations:
             return
-        tokens = list(tracked.request.all_token_ids)
         bs = self.block_size
-        held = tokens[first * bs : (first + len(blocks)) * bs]
+        held = list(tracked.request.all_token_ids[first * bs : (first + len(blocks)) * bs])
         plan.allocations.append((tracked.request.request_id, blocks, held))
 
     def _plan_load(self, plan: StepPlan, tracked: _Tracked) -> None:
@@ -219,7 +232,7 @@ class SchedulerSide:
             return
         local, _external = tracked.load
         tracked.load = None
-        prompt = list(tracked.request.prompt_token_ids)
+        prompt = self._prompt(tracked)
         # whole chunks only, and only as far as the allocated blocks reach
         end = min(tracked.hit, len(tracked.blocks) * self.block_size)
         if end <= local:
@@ -238,7 +251,7 @@ class SchedulerSide:
     def _plan_store(self, plan: StepPlan, tracked: _Tracked, end: int, chunk: int | None) -> None:
         if not self.config.store or chunk is None:
             return
-        prompt = tracked.request.prompt_token_ids
+        prompt = self._prompt(tracked)
         full = min(end, len(prompt), len(tracked.blocks) * self.block_size)
         full -= full % chunk
         if full <= tracked.stored:
@@ -246,7 +259,7 @@ class SchedulerSide:
         plan.stores.append(
             StoreSpec(
                 req_id=tracked.request.request_id,
-                token_ids=list(prompt[:full]),
+                token_ids=prompt[:full],
                 block_ids=tracked.blocks[: _ceil_div(full, self.block_size)],
                 cache_salt=self._salt(tracked.request),
             )

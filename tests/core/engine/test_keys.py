@@ -1,10 +1,12 @@
-"""Chunk keys: chained blake3 from the published seed, cached per session."""
+"""Chunk keys: chained blake3 from the published seed, cached per session and by prefix."""
 
 from __future__ import annotations
 
 import blake3
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow.core.arrays import as_int32_array
 from kvflow.core.engine import keys as keys_module
@@ -199,3 +201,105 @@ def test_dropping_a_session_returns_its_tokens_to_the_budget() -> None:
     assert len(cache) == 1
     _session(cache, 12, "c")
     assert len(cache) == 2  # 4 + 12 tokens: exactly the budget
+
+
+def _plain_python_chain(tokens: list[int], chunk_size: int) -> list[bytes]:
+    """The published definition, written out with nothing shared with the module."""
+    keys, prev = [], blake3.blake3(b"kvflow/chunk-key/v1").digest()
+    for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
+        chunk = tokens[start : start + chunk_size]
+        prev = blake3.blake3(prev + b"".join(t.to_bytes(4, "little", signed=True) for t in chunk))
+        prev = prev.digest()
+        keys.append(prev)
+    return keys
+
+
+_TOKEN = st.integers(-(2**31), 2**31 - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.lists(_TOKEN, max_size=40),
+    turns=st.lists(
+        st.tuples(st.integers(0, 40), st.lists(_TOKEN, max_size=12), st.sampled_from([None, "s"])),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_cached_keys_equal_the_plain_python_chain(
+    base: list[int], turns: list[tuple[int, list[int], str | None]]
+) -> None:
+    """Prompts that share, extend, cut and diverge from earlier ones, with or without a
+    session, get exactly the keys of the plain chain: no cached prefix ever leaks."""
+    cache = KeyCache(chunk_size=3, max_prefix_tokens=24, chains_per_first_chunk=2)
+    for keep, tail, session in turns:
+        prompt = base[:keep] + tail
+        got = cache.hashes(as_int32_array(prompt, "token_ids"), session)
+        assert list(got) == _plain_python_chain(prompt, 3)
+
+
+def test_a_repeated_prompt_without_a_session_is_hashed_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lookups of the same prompt with no request id hash its chunks only the first time."""
+    counter = _CountingChain()
+    monkeypatch.setattr(keys_module, "chain_hashes", counter)
+    cache = KeyCache(chunk_size=4)
+    tokens = as_int32_array(range(40), "token_ids")
+    for _ in range(3):
+        assert list(cache.hashes(tokens)) == chain_hashes(tokens, 4)
+    assert counter.computed == [10]
+
+
+def test_a_prompt_sharing_a_cached_prefix_hashes_only_what_follows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A longer turn, a shorter cut and a divergent prompt reuse the longest cached prefix,
+    and a new session starts from it too."""
+    counter = _CountingChain()
+    monkeypatch.setattr(keys_module, "chain_hashes", counter)
+    cache = KeyCache(chunk_size=4)
+    turn = as_int32_array(range(16), "token_ids")
+    longer = as_int32_array(range(24), "token_ids")
+    other = as_int32_array([*range(10), *range(500, 514)], "token_ids")  # differs in chunk 2
+    for tokens, session in ((turn, None), (longer, None), (turn[:8], None), (other, None)):
+        assert list(cache.hashes(tokens, session)) == chain_hashes(tokens, 4)
+    assert list(cache.hashes(longer, "new")) == chain_hashes(longer, 4)
+    assert counter.computed == [4, 2, 4]
+
+
+def test_prefix_chains_are_bounded_by_tokens_and_per_first_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the token budget the least recent first chunk is forgotten, and a first chunk
+    keeps only its most recent chains: a forgotten prompt is hashed again."""
+    counter = _CountingChain()
+    monkeypatch.setattr(keys_module, "chain_hashes", counter)
+    cache = KeyCache(chunk_size=4, max_prefix_tokens=16, chains_per_first_chunk=2)
+    a, b, c = (as_int32_array(range(s, s + 8), "token_ids") for s in (0, 100, 200))
+    for tokens in (a, b, c, a):  # c evicts a (16 tokens held at most)
+        cache.hashes(tokens)
+    assert counter.computed == [2, 2, 2, 2]
+    counter.computed.clear()
+    x, y, z = (as_int32_array([1, 2, 3, 4, k, 0, 0, 0], "token_ids") for k in (7, 8, 9))
+    for tokens in (x, y, z, x):  # z pushes x out of its first chunk's two chains
+        cache.hashes(tokens)
+    assert counter.computed == [2, 1, 1, 1]
+    counter.computed.clear()
+    grown = as_int32_array(range(300, 308), "token_ids")
+    for tokens in (grown[:4], grown, a, grown):  # grown replaced its first turn: 8 + 8 tokens
+        cache.hashes(tokens)
+    assert counter.computed == [1, 1, 2]
+    with pytest.raises(ValueError, match=r"^max_prefix_tokens must be >= 0, got -1$"):
+        KeyCache(chunk_size=4, max_prefix_tokens=-1)
+    with pytest.raises(ValueError, match=r"^chains_per_first_chunk must be >= 1, got 0$"):
+        KeyCache(chunk_size=4, chains_per_first_chunk=0)
+
+
+def test_a_prompt_array_changed_in_place_after_hashing_gets_fresh_keys() -> None:
+    """The cache keeps its own copy of the tokens: a caller reusing its buffer is safe."""
+    cache = KeyCache(chunk_size=4)
+    tokens = as_int32_array(range(16), "token_ids")
+    cache.hashes(tokens)
+    tokens[13] = 999
+    assert list(cache.hashes(tokens)) == _plain_python_chain(tokens.tolist(), 4)

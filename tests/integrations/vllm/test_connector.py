@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvflow.core.server.shm import map_shared, shared_memory_of
+from kvflow.integrations.vllm import scheduler as scheduler_module
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views
 from kvflow.integrations.vllm.plan import LoadSpec, StepPlan
@@ -248,7 +249,7 @@ def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: s
         plan = scheduler.build_plan(_new_step(first, a_blocks, 0, len(prompt)))
         assert not plan.loads
         (store,) = plan.stores
-        assert store.token_ids == prompt[: 2 * CHUNK] and store.block_ids == a_blocks[:4]
+        assert store.token_ids.tolist() == prompt[: 2 * CHUNK] and store.block_ids == a_blocks[:4]
         assert plan.allocations == [("a", a_blocks, prompt)]
         worker.save(plan)
         assert worker.stored_tokens == 2 * CHUNK
@@ -258,7 +259,7 @@ def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: s
         # it, that chunk is stored again
         scheduler.load_failed({a_blocks[2]})
         (again,) = scheduler.build_plan(_new_step(first, a_blocks, len(prompt), 1)).stores
-        assert again.token_ids == prompt[: 2 * CHUNK]
+        assert again.token_ids.tolist() == prompt[: 2 * CHUNK]
         scheduler.load_failed({999})  # no request holds it: nothing changes
         assert not scheduler.build_plan(_new_step(first, a_blocks, len(prompt), 1)).stores
 
@@ -268,7 +269,7 @@ def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: s
         scheduler.update_state_after_alloc(second, _blocks(b_blocks), 2 * CHUNK)
         plan = scheduler.build_plan(_new_step(second, b_blocks, 2 * CHUNK, 3))
         (load,) = plan.loads
-        assert load.token_ids == prompt[: 2 * CHUNK] and load.block_ids == b_blocks[:4]
+        assert load.token_ids.tolist() == prompt[: 2 * CHUNK] and load.block_ids == b_blocks[:4]
         assert load.skip_tokens == 0 and not plan.stores  # loaded chunks are not stored again
         worker.load(plan)
         assert worker.take_load_errors() == set()
@@ -288,6 +289,35 @@ def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: s
         assert scheduler.lookups == 4 and scheduler.matched_tokens == 3 * 2 * CHUNK
     finally:
         worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_each_prompt_is_converted_once(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup and every store plan send slices of one int32 copy of the prompt."""
+    converted: list[str] = []
+    real = scheduler_module.as_int32_array
+
+    def counting(values: Any, what: str) -> Any:
+        converted.append(what)
+        return real(values, what)
+
+    monkeypatch.setattr(scheduler_module, "as_int32_array", counting)
+    scheduler = SchedulerSide(_config(endpoint), model_name=MODEL, world_size=1, block_size=BLOCK)
+    try:
+        _wait_chunk_size(scheduler)
+        prompt = list(range(700, 700 + 2 * CHUNK + 5))
+        req = _request("once", prompt)
+        assert _match(scheduler, req) == (0, False)
+        scheduler.update_state_after_alloc(req, _blocks([]), 0)
+        blocks = [1, 2, 3, 4, 5]
+        stored = [
+            [s.token_ids.tolist() for s in scheduler.build_plan(step).stores]
+            for step in (_new_step(req, blocks, 0, CHUNK), _new_step(req, blocks, CHUNK, 40))
+        ]
+        assert stored == [[prompt[:CHUNK]], [prompt[: 2 * CHUNK]]]
+        assert converted == ["prompt_token_ids"]
+        scheduler.request_finished(req)
+    finally:
         scheduler.shutdown()
 
 
