@@ -91,6 +91,9 @@ test-gpu: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,cuda]"
 	@$(PY) -c "import sys; from kvflow.kernels import cuda_available; sys.exit(0 if \
 		cuda_available() else 'make test-gpu: no CUDA GPU usable through torch and PyCUDA')"
+	@$(PY) -c "import torch; n = torch.cuda.device_count(); print(f'{n} GPU(s): the gpu2 tests' \
+		' (a second GPU with the first one\'s context current, ranks on both) ' + ('run' if n > 1 \
+		else 'are SKIPPED for lack of a second GPU'))"
 	$(PY) -m pytest -q -m gpu
 	$(PY) -m tests.e2e.gpu_e2e
 

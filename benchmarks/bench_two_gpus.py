@@ -1,18 +1,23 @@
-"""Two ranks through one server: aggregate store/retrieve GB/s against one rank alone.
+"""N ranks through one server: aggregate store/retrieve GB/s against one rank alone and
+against plain pinned copies on the same GPUs.
 
-A world_size=2 model (an 8B-like shape split by tensor parallelism: each rank
-holds half the KV heads) registers one instance per GPU (rank 0 on cuda:0, rank 1
-on cuda:1) with one `kvflow server` subprocess. In the same run it times:
-  one rank   rank 0 alone stores, then retrieves, --tokens fresh tokens
-  two ranks  both ranks at once (one thread and client each, started together)
-and reports GB/s per phase and the two-rank/one-rank ratio (target >= 1.8). It
-also checks SPEC section 3: a lookup finds a prefix only once every rank stored
-it, and every retrieved block equals the stored one. `--device cpu` runs the
-same flow over shared memory (two "ranks" in host memory), for CI. `--same-gpu`
-puts both ranks on cuda:0: the two-rank CUDA IPC flow and its checks on a one-GPU
-machine, where the ranks share one GPU's host link (two/one near 1.0 is expected).
+A world_size=N model (an 8B-like shape split by tensor parallelism: each rank holds
+8/N of the KV heads... for N=2, 4 heads) registers one instance per GPU (rank r on
+cuda:r) with one `kvflow server` subprocess. In the same run it times:
+  rank r alone  each rank by itself stores, then retrieves, --tokens fresh tokens
+  all ranks     every rank at once (one thread and client each, started together)
+  ceilings      plain pinned copies (torch, the same bytes, one thread and stream per
+                GPU) device-to-host and host-to-device, each GPU alone and all at once
+and reports GB/s per phase, all/one (targets: >= 1.8 for two ranks), all ranks against
+the all-GPU ceiling and each rank against its own GPU's ceiling (targets >= 0.9). It
+also checks SPEC section 3: a lookup finds a prefix only once every rank stored it,
+and every retrieved block equals the stored one. `--device cpu` runs the same flow
+over shared memory (the "ranks" in host memory), for CI. `--same-gpu` puts every rank
+on cuda:0: the multi-rank CUDA IPC flow on a one-GPU machine, where the ranks share
+one GPU's host link (all/one near 1.0 is expected).
 
     python benchmarks/bench_two_gpus.py                 # needs two GPUs
+    python benchmarks/bench_two_gpus.py --ranks 4       # needs four
     python benchmarks/bench_two_gpus.py --same-gpu      # one GPU: the flow, not the scaling
     python benchmarks/bench_two_gpus.py --device cpu --tokens 4096 --repeat 1
 """
@@ -20,6 +25,7 @@ machine, where the ranks share one GPU's host link (two/one near 1.0 is expected
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -35,19 +41,21 @@ from bench_ttft import kvflow_server  # this folder is on sys.path when run as a
 
 CHUNK = 256
 BLOCK = 16
-LAYERS, KV_HEADS_PER_RANK, HEAD_DIM = 32, 4, 128  # 8B shape (8 KV heads) at TP=2
-WORLD = 2
-WARMUP = 3  # untimed two-rank store rounds that fill L1
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # 8B shape: 8 KV heads, split over the ranks
+WARMUP = 3  # untimed all-rank store rounds that fill L1
+CEILING_REPS = 5
 
 
 class Rank:
     """One rank: its device, paged caches (vLLM flash-attention layout) and client."""
 
-    def __init__(self, rank: int, device: torch.device, blocks: int, endpoint: str) -> None:
+    def __init__(
+        self, rank: int, world: int, device: torch.device, blocks: int, endpoint: str
+    ) -> None:
         from kvflow.core import KVFlowClient, empty_shared
 
         self.rank, self.device = rank, device
-        shape = (2, blocks, BLOCK, KV_HEADS_PER_RANK, HEAD_DIM)
+        shape = (2, blocks, BLOCK, KV_HEADS // world, HEAD_DIM)
         gen = torch.Generator(device=device).manual_seed(rank)
         if device.type == "cpu":
             self.layers = [empty_shared(shape, torch.bfloat16) for _ in range(LAYERS)]
@@ -61,7 +69,7 @@ class Rank:
         self.instance = f"tp{rank}"
         self.sessions: list[str] = []
         self.client.register_kv_caches(
-            self.instance, self.layers, model_name="two-gpus", world_size=WORLD, rank=rank
+            self.instance, self.layers, model_name="two-gpus", world_size=world, rank=rank
         )
 
     def store(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> None:
@@ -124,25 +132,54 @@ def _round(ranks: list[Rank], op: str, toks: torch.Tensor, table: torch.Tensor, 
     return took
 
 
+def pinned_copy_gbps(devices: list[torch.device], nbytes: int) -> dict[str, float]:
+    """GB/s of plain pinned copies of `nbytes` per device, one thread and stream per
+    device, all devices at once (aggregate), device-to-host and host-to-device; the
+    median of CEILING_REPS rounds."""
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in devices]
+    gpus = [torch.empty(nbytes, dtype=torch.uint8, device=d) for d in devices]
+    streams = [torch.cuda.Stream(device=d) for d in devices]
+    out = {}
+    for name in ("d2h", "h2d"):
+
+        def copy(i: int, name: str = name) -> None:
+            with torch.cuda.stream(streams[i]):
+                if name == "d2h":
+                    hosts[i].copy_(gpus[i], non_blocking=True)
+                else:
+                    gpus[i].copy_(hosts[i], non_blocking=True)
+            streams[i].synchronize()
+
+        for i in range(len(devices)):
+            copy(i)  # warm
+        took = [_together([partial(copy, i) for i in range(len(devices))])
+                for _ in range(CEILING_REPS)]  # fmt: skip
+        out[name] = len(devices) * nbytes / statistics.median(took) / 1e9
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, float]:
+    world = args.ranks
     if args.device == "cuda":
-        devices = [torch.device("cuda", 0 if args.same_gpu else r) for r in range(WORLD)]
+        devices = [torch.device("cuda", 0 if args.same_gpu else r) for r in range(world)]
     else:
-        devices = [torch.device("cpu")] * WORLD
-    per_token = LAYERS * 2 * KV_HEADS_PER_RANK * HEAD_DIM * 2  # bytes per token per rank
+        devices = [torch.device("cpu")] * world
+    per_token = LAYERS * 2 * (KV_HEADS // world) * HEAD_DIM * 2  # bytes per token per rank
     n_blocks = args.tokens // BLOCK
     blocks = 2 * n_blocks + 16
     # L1 holds WARMUP rounds of both ranks: the warm-up fills (and pins) it, so the timed
     # stores evict like a steady server instead of timing the pinning of new segments
-    l1_gib = WARMUP * WORLD * args.tokens * per_token / (1 << 30)
+    l1_gib = WARMUP * world * args.tokens * per_token / (1 << 30)
     gen = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {k: [] for k in ("one_store", "one_retrieve", "two_store",
-                                                     "two_retrieve")}  # fmt: skip
+    phases = [*(f"rank{r}" for r in range(world)), "all"]
+    times: dict[str, list[float]] = {
+        f"{p}_{op}": [] for p in phases for op in ("store", "retrieve")
+    }
     with (
         tempfile.TemporaryDirectory() as tmp,
         kvflow_server(max(1.0, l1_gib), Path(tmp) / "server.log") as endpoint,
     ):
-        ranks = [Rank(r, devices[r], blocks, endpoint) for r in range(WORLD)]
+        ranks = [Rank(r, world, devices[r], blocks, endpoint) for r in range(world)]
         try:
             order = torch.randperm(blocks, generator=gen)
             src, dst = order[:n_blocks], order[n_blocks : 2 * n_blocks]
@@ -152,35 +189,46 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
             # SPEC 3: a prefix is a hit only once every rank stored it
             check = tokens()
-            ranks[0].store(check, src, "check-0")
-            assert ranks[0].client.lookup(check, model_name="two-gpus", world_size=WORLD) == 0
-            ranks[1].store(check, src, "check-1")
-            hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=WORLD)
-            assert hit == args.tokens, f"lookup after both ranks stored: {hit}"
+            for r in ranks:
+                hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
+                assert hit == 0, f"lookup before rank {r.rank} stored: {hit}"
+                r.store(check, src, f"check-{r.rank}")
+            hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
+            assert hit == args.tokens, f"lookup after every rank stored: {hit}"
             _round(ranks, "retrieve", check, dst, "check-r")
             for r in ranks:
                 assert r.same_blocks(src, dst), f"rank {r.rank}: retrieved blocks differ"
             for i in range(WARMUP):
                 _round(ranks, "store", tokens(), src, f"warm{i}")
             for i in range(args.repeat):
-                alone, both = tokens(), tokens()
-                times["one_store"].append(_round(ranks[:1], "store", alone, src, f"1s{i}"))
-                times["one_retrieve"].append(_round(ranks[:1], "retrieve", alone, dst, f"1r{i}"))
-                times["two_store"].append(_round(ranks, "store", both, src, f"2s{i}"))
-                times["two_retrieve"].append(_round(ranks, "retrieve", both, dst, f"2r{i}"))
+                for phase in phases:
+                    group = ranks if phase == "all" else [ranks[int(phase[4:])]]
+                    toks = tokens()
+                    for op, table in (("store", src), ("retrieve", dst)):
+                        tag = f"{phase}{op[0]}{i}"
+                        times[f"{phase}_{op}"].append(_round(group, op, toks, table, tag))
         finally:
             for r in ranks:
                 r.close()
     nbytes = args.tokens * per_token
-    out = {
-        "bytes_per_rank": float(nbytes),
-        "one_store_gbps": nbytes / statistics.median(times["one_store"]) / 1e9,
-        "one_retrieve_gbps": nbytes / statistics.median(times["one_retrieve"]) / 1e9,
-        "two_store_gbps": WORLD * nbytes / statistics.median(times["two_store"]) / 1e9,
-        "two_retrieve_gbps": WORLD * nbytes / statistics.median(times["two_retrieve"]) / 1e9,
-    }
-    out["store_scaling"] = out["two_store_gbps"] / out["one_store_gbps"]
-    out["retrieve_scaling"] = out["two_retrieve_gbps"] / out["one_retrieve_gbps"]
+    out: dict[str, float] = {"bytes_per_rank": float(nbytes), "ranks": float(world)}
+    for phase in phases:
+        n = world if phase == "all" else 1
+        for op in ("store", "retrieve"):
+            out[f"{phase}_{op}_gbps"] = n * nbytes / statistics.median(times[f"{phase}_{op}"]) / 1e9
+    for op in ("store", "retrieve"):
+        out[f"{op}_scaling"] = out[f"all_{op}_gbps"] / out[f"rank0_{op}_gbps"]
+    if args.device == "cuda" and not args.same_gpu:  # the copy ceilings, same run, same bytes
+        for r, device in enumerate(devices):
+            alone = pinned_copy_gbps([device], nbytes)
+            out[f"rank{r}_store_ceiling_gbps"] = alone["d2h"]
+            out[f"rank{r}_retrieve_ceiling_gbps"] = alone["h2d"]
+        every = pinned_copy_gbps(devices, nbytes)
+        out["all_store_ceiling_gbps"], out["all_retrieve_ceiling_gbps"] = every["d2h"], every["h2d"]
+        for phase in phases:
+            for op in ("store", "retrieve"):
+                ceiling = out[f"{phase}_{op}_ceiling_gbps"]
+                out[f"{phase}_{op}_of_ceiling"] = out[f"{phase}_{op}_gbps"] / ceiling
     return out
 
 
@@ -189,14 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per op")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds (median)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (GPUs): 2, 4 or 8")
     parser.add_argument("--same-gpu", action="store_true",
-                        help="both ranks on cuda:0 (checks the flow on a one-GPU machine)")  # fmt: skip
+                        help="every rank on cuda:0 (checks the flow on a one-GPU machine)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.tokens < CHUNK or args.tokens % CHUNK or args.repeat < 1:
         parser.error(f"--tokens a positive multiple of {CHUNK}; --repeat >= 1")
+    if args.ranks not in (2, 4, 8):
+        parser.error("--ranks must be 2, 4 or 8 (the 8 KV heads split evenly)")
     if args.same_gpu and args.device != "cuda":
         parser.error("--same-gpu needs --device cuda")
-    need = 1 if args.same_gpu else WORLD
+    need = 1 if args.same_gpu else args.ranks
     if args.device == "cuda" and torch.cuda.device_count() < need:
         gpus = "a GPU" if need == 1 else f"{need} GPUs"
         print(f"bench_two_gpus: needs {gpus}, found {torch.cuda.device_count()}")
@@ -206,14 +258,28 @@ def main(argv: list[str] | None = None) -> int:
     except AssertionError as exc:
         print(f"bench_two_gpus: check failed: {exc}", file=sys.stderr)
         return 1
-    gib = out["bytes_per_rank"] / (1 << 30)
-    where = "both ranks on cuda:0 (one shared link)" if args.same_gpu else args.device
-    print(f"{args.tokens} tokens = {gib:.3f} GiB per rank per op, {where}")
-    print(f"{'op':<9} {'one rank GB/s':>13} {'two ranks GB/s':>14} {'two/one':>8}")
-    for op in ("store", "retrieve"):
-        print(f"{op:<9} {out[f'one_{op}_gbps']:>13.2f} {out[f'two_{op}_gbps']:>14.2f} "
-              f"{out[f'{op}_scaling']:>8.2f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    _print_table(out, args)
     return 0
+
+
+def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
+    gib = out["bytes_per_rank"] / (1 << 30)
+    where = "every rank on cuda:0 (one shared link)" if args.same_gpu else args.device
+    print(f"{args.tokens} tokens = {gib:.3f} GiB per rank per op, {args.ranks} ranks, {where}")
+    ceilings = "all_store_ceiling_gbps" in out
+    head = f"{'phase':<7} {'op':<9} {'GB/s':>8}"
+    print(head + (f" {'ceiling GB/s':>13} {'of ceiling':>11}" if ceilings else ""))
+    for phase in [*(f"rank{r}" for r in range(args.ranks)), "all"]:
+        for op in ("store", "retrieve"):
+            line = f"{phase:<7} {op:<9} {out[f'{phase}_{op}_gbps']:>8.2f}"
+            if ceilings:
+                line += (f" {out[f'{phase}_{op}_ceiling_gbps']:>13.2f}"
+                         f" {out[f'{phase}_{op}_of_ceiling']:>11.3f}")  # fmt: skip
+            print(line)
+    for op in ("store", "retrieve"):
+        print(f"{op} all/rank0: {out[f'{op}_scaling']:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ ones on each rank) must hold. The GB/s figures are GPU measurements (docs/PERFOR
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -14,17 +15,32 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_two_gpus.py"
 
 
-def test_two_ranks_on_cpu_pass_the_checks_and_report_both_phases() -> None:
+def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(tmp_path: Path) -> None:
+    """Each rank alone and both at once, both ops, with all/rank0 ratios."""
+    out = tmp_path / "figures.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--tokens", "512", "--repeat", "1"],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tokens", "512", "--repeat", "1",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    for phase in ("rank0", "rank1", "all"):
+        for op in ("store", "retrieve"):
+            row = re.search(rf"^{phase}\s+{op}\s+([\d.]+)$", done.stdout, re.M)
+            assert row is not None and float(row.group(1)) > 0, done.stdout
+    figures = json.loads(out.read_text())
+    assert figures["ranks"] == 2
     for op in ("store", "retrieve"):
-        row = re.search(rf"^{op}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", done.stdout, re.M)
-        assert row is not None, done.stdout
-        one, two, ratio = map(float, row.groups())
-        assert one > 0 and two > 0 and ratio > 0  # printed rounded: no ratio arithmetic
+        assert figures[f"{op}_scaling"] == figures[f"all_{op}_gbps"] / figures[f"rank0_{op}_gbps"]
+        assert f"{op} all/rank0:" in done.stdout
+
+
+def test_rank_counts_that_do_not_split_the_heads_are_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--ranks", "3"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--ranks must be 2, 4 or 8" in done.stderr
 
 
 def test_too_few_gpus_is_a_clear_failure() -> None:
