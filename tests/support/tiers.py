@@ -2,14 +2,16 @@
 
 `memory_tier` is a real tier (L1's implementation on unpinned memory, renamed) so the
 engine's L2 path runs without a disk; `FaultyTier` wraps any tier and, per call kind,
-holds answers back until released, raises, or answers a key's load False.
+holds answers back until released, raises, or answers a key's load False; `SlowTier`
+wraps any tier and answers its stores late, one at a time (a slow disk).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -104,3 +106,50 @@ class HeldFilter:
         self.entered.set()
         self.release.wait(30)
         return False
+
+
+class SlowTier:
+    """A StorageTier whose stores run one at a time on one thread, each `delay_s` per
+    chunk longer than `inner` takes: a tier slower than the engine's stores (a slow
+    disk), so write bursts build a backlog. Every other call goes straight to `inner`."""
+
+    def __init__(self, inner: StorageTier, delay_s: float) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.delay_s = delay_s
+        #: when set, stores wait (at most 30 s) for it before they start: a stalled tier
+        self.gate: threading.Event | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slow-tier")
+
+    def _store(self, items: Sequence[tuple[ObjectKey, torch.Tensor]]) -> StoreOutcome:
+        if self.gate is not None:
+            self.gate.wait(30)
+        time.sleep(self.delay_s * len(items))
+        return self.inner.store(items).result()
+
+    def store(self, items: Sequence[tuple[ObjectKey, torch.Tensor]]) -> Future[StoreOutcome]:
+        return self._pool.submit(self._store, list(items))
+
+    def contains(self, keys: Sequence[ObjectKey]) -> Future[list[bool]]:
+        return self.inner.contains(keys)
+
+    def load(self, keys: Sequence[ObjectKey], dsts: Sequence[torch.Tensor]) -> Future[list[bool]]:
+        return self.inner.load(keys, dsts)
+
+    def pin(self, keys: Sequence[ObjectKey]) -> int:
+        return self.inner.pin(keys)
+
+    def unpin(self, keys: Sequence[ObjectKey]) -> None:
+        self.inner.unpin(keys)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def drop_where(self, predicate: Callable[[Any], bool]) -> int:
+        return self.inner.drop_where(predicate)
+
+    def close(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
+        self._pool.shutdown(wait=True)
+        self.inner.close()
