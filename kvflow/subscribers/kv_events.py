@@ -62,11 +62,13 @@ class RecordFilter(msgspec.Struct, frozen=True):
     cache_salt: str | None = None
     #: match only records whose salt is `cache_salt`, None included
     match_salt: bool = False
+    rank: int | None = None
 
     def matches(self, record: KVRecord) -> bool:
         return (
             (self.model_name is None or record.model_name == self.model_name)
             and (self.world_size is None or record.world_size == self.world_size)
+            and (self.rank is None or record.rank == self.rank)
             and (not self.match_salt or record.cache_salt == self.cache_salt)
         )
 

@@ -525,6 +525,7 @@ class KVFlowClient:
         world_size: int | None = None,
         cache_salt: str | None = None,
         match_salt: bool = False,
+        rank: int | None = None,
     ) -> KVSubscribed:
         """Subscribe to the server's KV-event log (None fields match every owner; the salt
         is matched only with `match_salt`); the reply names the subscription, the
@@ -532,7 +533,7 @@ class KVFlowClient:
         reply = self._call(
             SubscribeKVEvents(
                 model_name=model_name, world_size=world_size, cache_salt=cache_salt,
-                match_salt=match_salt,
+                match_salt=match_salt, rank=rank,
             )
         )  # fmt: skip
         if not isinstance(reply, KVSubscribed):

@@ -49,6 +49,7 @@ class KVEventStream:
         world_size: int | None = None,
         cache_salt: str | None = None,
         match_salt: bool = False,
+        rank: int | None = None,
         max_records: int = 1024,
     ) -> None:
         self._client = client
@@ -57,6 +58,7 @@ class KVEventStream:
             "world_size": world_size,
             "cache_salt": cache_salt,
             "match_salt": match_salt,
+            "rank": rank,
         }
         self._max = max_records
         self.subscription: str | None = None

@@ -173,6 +173,7 @@ class SubscribeKVEvents(Request, tag="kv_subscribe"):
     cache_salt: str | None = None
     #: match the salt exactly (None included) instead of every salt
     match_salt: bool = False
+    rank: int | None = None
 
 
 class PollKVEvents(Request, tag="kv_poll"):

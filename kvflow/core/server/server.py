@@ -559,8 +559,9 @@ class KVFlowServer:
         rid, client = request.id, request.client
         if isinstance(request, SubscribeKVEvents):
             wanted = RecordFilter(
-                request.model_name, request.world_size, request.cache_salt, request.match_salt
-            )
+                request.model_name, request.world_size, request.cache_salt, request.match_salt,
+                request.rank,
+            )  # fmt: skip
             sub_id, log_seq = streams.subscribe(client, wanted)
             return KVSubscribed(
                 id=rid, subscription=sub_id, epoch=streams.epoch, log_seq=log_seq,

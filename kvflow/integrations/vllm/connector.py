@@ -9,16 +9,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvflow.core import KVFlowClient
 from kvflow.integrations.vllm.config import ConnectorConfig
+from kvflow.integrations.vllm.kv_events import (
+    BlockEvent,
+    BlocksStored,
+    RankVotes,
+    WorkerKVEvents,
+)
 from kvflow.integrations.vllm.plan import StepPlan
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.shared_kv import SharedZeros
@@ -47,6 +62,89 @@ class KVFlowConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVFlowKVEvents(KVConnectorKVEvents):
+    """One step's block events of the workers, as vLLM carries them to the scheduler
+    (which keeps those every rank reported: RankVotes)."""
+
+    def __init__(self, events: list[KVCacheEvent], workers: int = 1) -> None:
+        self._events = events
+        self._workers = workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> KVFlowKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
+        self._workers = 1
+
+
+#: the counters KVFlowConnectorStats sums: scheduler lookups, worker loads and stores
+STAT_KEYS = (
+    "lookups", "hit_tokens", "loads", "loaded_tokens", "load_failed_blocks", "stores",
+    "stored_tokens",
+)  # fmt: skip
+
+
+class KVFlowConnectorStats(KVConnectorStats):
+    """Per-step counters for vLLM's connector metrics: the scheduler's lookups and hit
+    tokens, the workers' loads and stores (summed over workers: each rank moves its shard)."""
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in STAT_KEYS:
+            self.data[key] = self.data.get(key, 0) + int(other.data.get(key, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: int(self.data.get(key, 0)) for key in STAT_KEYS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key, 0) for key in STAT_KEYS)
+
+
+def _vllm_event(event: BlockEvent, block_size: int) -> KVCacheEvent:
+    """vLLM's event for a block event (KV cache group 0: the connector serves one group)."""
+    if isinstance(event, BlocksStored):
+        return BlockStored(
+            block_hashes=list(event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids),
+            block_size=block_size,
+            lora_id=None,
+            medium=event.medium,
+            lora_name=None,
+            group_idx=0,
+        )
+    return BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium, group_idx=0)
+
+
+def _kv_events_on(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (--kv-events-config with enable_kv_cache_events)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and getattr(events, "enable_kv_cache_events", False))
+
+
+def _block_hashes(request: Any, n: int) -> list[Any]:
+    """vLLM's hashes of a request's first n blocks, as its own KV events publish them."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return [maybe_convert_block_hash(h) for h in request.block_hashes[:n]]
 
 
 def default_model_name(vllm_config: VllmConfig) -> str:
@@ -89,6 +187,13 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._zeros: SharedZeros | None = None
+        kv_events = _kv_events_on(vllm_config)
+        self._kv_events: WorkerKVEvents | None = None
+        self._votes: RankVotes | None = RankVotes(world_size) if kv_events else None
+        self._ready: list[KVCacheEvent] = []
+        #: running totals of the stats, and their values at the last get_kv_connector_stats
+        self._counted = dict.fromkeys(STAT_KEYS, 0)
+        self._reported = dict.fromkeys(STAT_KEYS, 0)
         if role == KVConnectorRole.SCHEDULER:
             if self.kvflow_config.recompute_failed_loads:
                 # vLLM's scheduler reads the policy right after creating its connector
@@ -98,6 +203,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 model_name=model_name,
                 world_size=world_size,
                 block_size=self._block_size,
+                block_hashes=_block_hashes if kv_events else None,
             )
         else:
             prefix = self.kvflow_config.instance_id or f"vllm-{transfer.engine_id}"
@@ -108,6 +214,16 @@ class KVFlowConnector(KVConnectorBase_V1):
                 rank=rank,
                 instance_id=f"{prefix}-rank{rank}",
             )
+            if kv_events:
+                cfg = self.kvflow_config
+                self._kv_events = WorkerKVEvents(
+                    lambda: KVFlowClient(  # polls are quick: a dead server shows soon
+                        cfg.endpoint, timeout_s=cfg.lookup_timeout_s,
+                        curve_server_key=cfg.curve_server_key, curve_key=cfg.curve_key,
+                    ),
+                    model_name=model_name, world_size=world_size, rank=rank,
+                    block_size=self._block_size,
+                )  # fmt: skip
         log.info(
             "kvflow connector (%s) for %s, world_size %d rank %d, server %s",
             role.name.lower(),
@@ -139,6 +255,8 @@ class KVFlowConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
         if self._worker is not None and plan is not None and plan.loads:
+            self._remember(plan.loads)
+            self._counted["loads"] += len(plan.loads)
             self._worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -152,16 +270,60 @@ class KVFlowConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         plan = self._plan()
         if self._worker is not None and plan is not None:
+            self._remember(plan.stores)
+            self._counted["stores"] += len(plan.stores)
             self._worker.save(plan)
+
+    def _remember(self, specs: Any) -> None:
+        """Tell the KV-event follower which vLLM blocks the planned chunks are."""
+        if self._kv_events is not None:
+            for spec in specs:
+                if spec.block_hashes:
+                    self._kv_events.remember(spec.token_ids, spec.block_hashes, spec.cache_salt)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Loads and stores complete within their step: nothing finishes later."""
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        errors = self._worker.take_load_errors()
+        self._counted["load_failed_blocks"] += len(errors)
+        return errors
+
+    def get_kv_connector_kv_cache_events(self) -> KVFlowKVEvents | None:
+        """The block events this worker's KV-event follower gathered since the last step."""
+        if self._kv_events is None:
+            return None
+        events = self._kv_events.take()
+        if not events:
+            return None
+        return KVFlowKVEvents([_vllm_event(e, self._block_size) for e in events])
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This step's lookups (scheduler) or loads and stores (worker), for vLLM's metrics."""
+        counted = self._counted
+        if self._scheduler is not None:
+            counted["lookups"], counted["hit_tokens"] = (
+                self._scheduler.lookups, self._scheduler.matched_tokens
+            )  # fmt: skip
+        if self._worker is not None:
+            counted["loaded_tokens"] = self._worker.loaded_tokens
+            counted["stored_tokens"] = self._worker.stored_tokens
+        last, self._reported = self._reported, dict(counted)
+        stats = KVFlowConnectorStats(data={k: counted[k] - last[k] for k in STAT_KEYS})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVFlowConnectorStats(data=dict(data)) if data is not None else KVFlowConnectorStats()
 
     def shutdown(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
@@ -188,6 +350,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if self._scheduler is not None and invalid:
             self._scheduler.load_failed(set(invalid))
+        events = getattr(connector_output, "kv_cache_events", None)
+        if self._votes is not None and isinstance(events, KVConnectorKVEvents):
+            self._ready.extend(self._votes.add(events.get_all_events()))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The workers' block events every rank reported, for vLLM's KV-event publisher."""
+        ready, self._ready = self._ready, []
+        return ready
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,8 @@ class LoadSpec:
     #: tokens vLLM computed itself (a multiple of the block size): not loaded
     skip_tokens: int
     cache_salt: str | None = None
+    #: vLLM's hashes of the blocks of `token_ids` (KV events on; else empty)
+    block_hashes: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -30,6 +33,8 @@ class StoreSpec:
     token_ids: np.ndarray
     block_ids: list[int]
     cache_salt: str | None = None
+    #: vLLM's hashes of the blocks of `token_ids` (KV events on; else empty)
+    block_hashes: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -67,11 +67,14 @@ class SchedulerSide:
         world_size: int,
         block_size: int,
         client_factory: Callable[[], KVFlowClient] | None = None,
+        block_hashes: Callable[[Any, int], list[Any]] | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
         self.world_size = world_size
         self.block_size = block_size
+        #: (request, n) -> vLLM's hashes of its first n blocks, for the KV events (None: off)
+        self._block_hashes = block_hashes
         factory = client_factory or (
             lambda: KVFlowClient(
                 config.endpoint,
@@ -244,6 +247,7 @@ class SchedulerSide:
                 block_ids=tracked.blocks[: _ceil_div(end, self.block_size)],
                 skip_tokens=local,
                 cache_salt=self._salt(tracked.request),
+                block_hashes=self._hashes(tracked.request, end),
             )
         )
         tracked.stored = max(tracked.stored, end)
@@ -262,9 +266,16 @@ class SchedulerSide:
                 token_ids=prompt[:full],
                 block_ids=tracked.blocks[: _ceil_div(full, self.block_size)],
                 cache_salt=self._salt(tracked.request),
+                block_hashes=self._hashes(tracked.request, full),
             )
         )
         tracked.stored = full
+
+    def _hashes(self, request: Any, tokens: int) -> list[Any]:
+        """vLLM's hashes of the full blocks of the first `tokens` (KV events only)."""
+        if self._block_hashes is None:
+            return []
+        return self._block_hashes(request, tokens // self.block_size)
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Workers could not fill these blocks: vLLM recomputes them, and the chunks they

@@ -7,7 +7,9 @@ import pytest
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.engine.keys import chain_hashes
 from kvflow.core.errors import InvalidRequestError, KVFlowError, TransferError
+from kvflow.core.tiers.base import ObjectKey
 from kvflow.events import BlockAllocation, EventBus, EventType
 from kvflow.subscribers import build_subscribers
 from kvflow.subscribers.testing import MetricsCapture
@@ -136,10 +138,21 @@ def test_register_allocations_sessions_and_l1_events() -> None:
     (alloc,) = of_type(events, EventType.BLOCK_ALLOCATION)
     assert alloc.attrs == {"instance_id": "a", "model_name": "m", "block_size": BLOCK,
                            "records": (rec,)}  # fmt: skip
+    # L1_WRITE and L1_EVICT name the objects (for the KV-event stream)
+    first, second = (
+        [ObjectKey(h, "m", 2, 1, None) for h in chain_hashes(t[: 2 * CHUNK], CHUNK)]
+        for t in (TOKENS, TOKENS + 1000)
+    )
     writes = of_type(events, EventType.L1_WRITE)
-    assert [w.attrs for w in writes] == [{"chunks": 2, "bytes": 2 * nbytes}] * 2
+    assert [w.attrs for w in writes] == [
+        {"chunks": 2, "bytes": 2 * nbytes, "keys": first},
+        {"chunks": 2, "bytes": 2 * nbytes, "keys": second},
+    ]
     assert of_type(events, EventType.L1_READ)[0].attrs == {"chunks": 2, "bytes": 2 * nbytes}
-    assert of_type(events, EventType.L1_EVICT)[0].attrs == {"chunks": 1, "bytes": nbytes}
+    # L1 held 3 chunks: the second store evicted one of the first's (L1's LRU picks which)
+    (evict,) = of_type(events, EventType.L1_EVICT)
+    assert (evict.attrs["chunks"], evict.attrs["bytes"]) == (1, nbytes)
+    assert len(evict.attrs["keys"]) == 1 and evict.attrs["keys"][0] in first
     (end,) = of_type(events, EventType.END_SESSION)
     assert end.session_id == "q"
     engine.close()

@@ -137,7 +137,10 @@ def test_retrieve_loads_l1_misses_from_l2_and_writes_them_back() -> None:
     assert s.exact(N)
     assert s.ends(EventType.RETRIEVE_END)[0]["l2_chunks"] == 4
     (wb,) = s.ends(EventType.WRITE_BACK)
-    assert wb == {"kept": 4, "discarded": 0, "bytes": 4 * CHUNK_BYTES, "reason": "retrieve"}
+    assert wb == {
+        "kept": 4, "discarded": 0, "bytes": 4 * CHUNK_BYTES, "reason": "retrieve",
+        "keys": s.keys(T)[2:],  # the chunks now back in L1, for the KV-event stream
+    }  # fmt: skip
     assert s.in_l1(T) == [True] * N
     s.close()
 

@@ -140,7 +140,9 @@ def test_evicted_bytes_add_up_over_start_up_and_every_store(
     small = open_tier(tiers, [tmp_path], 4 * KIB)  # the two oldest go at start-up
     assert (small.stats()["evicted_chunks"], small.stats()["evicted_bytes"]) == (2, 4 * KIB)
     outcome = answer(small.store([(key(10), payload(10, 2 * KIB))]))
-    assert outcome == StoreOutcome(stored=1, evicted_chunks=1, evicted_bytes=2 * KIB)
+    assert outcome == StoreOutcome(
+        stored=1, evicted_chunks=1, evicted_bytes=2 * KIB, evicted_keys=(key(2),)
+    )
     answer(small.store([(key(11), payload(11, KIB))]))
     stats = small.stats()
     assert (stats["evicted_chunks"], stats["evicted_bytes"]) == (4, 8 * KIB)
@@ -162,7 +164,9 @@ def test_a_key_evicted_at_start_up_can_be_stored_again(
     small = open_tier(tiers, [tmp_path], 2 * KIB)
     assert answer(small.contains([key(0), key(1)])) == [False, True]
     outcome = small.store([(key(0), payload(0, 2 * KIB))]).result(timeout=10)
-    assert outcome == StoreOutcome(stored=1, evicted_chunks=1, evicted_bytes=2 * KIB)
+    assert outcome == StoreOutcome(
+        stored=1, evicted_chunks=1, evicted_bytes=2 * KIB, evicted_keys=(key(1),)
+    )
     got = load_one(small, key(0), 2 * KIB)
     assert got is not None and got.equal(payload(0, 2 * KIB))
 

@@ -187,14 +187,18 @@ def test_an_object_of_exactly_the_capacity_fits(tmp_path: Path, tiers: list[Disk
     tier = open_tier(tiers, [tmp_path], 2 * KIB)
     answer(tier.store([(key(1), payload(1))]))
     outcome = answer(tier.store([(key(2), payload(2, 2 * KIB))]))
-    assert outcome == StoreOutcome(stored=1, evicted_chunks=1, evicted_bytes=KIB)
+    assert outcome == StoreOutcome(
+        stored=1, evicted_chunks=1, evicted_bytes=KIB, evicted_keys=(key(1),)
+    )
 
 
 def test_a_store_sums_the_evictions_of_all_its_keys(tmp_path: Path, tiers: list[DiskTier]) -> None:
     tier = open_tier(tiers, [tmp_path], 2 * KIB)
     answer(tier.store([(key(1), payload(1)), (key(2), payload(2))]))
     outcome = answer(tier.store([(key(3), payload(3)), (key(4), payload(4))]))
-    assert outcome == StoreOutcome(stored=2, evicted_chunks=2, evicted_bytes=2 * KIB)
+    assert outcome == StoreOutcome(
+        stored=2, evicted_chunks=2, evicted_bytes=2 * KIB, evicted_keys=(key(1), key(2))
+    )
 
 
 def test_no_write_is_in_flight_once_a_store_answered(tmp_path: Path, tiers: list[DiskTier]) -> None:
