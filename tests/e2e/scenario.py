@@ -118,19 +118,36 @@ class EngineWorker:
 
     CPU caches live in POSIX shared memory, CUDA caches are shared by CUDA IPC. A model
     name per worker (unique in a server's life) keeps each scenario's chunks to itself:
-    nothing stored by an earlier scenario can stand in for this one's store.
+    nothing stored by an earlier scenario can stand in for this one's store. A rank of a
+    tensor-parallel engine (`world_size` > 1) holds its share of the KV heads and is
+    given the model name its world shares.
     """
 
     def __init__(
-        self, client: KVFlowClient, layout: str, dtype: torch.dtype, device: torch.device
+        self,
+        client: KVFlowClient,
+        layout: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        model_name: str | None = None,
+        world_size: int = 1,
+        rank: int = 0,
     ) -> None:
+        if NUM_KV_HEADS % world_size or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank {rank} of world_size {world_size}: the world size must divide "
+                f"the model's {NUM_KV_HEADS} KV heads and the rank be below it"
+            )
         number = next(_worker_numbers)
         tag = f"{layout}-{str(dtype).removeprefix('torch.')}-{device.type}-{os.getpid()}-{number}"
         self.client = client
         self.layout = layout
+        self.dtype = dtype
         self.device = device
-        self.instance_id = f"e2e-{tag}"
-        self.model_name = f"tiny-llama-{tag}"
+        self.instance_id = f"e2e-{tag}" if world_size == 1 else f"e2e-{tag}-rank{rank}"
+        self.model_name = model_name or f"tiny-llama-{tag}"
+        self.num_heads = NUM_KV_HEADS // world_size
 
         def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if device.type == "cpu":
@@ -142,13 +159,25 @@ class EngineWorker:
             num_layers=NUM_LAYERS,
             num_blocks=NUM_BLOCKS,
             block_size=BLOCK_SIZE,
-            num_heads=NUM_KV_HEADS,
+            num_heads=self.num_heads,
             head_size=HEAD_SIZE,
             dtype=dtype,
             empty=empty,
         )
         paged_kv.fill(self.caches, float("nan"))
-        client.register_kv_caches(self.instance_id, self.caches, model_name=self.model_name)
+        client.register_kv_caches(
+            self.instance_id,
+            self.caches,
+            model_name=self.model_name,
+            world_size=world_size,
+            rank=rank,
+        )
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk of this worker's KV (its heads only)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return NUM_LAYERS * 2 * CHUNK_SIZE * self.num_heads * HEAD_SIZE * element
 
     def close(self) -> None:
         """Unregister from the server."""
@@ -250,5 +279,4 @@ def run_reuse(
     err = assert_reuse_matches(model, reused, original, requests)
     client.end_session("req-2")
 
-    chunk_bytes = NUM_LAYERS * 2 * CHUNK_SIZE * NUM_KV_HEADS * HEAD_SIZE * original.element_size()
-    return ReuseResult(err, store_s, retrieve_s, chunk_bytes)
+    return ReuseResult(err, store_s, retrieve_s, worker.chunk_bytes)
