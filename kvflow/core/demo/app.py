@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import os
 import socket
 import sys
 import tempfile
@@ -20,11 +21,13 @@ import time
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.demo.logfile import LogFile
 from kvflow.core.demo.sim import ModelShape, RequestOutcome, SimEngine, kv_bytes_per_token
 from kvflow.core.demo.tally import OpTally, OpTotals, RequestTiers, TierTrace, WriteBackTotals
 from kvflow.core.demo.tiers import L1Sizing, TierRow, default_l1, tier_rows, tier_table
@@ -520,7 +523,10 @@ def run(args: argparse.Namespace) -> DemoReport:
     with contextlib.ExitStack() as stack:
         config = _with_l2(args, config, stack)
         setup = Setup(args, config, sizing, l2_temporary=args.l2_disk is None)
+        log = LogFile(_log_path(config))
+        stack.callback(log.release)
         engine = _engine(config)
+        log.capture()  # warnings go to the file, not between the progress lines
         try:
             report = _run_engine(setup, engine, requests, shape, device)
         finally:
@@ -530,7 +536,18 @@ def run(args: argparse.Namespace) -> DemoReport:
     if log_dir is not None:  # after close: every event is in the log
         print(f"  event log: {log_dir} (kvflow replay {log_dir}; kvflow whatif {log_dir}"
               f" --l1-size-gb {config.l1_size_gb:.4g},{2 * config.l1_size_gb:.4g})")  # fmt: skip
+    print(f"  log: {log.summary()}")
     return report
+
+
+def _log_path(config: ServerConfig) -> Path:
+    """The run's log file: in the event log's directory, else a new temporary file."""
+    log_dir = config.observability.event_log_dir
+    if log_dir is not None:
+        return Path(log_dir) / "demo.log"
+    fd, name = tempfile.mkstemp(prefix="kvflow-demo-", suffix=".log")
+    os.close(fd)
+    return Path(name)
 
 
 def _run_engine(
@@ -555,8 +572,8 @@ def _run_engine(
     print(
         "  per request, in tokens: prompt; local = already in the engine's blocks; hit = the"
         " lookup's hits by tier;\n  retrieved = copied back into the engine; stored = the"
-        " prompt's full chunks in L1 after its store\n  (already-cached chunks included: the"
-        " summary's 'stored (new to L1)' counts only newly written tokens)"
+        " prompt's full chunks kvflow holds after its store, in L1 or L2\n  (already-cached"
+        " chunks included: the summary's 'stored (new to L1)' counts only newly written tokens)"
     )
     t0 = time.perf_counter()
     outcomes = _serve(args, engine, sim, trace, requests)

@@ -110,6 +110,7 @@ def test_demo_default_l2_run_evicts_from_l1_then_hits_disk_prefetches_and_writes
     assert report.events["l1_evict"] > 0 and report.events["l2_load_end"] > 0
     assert report.verified_blocks > 0
     assert (l1.store_failures, l1.load_failures) == (0, 0)
+    assert disk.store_failures == 0  # no L2 write lost: bursts wait for the disk
     out = capsys.readouterr().out
     per_request = sum(int(n) for n in re.findall(r"^\[.*\bdisk +(\d+)", out, re.MULTILINE))
     assert per_request == disk.hit_tokens
@@ -161,3 +162,19 @@ def test_demo_refuses_an_unusable_l2_disk_path(
     assert demo.main("demo", [*SMALL, *DEFAULT_OFF, "--l2-disk", str(not_a_dir)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvflow demo: --l2-disk") and err.count("\n") == 1
+
+
+def test_demo_log_lines_go_to_the_file_its_summary_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every log line of the run (here: one per event, at debug) goes to demo.log in the
+    event log's directory, which the summary names; none lands between the progress
+    lines or in the table."""
+    _run([*SMALL[:-1], *DEFAULT_OFF, "--log-level", "debug", "--event-log", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert not [line for line in captured.out.splitlines() if line.lstrip().startswith("{")]
+    log = tmp_path / "demo.log"
+    lines = log.read_text().splitlines()
+    assert lines and all(line.startswith("{") for line in lines)
+    assert f"  log: {log} ({len(lines)} lines, 0 warnings)" in captured.out.splitlines()
