@@ -20,6 +20,7 @@ import torch
 
 from kvflow.core.arrays import as_int32_array
 from kvflow.core.config import ServerConfig
+from kvflow.core.engine.chunk_keys import check_chunk_keys, placeholder_tokens
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
 from kvflow.core.engine.loads import Slot
@@ -272,11 +273,26 @@ class CacheEngine:
         cache_salt: str | None,
     ) -> list[ObjectKey]:  # fmt: skip
         """L1 keys of chunks [first, stop), converting their token ids first (chained
-        hashes of the whole prefix, computed once per session, then cached)."""
-        ids.convert_tokens(stop)
+        hashes of the whole prefix, computed once per session, then cached), or the
+        request's own chunk keys when it came with them."""
         model, world, rank = inst.model_rank
-        hashes = self._keys.hashes(ids.tokens[: stop * self.chunk_size], request_id)
+        hashes: Sequence[bytes]
+        if ids.hashes is not None:
+            hashes = ids.hashes[:stop]
+        else:
+            ids.convert_tokens(stop)
+            hashes = self._keys.hashes(ids.tokens[: stop * self.chunk_size], request_id)
         return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes[first:]]
+
+    def _keyed(self, token_ids: Any, chunk_keys: Any) -> tuple[Any, list[bytes] | None]:
+        """(token ids, None) for a request by tokens; for one by `chunk_keys`, placeholder
+        token ids (one whole chunk per key) and the checked keys."""
+        if chunk_keys is None:
+            return token_ids, None
+        if token_ids is not None:
+            raise InvalidRequestError("give token_ids or chunk_keys, not both")
+        keys = check_chunk_keys(chunk_keys, self.chunk_size, MAX_REQUEST_TOKENS)
+        return placeholder_tokens(len(keys), self.chunk_size), keys
 
     def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
         self.bus.publish(Event(etype, 0, session_id, None, attrs))
@@ -430,13 +446,18 @@ class CacheEngine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         prefetch: bool = True,
+        chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
         """Tokens of the longest prefix of full chunks every rank has in some tier.
+
+        With `chunk_keys` (and no token_ids) the chunks are named by those keys
+        (kvflow.core.engine.chunk_keys) instead of by hashes of their tokens.
 
         When part of that prefix lies in L2, a prefetch of it into L1 starts (unless
         `prefetch` is False or the model's layouts were never registered) and the
         lookup returns at once.
         """
+        token_ids, named = self._keyed(token_ids, chunk_keys)
         n_req = _requested_tokens(token_ids)
         attrs = {"model_name": model_name, "tokens": n_req}
         op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
@@ -446,7 +467,7 @@ class CacheEngine:
             if not isinstance(prefetch, bool):
                 raise InvalidRequestError(f"prefetch must be a bool, got {prefetch!r}")
             tokens = as_int32_array(token_ids, "token_ids")
-            hashes = self._keys.hashes(tokens, request_id)
+            hashes = named if named is not None else self._keys.hashes(tokens, request_id)
             in_l1 = len(hashes)
             for ranks in _rank_groups(world_size):  # rank 0 first: see _rank_groups
                 if not in_l1:
@@ -597,14 +618,19 @@ class CacheEngine:
         *,
         request_id: str,
         cache_salt: str | None = None,
+        chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
         """Copy the full chunks missing from L1 into it; returns tokens of the request held.
+
+        With `chunk_keys` (and token_ids None) the chunks are named by those keys, one per
+        chunk, as in `lookup`.
 
         The result counts, from token 0, the chunks now held: in L1 (written by this call,
         already there, or being written by a concurrent store) or, with L2 tiers, in L2 or
         being written to it. Without L2 it stops at the first chunk L1 had no room for;
         with L2 a request larger than (free) L1 streams through it (`_stream_store`).
         """
+        token_ids, named = self._keyed(token_ids, chunk_keys)
         inst = self._instance(instance_id)
         attrs = _transfer_attrs(inst, token_ids)
         result: dict[str, Any] = {}
@@ -612,6 +638,7 @@ class CacheEngine:
             op = Op(self.bus, EventType.STORE_START, request_id, attrs)
             with self._transfer(inst, op, tokens=0, bytes=0):
                 ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
+                ids.hashes = named
                 # chunks go in waves: the first group is converted, hashed, planned and
                 # enqueued alone, then each wave doubles the chunks done, so a wave's host
                 # work runs while the copies of the (as many) chunks before it drain
@@ -813,6 +840,7 @@ class CacheEngine:
         skip_first_n_tokens: int = 0,
         cache_salt: str | None = None,
         enqueued: Callable[[Any, int], None] | None = None,
+        chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
         """Copy the consecutive L1 hits from chunk 0 into the request's blocks.
 
@@ -822,6 +850,7 @@ class CacheEngine:
         queued on `stream` (a TransferStream), before the engine waits for them: the
         server replies then, with an event recorded on that stream.
         """
+        token_ids, named = self._keyed(token_ids, chunk_keys)
         inst = self._instance(instance_id)
         attrs = _transfer_attrs(inst, token_ids)
         result: dict[str, Any] = {}
@@ -839,6 +868,7 @@ class CacheEngine:
                         f"({inst.block_size}) of instance {inst.instance_id!r}"
                     )
                 ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
+                ids.hashes = named
                 # in waves like a store: the first group's keys are hashed and its copies
                 # started before the rest of the request is hashed and looked up
                 n_chunks = ids.n_chunks

@@ -7,7 +7,7 @@ their copies, and converts the rest while those run (`kvflow.core.engine.cache_e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,6 +89,8 @@ class RequestIds:
         self.tokens = self._tokens.out
         self.table = self._blocks.out.reshape(self.n_chunks, blocks_per_chunk)
         self._distinct = False  # check_distinct passed
+        #: the chunk keys of a request addressed by keys (chunk_keys.py), not by its tokens
+        self.hashes: Sequence[bytes] | None = None
 
     def _check_blocks(self, ids: np.ndarray) -> None:
         try:

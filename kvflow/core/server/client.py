@@ -25,6 +25,7 @@ import zmq
 import zmq.utils.monitor
 
 from kvflow.core.arrays import as_int32_array
+from kvflow.core.engine.chunk_keys import KEY_BYTES, keys_to_wire
 from kvflow.core.errors import (
     ERRORS_BY_CODE,
     AuthenticationError,
@@ -89,6 +90,19 @@ def _int_list(values: Any, where: str) -> list[int]:
         return list(map(operator.index, values))
     except TypeError:
         raise InvalidRequestError(f"{where} must be a sequence of integers") from None
+
+
+def _tokens_or_keys(token_ids: Any, chunk_keys: Any) -> tuple[np.ndarray, bool]:
+    """A request's first payload: its token ids, or its chunk keys (then True)."""
+    if chunk_keys is None:
+        return as_int32_array(token_ids, "token_ids"), False
+    if token_ids is not None:
+        raise InvalidRequestError("give token_ids or chunk_keys, not both")
+    if isinstance(chunk_keys, (str, bytes)) or not all(
+        isinstance(k, bytes) and len(k) == KEY_BYTES for k in chunk_keys
+    ):
+        raise InvalidRequestError(f"chunk_keys must be a sequence of {KEY_BYTES}-byte keys")
+    return keys_to_wire(chunk_keys), True
 
 
 def _close_pair(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
@@ -382,16 +396,19 @@ class KVFlowClient:
         cache_salt: str | None = None,
         request_id: str | None = None,
         prefetch: bool = True,
+        chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
         """Tokens of the longest chunk prefix the server holds for every rank, in any tier;
-        hits in L2 start a prefetch into L1 unless `prefetch` is False."""
-        tokens = as_int32_array(token_ids, "token_ids")
+        hits in L2 start a prefetch into L1 unless `prefetch` is False. With `chunk_keys`
+        (token_ids None) the chunks are named by those 32-byte keys, one per chunk."""
+        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
         request = Lookup(
             model_name=model_name,
             world_size=world_size,
             cache_salt=cache_salt,
             request_id=request_id,
             prefetch=prefetch,
+            keyed=keyed,
         )
         return self._count(request, (tokens,))
 
@@ -433,14 +450,18 @@ class KVFlowClient:
         *,
         request_id: str,
         cache_salt: str | None = None,
+        chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
-        """Store the request's full chunks from its blocks; returns the tokens now stored."""
-        tokens = as_int32_array(token_ids, "token_ids")
+        """Store the request's full chunks from its blocks; returns the tokens now stored.
+        With `chunk_keys` (token_ids None) the chunks are named by those keys, as in lookup."""
+        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
         blocks = as_int32_array(block_ids, "block_ids")
         events = self._cuda_events(instance_id)
         if events is not None:  # mark "KV written up to here" on the engine's stream
             events.written.record(events.stream())
-        request = Store(instance_id=instance_id, request_id=request_id, cache_salt=cache_salt)
+        request = Store(
+            instance_id=instance_id, request_id=request_id, cache_salt=cache_salt, keyed=keyed
+        )
         return self._count(request, (tokens, blocks))
 
     def retrieve(
@@ -452,20 +473,23 @@ class KVFlowClient:
         request_id: str,
         skip_first_n_tokens: int = 0,
         cache_salt: str | None = None,
+        chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
         """Copy stored chunks into the request's blocks; returns the hit prefix in tokens.
+        With `chunk_keys` (token_ids None) the chunks are named by those keys, as in lookup.
 
         For CUDA caches the server replies once the copies are queued, and the copies
         are ordered before the work torch's current stream queues after this returns
         (like a torch op: read the blocks on the host only after synchronizing it).
         """
-        tokens = as_int32_array(token_ids, "token_ids")
+        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
         blocks = as_int32_array(block_ids, "block_ids")
         request = Retrieve(
             instance_id=instance_id,
             request_id=request_id,
             skip_first_n_tokens=skip_first_n_tokens,
             cache_salt=cache_salt,
+            keyed=keyed,
         )
         hit = self._count(request, (tokens, blocks))
         events = self._cuda_events(instance_id)

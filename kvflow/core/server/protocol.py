@@ -36,6 +36,16 @@ class ShmMemory(msgspec.Struct, tag="shm", frozen=True):
     offset: int
 
 
+class FdMemory(msgspec.Struct, tag="fd", frozen=True):
+    """A CPU tensor's memory: a memfd another allocator made (SGLang's host pool with
+    its shm allocator), which the server opens as /proc/<pid>/fd/<fd>, and a byte offset."""
+
+    pid: int
+    fd: int
+    size: int
+    offset: int
+
+
 class CudaIpcMemory(msgspec.Struct, tag="cuda_ipc", frozen=True):
     """A GPU tensor's memory: the CUDA IPC handle of its allocation and a byte offset."""
 
@@ -52,7 +62,7 @@ class TensorDesc(msgspec.Struct, frozen=True):
     dtype: str
     shape: tuple[int, ...]
     strides: tuple[int, ...]
-    memory: ShmMemory | CudaIpcMemory
+    memory: ShmMemory | FdMemory | CudaIpcMemory
 
 
 class KVCachesDesc(msgspec.Struct, frozen=True):
@@ -115,6 +125,8 @@ class Lookup(Request, tag="lookup"):
     request_id: str | None = None
     #: start a prefetch of the hits that lie in L2
     prefetch: bool = True
+    #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
+    keyed: bool = False
 
 
 class Prefetch(Request, tag="prefetch"):
@@ -134,6 +146,8 @@ class Store(Request, tag="store"):
     instance_id: str
     request_id: str
     cache_salt: str | None = None
+    #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
+    keyed: bool = False
 
 
 class Retrieve(Request, tag="retrieve"):
@@ -142,6 +156,8 @@ class Retrieve(Request, tag="retrieve"):
     request_id: str
     skip_first_n_tokens: int = 0
     cache_salt: str | None = None
+    #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
+    keyed: bool = False
 
 
 class EndSession(Request, tag="end_session"):

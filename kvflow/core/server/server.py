@@ -32,6 +32,7 @@ import zmq
 
 from kvflow.core.config import ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.engine.chunk_keys import keys_from_wire
 from kvflow.core.errors import (
     AlreadyRegisteredError,
     CapacityError,
@@ -608,9 +609,10 @@ class KVFlowServer:
             request.model_name, request.world_size, request.cache_salt, request.request_id
         )  # fmt: skip
         if isinstance(request, Lookup):
+            keys = keys_from_wire(tokens) if request.keyed else None
             hit = self.engine.lookup(
-                tokens, model_name=model, world_size=world, cache_salt=salt, request_id=rid,
-                prefetch=request.prefetch,
+                None if request.keyed else tokens, model_name=model, world_size=world,
+                cache_salt=salt, request_id=rid, prefetch=request.prefetch, chunk_keys=keys,
             )  # fmt: skip
             return Done(id=request.id, value=hit, server_ns=_since(started))
         prefetch_id = self.engine.prefetch(
@@ -662,6 +664,7 @@ class KVFlowServer:
         identity: bytes,
     ) -> Job:
         tokens, blocks = arrays
+        keys = keys_from_wire(tokens) if request.keyed else None  # chunk_keys.py
         answered = False
 
         def answer_early(stream: Any, hit_tokens: int) -> None:
@@ -681,20 +684,22 @@ class KVFlowServer:
                         reg.event.synchronize()
                     value = self.engine.store(
                         reg.instance_id,
-                        tokens,
+                        None if keys is not None else tokens,
                         blocks,
                         request_id=request.request_id,
                         cache_salt=request.cache_salt,
+                        chunk_keys=keys,
                     )
                 else:
                     value = self.engine.retrieve(
                         reg.instance_id,
-                        tokens,
+                        None if keys is not None else tokens,
                         blocks,
                         request_id=request.request_id,
                         skip_first_n_tokens=request.skip_first_n_tokens,
                         cache_salt=request.cache_salt,
                         enqueued=answer_early if reg.retrieved is not None else None,
+                        chunk_keys=keys,
                     )
             except Exception as exc:
                 self._count_error()

@@ -16,8 +16,20 @@ from typing import Any
 import torch
 
 from kvflow.core.errors import InvalidRequestError
-from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, ShmMemory, TensorDesc
-from kvflow.core.server.shm import Segment, map_segment, release_segment, shared_memory_of
+from kvflow.core.server.protocol import (
+    CudaIpcMemory,
+    FdMemory,
+    KVCachesDesc,
+    ShmMemory,
+    TensorDesc,
+)
+from kvflow.core.server.shm import (
+    Segment,
+    map_memfd,
+    map_segment,
+    release_segment,
+    shared_memory_of,
+)
 
 log = logging.getLogger("kvflow.server")
 
@@ -69,7 +81,7 @@ def describe_tensor(tensor: torch.Tensor, where: str) -> TensorDesc:
         raise InvalidRequestError(
             f"{where} has dtype {tensor.dtype}, expected one of {', '.join(DTYPES)}"
         )
-    memory: ShmMemory | CudaIpcMemory
+    memory: ShmMemory | FdMemory | CudaIpcMemory
     if tensor.device.type == "cpu":
         shm = shared_memory_of(tensor)
         if shm is None:
@@ -165,12 +177,16 @@ def _open(
     for i, tdesc in enumerate(desc.tensors):
         memory = tdesc.memory
         raw: torch.Tensor
-        if isinstance(memory, ShmMemory):
-            if memory.name not in shm_cache:
-                shm_cache[memory.name], segment = map_segment(memory)
+        if isinstance(memory, (ShmMemory, FdMemory)):
+            name = memory.name if isinstance(memory, ShmMemory) else f"fd:{memory.pid}:{memory.fd}"
+            if name not in shm_cache:
+                if isinstance(memory, ShmMemory):
+                    shm_cache[name], segment = map_segment(memory)
+                else:
+                    shm_cache[name], segment = map_memfd(memory)
                 segments.append(segment)
                 del segment
-            raw = shm_cache[memory.name]
+            raw = shm_cache[name]
         else:
             from kvflow.core.server.ipc import open_cuda_ipc
 

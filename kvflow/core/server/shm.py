@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvflow.core.errors import InvalidRequestError
-from kvflow.core.server.protocol import ShmMemory
+from kvflow.core.server.protocol import FdMemory, ShmMemory
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvflow-"
@@ -38,6 +38,9 @@ _counter = itertools.count()
 _lock = threading.Lock()
 #: mmap base address -> (segment name, segment size) for segments this process created.
 _segments: dict[int, tuple[str, int]] = {}
+#: mmap base address -> (fd, size) of whole memfds another allocator mapped (share_memfd).
+_memfds: dict[int, tuple[int, int]] = {}
+MEMFD_PREFIX = "/memfd:"
 
 
 def empty_shared(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
@@ -87,17 +90,55 @@ def is_shared(tensor: torch.Tensor) -> bool:
     return shared_memory_of(tensor) is not None
 
 
-def shared_memory_of(tensor: torch.Tensor) -> ShmMemory | None:
-    """The segment and byte offset `tensor` views, or None if it is not in shared memory."""
+def shared_memory_of(tensor: torch.Tensor) -> ShmMemory | FdMemory | None:
+    """The segment (or shared memfd) and byte offset `tensor` views, or None if it is not
+    in shared memory."""
     if tensor.device.type != "cpu":
         return None
     base = tensor.untyped_storage().data_ptr()
     with _lock:
         entry = _segments.get(base)
-    if entry is None:
-        return None
-    name, size = entry
-    return ShmMemory(name=name, size=size, offset=tensor.data_ptr() - base)
+        memfd = _memfds.get(base)
+    if entry is not None:
+        name, size = entry
+        return ShmMemory(name=name, size=size, offset=tensor.data_ptr() - base)
+    if memfd is not None:
+        fd, size = memfd
+        return FdMemory(pid=os.getpid(), fd=fd, size=size, offset=tensor.data_ptr() - base)
+    return None
+
+
+def share_memfd(buffer: torch.Tensor, fd: int) -> None:
+    """Declare that `buffer` maps the memfd `fd` of this process from its first byte (an
+    allocator's own shared memory: SGLang's host pool with its shm allocator), so that
+    views of it describe as FdMemory and a server on this host maps the same pages.
+
+    Raises ValueError when `fd` is not a memfd or does not hold the buffer's bytes, or
+    `buffer` does not start its storage. `forget_memfd` undoes it (before the memory goes).
+    """
+    if buffer.device.type != "cpu":
+        raise ValueError(f"share_memfd needs a CPU tensor, got one on {buffer.device}")
+    base = buffer.untyped_storage().data_ptr()
+    if buffer.data_ptr() != base:
+        raise ValueError("share_memfd needs the tensor that starts the memfd's mapping")
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        size = os.fstat(fd).st_size
+    except OSError as exc:
+        raise ValueError(f"fd {fd} cannot be shared: {exc.strerror}") from None
+    if not target.startswith(MEMFD_PREFIX):
+        raise ValueError(f"fd {fd} is {target!r}, not a memfd")
+    nbytes = buffer.untyped_storage().nbytes()
+    if size < nbytes:
+        raise ValueError(f"memfd {fd} has {size} bytes, fewer than the buffer's {nbytes}")
+    with _lock:
+        _memfds[base] = (fd, size)
+
+
+def forget_memfd(buffer: torch.Tensor) -> None:
+    """Undo `share_memfd` (the memfd may be closed and its memory reused afterwards)."""
+    with _lock:
+        _memfds.pop(buffer.untyped_storage().data_ptr(), None)
 
 
 def map_shared(memory: ShmMemory) -> torch.Tensor:
@@ -180,6 +221,38 @@ def map_segment(memory: ShmMemory) -> tuple[torch.Tensor, Segment]:
         raise InvalidRequestError(
             f"cannot map shared-memory segment {memory.name!r}: {exc}"
         ) from None
+    finally:
+        os.close(fd)
+    return torch.frombuffer(segment.buffer, dtype=torch.uint8), segment
+
+
+def map_memfd(memory: FdMemory) -> tuple[torch.Tensor, Segment]:
+    """Map a client's memfd (server side), like `map_segment`, through /proc/<pid>/fd/<fd>.
+
+    Raises InvalidRequestError when the process or descriptor does not exist (or is
+    this server's own), the descriptor is not a memfd, or its size differs.
+    """
+    where = f"fd {memory.fd} of process {memory.pid}"
+    if memory.pid == os.getpid() or memory.pid < 1 or memory.fd < 0:
+        raise InvalidRequestError(f"{where} cannot be a client's memfd")
+    path = f"/proc/{memory.pid}/fd/{memory.fd}"
+    try:
+        target = os.readlink(path)
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"cannot open {where} (is the client on this host, running as this user?):"
+            f" {exc.strerror}"
+        ) from None
+    try:
+        if not target.startswith(MEMFD_PREFIX):
+            raise InvalidRequestError(f"{where} is {target!r}, not a memfd")
+        size = os.fstat(fd).st_size
+        if size != memory.size:
+            raise InvalidRequestError(f"{where} has {size} bytes, described as {memory.size}")
+        segment = Segment(fd, size)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"cannot map {where}: {exc}") from None
     finally:
         os.close(fd)
     return torch.frombuffer(segment.buffer, dtype=torch.uint8), segment

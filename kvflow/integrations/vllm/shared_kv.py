@@ -36,6 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvflow.core import empty_shared
+from kvflow.core.server.protocol import ShmMemory
 from kvflow.core.server.shm import SHM_DIR, shared_memory_of
 
 #: bytes copied and remapped at a time
@@ -95,7 +96,7 @@ class SharedKV:
         length = end - start
         segment = empty_shared((length,), torch.uint8)
         memory = shared_memory_of(segment)
-        assert memory is not None  # empty_shared's tensor is always described
+        assert isinstance(memory, ShmMemory)  # empty_shared's tensor is always described
         fd = os.open(os.path.join(SHM_DIR, memory.name), os.O_RDWR | os.O_NOFOLLOW)
         try:
             for off in range(0, length, PIECE_BYTES):
