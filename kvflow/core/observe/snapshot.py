@@ -57,6 +57,8 @@ class Snapshot:
     instances: int
     observed: bool = True
     models: list[str] = field(default_factory=list)
+    #: the L2 write-through's backpressure and drops since start (empty without L2)
+    l2_writes: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, status: Mapping[str, Any]) -> Snapshot:
@@ -78,6 +80,10 @@ class Snapshot:
             name: {k: _num(t, k) for k in ("stored_bytes", "loaded_bytes", "evicted_chunks")}
             for name, t in l2_activity.items()
         }
+        writes = (status.get("l2") or {}).get("write_through") or {}
+        l2_writes = {
+            k: _num(writes, k) for k in ("waits", "waited_s", "dropped_chunks", "drop_bursts")
+        } if writes else {}  # fmt: skip
         tiers = {"l1": _usage(status.get("l1"))}
         for name, tier in ((status.get("l2") or {}).get("tiers") or {}).items():
             tiers[name] = _usage(tier)
@@ -117,6 +123,7 @@ class Snapshot:
             models=sorted(
                 {str(i.get("model_name")) for i in instances.values() if isinstance(i, Mapping)}
             ),
+            l2_writes=l2_writes,
         )
 
     def hit_rate(self) -> float | None:

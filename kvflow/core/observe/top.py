@@ -120,6 +120,17 @@ def _pipeline(snap: Snapshot) -> Text:
     )
     text.append(f"dropped {bus['dropped']:.0f}", style="bold red" if bus["dropped"] else "")
     text.append(f"  subscriber errors {bus['subscriber_errors']:.0f}")
+    writes = snap.l2_writes
+    if writes:  # L2 configured: how often stores waited for it, and what it lost
+        text.append("\nL2 writes  ", style="bold")
+        text.append(
+            f"waited {writes['waits']:.0f} times, {units.seconds(writes['waited_s'])} in all  "
+        )
+        dropped = writes["dropped_chunks"]
+        text.append(
+            f"dropped {dropped:.0f} chunks in {writes['drop_bursts']:.0f} bursts",
+            style="bold red" if dropped else "",
+        )
     return text
 
 
