@@ -109,7 +109,8 @@ class LoggingSubscriber:
 
     An END is an error when it has `ok=False` or an `error`, or when some of its
     objects failed (`failed_chunks` > 0: an L2 tier refused part of a call that
-    itself succeeded, e.g. disk full).
+    itself succeeded, e.g. disk full). An error END with `drop_burst` >= 2 repeats a
+    burst its publisher logs once (L2 writes dropped under backpressure): no line.
 
     With `bus`, also warns (at most once per `check_interval_s` of event time and
     at shutdown) when the bus dropped events or a subscriber raised. Lines are
@@ -158,7 +159,8 @@ class LoggingSubscriber:
                     or attrs.get("ok") is False
                     or attrs.get("failed_chunks")
                 ):
-                    self._emit(logging.WARNING, ev)
+                    if attrs.get("drop_burst", 1) < 2:
+                        self._emit(logging.WARNING, ev)
                     continue
             if etype in _INFO_TYPES:
                 self._emit(logging.INFO, ev)

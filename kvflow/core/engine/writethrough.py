@@ -6,8 +6,10 @@ released when every tier has answered. A backlog bound keeps a slow tier from pi
 of L1: a submit past it waits (at most `wait_s`, --l2-backlog-wait-s) for earlier writes
 to finish, so a write burst slows the store down instead of losing L2 writes; chunks
 still past the bound when the wait ends are not written to L2 and count as dropped (L1
-is unaffected). Drops are logged once per burst: when the first one happens, and when a
-submit goes through whole again.
+is unaffected). Drops are logged once per burst: the first drop's L2_STORE_END is a
+warning like any failed END, later ones carry `drop_burst` (their place in the burst,
+from 2), which the logging subscriber counts without a line, and the burst's end (a
+submit that goes through whole again) is one warning with what it dropped.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class WriteThrough:
         # backpressure and drops since start (status), and the drop burst under way
         self.waits = self.dropped_chunks = self.drop_bursts = 0
         self.waited_s = 0.0
-        self._burst: tuple[float, int] | None = None  # (start, chunks dropped in it)
+        # the drop burst under way: (start, chunks dropped, L2_STORE_ENDs of drops)
+        self._burst: tuple[float, int, int] | None = None
 
     def submit(
         self,
@@ -209,23 +212,16 @@ class WriteThrough:
         )
         with self._idle:
             self.dropped_chunks += chunks
-            first = self._burst is None
-            if first:
+            if self._burst is None:
                 self.drop_bursts += 1
-                self._burst = (time.monotonic(), chunks)
-            else:
-                assert self._burst is not None
-                self._burst = (self._burst[0], self._burst[1] + chunks)
-        if first:
-            log.warning(
-                "l2_writes_dropped",
-                extra={"tiers": [t.name for t in self._tiers], "chunks": chunks,
-                       "reason": str(error)},
-            )  # fmt: skip
-        for tier in self._tiers:
+                self._burst = (time.monotonic(), 0, 0)
+            start, dropped, drops = self._burst
+            self._burst = (start, dropped + chunks, drops + len(self._tiers))
+        for i, tier in enumerate(self._tiers):
             op = self._start(tier, chunks, chunks * nbytes, session_id)
             self._counters[tier.name].store_failures += chunks
-            op.fail(error, stored_chunks=0, stored_bytes=0, present_chunks=0, failed_chunks=chunks)
+            op.fail(error, stored_chunks=0, stored_bytes=0, present_chunks=0, failed_chunks=chunks,
+                    drop_burst=drops + i + 1)  # fmt: skip
 
     def _end_burst(self) -> None:
         """A submit went through whole: log the drop burst under way, if any, as ended."""
@@ -233,9 +229,8 @@ class WriteThrough:
             burst, self._burst = self._burst, None
         if burst is not None:
             log.warning(
-                "l2_write_drop_burst_ended",
-                extra={"dropped_chunks": burst[1],
-                       "seconds": round(time.monotonic() - burst[0], 3)},
+                "l2_write_drop_burst_ended: %d chunks dropped in %.3f s (%d L2 store ENDs)",
+                burst[1], time.monotonic() - burst[0], burst[2],
             )  # fmt: skip
 
     def _start(self, tier: StorageTier, chunks: int, total: int, session_id: str | None) -> Op:

@@ -18,6 +18,7 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.tiers.base import StorageTier
 from kvflow.events import EventType
 from kvflow.events.testing import RecordingSubscriber
+from kvflow.subscribers import LoggingSubscriber
 from tests.support.engine import CHUNK, block_bytes, caches, events_of, of_type, pairs, small_engine
 from tests.support.tiers import SlowTier, memory_tier
 
@@ -158,12 +159,12 @@ def test_drops_past_the_bound_are_counted_and_logged_once_per_burst(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A stalled tier: each store waits --l2-backlog-wait-s, then its chunks past the
-    backlog skip L2 (counted); the burst logs one warning when it starts and one when a
-    store goes through whole again, not one per store."""
+    backlog skip L2 (counted); the burst is one warning when it starts (its first
+    dropped END) and one when a store goes through whole again, not one per store."""
     tier = SlowTier(memory_tier(1 << 20), delay_s=0.0)
     tier.gate = threading.Event()
     s = Big(L1_CHUNKS // 4, tier=tier, l2_backlog_wait_s=0.05)
-    caplog.set_level(logging.WARNING, logger="kvflow.l2")
+    caplog.set_level(logging.WARNING)
     for i in range(4):  # 4 chunks each: the first two fill the 8-chunk backlog
         assert s.store(s.tokens(1000 * i), request_id=f"s{i}") == s.n * CHUNK
     wt = s.l2()["write_through"]
@@ -175,9 +176,13 @@ def test_drops_past_the_bound_are_counted_and_logged_once_per_burst(
     assert s.drain()
     assert s.store(s.tokens(9000), request_id="after") == s.n * CHUNK
     assert s.drain()
-    messages = [r.getMessage() for r in caplog.records if r.name == "kvflow.l2"]
-    assert messages == ["l2_writes_dropped", "l2_write_drop_burst_ended"]
+    (ended,) = [r.getMessage() for r in caplog.records if r.name == "kvflow.l2"]
+    assert ended.startswith(f"l2_write_drop_burst_ended: {2 * s.n} chunks dropped in ")
     assert not s.l2()["write_through"]["dropping"]
+    # the logging subscriber warns about the burst's first dropped END only
+    LoggingSubscriber(logger=logging.getLogger("burst")).on_events(events_of(s.recorder, s.engine))
+    warned = [r.msg for r in caplog.records if r.name == "burst"]
+    assert [w["event"] for w in warned] == ["l2_store_end"]
     s.close()
 
 
