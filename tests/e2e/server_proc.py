@@ -21,10 +21,11 @@ class ServerFailedError(RuntimeError):
 
 @contextlib.contextmanager
 def running_server(
-    chunk_size: int, log_path: Path, extra_args: Sequence[str] = ()
+    chunk_size: int, log_path: Path, extra_args: Sequence[str] = (), port: int | None = None
 ) -> Iterator[str]:
-    """Run `kvflow server` (metrics endpoint off) until the block exits; yields its endpoint."""
-    port = free_port()
+    """Run `kvflow server` (metrics endpoint off) until the block exits; yields its endpoint.
+    `port` (default: a free one) lets a test restart a server where clients expect it."""
+    port = free_port() if port is None else port
     cmd = [
         sys.executable,
         "-m",

@@ -210,7 +210,14 @@ class WorkerKVEvents:
                 blocks.remember(item.token_ids, item.block_hashes, item.cache_salt)
             events: list[BlockEvent] = []
             if batch.reset is not None or batch.lost:
-                events.extend(blocks.forget_held())
+                events.extend(withdrawn := blocks.forget_held())
+                log.warning(
+                    "kvflow: %s: reporting the %d block(s) announced as held in kvflow removed",
+                    "the server restarted"
+                    if batch.reset
+                    else f"{batch.lost} KV-event records lost",
+                    sum(len(e.block_hashes) for e in withdrawn),
+                )
             for record in batch.records:
                 translated = blocks.translate(record)
                 self.unknown_records += not translated

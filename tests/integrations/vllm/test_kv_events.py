@@ -52,7 +52,9 @@ def test_consecutive_chunks_become_one_event_and_other_chunks_are_skipped() -> N
         BlocksStored(tuple(hashes), None, tuple(range(3 * CHUNK)), "CPU")
     ]
     assert blocks.translate(_record("stored", keys[1:], "STORAGE")) == [
-        BlocksStored(tuple(hashes[PER:]), hashes[PER - 1], tuple(range(CHUNK, 3 * CHUNK)), "STORAGE")
+        BlocksStored(
+            tuple(hashes[PER:]), hashes[PER - 1], tuple(range(CHUNK, 3 * CHUNK)), "STORAGE"
+        )
     ]
     assert blocks.translate(_record("removed", [keys[2], keys[1]])) == [
         BlocksRemoved((*hashes[2 * PER :], *hashes[PER : 2 * PER]), "CPU")
