@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "server": ("kvflow.core.server.cli", "run a kvflow server"),
     "status": ("kvflow.core.server.cli", "print a running server's status"),
     "keygen": ("kvflow.core.server.cli", "write a CURVE key pair for server or client"),
+    "admin": ("kvflow.core.server.admin_cli", "clear, resize L1, drain, tenant quotas"),
     "demo": ("kvflow.core.demo.app", "run an in-process engine on a synthetic workload"),
     "bench": ("kvflow.core.demo.bench", "run a benchmark from benchmarks/"),
     "top": ("kvflow.core.observe.top", "live terminal view of a running server"),

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.core.tiers.quota import parse_quotas, salt_label
+
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OTLP_PROTOCOLS = ("grpc", "http")
@@ -185,6 +187,14 @@ class ServerConfig:
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     insecure_listen: bool = False
+    #: CURVE: directory of the NAME.key files of clients allowed admin operations (CURVE
+    #: off: loopback clients are admins); re-read when it changes
+    admin_keys: str | None = None
+    #: the /healthz and /readyz HTTP endpoint (port 0 = off)
+    probe_host: str = "127.0.0.1"
+    probe_port: int = 0
+    #: L1 byte limits per tenant: entries salt:NAME=GIB or model:NAME=GIB
+    l1_quotas: tuple[str, ...] = ()
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
@@ -200,11 +210,32 @@ class ServerConfig:
         if isinstance(mi, bool) or not isinstance(mi, int) or not 1 <= mi <= 4096:
             raise ValueError(f"--max-instances must be an integer in 1..4096, got {mi!r}")
         self._check_l2()
+        self._check_operations()
         if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
             raise ValueError(
                 "--curve-secret-key and --curve-authorized-keys go together: give both"
                 " (the server's key pair and the directory of authorised client keys) or neither"
             )
+
+    def _check_operations(self) -> None:
+        """The probe endpoint, the admin keys and the tenant quotas."""
+        _check_port("--probe-port", self.probe_port)
+        if not isinstance(self.probe_host, str) or not self.probe_host:
+            raise ValueError(
+                f"--probe-host must be a host name or address, got {self.probe_host!r}"
+            )
+        if self.admin_keys is not None:
+            if not isinstance(self.admin_keys, str) or not self.admin_keys:
+                raise ValueError(f"--admin-keys must be a directory, got {self.admin_keys!r}")
+            if self.curve_secret_key is None:
+                raise ValueError(
+                    "--admin-keys lists CURVE keys: it needs --curve-secret-key and"
+                    " --curve-authorized-keys (without CURVE, loopback clients are admins)"
+                )
+        quotas = self.l1_quotas
+        if isinstance(quotas, str) or not all(isinstance(q, str) for q in quotas):
+            raise ValueError("--l1-quota must be a list of salt:NAME=GIB or model:NAME=GIB")
+        parse_quotas(quotas)
 
     @property
     def curve(self) -> bool:
@@ -256,6 +287,10 @@ class ServerConfig:
                 out[name] = "***"
         if self.l2_redis_url is not None:
             out["l2_redis_url"] = redact_url(self.l2_redis_url)
+        out["l1_quotas"] = [
+            f"{kind}:{salt_label(name) if kind == 'salt' else name}={nbytes / (1 << 30):g}"
+            for (kind, name), nbytes in parse_quotas(self.l1_quotas).items()
+        ]
         return out
 
 

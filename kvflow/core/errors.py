@@ -67,6 +67,12 @@ class AuthenticationError(KVFlowError):
     code = "unauthenticated"
 
 
+class DrainingError(KVFlowError):
+    """The server is draining for a restart: it takes no new stores or registrations."""
+
+    code = "draining"
+
+
 class RequestTimeoutError(KVFlowError, TimeoutError):
     """The server did not answer in time."""
 
@@ -94,6 +100,7 @@ ERRORS_BY_CODE: dict[str, type[KVFlowError]] = {
         L2BacklogError,
         AuthenticationError,
         RequestTimeoutError,
+        DrainingError,
         UnknownSubscriptionError,
     )
 }

@@ -40,6 +40,8 @@ class EventType(IntEnum):
     PREFETCH_END = 19
     L2_EVICT = 20
     WRITE_BACK = 21
+    #: an operator's call (clear, resize, drain, quota): who, what, and how it ended
+    ADMIN = 40
 
     @property
     def label(self) -> str:

@@ -204,6 +204,36 @@ OPTIONS = (
         "allow a non-loopback --host without CURVE (anyone who reaches the port is a client)",
     ),
     _Option(
+        "--admin-keys",
+        "admin_keys",
+        _S,
+        str,
+        "CURVE: directory of the client public keys (NAME.key) allowed admin operations"
+        " (`kvflow admin`); without CURVE, clients on a loopback address are admins",
+    ),
+    _Option(
+        "--probe-host",
+        "probe_host",
+        _S,
+        str,
+        "interface of the /healthz and /readyz endpoint (default 127.0.0.1)",
+    ),
+    _Option(
+        "--probe-port",
+        "probe_port",
+        _S,
+        int,
+        "port of the /healthz and /readyz HTTP endpoint (default 0 = off)",
+    ),
+    _Option(
+        "--l1-quota",
+        "l1_quotas",
+        _S,
+        list,
+        "L1 byte limits per tenant, comma-separated salt:NAME=GIB or model:NAME=GIB (TOML:"
+        " a list); a tenant over its limit evicts its own objects first",
+    ),
+    _Option(
         "--disable-observability",
         "enabled",
         _O,

@@ -37,6 +37,7 @@ from kvflow.core.errors import (
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.protocol import (
+    AdminRequest,
     AllocationRecord,
     CudaIpcMemory,
     Done,
@@ -538,6 +539,15 @@ class KVFlowClient:
         reply = self._call(Status())
         if not isinstance(reply, StatusResult):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Status")
+        return reply.status
+
+    def admin(self, request: AdminRequest) -> dict[str, Any]:
+        """Run an admin operation (AdminClear, AdminResize, AdminDrain, AdminQuota from
+        kvflow.core.server.protocol); returns what it did. Non-admins get
+        PermissionDeniedError (docs/OPERATIONS.md)."""
+        reply = self._call(request)
+        if not isinstance(reply, StatusResult):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to {request!r}")
         return reply.status
 
     # -- KV events (docs/EVENTS.md, KV events; kv_subscriber.KVEventStream keeps the position) --

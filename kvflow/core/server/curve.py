@@ -106,11 +106,13 @@ class AuthorizedKeys:
     authenticator thread once per connection handshake, never per message.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], flag: str = "--curve-authorized-keys"
+    ) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise ValueError(
-                f"--curve-authorized-keys {self.directory} is not a directory of client"
+                f"{flag} {self.directory} is not a directory of client"
                 f" public keys (NAME{PUBLIC_SUFFIX} files)"
             )
         self._lock = threading.Lock()
@@ -138,14 +140,18 @@ class AuthorizedKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        """Whether the Z85 public `key` is authorised (ZAP calls this per handshake)."""
+    def holds(self, key: bytes) -> bool:
+        """Whether the Z85 public `key` is listed (the directory re-read if it changed)."""
         with self._lock:
             try:
                 self._reload()
             except OSError as exc:  # the directory vanished: keep the last known keys
                 log.warning("cannot re-read %s (%s): using the last keys", self.directory, exc)
-            allowed = key in self._keys
+            return key in self._keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Whether the Z85 public `key` is authorised (ZAP calls this per handshake)."""
+        allowed = self.holds(key)
         if not allowed:
             log.warning(
                 "CURVE: refused a client whose public key is not authorised: %s",

@@ -203,6 +203,43 @@ class UnsubscribeKVEvents(Request, tag="kv_unsubscribe"):
     subscription: str
 
 
+class AdminRequest(Request, kw_only=True):
+    """Base of the operator's requests (docs/OPERATIONS.md): only an admin may send them
+    (a listed CURVE key, or a loopback peer when CURVE is off); the reply is a
+    StatusResult describing what was done."""
+
+
+class AdminClear(AdminRequest, tag="admin_clear"):
+    """Drop the objects of a model and/or a salt (None: any) from the named tiers
+    (empty: every tier); `everything` must be set to clear without a filter."""
+
+    model_name: str | None = None
+    cache_salt: str | None = None
+    tiers: list[str] = []
+    everything: bool = False
+
+
+class AdminResize(AdminRequest, tag="admin_resize"):
+    """Set L1's capacity live, in GiB."""
+
+    l1_size_gb: float
+
+
+class AdminDrain(AdminRequest, tag="admin_drain"):
+    """Start draining (refuse new stores and registrations), or stop with `undrain`;
+    the reply tells what is still in flight and whether the server is drained."""
+
+    undrain: bool = False
+
+
+class AdminQuota(AdminRequest, tag="admin_quota"):
+    """Set (or with None remove) the L1 byte limit of a salt or model tenant, in GiB."""
+
+    kind: Literal["salt", "model"]
+    name: str
+    limit_gb: float | None
+
+
 AnyRequest = (
     Register
     | Lookup
@@ -218,6 +255,10 @@ AnyRequest = (
     | SubscribeKVEvents
     | PollKVEvents
     | UnsubscribeKVEvents
+    | AdminClear
+    | AdminResize
+    | AdminDrain
+    | AdminQuota
 )
 
 

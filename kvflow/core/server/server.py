@@ -581,9 +581,9 @@ class KVFlowServer:
         self, identity: bytes, request: AdminRequest, frame: zmq.Frame, started: int
     ) -> Reply | None:
         """Refuse a caller who is no admin; run an admin's request on the admin worker."""
-        key = frame.get("User-Id") if self._curve is not None else None
+        key = str(frame.get("User-Id")) if self._curve is not None else None
         try:
-            peer: str | None = frame.get("Peer-Address")
+            peer: str | None = str(frame.get("Peer-Address"))
         except zmq.ZMQError:  # a transport without peer addresses (inproc): no admin
             peer = None
         caller = f"{request.client or '?'} at {peer or '?'}"

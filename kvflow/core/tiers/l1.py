@@ -443,17 +443,19 @@ class L1Cache:
             return len(doomed)
 
     def resize(self, capacity_bytes: int) -> dict[str, int]:
-        """Change the byte budget live. Growing only raises it (memory is pinned as L1
-        grows into it). Shrinking retires the last segments until the rest fit: no new
-        object goes there, every readable unpinned object there is evicted now, and each
-        segment's memory is given back once its last object (pinned by a reader or being
-        written meanwhile, never dropped) leaves. Returns the outcome in bytes."""
+        """Change the byte budget live. Growing raises it and, when L1 pins ahead, pins
+        the new room in the background (else L1 grows into it on demand). Shrinking
+        retires the last segments until the rest fit: no new object goes there, every
+        readable unpinned object there is evicted now, and each segment's memory is given
+        back once its last object (pinned by a reader or being written meanwhile, never
+        dropped) leaves. Returns the outcome in bytes."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValueError(f"L1 capacity must be an integer of bytes, got {capacity_bytes!r}")
         if capacity_bytes < ALIGN:
             raise ValueError(f"L1 capacity must be at least {ALIGN} bytes, got {capacity_bytes}")
         with self._lock:
             before = self.evicted_chunks
+            grew = capacity_bytes > self.capacity_bytes
             self.capacity_bytes = capacity_bytes
             active = [s for s, n in enumerate(self._sizes) if n and s not in self._retiring]
             kept = sum(self._sizes[s] for s in active)
@@ -473,13 +475,22 @@ class L1Cache:
                         self._release_segment(seg)
                 for obj in [o for o in self._lru.values() if o.segment in doomed and o.pins == 0]:
                     self._evict(obj, None)
-            return {
+            outcome = {
                 "capacity_bytes": self.capacity_bytes,
                 "reserved_bytes": self._reserved,
                 "usage_bytes": self._usage,
                 "evicted_chunks": self.evicted_chunks - before,
                 "retiring_bytes": sum(self._retiring.values()),
             }
+            room = self.capacity_bytes - self._reserved - self._growing
+        pinner = self._pinner
+        if grew and pinner is not None and pinner.done and room >= ALIGN:  # pin the growth ahead
+            self._pinner = PinAhead(
+                room, self.segment_bytes, claim=self._claim_segment,
+                make=self.pool.make_segment, settle=self._settle_segment,
+                threads=DEFAULT_THREADS,
+            )  # fmt: skip
+        return outcome
 
     def set_quota(self, tenant: Tenant, nbytes: int | None) -> dict[str, int]:
         """Give a tenant a byte limit (None: none) and evict its own LRU objects now
