@@ -1,0 +1,102 @@
+"""A real `kvflow server` process for the operations tests, an HTTP probe reader, and
+CPU KV caches in shared memory whose bytes a test can check after a round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import torch
+
+from kvflow.core import empty_shared
+
+#: vllm_flash_attn caches: NL x [2, NB, BS, NH, HS] bfloat16; a 256-token chunk is 32 KiB
+NL, NB, BS, NH, HS = 2, 64, 16, 2, 8
+CHUNK = 256
+CHUNK_BYTES = 2 * NL * CHUNK * NH * HS * 2
+BLOCKS_PER_CHUNK = CHUNK // BS
+
+
+class ServerProcess:
+    """`python -m kvflow.cli server --port 0 ...`; waits until it listens, keeps its log."""
+
+    def __init__(self, *flags: str, start_timeout_s: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--log-format"]
+        cmd += ["console", "--prometheus-port", "0", *flags]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.endpoint = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._ready.wait(start_timeout_s) or not self.endpoint:
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = re.search(r"listening on (tcp://\S+)", line)
+            if match:
+                self.endpoint = match.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+
+def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, Any]]:
+    """GET `url`: (HTTP status, JSON body), for 200 and error statuses alike."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_for(
+    predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.05, what: str = "condition"
+) -> Any:
+    """Poll `predicate()` until it returns something true (returned); AssertionError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def shared_kv(seed: int) -> list[torch.Tensor]:
+    """Random bfloat16 caches in shared memory (a server maps them)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = [empty_shared((2, NB, BS, NH, HS), torch.bfloat16) for _ in range(NL)]
+    for t in kv:
+        t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+    return kv
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(32000), k=n)
+
+
+def blocks_equal(kv: list[torch.Tensor], src: range, dst: range) -> bool:
+    """Whether blocks `dst` hold what blocks `src` hold, in every layer."""
+    return all(torch.equal(t[:, dst.start : dst.stop], t[:, src.start : src.stop]) for t in kv)
