@@ -19,8 +19,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (tests/support/parallel.py)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    group_by_shared_fixtures(items)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.pluginmanager.hasplugin("xdist"):  # its mark is unknown without it
+        group_by_shared_fixtures(items)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
