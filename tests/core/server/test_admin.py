@@ -1,0 +1,221 @@
+"""Admin operations and who may call them (docs/OPERATIONS.md; issue 42).
+
+Real `kvflow server` processes and real sockets: with CURVE, only keys listed in
+--admin-keys are admins; without CURVE, only loopback peers are. A refused caller gets
+`permission_denied` for every admin request and changes nothing; every call, allowed
+or refused, is a log line naming the caller. `kvflow admin` drives the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvflow.core import KVFlowClient
+from kvflow.core.errors import DrainingError, InvalidRequestError, PermissionDeniedError
+from kvflow.core.server.curve import generate
+from kvflow.core.server.protocol import (
+    AdminClear,
+    AdminDrain,
+    AdminQuota,
+    AdminRequest,
+    AdminResize,
+)
+from kvflow.core.tiers.quota import salt_label
+from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
+
+EVERY_ADMIN_REQUEST: list[AdminRequest] = [
+    AdminClear(everything=True),
+    AdminResize(l1_size_gb=0.01),
+    AdminDrain(),
+    AdminDrain(undrain=True),
+    AdminQuota(kind="salt", name="tenant-secret", limit_gb=0.001),
+]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("admin-keys")
+    found: dict[str, Path] = {}
+    for name in ("server", "operator", "engine"):
+        public, secret = generate(root / name, name)
+        found[name], found[f"{name}_public"] = secret, public
+    for folder, names in (("authorized", ("operator", "engine")), ("admins", ("operator",))):
+        (root / folder).mkdir()
+        for name in names:
+            shutil.copy(found[f"{name}_public"], root / folder)
+        found[folder] = root / folder
+    return found
+
+
+@pytest.fixture(scope="module")
+def curve_server(keys: dict[str, Path]) -> Iterator[ServerProcess]:
+    srv = ServerProcess(
+        "--disable-metrics", "--l1-size-gb", "0.05",
+        "--curve-secret-key", str(keys["server"]),
+        "--curve-authorized-keys", str(keys["authorized"]),
+        "--admin-keys", str(keys["admins"]),
+    )  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _curve_client(srv: ServerProcess, keys: dict[str, Path], name: str) -> KVFlowClient:
+    return KVFlowClient(
+        srv.endpoint, timeout_s=20, curve_server_key=keys["server_public"], curve_key=keys[name]
+    )
+
+
+def test_only_a_listed_curve_key_is_an_admin(
+    curve_server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    """The engine's key is authorised to connect but not listed as an admin: every admin
+    request is refused and changes nothing; the operator's key runs them all. Each call
+    is logged with the caller's key, the salt only by its label."""
+    with _curve_client(curve_server, keys, "engine") as engine:
+        before = engine.status()
+        for request in EVERY_ADMIN_REQUEST:
+            with pytest.raises(PermissionDeniedError, match="--admin-keys"):
+                engine.admin(request)
+        after = engine.status()
+        assert after["l1"]["capacity_bytes"] == before["l1"]["capacity_bytes"]
+        assert after["server"]["drain"]["draining"] is False
+        assert all(t["limit_bytes"] is None for t in after["server"]["tenants"])
+    with _curve_client(curve_server, keys, "operator") as operator:
+        for request in EVERY_ADMIN_REQUEST:
+            operator.admin(request)
+        status = operator.status()
+        assert status["l1"]["capacity_bytes"] == int(0.01 * (1 << 30))
+        limits = {t["tenant"]: t["limit_bytes"] for t in status["server"]["tenants"]}
+        assert limits[salt_label("tenant-secret")] == int(0.001 * (1 << 30))
+    engine_key = keys["engine_public"].read_text().split('"')[1]
+    operator_key = keys["operator_public"].read_text().split('"')[1]
+    log = wait_for(lambda: "admin quota" in curve_server.log() and curve_server.log())
+    refused = [line for line in log.splitlines() if "refused for" in line]
+    assert len(refused) == len(EVERY_ADMIN_REQUEST)
+    assert all(engine_key in line for line in refused)
+    done = [line for line in log.splitlines() if " by " in line and "admin " in line]
+    assert len(done) == len(EVERY_ADMIN_REQUEST) and all(operator_key in x for x in done)
+    assert "tenant-secret" not in log
+
+
+def test_without_curve_only_loopback_peers_are_admins() -> None:
+    """A server listening on every interface (--insecure-listen): a client reaching it
+    through the machine's own address is refused every admin request; the same client
+    code over 127.0.0.1 is an admin."""
+    external = _external_address()
+    if external is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect through")
+    srv = ServerProcess("--host", "0.0.0.0", "--insecure-listen", "--disable-metrics")
+    try:
+        port = srv.endpoint.rsplit(":", 1)[1]
+        with KVFlowClient(f"tcp://{external}:{port}", timeout_s=20) as remote:
+            for request in EVERY_ADMIN_REQUEST:
+                with pytest.raises(PermissionDeniedError, match="loopback"):
+                    remote.admin(request)
+            assert remote.status()["server"]["drain"]["draining"] is False
+        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as local:
+            assert local.admin(AdminDrain())["draining"] is True
+            assert local.admin(AdminDrain(undrain=True))["draining"] is False
+        assert f"at {external}" in srv.log() and "at 127.0.0.1" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def _external_address() -> str | None:
+    """A non-loopback IPv4 address of this machine, or None."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent, the route picks our address
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess("--disable-metrics", "--l1-size-gb", "0.05")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _admin_cli(srv: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvflow.cli", "admin", "--endpoint", srv.endpoint, *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_drain_refuses_stores_and_registrations_and_undrain_takes_them_again(
+    server: ServerProcess,
+) -> None:
+    """Draining: a store and a registration fail with `draining` (naming why), lookups
+    and retrieves go on; `kvflow admin drain --wait` reports drained; undrain restores."""
+    kv = shared_kv(1)
+    prompt = tokens(2 * CHUNK, seed=1)
+    with KVFlowClient(server.endpoint, timeout_s=20) as client:
+        client.register_kv_caches("drain-a", kv, model_name="m")
+        assert client.store("drain-a", prompt, list(range(32)), request_id="r1") == 2 * CHUNK
+        drained = _admin_cli(server, "drain", "--wait")
+        assert drained.returncode == 0, drained.stderr
+        assert json.loads(drained.stdout)["drained"] is True
+        with pytest.raises(DrainingError, match="draining"):
+            client.store("drain-a", tokens(CHUNK, seed=2), list(range(16)), request_id="r2")
+        with pytest.raises(DrainingError, match="registration"):
+            client.register_kv_caches("drain-b", shared_kv(2), model_name="m")
+        assert client.lookup(prompt, model_name="m") == 2 * CHUNK
+        dst = list(range(32, 64))
+        assert client.retrieve("drain-a", prompt, dst, request_id="r3") == 2 * CHUNK
+        assert client.status()["server"]["drain"] == {
+            "draining": True, "in_flight": 0, "pending_l2_writes": 0, "drained": True,
+        }  # fmt: skip
+        undrained = _admin_cli(server, "undrain")
+        assert undrained.returncode == 0 and json.loads(undrained.stdout)["draining"] is False
+        assert client.store("drain-a", tokens(CHUNK, seed=2), list(range(16)), request_id="r4")
+        client.unregister("drain-a")
+
+
+def test_admin_cli_clear_quota_and_resize(server: ServerProcess) -> None:
+    """`kvflow admin clear --model` drops that model's objects only; `quota` and
+    `resize` print what they did; bad arguments exit 2 naming the flag."""
+    kv = shared_kv(3)
+    keep, drop = tokens(CHUNK, seed=3), tokens(CHUNK, seed=4)
+    with KVFlowClient(server.endpoint, timeout_s=20) as client:
+        client.register_kv_caches("clear-keep", kv, model_name="keep")
+        client.register_kv_caches("clear-drop", shared_kv(4), model_name="drop")
+        assert client.store("clear-keep", keep, list(range(16)), request_id="k") == CHUNK
+        assert client.store("clear-drop", drop, list(range(16)), request_id="d") == CHUNK
+        cleared = _admin_cli(server, "clear", "--model", "drop")
+        assert cleared.returncode == 0, cleared.stderr
+        assert json.loads(cleared.stdout) == {"dropped": {"l1": 1}}
+        assert client.lookup(drop, model_name="drop") == 0
+        assert client.lookup(keep, model_name="keep") == CHUNK
+        quota = _admin_cli(server, "quota", "--model", "keep", "--limit-gb", "0.5")
+        assert json.loads(quota.stdout)["limit_bytes"] == 1 << 29
+        resized = _admin_cli(server, "resize", "--l1-size-gb", "0.1")
+        assert json.loads(resized.stdout)["capacity_bytes"] == int(0.1 * (1 << 30))
+        for args, flag in (
+            (("clear",), "--model, --salt or --all"),
+            (("resize", "--l1-size-gb", "-1"), "--l1-size-gb"),
+            (("quota", "--salt", "x", "--limit-gb", "nan"), "--limit-gb"),
+        ):
+            bad = _admin_cli(server, *args)
+            assert bad.returncode == 2 and flag in bad.stderr, bad.stderr
+        with pytest.raises(InvalidRequestError, match="unknown tier"):
+            client.admin(AdminClear(model_name="keep", tiers=["l9"]))
+        with pytest.raises(InvalidRequestError, match="everything"):
+            client.admin(AdminClear())
+        assert client.lookup(keep, model_name="keep") == CHUNK
+        client.unregister("clear-keep")
+        client.unregister("clear-drop")
