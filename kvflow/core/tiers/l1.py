@@ -232,10 +232,10 @@ class L1Cache:
             self._release_segment(obj.segment)
 
     def _release_segment(self, seg: int) -> None:
-        """Give a retiring segment's memory back (its last object just left)."""
+        """Give a retiring segment's memory back (its last object just left; its bytes
+        left `_reserved` when it began retiring, so L1 may grow meanwhile)."""
         del self._retiring[seg]
         self.pool.release_segment(seg)
-        self._reserved -= self._sizes[seg]
         self._sizes[seg] = 0
 
     def _touch(self, objs: Sequence[L1Object]) -> None:
@@ -448,7 +448,9 @@ class L1Cache:
         retires the last segments until the rest fit: no new object goes there, every
         readable unpinned object there is evicted now, and each segment's memory is given
         back once its last object (pinned by a reader or being written meanwhile, never
-        dropped) leaves. Returns the outcome in bytes."""
+        dropped) leaves. A retiring segment no longer counts as reserved: L1 may grow
+        within the new budget meanwhile, so host memory can exceed it by the bytes
+        still pinned there. Returns the outcome in bytes."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValueError(f"L1 capacity must be an integer of bytes, got {capacity_bytes!r}")
         if capacity_bytes < ALIGN:
@@ -471,6 +473,7 @@ class L1Cache:
                 for seg, live in doomed.items():
                     self._free[seg] = _FreeList(0)  # nothing is allocated there any more
                     self._retiring[seg] = live
+                    self._reserved -= self._sizes[seg]
                     if not live:
                         self._release_segment(seg)
                 for obj in [o for o in self._lru.values() if o.segment in doomed and o.pins == 0]:

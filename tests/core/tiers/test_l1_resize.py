@@ -64,13 +64,13 @@ def test_a_shrink_evicts_the_last_segments_and_gives_their_memory_back() -> None
 def test_a_shrink_keeps_pinned_and_in_flight_objects_until_they_are_done() -> None:
     """An object a reader pins and one being written live in the retired segment: both
     stay (the reader still sees its bytes, the write commits), and the segment's memory
-    goes back when the last of them is evicted."""
+    goes back when the last of them is evicted; the pool holds only the kept segment."""
     l1 = _l1(2 * SEGMENT)
     keys = _fill(l1, 20)  # 16 in segment 0, 4 in segment 1
     reading = l1.pin_prefix([keys[17]])
     plan = l1.prepare_write([_key(500)], KIB)  # lands in segment 1's free space
     outcome = l1.resize(SEGMENT)
-    assert outcome["retiring_bytes"] == 2 * KIB and outcome["reserved_bytes"] == 2 * SEGMENT
+    assert outcome["retiring_bytes"] == 2 * KIB and outcome["reserved_bytes"] == SEGMENT
     assert torch.equal(l1.view(reading[0]), torch.full((KIB,), 17, dtype=torch.uint8))
     l1.view(plan.new[0][1]).fill_(5)
     l1.commit(plan)
@@ -80,6 +80,21 @@ def test_a_shrink_keeps_pinned_and_in_flight_objects_until_they_are_done() -> No
         l1.store([(_key(i), torch.zeros(KIB, dtype=torch.uint8))]).result()
     stats = l1.stats()
     assert stats["reserved_bytes"] == SEGMENT and stats["usage_bytes"] <= SEGMENT
+    assert l1.pool.view(1, 0, KIB).numel() == 0  # segment 1's memory was given back
+
+
+def test_a_shrink_of_a_single_segment_lets_l1_grow_again_at_once() -> None:
+    """One segment, shrunk while a reader pins an object in it: stores go on in a new,
+    smaller segment at once (no 'L1 full' while the old one waits for its reader)."""
+    l1 = _l1(SEGMENT)
+    keys = _fill(l1, 16)
+    reading = l1.pin_prefix([keys[3]])
+    assert l1.resize(SEGMENT // 2)["retiring_bytes"] == KIB
+    for i in range(200, 230):
+        assert l1.store([(_key(i), torch.zeros(KIB, dtype=torch.uint8))]).result().stored == 1
+    assert torch.equal(l1.view(reading[0]), torch.full((KIB,), 3, dtype=torch.uint8))
+    l1.release(reading)
+    assert l1.stats()["reserved_bytes"] == SEGMENT // 2
 
 
 def test_a_grow_makes_room_at_once() -> None:
