@@ -118,6 +118,23 @@ def _close_pair(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
 MAX_TIMEOUT_S = 86400.0
 
 
+class _Connection:
+    """One DEALER socket to the server with its handshake monitor and the handshakes its
+    server dropped in a row. A call checks one out and gives it back with its reply, so
+    connections are reused by whichever thread calls next: threads that come and go (a
+    thread per request) neither open a connection per call nor leak one each."""
+
+    __slots__ = ("drops", "monitor", "sock")
+
+    def __init__(self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+        self.sock = sock
+        self.monitor = monitor
+        self.drops = 0
+
+    def close(self) -> None:
+        _close_pair(self.sock, self.monitor)
+
+
 class _CudaEvents(NamedTuple):
     """The interprocess events of an instance with CUDA caches, and their device."""
 
@@ -188,8 +205,9 @@ class KVFlowClient:
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._lock = threading.Lock()
-        #: every open socket -> the monitor socket reporting its failed handshakes
-        self._sockets: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
+        #: every open connection, and those no call is using (the lock guards both)
+        self._connections: set[_Connection] = set()
+        self._idle: list[_Connection] = []
         self._events: dict[str, _CudaEvents] = {}  # per instance with CUDA caches
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
@@ -198,53 +216,62 @@ class KVFlowClient:
 
     # -- transport ------------------------------------------------------------------------
 
-    def _socket(self) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] | None = getattr(self._local, "socket", None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            # No ZMQ_IMMEDIATE: with it, a reply that arrives just before the server
-            # closes the connection (a graceful stop) is dropped unread. A request
-            # queued for a server that is down dies with its socket on timeout.
-            sock.sndtimeo = int(self.timeout_s * 1000)
-            if self._curve is not None:
-                secure_client(sock, *self._curve)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-            sock.connect(self.endpoint)
-            with self._lock:
-                closed = self._closed
-                if not closed:
-                    self._sockets[sock] = monitor
-            if closed:
-                _close_pair(sock, monitor)
-                raise KVFlowError("the client is closed")
-            self._local.socket = sock
-            self._local.drops = 0  # handshakes its server dropped in a row
-        return sock
-
-    def _discard_socket(self, sock: zmq.Socket[Any]) -> None:
+    def _checkout(self) -> _Connection:
+        """An idle connection, or a new one; the caller gives it back (`_checkin`) or, if
+        the call failed on it, closes it (`_discard`)."""
         with self._lock:
-            monitor = self._sockets.pop(sock, None)
-        _close_pair(sock, monitor)
-        self._local.socket = None
+            if self._closed:
+                raise KVFlowError("the client is closed")
+            if self._idle:
+                return self._idle.pop()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        # No ZMQ_IMMEDIATE: with it, a reply that arrives just before the server
+        # closes the connection (a graceful stop) is dropped unread. A request
+        # queued for a server that is down dies with its socket on timeout.
+        sock.sndtimeo = int(self.timeout_s * 1000)
+        if self._curve is not None:
+            secure_client(sock, *self._curve)
+        conn = _Connection(sock, sock.get_monitor_socket(_HANDSHAKE_EVENTS))
+        sock.connect(self.endpoint)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._connections.add(conn)
+        if closed:
+            conn.close()
+            raise KVFlowError("the client is closed")
+        return conn
 
-    def _check_handshake(self, sock: zmq.Socket[Any]) -> None:
-        """Raise AuthenticationError if the server refused this socket's handshake."""
-        monitor = self._sockets.get(sock)
-        while monitor is not None:
+    def _checkin(self, conn: _Connection) -> None:
+        """Give a connection back after a completed call (closed if the client is)."""
+        with self._lock:
+            if conn in self._connections:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _discard(self, conn: _Connection) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+        conn.close()
+
+    def _check_handshake(self, conn: _Connection) -> None:
+        """Raise AuthenticationError if the server refused this connection's handshake."""
+        while True:
             try:
-                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+                event = zmq.utils.monitor.recv_monitor_message(conn.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._local.drops = 0
+                conn.drops = 0
                 continue
             if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                self._local.drops += 1
-                if self._local.drops < _HANDSHAKE_DROPS:
+                conn.drops += 1
+                if conn.drops < _HANDSHAKE_DROPS:
                     continue
-                detail = f"it closed {self._local.drops} handshakes in a row"
+                detail = f"it closed {conn.drops} handshakes in a row"
             else:
                 detail = f"protocol error {event['value']:#x}"
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -263,7 +290,6 @@ class KVFlowClient:
                     f"CURVE handshake with {self.endpoint} failed ({detail}): the server does"
                     " not use CURVE, or its key differs from curve_server_key"
                 )
-            self._discard_socket(sock)
             raise AuthenticationError(why)
 
     def _call(
@@ -277,11 +303,27 @@ class KVFlowClient:
         frames = encode_request(request, payloads)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         op = type(request).__name__
-        sock = self._socket()
+        conn = self._checkout()
+        try:
+            reply = self._exchange(conn, frames, request.id, op, timeout)
+        except BaseException:  # the connection may still get this call's reply: not reused
+            self._discard(conn)
+            raise
+        self._checkin(conn)
+        self._local.server_ns = reply.server_ns
+        if isinstance(reply, Failed):
+            raise ERRORS_BY_CODE.get(reply.code, KVFlowError)(reply.message)
+        return reply
+
+    def _exchange(
+        self, conn: _Connection, frames: Sequence[Any], request_id: int, op: str, timeout: float
+    ) -> Reply:
+        """Send a request's frames on `conn` and return its reply (skipping late replies
+        to earlier calls); RequestTimeoutError or AuthenticationError on failure."""
+        sock = conn.sock
         try:
             sock.send_multipart(frames, copy=False)
         except zmq.Again:
-            self._discard_socket(sock)
             raise RequestTimeoutError(
                 f"could not send {op} to the kvflow server at {self.endpoint} within"
                 f" {timeout:g} s (is it running?)"
@@ -290,8 +332,7 @@ class KVFlowClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._check_handshake(sock)
-                self._discard_socket(sock)
+                self._check_handshake(conn)
                 hint = (
                     "is it running, and is curve_server_key its public key?"
                     if self._curve is not None
@@ -302,15 +343,11 @@ class KVFlowClient:
                     f" {timeout:g} s ({hint})"
                 )
             if not sock.poll(max(1, int(min(remaining, _HANDSHAKE_CHECK_S) * 1000))):
-                self._check_handshake(sock)
+                self._check_handshake(conn)
                 continue
             reply = decode_reply(sock.recv())
-            if reply.id == request.id:
-                break
-        self._local.server_ns = reply.server_ns
-        if isinstance(reply, Failed):
-            raise ERRORS_BY_CODE.get(reply.code, KVFlowError)(reply.message)
-        return reply
+            if reply.id == request_id:
+                return reply
 
     @property
     def last_server_time_s(self) -> float:
@@ -630,9 +667,9 @@ class KVFlowClient:
         if heartbeat is not None:
             heartbeat.join()
         with self._lock:
-            sockets, self._sockets = self._sockets, {}
-        for sock, monitor in sockets.items():
-            _close_pair(sock, monitor)
+            connections, self._connections, self._idle = self._connections, set(), []
+        for conn in connections:
+            conn.close()
         self._ctx.term()
 
     def __enter__(self) -> KVFlowClient:

@@ -143,3 +143,52 @@ def test_a_reply_of_the_wrong_type_is_a_protocol_error() -> None:
         answering.join(20)
         router.close(0)
         ctx.term()
+
+
+def test_threads_that_come_and_go_reuse_the_clients_connections() -> None:
+    """Calls from 60 short-lived threads, one after another, all arrive over one connection
+    (a thread per request neither pays a connect per call nor leaks a socket each); calls
+    from 4 threads at once use at most 4."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    peers: set[bytes] = set()
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            identity, *frames = router.recv_multipart()
+            peers.add(identity)
+            request, _ = decode_request(frames)
+            router.send_multipart([identity, encode_reply(Done(id=request.id, value=1))])
+
+    server = threading.Thread(target=answer)
+    server.start()
+    try:
+        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
+            for _ in range(60):
+                caller = threading.Thread(target=c.end_session, args=("r",))
+                caller.start()
+                caller.join()
+            assert len(peers) == 1
+            start = threading.Barrier(4)
+
+            def burst() -> None:
+                start.wait()
+                for _ in range(20):
+                    c.end_session("r")
+
+            callers = [threading.Thread(target=burst) for _ in range(4)]
+            for caller in callers:
+                caller.start()
+            for caller in callers:
+                caller.join()
+            assert 1 <= len(peers) <= 4
+    finally:
+        stop.set()
+        server.join()
+        router.close(0)
+        ctx.term()
