@@ -155,10 +155,15 @@ class ServerConfig:
     port: int = 5555
     chunk_size: int = 256
     l1_size_gb: float = 4.0
+    #: threads that pin L1 in the background from start-up (0 = pin on demand, in the
+    #: store that needs more memory); only where CUDA is present
+    l1_pin_threads: int = 2
     heartbeat_timeout_s: float = 30.0
     max_message_mb: float = 64.0
     #: registered instances the server accepts at once (each holds mapped KV memory)
     max_instances: int = 64
+    #: chunk hashes the KV-event replay log keeps for subscribers (0 = KV events off)
+    kv_events_chunks: int = 1 << 16
     #: L2 on local disk: directories (one or more; empty = no disk tier) and their total size
     l2_disk_paths: tuple[str, ...] = ()
     l2_disk_size_gb: float = 64.0
@@ -202,10 +207,16 @@ class ServerConfig:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be a positive integer, got {self.chunk_size!r}")
         _check_range("--l1-size-gb", self.l1_size_gb, 0, MAX_SIZE_GIB, "GiB", low_open=True)
+        pt = self.l1_pin_threads
+        if isinstance(pt, bool) or not isinstance(pt, int) or not 0 <= pt <= 64:
+            raise ValueError(f"--l1-pin-threads must be an integer in [0, 64], got {pt!r}")
         _check_range(
             "--heartbeat-timeout-s", self.heartbeat_timeout_s, *HEARTBEAT_TIMEOUT_S_RANGE, "seconds"
         )
         _check_range("--max-message-mb", self.max_message_mb, *MAX_MESSAGE_MB_RANGE, "MiB")
+        kc = self.kv_events_chunks
+        if isinstance(kc, bool) or not isinstance(kc, int) or not 0 <= kc <= 1 << 26:
+            raise ValueError(f"--kv-events-chunks must be an integer in [0, {1 << 26}], got {kc!r}")
         mi = self.max_instances
         if isinstance(mi, bool) or not isinstance(mi, int) or not 1 <= mi <= 4096:
             raise ValueError(f"--max-instances must be an integer in 1..4096, got {mi!r}")

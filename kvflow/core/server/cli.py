@@ -66,12 +66,28 @@ OPTIONS = (
         "L1 (CPU memory) capacity in GiB, 2**30 bytes (default 4)",
     ),
     _Option(
+        "--l1-pin-threads",
+        "l1_pin_threads",
+        _S,
+        int,
+        "threads that pin L1's memory in the background from start-up, so no store waits"
+        " to pin; 0 pins on demand inside stores (default 2)",
+    ),
+    _Option(
         "--heartbeat-timeout-s",
         "heartbeat_timeout_s",
         _S,
         float,
         "unregister a client's instances after this many seconds without hearing from it,"
         " in 0.5..86400 (default 30)",
+    ),
+    _Option(
+        "--kv-events-chunks",
+        "kv_events_chunks",
+        _S,
+        int,
+        "chunk hashes the KV-event replay log keeps for subscribers, 0..2**26"
+        " (default 65536; 0 = KV events off)",
     ),
     _Option(
         "--max-message-mb",
