@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     }
     with (
         tempfile.TemporaryDirectory() as tmp,
-        kvflow_server(max(1.0, l1_gib), Path(tmp) / "server.log") as endpoint,
+        kvflow_server(max(1.0, l1_gib), Path(tmp) / "server.log", *args.server_flag) as endpoint,
     ):
         ranks = [Rank(r, world, devices[r], blocks, endpoint) for r in range(world)]
         try:
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-gpu", action="store_true",
                         help="every rank on cuda:0 (checks the flow on a one-GPU machine)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--server-flag", action="append", default=[],
+                        help="a further `kvflow server` flag (repeatable), e.g."
+                             " --server-flag=--disable-observability")  # fmt: skip
     args = parser.parse_args(argv)
     if args.tokens < CHUNK or args.tokens % CHUNK or args.repeat < 1:
         parser.error(f"--tokens a positive multiple of {CHUNK}; --repeat >= 1")

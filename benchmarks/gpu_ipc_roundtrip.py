@@ -36,11 +36,16 @@ def start_server() -> tuple[subprocess.Popen[str], str, list[str]]:
     cmd += ["--l1-size-gb", "2", "--log-format", "console", "--disable-observability"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert proc.stderr is not None
-    lines = [proc.stderr.readline()]
-    match = re.search(r"listening on (tcp://\S+)", lines[0])
+    lines: list[str] = []
+    match = None
+    while match is None and len(lines) < 50:  # start-up lines (L1 pinning) come first
+        lines.append(proc.stderr.readline())
+        match = re.search(r"listening on (tcp://\S+)", lines[-1])
+        if not lines[-1]:
+            break
     if not match:
         proc.kill()
-        raise SystemExit("server did not start:\n" + lines[0] + proc.stderr.read())
+        raise SystemExit("server did not start:\n" + "".join(lines) + proc.stderr.read())
     threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True).start()
     return proc, match.group(1), lines
 

@@ -224,7 +224,13 @@ class CacheEngine:
         self.tenants = TenantQuotas(
             parse_quotas(self.config.l1_quotas), self.config.observability.max_label_values
         )
-        self.l1: HostTier = L1Cache(int(self.config.l1_size_gb * GIB), tenants=self.tenants)
+        pin_threads = self.config.l1_pin_threads
+        self.l1: HostTier = L1Cache(
+            int(self.config.l1_size_gb * GIB),
+            tenants=self.tenants,
+            pin_ahead=None if pin_threads else False,  # pin ahead wherever memory is pinned
+            pin_threads=max(1, pin_threads),
+        )
         self._keys = KeyCache(self.chunk_size)
         self._lock = threading.Lock()
         self._instances: dict[str, Instance] = {}
@@ -236,6 +242,7 @@ class CacheEngine:
             bus,
             l1_stats=self.l1_stats,
             tier_stats=(lambda: {t.name: t.stats() for t in tiers}) if tiers else None,
+            tenant_stats=self.tenant_stats,
         )
         self.bus = self._obs.bus
         self._tiering: Tiering | None = None
@@ -1090,6 +1097,11 @@ class CacheEngine:
     def pending_l2_writes(self) -> int:
         """Write-through calls still waiting on L2 (0 without L2): a drain waits for them."""
         return self._tiering.writes.pending()["calls"] if self._tiering is not None else 0
+
+    def tenant_stats(self) -> list[dict[str, Any]]:
+        """Per-tenant L1 usage, limits, evictions and lookup hits (kvflow.tenant.*)."""
+        l1 = self.l1
+        return l1.tenant_stats() if isinstance(l1, L1Cache) else self.tenants.snapshot()
 
     def l1_stats(self) -> dict[str, int]:
         """L1 usage, capacity, objects and evictions (what the L1 gauges read)."""

@@ -28,6 +28,8 @@ from kvflow.core.tiers.quota import Tenant, TenantQuotas
 
 ALIGN = 256
 DEFAULT_SEGMENT_BYTES = 1 << 30
+#: the first segment pinned ahead is at most this big, so L1 holds memory within ~0.1 s
+FIRST_PIN_BYTES = 256 << 20
 
 
 def _align(n: int) -> int:
@@ -179,6 +181,8 @@ class L1Cache:
             if self._closed or room < ALIGN:
                 return 0
             size = min(self.segment_bytes, room)
+            if not self._reserved and not self._growing:  # the first: L1 usable sooner
+                size = min(size, FIRST_PIN_BYTES)
             self._growing += size
             return size
 
