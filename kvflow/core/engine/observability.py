@@ -16,6 +16,7 @@ from kvflow.core.engine.activity import ActivityTally, l0_summary
 from kvflow.events import EventBus
 from kvflow.events.stream import attach_native_stamper
 from kvflow.subscribers import L0LifecycleSubscriber, ObservabilityPipeline, build_subscribers
+from kvflow.subscribers.tenants import TenantStats, register_tenant_metrics
 
 
 class Observability:
@@ -28,9 +29,11 @@ class Observability:
         *,
         l1_stats: Callable[[], dict[str, int]],
         tier_stats: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
+        tenant_stats: TenantStats | None = None,
     ) -> None:
         """`l1_stats` feeds the L1 occupancy gauges; `tier_stats` (tier name -> that
-        tier's stats(), None when there are no L2 tiers) the per-tier L2 ones."""
+        tier's stats(), None when there are no L2 tiers) the per-tier L2 ones;
+        `tenant_stats` the per-tenant ones (kvflow.tenant.*)."""
         self.pipeline: ObservabilityPipeline | None = None
         #: totals for status (`kvflow top` / `kvflow report`); only on a bus the engine owns
         self.activity: ActivityTally | None = None
@@ -43,6 +46,9 @@ class Observability:
         self.pipeline = build_subscribers(
             config, bus=self.bus, l1_stats=l1_stats, tier_stats=tier_stats
         )
+        provider = self.pipeline.meter_provider
+        if provider is not None and tenant_stats is not None and config.metrics_enabled:
+            register_tenant_metrics(provider.get_meter("kvflow"), tenant_stats)
         if config.enabled:
             self.activity = ActivityTally()
             self.bus.register(self.activity)

@@ -906,7 +906,7 @@ class KVFlowServer:
             },
             "clients": {c: round(now - seen, 3) for c, seen in self._last_seen.items()},
             "drain": self._admin.drain_status(),
-            "tenants": self._admin.l1.tenant_stats(),
+            "tenants": self.engine.tenant_stats(),
             "probe_port": self.probe_port,
             "kv_events": self.kv_events.status() if self.kv_events is not None else None,
         }

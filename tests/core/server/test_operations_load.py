@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ import torch
 from kvflow.core import KVFlowClient
 from kvflow.core.errors import DrainingError
 from kvflow.core.server.protocol import AdminClear, AdminDrain, AdminQuota, AdminResize
+from tests.support.collectors import free_port
 from tests.support.ops import BLOCKS_PER_CHUNK, BS, CHUNK, NB, ServerProcess, shared_kv, tokens
 
 PROMPT_CHUNKS = 2
@@ -147,7 +149,8 @@ def _hot_hit_rate(flags: tuple[str, ...]) -> float:
     """A hot tenant's 8 prompts (32 chunks) stored once; then twice over, a noisy tenant
     stores 160 chunks (320 in all: 10x its quota of 32, 2.5x the whole 4-MiB L1) and the
     hot tenant looks its prompts up. Returns the hot tenant's lookup hit rate (tokens)."""
-    srv = ServerProcess("--disable-metrics", "--l1-size-gb", "0.004", *flags)
+    metrics_port = free_port()
+    srv = ServerProcess("--l1-size-gb", "0.004", "--prometheus-port", str(metrics_port), *flags)
     try:
         with KVFlowClient(srv.endpoint, timeout_s=30) as client:
             client.register_kv_caches("hot", shared_kv(1), model_name="m")
@@ -171,9 +174,25 @@ def _hot_hit_rate(flags: tuple[str, ...]) -> float:
                 noisy = next(t for t in tenants.values() if t["limit_bytes"])
                 assert noisy["usage_bytes"] <= int(NOISY_QUOTA_GB * (1 << 30))
                 assert noisy["evicted_chunks"] >= 320 - 32
+                _check_tenant_metrics(metrics_port, noisy["tenant"], noisy["usage_bytes"])
         return hit / requested
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def _check_tenant_metrics(port: int, label: str, usage: int) -> None:
+    """/metrics shows the noisy tenant under its hashed label (never the salt itself) with
+    its usage, limit and evictions, and the hot tenant's lookups. Values are parsed as
+    numbers: the exporter writes large gauges in exponent form (1.048576e+06)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    tenant = f'kind="salt",tenant="{label}"'
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(values[f"kvflow_tenant_usage_bytes{{{tenant}}}"]) == usage
+    assert f"kvflow_tenant_limit_bytes{{{tenant}}}" in text
+    assert f"kvflow_tenant_evicted_chunks_total{{{tenant}}}" in text
+    assert "kvflow_tenant_lookup_hit_tokens_total" in text
+    assert 'tenant="noisy"' not in text and 'tenant="hot"' not in text  # salts stay hidden
 
 
 def test_a_noisy_tenant_at_10x_its_quota_leaves_another_tenants_hot_set() -> None:
