@@ -35,6 +35,7 @@ from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.events import EventType
 from kvflow.kernels import KVFormat, KVLayout, cuda_available
 from kvflow.kernels.synthetic import block_bytes, make_kv_caches
+from kvflow.subscribers.kv_events import KVEventLog
 
 BF16 = torch.bfloat16
 
@@ -79,6 +80,8 @@ def _free_port() -> int:
 
 #: with --event-log, the observed engine also records its events here (a temporary directory)
 EVENT_LOG_DIR: str | None = None
+#: with --kv-events, the observed engine's bus also feeds a KV-event log, as a server's does
+KV_EVENTS = False
 #: --control: the "on" engine is built with observability off too (an A/A run: its on/off
 #: columns show the spread of two identical engines)
 CONTROL = False
@@ -92,9 +95,12 @@ def _engine(case: Case, l1_bytes: int, observe: bool) -> CacheEngine:
         if observe
         else ObservabilityConfig(enabled=False)
     )
-    return CacheEngine(
+    engine = CacheEngine(
         ServerConfig(chunk_size=case.chunk, l1_size_gb=l1_bytes / 2**30, observability=obs)
     )
+    if observe and KV_EVENTS:
+        engine.bus.register(KVEventLog())
+    return engine
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -281,14 +287,18 @@ def main() -> None:
     parser.add_argument("--event-log", action="store_true",
                         help="the observed engine also writes an event log (temporary directory);"
                              " compare its on/off with a run without")  # fmt: skip
+    parser.add_argument("--kv-events", action="store_true",
+                        help="the observed engine also keeps a KV-event log (as `kvflow server`"
+                             " does); compare its on/off with a run without")  # fmt: skip
     parser.add_argument("--control", action="store_true",
                         help="both engines with observability off: the on/off columns then"
                              " measure the spread between identical engines")  # fmt: skip
     args = parser.parse_args()
     if args.reps < 1 or args.rounds < 1:
         parser.error(f"--reps and --rounds must be >= 1, got {args.reps} and {args.rounds}")
-    global EVENT_LOG_DIR, CONTROL
+    global EVENT_LOG_DIR, CONTROL, KV_EVENTS
     CONTROL = args.control
+    KV_EVENTS = args.kv_events
     if args.event_log:
         EVENT_LOG_DIR = tempfile.mkdtemp(prefix="kvflow-bench-engine-events-")
     use_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
