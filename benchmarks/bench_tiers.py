@@ -33,6 +33,17 @@ round so a drift of the machine cancels; figures are medians over rounds):
    prompt: `RedisTier.contains` of 500 present chunk keys next to a plain redis-py
    pipeline of 500 EXISTS, with the round trips each took.
 
+6. A request 4x L1 (`--beyond-l1-mib` of L1, 1 MiB chunks) through an engine with a disk
+   tier: `store()` until the write-through drained (every chunk on disk) and, from a cold
+   L1 with the object files dropped from the page cache, `retrieve()` of the whole prefix
+   into the KV caches; next to the tier alone on the same bytes (`DiskTier.store` of the
+   same number of 1 MiB objects until written, `load` of them from a cold page cache),
+   and next to the same request through an engine whose L1 holds it whole (what the
+   streaming itself costs); a fresh directory per side and round, order rotating. Writes
+   are buffered on all sides (no fsync: the engine's store does not wait for one). The
+   KV caches are on `--beyond-l1-device` (cpu: the engine's CPU copies, far slower than
+   a disk here, bound the engine side; cuda:N measures the L2 path behind a GPU).
+
 `--only disk` / `--only redis` runs one part.
 """
 
@@ -564,6 +575,128 @@ def run_prefetch(model: Model, volume: int, base: str, rounds: int, args: Any) -
     }
 
 
+# -- 6: a request larger than L1 ------------------------------------------------------------
+
+
+def _sync_device(caches: list[torch.Tensor]) -> None:
+    """Wait for the caches' device (a CUDA retrieve returns before its copies landed)."""
+    if caches[0].is_cuda:
+        torch.cuda.synchronize(caches[0].device)
+
+
+def _engine_side(
+    model: Model, l1_bytes: int, tdir: str, kv: list[Any], blocks: list[int], args: Any
+) -> tuple[float, float]:
+    """One request of len(blocks) blocks stored through an engine with L1 `l1_bytes` and a
+    disk tier in `tdir`, then retrieved from a cold L1 and page cache; (store s, retrieve s)
+    with the bytes checked."""
+    (src, src_kw), (dst, dst_kw) = kv
+    chunks = len(blocks) * BLOCK // CHUNK
+    tier = DiskTier([tdir], 2 * chunks * model.chunk_bytes + GIB, direct_io=args.direct_io,
+                    io_threads_per_path=args.io_threads)  # fmt: skip
+    engine = _engine(l1_bytes, tier)
+    tokens = np.arange(chunks * CHUNK, dtype=np.int32) + int(time.time_ns() % 1_000_000) * 7
+    try:
+        engine.register_kv_caches("src", src, model_name="big", **src_kw)
+        engine.register_kv_caches("dst", dst, model_name="big", **dst_kw)
+        t0 = time.perf_counter()
+        held = engine.store("src", tokens, blocks, request_id="store")
+        _drain(engine)
+        _sync_device(src)
+        store_s = time.perf_counter() - t0
+        if held != chunks * CHUNK or engine.status()["l2"]["write_through"]["dropped_chunks"]:
+            raise RuntimeError(f"the engine held {held} of {chunks * CHUNK} tokens or dropped")
+        engine.l1.drop_where(lambda k: True)
+        _sync_and_drop(tier_files(tier))
+        for layer in dst:
+            layer.zero_()
+        t0 = time.perf_counter()
+        got = engine.retrieve("dst", tokens, blocks, request_id="retrieve")
+        _sync_device(dst)
+        retrieve_s = time.perf_counter() - t0
+        if got != chunks * CHUNK:
+            raise RuntimeError(f"the retrieve got {got} of {chunks * CHUNK} tokens")
+        same = (
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(src, dst, strict=True)
+        )
+        if not all(same):  # compared as bytes: random bf16 bits hold NaNs
+            raise AssertionError("the retrieved KV differs from the stored KV")
+    finally:
+        engine.close(timeout=120.0)
+    return store_s, retrieve_s
+
+
+def run_beyond_l1(model: Model, l1_bytes: int, base: str, rounds: int, args: Any) -> dict[str, Any]:
+    """Section 6: a request 4x L1 through the engine vs the disk tier alone, same bytes;
+    and the same request through an engine whose L1 holds it (no streaming), which shows
+    what streaming itself costs apart from the engine's copies."""
+    chunks = 4 * l1_bytes // model.chunk_bytes
+    total = chunks * model.chunk_bytes
+    device = torch.device(args.beyond_l1_device)
+    kv = [
+        make_kv_caches(
+            KVFormat.VLLM_FLASH_ATTN,
+            num_layers=model.layers,
+            num_blocks=chunks * CHUNK // BLOCK,
+            block_size=BLOCK,
+            num_heads=model.heads,
+            head_size=model.head_size,
+            dtype=torch.bfloat16,
+            device=device,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        for seed in (1, 2)
+    ]
+    blocks = list(range(chunks * CHUNK // BLOCK))
+    srcs = source_buffers(model.chunk_bytes, chunks)
+    dsts = touched_buffers(model.chunk_bytes, chunks)
+    l1_sizes = {"engine": l1_bytes, "engine_big": 2 * total + 64 * MIB}
+    t: dict[str, list[float]] = {
+        f"{side}_{op}": []
+        for side, ops in (("engine", ("store", "retrieve")), ("engine_big", ("store", "retrieve")),
+                          ("tier", ("store", "load")))
+        for op in ops
+    }  # fmt: skip
+    sides = ("engine", "tier", "engine_big")
+    for rnd in range(rounds):
+        for side in sides[rnd % 3 :] + sides[: rnd % 3]:
+            tdir = _fresh_dir(base, f"beyond-{side}")
+            try:
+                if side != "tier":
+                    store_s, retrieve_s = _engine_side(model, l1_sizes[side], tdir, kv, blocks,
+                                                       args)  # fmt: skip
+                    t[f"{side}_store"].append(store_s)
+                    t[f"{side}_retrieve"].append(retrieve_s)
+                    continue
+                keys = object_keys(chunks, f"beyond-{rnd}")
+                tier = DiskTier([tdir], 2 * total + GIB, direct_io=args.direct_io,
+                                io_threads_per_path=args.io_threads)  # fmt: skip
+                try:
+                    t["tier_store"].append(_tier_store(tier, keys, srcs)[0])
+                    _sync_and_drop(tier_files(tier))
+                    t["tier_load"].append(_tier_load(tier, keys, dsts))
+                    _check(srcs, dsts, "tier alone")
+                finally:
+                    tier.close()
+            finally:
+                shutil.rmtree(tdir, ignore_errors=True)
+    return {
+        "model": model.name,
+        "device": str(device),
+        "l1_bytes": l1_bytes,
+        "chunks": chunks,
+        "bytes": total,
+        "rounds": rounds,
+        "gbps": {k: total / _median(v) / 1e9 for k, v in t.items()},
+        "store_ratio": _paired_ratio(t, "tier_store", "engine_store"),
+        "retrieve_ratio": _paired_ratio(t, "tier_load", "engine_retrieve"),
+        "store_ratio_big_l1": _paired_ratio(t, "engine_big_store", "engine_store"),
+        "retrieve_ratio_big_l1": _paired_ratio(t, "engine_big_retrieve", "engine_retrieve"),
+        "seconds": t,
+    }
+
+
 # -- 5: Redis tier ------------------------------------------------------------------------
 
 #: the model name of the lookup's keys (a realistic one: its escaping is part of the cost)
@@ -930,7 +1063,7 @@ Add = Callable[[str, str, str, float | None, str, bool | None], None]
 
 
 def disk_rows(res: dict[str, Any], add: Add) -> None:
-    """Sections 2-4's lines of the final table."""
+    """Sections 2-4's and 6's lines of the final table."""
     s = res["scaling"]
     g = s["gbps"]
     add("store 2 paths vs 1 GB/s", f"{g['two_store']:.3f}", f"{g['one_store']:.3f}",
@@ -949,6 +1082,17 @@ def disk_rows(res: dict[str, Any], add: Add) -> None:
     for pf in res["prefetch"]:
         add(f"prefetch {pf['model']} {pf['bytes'] / GIB:.2f} GiB ms", f"{pf['prefetch_s'] * 1e3:.0f}",
             f"{pf['ceiling_s'] * 1e3:.0f}", pf["ratio"], "info", None)  # fmt: skip
+    big = res["beyond_l1"]
+    g = big["gbps"]
+    l1 = f"4x L1 ({big['l1_bytes'] // MIB} MiB)"
+    add(f"store() {l1} GB/s vs tier", f"{g['engine_store']:.3f}", f"{g['tier_store']:.3f}",
+        big["store_ratio"], ">= 0.80", big["store_ratio"] >= 0.8)  # fmt: skip
+    add(f"retrieve() {l1} GB/s vs tier", f"{g['engine_retrieve']:.3f}", f"{g['tier_load']:.3f}",
+        big["retrieve_ratio"], ">= 0.80", big["retrieve_ratio"] >= 0.8)  # fmt: skip
+    add(f"  store() {l1} vs an L1 holding it", f"{g['engine_store']:.3f}",
+        f"{g['engine_big_store']:.3f}", big["store_ratio_big_l1"], "info", None)  # fmt: skip
+    add(f"  retrieve() {l1} vs an L1 holding it", f"{g['engine_retrieve']:.3f}",
+        f"{g['engine_big_retrieve']:.3f}", big["retrieve_ratio_big_l1"], "info", None)  # fmt: skip
 
 
 def redis_rows(res: dict[str, Any], add: Add) -> None:
@@ -1114,7 +1258,7 @@ def run(args: Any, dirs: Sequence[str]) -> dict[str, Any]:
 
 
 def run_disk(args: Any, plan: Plan, dirs: Sequence[str], res: dict[str, Any]) -> None:
-    """Sections 1-4 into `res`."""
+    """Sections 1-4 and 6 into `res`."""
     work = [tempfile.mkdtemp(prefix="bench-tiers-", dir=d) for d in dirs]
     try:
         res["tiers"] = [
@@ -1127,13 +1271,15 @@ def run_disk(args: Any, plan: Plan, dirs: Sequence[str], res: dict[str, Any]) ->
             run_prefetch(BIG, plan.prefetch_bytes, work[0], plan.rounds, args),
             run_prefetch(SMALL, max(plan.prefetch_bytes // 4, 4 * MIB), work[0], plan.rounds, args),
         ]
+        l1_mib = 16 if args.quick else args.beyond_l1_mib
+        res["beyond_l1"] = run_beyond_l1(SMALL, l1_mib * MIB, work[0], plan.rounds, args)
     finally:
         for w in work:
             shutil.rmtree(w, ignore_errors=True)
 
 
 #: result sections that hold measurements (the rest: machine facts and settings)
-SECTIONS = ("tiers", "scaling", "latency", "prefetch", "redis")
+SECTIONS = ("tiers", "scaling", "latency", "prefetch", "beyond_l1", "redis")
 
 
 def figures(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
@@ -1171,6 +1317,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lat-rounds", type=int, default=40, help="timed stores per engine")
     parser.add_argument("--lat-warmup", type=int, default=5, help="untimed stores per engine")
     parser.add_argument("--lat-chunks", type=int, default=16, help="1 MiB chunks per store")
+    parser.add_argument("--beyond-l1-mib", type=int, default=64,
+                        help="L1 MiB of the 4x-L1 request case (64; --quick: 16)")  # fmt: skip
+    parser.add_argument("--beyond-l1-device", default="cpu",
+                        help="device of the 4x-L1 case's KV caches (cpu; cuda:0 for a GPU)")  # fmt: skip
     parser.add_argument("--redis", metavar="URL",
                         help="benchmark the Redis tier against this server (its database is "
                         "FLUSHDB'd: it must start empty); default: a redis-server started on "

@@ -48,8 +48,11 @@ def _keygen(directory: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """alice's pair from the real `kvflow keygen` (test_keygen_... checks it); the others from
+    the function it calls, in-process (each CLI run costs a Python start with torch)."""
     root = tmp_path_factory.mktemp("curve")
-    found = {name: _keygen(root / name, name) for name in ("server", "alice", "bob", "mallory")}
+    found = {"alice": _keygen(root / "alice", "alice")}
+    found |= {name: generate(root / name, name)[1] for name in ("server", "bob", "mallory")}
     authorized = root / "authorized"
     authorized.mkdir()
     for name in ("alice", "bob"):
