@@ -17,6 +17,8 @@ from kvflow.core.errors import UnknownSubscriptionError
 from kvflow.core.server.client import KVFlowClient
 from kvflow.subscribers.kv_events import KVRecord
 
+__all__ = ["KVEventStream", "KVRecord", "StreamBatch"]  # KVRecord: what a batch holds
+
 log = logging.getLogger("kvflow.kv_events")
 
 

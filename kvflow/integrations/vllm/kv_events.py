@@ -23,8 +23,7 @@ import numpy as np
 
 from kvflow.core import KVFlowClient
 from kvflow.core.engine.keys import chain_hashes
-from kvflow.core.server.kv_subscriber import KVEventStream
-from kvflow.subscribers.kv_events import KVRecord
+from kvflow.core.server.kv_subscriber import KVEventStream, KVRecord
 
 log = logging.getLogger("kvflow.integrations.vllm")
 
