@@ -586,7 +586,10 @@ class KVFlowServer:
             peer: str | None = str(frame.get("Peer-Address"))
         except zmq.ZMQError:  # a transport without peer addresses (inproc): no admin
             peer = None
-        caller = f"{request.client or '?'} at {peer or '?'}"
+        name = request.client or "?"
+        if key is not None and name.startswith(f"{key} "):  # the owner form "KEY CLIENT_ID"
+            name = name[len(key) + 1 :]
+        caller = f"{name} at {peer or '?'}"
         if key is not None:
             caller = f"{caller} with CURVE key {key}"
         if not self._admin_auth.allowed(key, peer):

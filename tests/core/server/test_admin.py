@@ -28,6 +28,8 @@ from kvflow.core.server.protocol import (
     AdminResize,
 )
 from kvflow.core.tiers.quota import salt_label
+from kvflow.events import EventType
+from kvflow.subscribers.eventlog_read import LogReader
 from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
 
 EVERY_ADMIN_REQUEST: list[AdminRequest] = [
@@ -103,6 +105,63 @@ def test_only_a_listed_curve_key_is_an_admin(
     done = [line for line in log.splitlines() if " by " in line and "admin " in line]
     assert len(done) == len(EVERY_ADMIN_REQUEST) and all(operator_key in x for x in done)
     assert "tenant-secret" not in log
+
+
+def test_every_admin_call_is_an_admin_event_naming_its_caller(
+    keys: dict[str, Path], tmp_path: Path
+) -> None:
+    """A refused call (the engine's key, not listed) and an admin's calls that succeed or
+    fail each publish one ADMIN event, kept in the server's event log: `action`,
+    `outcome` (denied, ok, error), `caller` (client id, peer address and CURVE key),
+    `args`, and `result` or `error`. The cache salt shows only by its label."""
+    log_dir = tmp_path / "events"
+    srv = ServerProcess(
+        "--disable-metrics", "--l1-size-gb", "0.05", "--event-log", str(log_dir),
+        "--curve-secret-key", str(keys["server"]),
+        "--curve-authorized-keys", str(keys["authorized"]),
+        "--admin-keys", str(keys["admins"]),
+    )  # fmt: skip
+    curve = {"curve_server_key": keys["server_public"], "timeout_s": 20}
+    try:
+        with (
+            KVFlowClient(
+                srv.endpoint, client_id="engine-7", curve_key=keys["engine"], **curve
+            ) as engine,
+            pytest.raises(PermissionDeniedError),
+        ):
+            engine.admin(AdminClear(model_name="m", cache_salt="tenant-secret"))
+        with KVFlowClient(
+            srv.endpoint, client_id="operator-1", curve_key=keys["operator"], **curve
+        ) as operator:
+            operator.admin(AdminQuota(kind="salt", name="tenant-secret", limit_gb=0.001))
+            operator.admin(AdminDrain())
+            with pytest.raises(InvalidRequestError, match="unknown tier"):
+                operator.admin(AdminClear(model_name="m", tiers=["l9"]))
+    finally:
+        assert srv.stop() == 0, srv.log()
+    events = [ev for ev in LogReader.open(log_dir) if ev.type == EventType.ADMIN]
+    engine_key = keys["engine_public"].read_text().split('"')[1]
+    operator_key = keys["operator_public"].read_text().split('"')[1]
+    assert [(ev.attrs["action"], ev.attrs["outcome"]) for ev in events] == [
+        ("clear", "denied"), ("quota", "ok"), ("drain", "ok"), ("clear", "error"),
+    ]  # fmt: skip
+    denied, quota, drain, failed = (dict(ev.attrs) for ev in events)
+    for event, client_id, key in [(denied, "engine-7", engine_key)] + [
+        (allowed, "operator-1", operator_key) for allowed in (quota, drain, failed)
+    ]:
+        caller = event["caller"]
+        assert caller == f"{client_id} at 127.0.0.1 with CURVE key {key}", caller
+    assert denied["args"] == {"model_name": "m", "cache_salt": salt_label("tenant-secret")}
+    assert "--admin-keys" in denied["error"] and "result" not in denied
+    assert quota["args"] == {
+        "kind": "salt", "name": salt_label("tenant-secret"), "limit_gb": 0.001,
+    }  # fmt: skip
+    assert quota["result"]["limit_bytes"] == int(0.001 * (1 << 30))
+    assert drain["args"] == {} and drain["result"]["draining"] is True
+    assert failed["args"] == {"model_name": "m", "tiers": ["l9"]}
+    assert "unknown tier" in failed["error"] and "result" not in failed
+    assert all(ev.session_id is None and ev.op_id is None for ev in events)
+    assert "tenant-secret" not in repr([ev.attrs for ev in events])
 
 
 def test_without_curve_only_loopback_peers_are_admins() -> None:
@@ -219,3 +278,45 @@ def test_admin_cli_clear_quota_and_resize(server: ServerProcess) -> None:
         assert client.lookup(keep, model_name="keep") == CHUNK
         client.unregister("clear-keep")
         client.unregister("clear-drop")
+
+
+def test_clearing_the_disk_tier_deletes_its_object_files(tmp_path: Path) -> None:
+    """A server with an L2 disk tier: once two models' chunks are written through to disk,
+    `kvflow admin clear --model drop --tier disk` deletes that model's object files only,
+    leaving L1 as it was (its lookup still hits); once L1 is cleared too, its lookup
+    misses (no tier holds it) while the other model's lookup hits from disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    srv = ServerProcess(
+        "--disable-metrics", "--l1-size-gb", "0.05",
+        "--l2-disk", str(disk), "--l2-disk-size-gb", "0.05",
+    )  # fmt: skip
+
+    def disk_objects() -> int:
+        return int(client.status()["l2"]["tiers"]["disk"]["objects"])
+
+    def object_files() -> list[Path]:
+        return sorted(disk.rglob("*.kv"))
+
+    drop, keep = tokens(2 * CHUNK, seed=5), tokens(CHUNK, seed=6)
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=20) as client:
+            client.register_kv_caches("disk-drop", shared_kv(5), model_name="drop")
+            client.register_kv_caches("disk-keep", shared_kv(6), model_name="keep")
+            assert client.store("disk-drop", drop, list(range(32)), request_id="d") == 2 * CHUNK
+            assert client.store("disk-keep", keep, list(range(16)), request_id="k") == CHUNK
+            wait_for(lambda: disk_objects() == 3, what="the write-through to disk")
+            assert len(object_files()) == 3
+            cleared = _admin_cli(srv, "clear", "--model", "drop", "--tier", "disk")
+            assert cleared.returncode == 0, cleared.stderr
+            assert json.loads(cleared.stdout) == {"dropped": {"disk": 2}}
+            wait_for(lambda: len(object_files()) == 1, what="the dropped files deleted")
+            assert disk_objects() == 1
+            assert client.lookup(drop, model_name="drop") == 2 * CHUNK  # L1 still holds it
+            assert client.admin(AdminClear(everything=True, tiers=["l1"])) == {"dropped": {"l1": 3}}
+            assert client.lookup(drop, model_name="drop") == 0
+            assert client.lookup(keep, model_name="keep") == CHUNK  # from disk
+            client.unregister("disk-drop")
+            client.unregister("disk-keep")
+    finally:
+        assert srv.stop() == 0, srv.log()

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.core import KVFlowClient
+from kvflow.core import CacheEngine, KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import KVFlowError
 from kvflow.core.server.cli import OPTIONS, UsageError, _configure_logging, main, resolve
+from kvflow.core.tiers.quota import salt_label
 
 
 def _toml(tmp_path: Path, text: str) -> str:
@@ -685,3 +686,38 @@ def test_server_logs_in_its_format_and_stops_on_sigterm(
     listening = [line for line in lines if f"kvflow server listening on {endpoint}" in line]
     assert listening and not listening[0].startswith("{")  # console, not JSON
     assert any("kvflow server stopped" in line for line in lines)
+
+
+def test_l1_quotas_from_a_config_file(tmp_path: Path) -> None:
+    """`l1_quota` in the TOML file (a list, or one comma-separated string) sets the tenant
+    limits: an engine built from that config reports each limit under the tenant's label,
+    a salt only by its hash (also in the status' config); the flag wins over the file, and
+    a malformed entry or a tenant listed twice is a usage error naming --l1-quota."""
+    settings = "l1_size_gb = 0.01\ndisable_observability = true\n"
+    listed = _toml(tmp_path, settings + 'l1_quota = ["salt:tenant-a=0.5", "model:llama-8b=2"]\n')
+    config = resolve(["--config", listed], {})
+    assert config.l1_quotas == ("salt:tenant-a=0.5", "model:llama-8b=2")
+    engine = CacheEngine(config)
+    try:
+        limits = {(t["kind"], t["tenant"]): t["limit_bytes"] for t in engine.tenant_stats()}
+        status = engine.status()
+    finally:
+        engine.close()
+    assert limits == {("salt", salt_label("tenant-a")): 1 << 29, ("model", "llama-8b"): 2 << 30}
+    assert status["config"]["l1_quotas"] == [
+        f"salt:{salt_label('tenant-a')}=0.5",
+        "model:llama-8b=2",
+    ]
+    assert "tenant-a" not in json.dumps(status, default=str)
+    flagged = resolve(["--config", listed, "--l1-quota", "model:other=1"], {})
+    assert flagged.l1_quotas == ("model:other=1",)
+    one_string = _toml(tmp_path, 'l1_quota = "salt:tenant-a=0.5, model:llama-8b=2"\n')
+    assert resolve(["--config", one_string], {}).l1_quotas == config.l1_quotas
+    for text in (
+        'l1_quota = ["tenant-a=0.5"]\n',
+        'l1_quota = ["salt:a=1", "salt:a=2"]\n',
+        'l1_quota = ["model:m=0"]\n',
+        "l1_quota = [1]\n",
+    ):
+        with pytest.raises(UsageError, match="--l1-quota"):
+            resolve(["--config", _toml(tmp_path, text)], {})
