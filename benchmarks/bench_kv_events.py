@@ -20,7 +20,7 @@ against the store rate that produces them, and what the log costs a store (on/of
 
 CPU figures (no pinned memory); small chunks (16 tokens, 64 KiB objects) make the event
 work per byte as large as it gets. The log's share of a store is also estimated without
-timing noise: a store's chunk events over the log's rate (3), against a store's time (1). Run: python benchmarks/bench_kv_events.py [--json F]
+timing noise: a store's chunk events over the log's rate (4), against a store's time (1). Run: python benchmarks/bench_kv_events.py [--json F]
 """
 
 from __future__ import annotations
