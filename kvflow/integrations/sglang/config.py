@@ -1,0 +1,93 @@
+"""The backend's settings, from SGLang's `--hicache-storage-backend-extra-config` JSON.
+
+SGLang's `dynamic` backend needs `backend_name`, `module_path` and `class_name`; the
+zero-copy path needs `interface_v1` (else SGLang copies every page through Python
+tensors) and the host pool in shared memory needs `allocator: "shm"`. kvflow's own
+keys carry a `kvflow.` prefix; unknown ones are refused. Every bad value raises
+ValueError naming the key (docs/SGLANG.md lists them). No SGLang import here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+PREFIX = "kvflow."
+
+
+def _seconds(key: str, value: Any) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or not 0.001 <= number <= 3600.0:
+        raise ValueError(
+            f"{PREFIX}{key} must be a number of seconds in [0.001, 3600], got {value!r}"
+        )
+    return number
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{PREFIX}{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The `kvflow.*` keys of the extra config (docs/SGLANG.md, Config keys)."""
+
+    #: the kvflow server's ZMQ endpoint
+    endpoint: str = "tcp://127.0.0.1:5555"
+    #: the longest one batch (exists, get or set) waits for the server; then it failed
+    timeout_s: float = 5.0
+    #: the model name keys are made with (default: SGLang's model name, the KV dtype, MHA/MLA)
+    model_name: str | None = None
+    #: a salt mixed into every key: engines whose KV must not mix use different salts
+    cache_salt: str | None = None
+    #: the prefix of the instance id this rank registers (`<prefix>-tp<t>-pp<p>...`)
+    instance_id: str = "sglang"
+    #: CURVE: the server's public key (NAME.key or its 40 Z85 characters) ...
+    curve_server_key: str | None = None
+    #: ... and this client's key pair (NAME.key_secret)
+    curve_key: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageConfig:
+        """Check SGLang's switches this backend needs, then read the `kvflow.*` keys."""
+        extra = extra or {}
+        if extra.get("interface_v1") not in (1, True, "1", "true", "True"):
+            raise ValueError(
+                'kvflow moves pages only zero-copy: add "interface_v1": 1 to'
+                " --hicache-storage-backend-extra-config"
+            )
+        if extra.get("allocator") != "shm":
+            raise ValueError(
+                'kvflow maps SGLang\'s host pool in shared memory: add "allocator": "shm" to'
+                " --hicache-storage-backend-extra-config"
+            )
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for full_key, value in extra.items():
+            if not isinstance(full_key, str) or not full_key.startswith(PREFIX):
+                continue
+            key = full_key[len(PREFIX) :]
+            if key not in known:
+                raise ValueError(
+                    f"unknown extra-config key {full_key!r}; known:"
+                    f" {', '.join(PREFIX + k for k in sorted(known))}"
+                )
+            values[key] = _seconds(key, value) if key == "timeout_s" else _text(key, value)
+        config = cls(**values)
+        if not config.endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(
+                f"{PREFIX}endpoint must look like tcp://HOST:PORT, got {config.endpoint!r}"
+            )
+        if (config.curve_server_key is None) != (config.curve_key is None):
+            raise ValueError(
+                f"{PREFIX}curve_server_key and {PREFIX}curve_key go together (the server's"
+                " public key and this client's NAME.key_secret)"
+            )
+        return config
