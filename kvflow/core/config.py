@@ -34,6 +34,9 @@ EXPORT_INTERVAL_S_RANGE = (0.1, 86400.0)
 #: share of L1 that pending L2 write-throughs may pin: the rest stays evictable for stores
 #: (the engine's write-through enforces it; the demo's sizing and whatif model it)
 BACKLOG_SHARE = 0.5
+#: share of L1 one prefetch may fill: a prefix larger than that is prefetched up to it and
+#: the rest loads at retrieve (the engine's tiering enforces it; whatif models it)
+PREFETCH_SHARE = 0.5
 MAX_LABEL_VALUES = 65536  # per label: far above real model counts, small enough for /metrics
 
 

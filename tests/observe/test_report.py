@@ -4,13 +4,16 @@ summary that carries the server's own numbers."""
 from __future__ import annotations
 
 import re
+import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 from matplotlib import image
@@ -43,7 +46,56 @@ def _check_png(path: Path) -> None:
     assert not_white > 0.02, f"{path.name}: {not_white:.3%} of pixels drawn"
 
 
+class _Stderr:
+    """A child's stderr, read as it comes on a thread (the report's progress line)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._chunks: list[str] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while chunk := self._stream.read(1):
+            self._chunks.append(chunk)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._chunks)
+
+    def samples(self) -> int:
+        """The latest sample count the report printed (it prints from the second on)."""
+        counts = re.findall(r"(\d+) samples", self.text)
+        return int(counts[-1]) if counts else 0
+
+    def close(self) -> str:
+        self._thread.join(timeout=30)
+        return self.text
+
+
+def _received(client: KVFlowClient, caller: str) -> tuple[float, float]:
+    """Bounds, on this machine's monotonic clock (the server's too), of when the server
+    last received a request from `caller`."""
+    before = time.monotonic()
+    age = client.status()["server"]["clients"][caller]
+    after = time.monotonic()
+    return before - age - 0.001, after - age + 0.001  # ages are rounded to 1 ms
+
+
+def _wait_for(what: str, check: Callable[[], Any], report: subprocess.Popen[str]) -> Any:
+    """Poll `check` until it returns something true (returned); the report must run on."""
+    deadline = time.monotonic() + 120
+    while not (got := check()):
+        assert report.poll() is None, f"the report exited waiting for {what}"
+        assert time.monotonic() < deadline, f"waited 120 s for {what}"
+        time.sleep(0.05)
+    return got
+
+
 def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -> None:
+    """The recording spans the traffic: it starts before the traffic and is ended (Ctrl-C)
+    once the server counted all of it and the report sampled that, so the summary's
+    since-start numbers are the server's final ones whatever the machine's speed."""
     out = tmp_path / "report"
     with observed_server(tmp_path) as server, KVFlowClient(server.endpoint) as client:
         workload = Workload(client)
@@ -60,35 +112,57 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
                 "--out",
                 str(out),
                 "--interval-s",
-                "8",
+                "3600",  # a bound: the test ends the recording
                 "--sample-s",
                 "0.5",
             ],
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
         )
-        # the report's first status request is its first sample: traffic starts after it
-        # (a slow start-up on a busy machine would otherwise leave the traffic outside)
-        deadline = time.monotonic() + 60
-        while set(client.status()["server"]["clients"]) <= known:
-            assert report.poll() is None, report.communicate()
-            assert time.monotonic() < deadline, "the report never asked the server for status"
-            time.sleep(0.05)
-
-        # three rounds (a few seconds) end well inside the report's interval
-        def three_rounds() -> None:
+        assert report.stderr is not None
+        progress = _Stderr(report.stderr)
+        try:
+            # the report's first status request is its first sample: traffic starts after it
+            new = lambda: set(client.status()["server"]["clients"]) - known  # noqa: E731
+            (caller,) = _wait_for("the report's first status request", new, report)
             for _ in range(3):
                 workload.drive()
 
-        thread = threading.Thread(target=three_rounds)
-        thread.start()
-        _, stderr = report.communicate(timeout=120)
-        assert not thread.is_alive(), "the traffic outlasted the recording (machine too busy?)"
-        thread.join()
-        assert report.returncode == 0, stderr
+            # the server's event pipeline runs behind its requests: wait until its totals
+            # hold every block report of the traffic and every lifetime those ended
+            def counted() -> bool:
+                snap = Snapshot.of(client.status())
+                lifetimes = (snap.l0.get("lifetime") or {}).get("count", 0)
+                return (
+                    snap.totals["l0.allocation_records"] == workload.allocation_records
+                    and lifetimes == workload.block_lifetimes
+                )
+
+            _wait_for("the server to count the traffic's events", counted, report)
+            settled = time.monotonic()
+
+            def received_after(t: float) -> float | None:
+                """When the report's latest request came (an upper bound), if surely after t."""
+                earliest, latest = _received(client, caller)
+                return latest if earliest > t else None
+
+            # a request received after that, then a later one: the first is a whole
+            # sample of the settled server (a sample under way at Ctrl-C is dropped)
+            first = _wait_for("a sample after the traffic", lambda: received_after(settled), report)
+            _wait_for("the next sample", lambda: received_after(first), report)
+            _wait_for("six samples", lambda: progress.samples() >= 6, report)
+            report.send_signal(signal.SIGINT)
+            returncode = report.wait(timeout=120)
+        finally:
+            if report.poll() is None:
+                report.kill()
+                report.wait()
+        stderr = progress.close()
+        assert returncode == 0, stderr
         final = Snapshot.of(client.status())
+    assert final.l0["lifetime"]["count"] == workload.block_lifetimes
     files = sorted(p.name for p in out.iterdir())
     assert files == ["l0_lifecycle.png", "summary.md", "timeline.png"]
     _check_png(out / "l0_lifecycle.png")

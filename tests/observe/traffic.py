@@ -84,6 +84,10 @@ class Workload:
             layer.fill_(float(i + 1))
         client.register_kv_caches(INSTANCE, self.caches, model_name=MODEL)
         self.round = 0
+        #: block allocation records reported, and the block lifetimes they end (every
+        #: block is sampled): what the server's L0 totals reach once its events are in
+        self.allocation_records = 0
+        self.block_lifetimes = 0
 
     def settled(self) -> bool:
         """No write-through pending and no load running."""
@@ -129,3 +133,7 @@ class Workload:
         other = [int(t) for t in _tokens(4_000_000 + r, 8)]
         c.report_block_allocations(INSTANCE, [BlockAllocation(f"c{r}", ids, other)])  # evict
         c.end_session(f"c{r}")
+        self.allocation_records += 3
+        # c's blocks end the lifetimes of a's (reused by b); from the second round on,
+        # a's own blocks end those of the round before's c
+        self.block_lifetimes += len(ids) * (2 if r else 1)

@@ -769,6 +769,9 @@ class CacheEngine:
             stop = min(n_chunks, first + window)
             ids.convert(stop)
             keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
+            # refresh the head just before the window's room is made: the write-through's
+            # pins have made the chunks it took newer than a head L1 held before this store
+            self.l1.release(self.l1.pin_prefix(head))
             wplan = self._window_plan(keys, nbytes, request_id)
             if not wplan.covered:
                 break
@@ -781,7 +784,6 @@ class CacheEngine:
                 self.l1.abort(wplan)
                 raise
             self.l1.commit(wplan)
-            self.l1.release(self.l1.pin_prefix(head))  # refreshes the head's recency
             done.extend(keys[: wplan.covered])
             new += len(wplan.new)
             head = head or done[:window]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.core.config import PREFETCH_SHARE
 from kvflow.core.engine.loads import Job, Loader, Residency, Slot
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.writethrough import TierCounters, WriteThrough
@@ -22,9 +23,6 @@ from kvflow.events import Event, EventBus, EventType
 
 #: finished prefetches whose state stays queryable
 KEEP_PREFETCHES = 1024
-#: share of L1 one prefetch may fill: a prefix larger than that is prefetched up to it
-#: (the state says how many chunks did not fit) and the rest streams in at retrieve
-PREFETCH_SHARE = 0.5
 
 
 class Prefetch:

@@ -5,6 +5,7 @@ writes into `--out`: `l0_lifecycle.png` (the L0 block lifetime, idle-before-evic
 and reuse-gap histograms), `timeline.png` (GB/s, requests/s, hit rate and tier
 usage over the interval) and `summary.md` (the interval's measured totals, rates
 and percentiles, linking both figures). What an operator attaches to a ticket.
+Ctrl-C ends the recording early; the report covers the samples taken until then.
 """
 
 from __future__ import annotations
@@ -29,19 +30,26 @@ SUMMARY_MD = "summary.md"
 def record(
     client: KVFlowClient, interval_s: float, sample_s: float, *, log: bool = True
 ) -> list[Snapshot]:
-    """Snapshots every `sample_s` for `interval_s` seconds (the first at once, at least two)."""
+    """Snapshots every `sample_s` for `interval_s` seconds (the first at once, at least two).
+
+    Ctrl-C (SIGINT) ends the recording early: the samples taken so far are returned (a
+    sample under way is dropped); with fewer than two, KeyboardInterrupt propagates."""
     snaps = [Snapshot.of(client.status())]
     start = time.monotonic()
     n = 1
-    while True:
-        next_at = start + n * sample_s
-        if next_at > start + interval_s and len(snaps) >= 2:
-            break
-        time.sleep(max(next_at - time.monotonic(), 0.0))
-        snaps.append(Snapshot.of(client.status()))
-        n += 1
-        if log:
-            print(f"\rkvflow report: {len(snaps)} samples", end="", file=sys.stderr, flush=True)
+    try:
+        while True:
+            next_at = start + n * sample_s
+            if next_at > start + interval_s and len(snaps) >= 2:
+                break
+            time.sleep(max(next_at - time.monotonic(), 0.0))
+            snaps.append(Snapshot.of(client.status()))
+            n += 1
+            if log:
+                print(f"\rkvflow report: {len(snaps)} samples", end="", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        if len(snaps) < 2:
+            raise
     if log:
         print(file=sys.stderr)
     return snaps
@@ -156,7 +164,12 @@ def parser(prog: str = "kvflow report") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_connection_args(p, _seconds)
     p.add_argument("--out", type=Path, required=True, help="directory for the PNGs and summary.md")
-    p.add_argument("--interval-s", type=_seconds, default=60.0, help="how long to record")
+    p.add_argument(
+        "--interval-s",
+        type=_seconds,
+        default=60.0,
+        help="how long to record (Ctrl-C ends it sooner)",
+    )
     p.add_argument("--sample-s", type=_seconds, default=1.0, help="seconds between samples")
     return p
 
@@ -167,6 +180,9 @@ def main(name: str, argv: list[str]) -> int:
     try:
         with connect(args) as client:
             snaps = record(client, args.interval_s, min(args.sample_s, args.interval_s))
+    except KeyboardInterrupt:
+        print("\nkvflow report: interrupted before two samples, nothing written", file=sys.stderr)
+        return 130
     except Exception as exc:
         print(f"kvflow report: {args.endpoint} does not answer: {exc}", file=sys.stderr)
         return 1

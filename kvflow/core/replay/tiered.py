@@ -16,28 +16,37 @@ writethrough.py; kvflow/core/tiers/disk.py):
   held) and L1 still holds, head first, each inserted into L2 unless L2 holds it
   already (a present key is not refreshed, as the disk tier's store does); L2 counts
   payload bytes and evicts least recently used objects; an object larger than L2 is
-  not stored. The write-through backlog bound applies as to an empty backlog: a
-  store's new chunks past `BACKLOG_SHARE` of L1's configured bytes (whole chunks)
-  are refused, never written (writethrough.py). The write-through pins the chunks it
-  writes in L1, which refreshes them (tail first): after a store, its new chunks
-  are L1's most recent, ahead of the chunks L1 already held.
+  not stored. The write-through backlog holds `BACKLOG_SHARE` of L1's configured
+  bytes (whole chunks): a store's new chunks go in batches of that many, each
+  submitted once the one before finished (writethrough.py waits for backlog room,
+  up to --l2-backlog-wait-s, instead of refusing). Each batch pins its chunks in
+  L1, which refreshes them (tail first): after a store, its new chunks are L1's
+  most recent, ahead of the chunks L1 already held, its last batch newest.
 - A lookup's prefix extends while each chunk is, on every rank of the world, in L1
   or L2; a chunk counts for the slowest tier one of its ranks needed (L1, else L2),
   as `hit_tokens_by_tier` does. When some chunk of the prefix needed L2, the
-  lookup's prefetch loads the prefix's L2-only objects: L2 refreshes them (head most
-  recent) and they are written back into L1 (tail first).
+  lookup's prefetch takes the chunks from the first that needed L2, as many as fit
+  in `PREFETCH_SHARE` of L1's configured bytes (tiering.py; the rest load at
+  retrieve), in order: each one's L1 objects are pinned (refreshed, never evicted
+  by the prefetch) and room is made in L1 for its L2-only objects (loads.py
+  reserves it, evicting L1's least recent). One load refreshes those in L2 (head
+  most recent); the write-back commits them to L1 in order (the tail ends newest).
+  A position that finds no room ends the prefetch (its own loads discarded).
 - A retrieve touches its recorded chunks (the live hit prefix, L2 loads included) in
   L1, tail first, up to the first that neither L1 nor L2 holds here (at sizes other
   than the run's the simulated hits differ from the recorded ones; the request's
   store, which follows, puts the rest in L1 and writes them through); a chunk not in
-  L1 is first refreshed in L2 (a load), then written back into L1.
+  L1 (one the prefetch left out) is first refreshed in L2 (a load), then written
+  back into L1.
 
 What it assumes (exact on a run that meets it; tested): every write-through
 completes before the next lookup and never fails, the backlog is empty at each
-store (so only the bound above refuses chunks, never a backlog left by earlier
-stores), the
-lookup's prefetch runs (layouts registered, L2 write-back on), one L2 tier (a Redis
-tier's approximate LRU is modelled as exact LRU on payload bytes), no salts.
+store and no batch waits past --l2-backlog-wait-s (a batch still without room then
+is dropped), the lookup's prefetch runs (layouts registered, L2 write-back on), L1
+is larger than a request (a store larger than free L1 streams through it in
+windows, and a retrieve missing more than half of L1 loads window by window:
+neither is modelled), one L2 tier (a Redis tier's approximate LRU is modelled as
+exact LRU on payload bytes), no salts.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvflow.core.config import BACKLOG_SHARE
+from kvflow.core.config import BACKLOG_SHARE, PREFETCH_SHARE
 from kvflow.core.replay.lru import aligned
 from kvflow.core.replay.trace import LOOKUP, Trace
 
@@ -83,6 +92,29 @@ class _Lru:
         self.used += nbytes
         return True
 
+    def reserve(self, nbytes: int, keep: set[_Obj]) -> bool:
+        """Make room for `nbytes` more, evicting the least recent objects not in `keep`,
+        and count them used (an object not visible yet: `commit` adds it); False (nothing
+        changed) when the others leave too little room."""
+        need = self.used + nbytes - self.capacity
+        victims: list[_Obj] = []
+        for obj, held in self.objects.items():
+            if need <= 0:
+                break
+            if obj not in keep:
+                victims.append(obj)
+                need -= held
+        if need > 0:
+            return False
+        for obj in victims:
+            self.used -= self.objects.pop(obj)
+        self.used += nbytes
+        return True
+
+    def commit(self, obj: _Obj, nbytes: int) -> None:
+        """Add a `reserve`d object as most recent (its bytes counted already)."""
+        self.objects[obj] = nbytes
+
     def touch(self, obj: _Obj, nbytes: int) -> bool:
         """Refresh `obj`, or insert it; True when it was inserted."""
         if obj in self.objects:
@@ -110,7 +142,9 @@ def simulate_tiers(
     `effective_capacity` gives) and an L2 of `l2_capacity` payload bytes (0: none).
     `l1_configured` is L1's configured bytes (default `l1_capacity`), which bounds
     the write-through backlog."""
-    backlog = int((l1_configured if l1_configured is not None else l1_capacity) * BACKLOG_SHARE)
+    configured = l1_configured if l1_configured is not None else l1_capacity
+    backlog = int(configured * BACKLOG_SHARE)
+    prefetch_budget = int(configured * PREFETCH_SHARE)
     default = trace.object_bytes() or 1
     raw = trace.space_bytes
     l1, l2 = _Lru(l1_capacity), _Lru(l2_capacity)
@@ -124,12 +158,14 @@ def simulate_tiers(
     ):
         chunk_keys = keys[start[i] : start[i + 1]]
         if kind == LOOKUP:
-            prefix: list[_Obj] = []  # the prefix's objects that only L2 holds
+            # the positions from the first that needed L2: each one's objects and which
+            # of them only L2 holds (the engine's prefetch rows)
+            rows: list[tuple[list[_Obj], list[_Obj]]] = []
             in_l1: list[_Obj] = []  # objects of the chunks before the first that needed L2
             for k in chunk_keys:
+                objs = [(base + r, k) for r in range(world)]
                 from_l2: list[_Obj] = []
-                for r in range(world):
-                    obj = (base + r, k)
+                for obj in objs:
                     if obj in l1:
                         continue
                     if obj not in l2:
@@ -138,20 +174,42 @@ def simulate_tiers(
                 else:
                     if from_l2:
                         l2_hits += 1
-                        prefix += from_l2
                     else:
                         l1_hits += 1
-                        if not prefix:
-                            in_l1 += [(base + r, k) for r in range(world)]
+                    if from_l2 or rows:
+                        rows.append((objs, from_l2))
+                    else:
+                        in_l1 += objs
                     continue
                 break
             for obj in reversed(in_l1):  # L1 refreshes its lookup hits, head most recent
                 l1.refresh(obj)
-            if prefix:  # the prefetch: loads refresh L2, write-back fills L1
-                for obj in reversed(prefix):
+            if rows:  # the prefetch, of the rows that fit in its share of L1
+                row_bytes = sum(raw.get(base + r, default) for r in range(world))
+                fit = max(1, prefetch_budget // max(1, row_bytes))
+                pinned: set[_Obj] = set()
+                loads: list[_Obj] = []
+                kept = 0  # loads of the rows that found room in L1
+                for objs, from_l2 in rows[:fit]:
+                    room = True
+                    for obj in objs:  # in order: L1's objects pinned, L2's reserved in L1
+                        if obj not in from_l2:
+                            l1.refresh(obj)
+                            pinned.add(obj)
+                        elif l1.reserve(aligned(raw.get(obj[0], default)), pinned):
+                            loads.append(obj)
+                        else:
+                            room = False
+                            break
+                    if not room:  # no row after it is loaded; its own loads are discarded
+                        for obj in loads[kept:]:
+                            l1.used -= aligned(raw.get(obj[0], default))
+                        break
+                    kept = len(loads)
+                for obj in reversed(loads):  # one load: L2 refreshes them, head most recent
                     l2.refresh(obj)
-                for obj in reversed(prefix):
-                    l1.touch(obj, aligned(raw.get(obj[0], default)))
+                for obj in loads[:kept]:  # write-back commits them in order: tail newest
+                    l1.commit(obj, aligned(raw.get(obj[0], default)))
             continue
         nbytes = raw.get(base, default)
         size = aligned(nbytes)
@@ -167,12 +225,16 @@ def simulate_tiers(
             continue
         new = [obj for obj in reversed(obj_keys) if l1.touch(obj, size)]
         if l2.capacity:
-            # write-through, within the backlog bound: it pins each chunk in L1, tail
-            # first (a pin refreshes: the new head ends most recent), then L2 stores
-            # them head first
-            written = [obj for obj in new[::-1][: backlog // nbytes if nbytes else 0] if obj in l1]
-            for obj in reversed(written):
-                l1.refresh(obj)
-            for obj in written:
-                l2.insert(obj, nbytes)
+            # write-through of the new chunks L1 still holds, head first, in batches of
+            # the backlog bound (the first waits for nothing; each next one waits for
+            # the one before to finish): each batch pins its chunks in L1, tail first (a
+            # pin refreshes: the batch's head ends most recent), then L2 stores them
+            written = [obj for obj in reversed(new) if obj in l1]
+            per = max(1, backlog // nbytes) if nbytes else len(written) or 1
+            for b in range(0, len(written), per):
+                batch = written[b : b + per]
+                for obj in reversed(batch):
+                    l1.refresh(obj)
+                for obj in batch:
+                    l2.insert(obj, nbytes)
     return TierHits(l1_hits, l2_hits)

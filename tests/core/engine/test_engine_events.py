@@ -35,6 +35,7 @@ def test_every_start_has_one_end_on_success() -> None:
     assert done[EventType.STORE_START] == {
         "instance_id": "a", "model_name": "m", "tokens": 2 * CHUNK, "bytes": nbytes,
         "ok": True, "error": None, "chunk_hashes": hashes, "chunk_bytes": nbytes // 2,
+        "held_tokens": 2 * CHUNK, "tokens_by_tier": {"l1": 2 * CHUNK},
     }  # fmt: skip
     assert done[EventType.RETRIEVE_START]["chunk_hashes"] == hashes
     assert (

@@ -113,6 +113,24 @@ def test_the_head_of_a_streamed_store_stays_in_l1() -> None:
     s.close()
 
 
+def test_a_head_l1_held_before_the_streamed_store_stays_in_l1() -> None:
+    """The same when L1 held the head before the store (a shorter request's): the store
+    does not write it through again, so no write-through pin refreshes it, and the
+    chunks it does write through are newer; the head is refreshed before each window
+    makes its room, so the streamed middle still goes first."""
+    s = Big(4 * L1_CHUNKS)
+    t = s.tokens()
+    head = L1_CHUNKS // 4
+    assert s.engine.store("src", t[: head * CHUNK], s.blocks, request_id="short") == head * CHUNK
+    assert s.drain()
+    assert s.store(t) == s.n * CHUNK
+    assert s.drain()
+    assert s.retrieve(t) == s.n * CHUNK and s.exact()
+    (got,) = s.ends(EventType.RETRIEVE_END)
+    assert got["l2_chunks"] == s.n - head  # the head came from L1
+    s.close()
+
+
 def test_streamed_retrieve_without_write_back_frees_every_staged_object() -> None:
     """--no-l2-write-back: the windows are staged, copied and freed; L1 keeps none."""
     s = Big(4 * L1_CHUNKS, l2_write_back=False)

@@ -9,11 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import pytest
 import torch
@@ -245,6 +246,33 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         time.sleep(0.001)
 
 
+#: batches of four objects the writer may store before the test gives up catching it
+#: mid-write (a stop catches one in a few on a quiet machine)
+MAX_WRITER_BATCHES = 500
+
+
+def _count_lines(stream: IO[str]) -> Callable[[], int]:
+    """Read `stream` on a thread; returns a function giving the lines read so far."""
+    lines = [0]
+
+    def read() -> None:
+        for _ in stream:
+            lines[0] += 1
+
+    threading.Thread(target=read, daemon=True).start()
+    return lambda: lines[0]
+
+
+def _stopped_mid_write(writer: subprocess.Popen[str], root: Path) -> bool:
+    """Stop the writer; True if a temporary file is there while it is stopped, else it
+    is continued (False)."""
+    _stop(writer)
+    if disk_writer.temporary_files(str(root)):
+        return True
+    writer.send_signal(signal.SIGCONT)
+    return False
+
+
 def test_a_writer_killed_mid_write_leaves_only_whole_objects(
     tmp_path: Path, tiers: list[DiskTier]
 ) -> None:
@@ -264,15 +292,20 @@ def test_a_writer_killed_mid_write_leaves_only_whole_objects(
             ValueError, match=f"held by another kvflow server \\(pid {writer.pid}\\)"
         ):
             DiskTier([str(tmp_path)], 1 << 30)
-        # Stop it while a file is half written (a stopped writer cannot finish and rename
-        # that file before the kill lands, as a running one could on a loaded machine).
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if disk_writer.temporary_files(str(tmp_path)):
-                _stop(writer)
-                if disk_writer.temporary_files(str(tmp_path)):
-                    break
-                writer.send_signal(signal.SIGCONT)
+        batches = _count_lines(writer.stdout)  # the writer's progress: batches stored
+        # Stop it while a file is half written: stop it whenever a temporary file is seen
+        # (a stopped writer cannot finish and rename that file before the kill lands, as
+        # a running one could on a loaded machine) and let it go on when the file was
+        # renamed before the stop landed. Bounded by the writer's progress, not the clock:
+        # a busy machine slows the writer and this loop alike.
+        while True:
+            if disk_writer.temporary_files(str(tmp_path)) and _stopped_mid_write(writer, tmp_path):
+                break
+            assert writer.poll() is None, "the writer exited"
+            assert batches() < MAX_WRITER_BATCHES, (
+                f"no temporary file survived a stop in {MAX_WRITER_BATCHES} batches"
+            )
+            time.sleep(0.0005)
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=10)
