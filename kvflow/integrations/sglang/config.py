@@ -9,30 +9,11 @@ ValueError naming the key (docs/SGLANG.md lists them). No SGLang import here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-PREFIX = "kvflow."
-
-
-def _seconds(key: str, value: Any) -> float:
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not math.isfinite(number) or not 0.001 <= number <= 3600.0:
-        raise ValueError(
-            f"{PREFIX}{key} must be a number of seconds in [0.001, 3600], got {value!r}"
-        )
-    return number
-
-
-def _text(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{PREFIX}{key} must be a non-empty string, got {value!r}")
-    return value
+from kvflow.integrations.extra_config import PREFIX, seconds, text
 
 
 @dataclass(frozen=True)
@@ -79,7 +60,9 @@ class StorageConfig:
                     f"unknown extra-config key {full_key!r}; known:"
                     f" {', '.join(PREFIX + k for k in sorted(known))}"
                 )
-            values[key] = _seconds(key, value) if key == "timeout_s" else _text(key, value)
+            values[key] = (
+                seconds(key, value, 0.001, 3600.0) if key == "timeout_s" else text(key, value)
+            )
         config = cls(**values)
         if not config.endpoint.startswith(("tcp://", "ipc://")):
             raise ValueError(

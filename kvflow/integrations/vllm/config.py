@@ -6,12 +6,11 @@ value raises ValueError naming the key (docs/VLLM.md lists them).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-PREFIX = "kvflow."
+from kvflow.integrations.extra_config import PREFIX, seconds, text
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -22,24 +21,6 @@ def _bool(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{PREFIX}{key} must be a boolean, got {value!r}")
-
-
-def _seconds(key: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}") from None
-    if not math.isfinite(number) or not low <= number <= high:
-        raise ValueError(f"{PREFIX}{key} must be in [{low:g}, {high:g}] seconds, got {value!r}")
-    return number
-
-
-def _text(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{PREFIX}{key} must be a non-empty string, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -98,14 +79,14 @@ class ConnectorConfig:
     @staticmethod
     def _parse(key: str, value: Any) -> Any:
         if key == "endpoint":
-            text = _text(key, value)
-            if not text.startswith(("tcp://", "ipc://")):
+            endpoint = text(key, value)
+            if not endpoint.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"{PREFIX}endpoint must look like tcp://HOST:PORT, got {value!r}")
-            return text
+            return endpoint
         if key == "timeout_s":
-            return _seconds(key, value, 0.001, 86400.0)
+            return seconds(key, value, 0.001, 86400.0)
         if key == "lookup_timeout_s":
-            return _seconds(key, value, 0.001, 600.0)
+            return seconds(key, value, 0.001, 600.0)
         if key in ("load", "store", "report_allocations", "recompute_failed_loads"):
             return _bool(key, value)
-        return _text(key, value)
+        return text(key, value)

@@ -1,0 +1,31 @@
+"""Checks shared by the engine adapters' `kvflow.`-prefixed settings (vLLM's
+`kv_connector_extra_config`, SGLang's storage extra config): each bad value raises
+ValueError naming its key, so both adapters word their refusals alike."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+PREFIX = "kvflow."
+
+
+def seconds(key: str, value: Any, low: float, high: float) -> float:
+    """`value` as a finite number of seconds in [low, high] (numbers or numeric strings;
+    booleans refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(number) or not low <= number <= high:
+        raise ValueError(f"{PREFIX}{key} must be in [{low:g}, {high:g}] seconds, got {value!r}")
+    return number
+
+
+def text(key: str, value: Any) -> str:
+    """`value` as a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{PREFIX}{key} must be a non-empty string, got {value!r}")
+    return value
