@@ -11,20 +11,13 @@ script for the steps; here, what each step's stats must be.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.server_proc import running_server
-from tests.integrations.vllm.tiny_model import build_tiny_llama
-from tests.integrations.vllm.vllm_venv import ROOT, vllm_python
-from tests.support.requirements import missing
+from tests.integrations.vllm.vllm_venv import run_under_official_vllm
 
-OFFICIAL = ROOT / ".venv-vllm-official" / "site"
 RUNNER = Path(__file__).with_name("vllm_stats_run.py")
 CHUNK = 32
 BLOCK = 16
@@ -56,35 +49,7 @@ def _sum(*parts: dict[str, int]) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    python = vllm_python()
-    if not (OFFICIAL / "vllm" / "__init__.py").is_file():
-        missing(
-            f"the official vLLM release in {OFFICIAL.relative_to(ROOT)}",
-            "this test runs the connector under the official release's Scheduler",
-            "`make vllm-venv` (pip install --no-deps --target .venv-vllm-official/site vllm)",
-        )
-    tmp = tmp_path_factory.mktemp("vllm-stats")
-    model = build_tiny_llama(tmp / "tiny-llama")
-    out = tmp / "seen.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{OFFICIAL}{os.pathsep}{ROOT}",
-        "VLLM_TARGET_DEVICE": "cpu",
-    }
-    with running_server(CHUNK, tmp / "server.log") as endpoint:
-        proc = subprocess.run(
-            [python, str(RUNNER), str(model), endpoint, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-            cwd=tmp,
-        )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    assert result["vllm_version"].startswith("0.33"), result["vllm_version"]
-    assert result["is_kvflow"]
-    return result
+    return run_under_official_vllm(RUNNER, tmp_path_factory.mktemp("vllm-stats"), CHUNK)
 
 
 def test_each_step_reports_what_it_did_and_only_that(seen: dict[str, Any]) -> None:

@@ -10,19 +10,12 @@ against a real kvflow server. See that script for the steps; here, what they mus
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.server_proc import running_server
-from tests.integrations.vllm.tiny_model import build_tiny_llama
-from tests.integrations.vllm.vllm_venv import ROOT, vllm_python
-from tests.support.requirements import missing
+from tests.integrations.vllm.vllm_venv import run_under_official_vllm
 
-OFFICIAL = ROOT / ".venv-vllm-official" / "site"
 RUNNER = Path(__file__).with_name("vllm_scheduler_run.py")
 CHUNK = 32
 
@@ -30,33 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_official_schedulers_hooks_drive_the_connector(tmp_path: Path) -> None:
-    python = vllm_python()
-    if not (OFFICIAL / "vllm" / "__init__.py").is_file():
-        missing(
-            f"the official vLLM release in {OFFICIAL.relative_to(ROOT)}",
-            "this test runs the connector under the official release's Scheduler",
-            "`make vllm-venv` (pip install --no-deps --target .venv-vllm-official/site vllm)",
-        )
-    model = build_tiny_llama(tmp_path / "tiny-llama")
-    out = tmp_path / "seen.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{OFFICIAL}{os.pathsep}{ROOT}",
-        "VLLM_TARGET_DEVICE": "cpu",
-    }
-    with running_server(CHUNK, tmp_path / "server.log") as endpoint:
-        proc = subprocess.run(
-            [python, str(RUNNER), str(model), endpoint, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-            cwd=tmp_path,
-        )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    seen = json.loads(out.read_text())
-    assert seen["vllm_version"].startswith("0.33"), seen["vllm_version"]
-    assert seen["is_kvflow"] and seen["stored"] == 2 * CHUNK
+    seen = run_under_official_vllm(RUNNER, tmp_path, CHUNK)
+    assert seen["stored"] == 2 * CHUNK
     # the connector set vLLM's load-failure policy to recompute
     assert seen["recompute_policy"] is True
     # the first step does not wait for the lookup: the request is not scheduled yet
