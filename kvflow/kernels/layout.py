@@ -80,6 +80,8 @@ class KVLayout:
     groups: tuple[LayerGroup, ...]
     block_views: tuple[tuple[torch.Tensor, ...], ...] = field(repr=False)
     plan_cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    #: one-layer layouts made by `layer_layout`, by layer
+    layer_cache: dict[int, KVLayout] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_kv_caches(
@@ -153,6 +155,28 @@ class KVLayout:
             offsets.append(total)
             total += g.chunk_nbytes(chunk_tokens)
         return offsets
+
+    def layer_layout(self, layer: int) -> KVLayout:
+        """The layout of one layer alone, whose chunk is that layer's part of a chunk of
+        this layout (`layer_parts`): a layerwise transfer moves one layer per launch."""
+        sub = self.layer_cache.get(layer)
+        if sub is None:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"layer {layer} is not within the {self.num_layers} layers")
+            sub = KVLayout._from_views(self.format, [self.block_views[layer]])
+            self.layer_cache[layer] = sub
+        return sub
+
+    def layer_parts(self, layer: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        """(byte offset, byte count) of each of a layer's K/V parts inside one chunk, in
+        the order `layer_layout(layer)` lays them out (a chunk is, per group,
+        [kv, layers, tokens, row]: a layer's K and V are two separate runs)."""
+        for group, offset in zip(self.groups, self.group_offsets(chunk_tokens), strict=True):
+            if layer in group.layers:
+                run = chunk_tokens * group.row_bytes
+                first = offset + group.layers.index(layer) * run
+                return [(first + kv * len(group.layers) * run, run) for kv in range(group.kv_size)]
+        raise ValueError(f"layer {layer} is not within the {self.num_layers} layers")
 
     def stride_desc(self, layer: int, kv: int) -> StrideDesc:
         """Base pointer and byte strides (block, token, head) of one (layer, kv)."""

@@ -23,6 +23,7 @@ from kvflow.core.config import ServerConfig
 from kvflow.core.engine.chunk_keys import check_chunk_keys, placeholder_tokens
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
+from kvflow.core.engine.layerwise import LayerSignal, cpu_scatter_layers
 from kvflow.core.engine.loads import Slot
 from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
@@ -437,6 +438,10 @@ class CacheEngine:
             inst.mover.close()
         self._publish(EventType.UNREGISTER, None, inst.event_attrs())
 
+    def num_layers(self, instance_id: str) -> int:
+        """Layers of a registered instance's caches (UnknownInstanceError if none)."""
+        return self._instance(instance_id).layout.num_layers
+
     def layout_desc(self, model_name: str, world_size: int = 1, rank: int = 0) -> LayoutDesc | None:
         """The chunk layout recorded for (model, world, rank), or None if never registered."""
         with self._lock:
@@ -850,6 +855,7 @@ class CacheEngine:
         cache_salt: str | None = None,
         enqueued: Callable[[Any, int], None] | None = None,
         chunk_keys: Sequence[bytes] | None = None,
+        layers: LayerSignal | None = None,
     ) -> int:
         """Copy the consecutive L1 hits from chunk 0 into the request's blocks.
 
@@ -857,7 +863,8 @@ class CacheEngine:
         token 0); the first `skip_first_n_tokens` (whole blocks) are not written.
         `enqueued(stream, hit_tokens)`, for a CUDA cache, is called once every copy is
         queued on `stream` (a TransferStream), before the engine waits for them: the
-        server replies then, with an event recorded on that stream.
+        server replies then, with an event recorded on that stream. With `layers`
+        the copies go layer by layer, each layer signalled there (`_retrieve_layers`).
         """
         token_ids, named = self._keyed(token_ids, chunk_keys)
         inst = self._instance(instance_id)
@@ -878,6 +885,12 @@ class CacheEngine:
                     )
                 ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
                 ids.hashes = named
+                if layers is not None:
+                    done = self._retrieve_layers(
+                        inst, op, ids, skip, request_id, cache_salt, layers, enqueued
+                    )
+                    if done is not None:
+                        return int(done["hit_tokens"])
                 # in waves like a store: the first group's keys are hashed and its copies
                 # started before the rest of the request is hashed and looked up
                 n_chunks = ids.n_chunks
@@ -937,6 +950,9 @@ class CacheEngine:
                         "chunk_hashes": hit_hashes[:hit_chunks],
                     }
                     op.end(inst.mover.retrieve_stream, **result)
+                    if layers is not None:  # too big to go layer by layer: all at once
+                        for i in range(inst.layout.num_layers):
+                            layers.ready(i, inst.mover.retrieve_stream)
                     if enqueued is not None and inst.mover.retrieve_stream is not None:
                         enqueued(inst.mover.retrieve_stream, int(result["hit_tokens"]))
                     inst.mover.wait()
@@ -954,6 +970,85 @@ class CacheEngine:
                 {"chunks": result["chunks"], "bytes": result["bytes"]},
             )
         return int(result["hit_tokens"])
+
+    def _retrieve_layers(
+        self, inst: Instance, op: Op, ids: RequestIds, skip: int, request_id: str,
+        cache_salt: str | None, signal: LayerSignal, enqueued: Callable[[Any, int], None] | None,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """A retrieve that copies layer by layer and signals each layer (docs/ENGINE.md,
+        "Layerwise retrieves"). The whole hit must be held at once (layer 0 of the last
+        chunk is copied before layer 1 of the first), so the hit is pinned in L1 (L2 hits
+        loaded first) and the reply comes once every layer is queued (CUDA) or before the
+        first layer is copied (CPU). A hit that would take more than a streaming window
+        of L1 from L2 goes the ordinary way (None: the caller does it, signalling every
+        layer at its end)."""
+        n_chunks = ids.n_chunks
+        keys = self._chunk_keys(inst, ids, 0, n_chunks, request_id, cache_salt)
+        tiering = self._tiering
+        objs = self.l1.pin_prefix(keys)
+        first = len(objs)
+        if tiering is not None and n_chunks - first > 2 * self._stream_chunks(inst.chunk_nbytes):
+            self.l1.release(objs)
+            return None
+        staged: list[Slot] = []
+        from_l2 = 0
+        layer = 0
+        try:
+            hits = list(objs)
+            if tiering is not None and first < n_chunks:
+                fetched = tiering.fetch(keys[first:], inst.chunk_nbytes, request_id)
+                objs.extend(fetched.pinned)
+                staged, from_l2 = fetched.staged, fetched.from_l2
+                hits.extend(fetched.objs)
+            bpc = inst.blocks_per_chunk
+            skip_blocks = skip // inst.block_size
+            rows = [c for c in range(len(hits)) if skip_blocks - c * bpc < bpc]
+            skips = [min(max(skip_blocks - c * bpc, 0), bpc) for c in rows]
+            ids.convert_blocks(n_chunks)
+            ids.check_distinct(skip_blocks)
+            srcs = self.l1.views([hits[c] for c in rows])
+            table = _rows_of(ids.table, rows)
+            hit_tokens = len(hits) * self.chunk_size
+            result: dict[str, Any] = {
+                "tokens": sum(bpc - s for s in skips) * inst.block_size,
+                "bytes": len(rows) * inst.chunk_nbytes,
+                "hit_tokens": hit_tokens,
+                "chunks": len(rows),
+                "l2_chunks": from_l2,
+                "chunk_hashes": [k[0] for k in keys[: len(hits)]],
+                "layerwise": True,
+            }
+
+            def ready(i: int, stream: Any) -> None:
+                nonlocal layer
+                signal.ready(i, stream)
+                layer = i + 1
+
+            mover = inst.mover
+            if isinstance(mover, CudaMover):
+                mover.retrieve_layers(srcs, table, skips, self.chunk_size, ready)
+                op.end(mover.retrieve_stream, **result)
+                if enqueued is not None:
+                    enqueued(mover.retrieve_stream, hit_tokens)
+                mover.wait()
+            else:
+                if enqueued is not None:
+                    enqueued(None, hit_tokens)
+                cpu_scatter_layers(inst.layout, self.chunk_size, srcs, table, skips, ready)
+                op.end(None, **result)
+        except BaseException:
+            self._quiesce(inst)
+            signal.failed(layer)
+            raise
+        finally:
+            self.l1.release(objs)
+            if tiering is not None and staged:
+                tiering.loader.discard(staged)
+        if result["chunks"]:
+            self._publish(
+                EventType.L1_READ, request_id, {"chunks": result["chunks"], "bytes": result["bytes"]}
+            )
+        return result
 
     def _stream_retrieve(
         self, inst: Instance, ids: RequestIds, keys: list[ObjectKey], first: int, skip: int,

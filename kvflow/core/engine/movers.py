@@ -226,6 +226,61 @@ class CudaMover:
                 self._landed[s][i].record(cs.handle)
             self._held.append((self._groups - 1, call, s, start, stop))
 
+    def retrieve_layers(
+        self,
+        srcs: HostChunks,
+        table: np.ndarray,
+        skip_blocks: Sequence[int],
+        chunk_tokens: int,
+        ready: Callable[[int, TransferStream], None],
+    ) -> None:
+        """Enqueue a retrieve layer by layer: per layer, its runs of every chunk are
+        copied into a stage and scattered by one launch (or one per stage-full of
+        chunks), then `ready(layer, kernel_stream)` marks the layer's end on the stream.
+        `table` holds checked block ids (row c: chunk c's blocks)."""
+        with CurrentContext(self._context):
+            self._retrieve_layers(srcs, table, skip_blocks, chunk_tokens, ready)
+
+    def _retrieve_layers(
+        self,
+        srcs: HostChunks,
+        table: np.ndarray,
+        skip_blocks: Sequence[int],
+        chunk_tokens: int,
+        ready: Callable[[int, TransferStream], None],
+    ) -> None:
+        cs, ks = self.copy_stream, self.kernel_stream
+        stage_bytes = self.group * self.chunk_nbytes
+        cb = self.chunk_nbytes
+        self._after_caller(cs)
+        for layer in range(self.layout.num_layers):
+            parts = self.layout.layer_parts(layer, chunk_tokens)
+            width = sum(n for _, n in parts)
+            per_stage = max(1, stage_bytes // width)
+            moves = PreparedTransfer.trusted(
+                self.layout.layer_layout(layer), table, skip_blocks, gather=False,
+                backend="cuda", stream=ks, id_buffer=self._ids,
+            )  # fmt: skip
+            for start in range(0, len(srcs), per_stage):
+                stop = min(start + per_stage, len(srcs))
+                s = self._groups % self.stages
+                if self._groups >= self.stages:
+                    self._drained[s].wait_on(cs.handle)
+                self._groups += 1
+                rows = self._stage(s, self.group).view(-1)[: (stop - start) * width]
+                base = rows.data_ptr()
+                for c in range(start, stop):
+                    at = base + (c - start) * width
+                    src = srcs.address(c, cb)
+                    for offset, n in parts:
+                        copy_async(at, src + offset, n, cs.handle)
+                        at += n
+                self._landed[s][0].record(cs.handle)
+                self._landed[s][0].wait_on(ks.handle)
+                moves.launch_trusted(rows.view(stop - start, width), start, stop - start)
+                self._drained[s].record(ks.handle)
+            ready(layer, ks)
+
     def _scatter_through(self, group: int, *, by_chunk: bool = False) -> None:
         """Queue the held-back scatters of groups up to `group`, oldest first: one launch
         per group once all its chunks landed, or (by_chunk) one per chunk as it lands."""

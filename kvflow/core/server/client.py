@@ -36,6 +36,7 @@ from kvflow.core.errors import (
 )
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.kv_streams import KVPoll
+from kvflow.core.server.layers import ClientLayers, LayerwiseLoad
 from kvflow.core.server.protocol import (
     AdminRequest,
     AllocationRecord,
@@ -209,6 +210,7 @@ class KVFlowClient:
         self._connections: set[_Connection] = set()
         self._idle: list[_Connection] = []
         self._events: dict[str, _CudaEvents] = {}  # per instance with CUDA caches
+        self._layers: dict[str, ClientLayers] = {}  # per instance registered layerwise
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
         self._stopping = threading.Event()
@@ -381,14 +383,28 @@ class KVFlowClient:
         block_size: int | None = None,
         kv_format: str | None = None,
         takeover: bool = False,
+        layerwise: bool = False,
     ) -> None:
         """Share `kv_caches` with the server (shared memory or CUDA IPC) and register them.
 
         Registering an instance id this client (same `client_id`) already holds
         replaces that registration; one held by another client is refused
-        (AlreadyRegisteredError) unless `takeover` is True.
+        (AlreadyRegisteredError) unless `takeover` is True. `layerwise` makes one
+        completion point per layer for `retrieve_layerwise` (kvflow.core.server.layers).
         """
         desc = describe_kv_caches(kv_caches)
+        layers = None
+        if layerwise:
+            from kvflow.kernels import KVLayout
+
+            try:
+                layout = KVLayout.from_kv_caches(
+                    kv_caches, block_size=block_size, kv_format=kv_format
+                )
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            cuda = layout.device.index if layout.device.type == "cuda" else None
+            layers = ClientLayers(layout.num_layers, cuda)
         event = retrieved = event_handle = retrieved_handle = None
         device = next(
             (t.memory.device_index for t in desc.tensors if isinstance(t.memory, CudaIpcMemory)),
@@ -417,12 +433,18 @@ class KVFlowClient:
             retrieve_event_handle=retrieved_handle,
             takeover=takeover,
         )
+        if layers is not None:
+            request.layer_event_handles, request.layer_flags = layers.wire()
         reply = self._call(request)
         if not isinstance(reply, Registered):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
-        if event is not None and device is not None:
-            with self._lock:
+        with self._lock:
+            if event is not None and device is not None:
                 self._events[instance_id] = _CudaEvents(event, retrieved, device)
+            if layers is not None:
+                self._layers[instance_id] = layers
+            else:
+                self._layers.pop(instance_id, None)
         self._start_heartbeat(reply.heartbeat_interval_s)
 
     def lookup(
@@ -535,6 +557,44 @@ class KVFlowClient:
             events.stream().wait_event(events.retrieved)
         return hit
 
+    def retrieve_layerwise(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        skip_first_n_tokens: int = 0,
+        cache_salt: str | None = None,
+        chunk_keys: Sequence[bytes] | None = None,
+    ) -> LayerwiseLoad:
+        """A retrieve that lands layer by layer (instance registered with layerwise=True).
+
+        Returns once every layer's copies are queued (CUDA) or, for CPU caches, before
+        the first is copied, with the hit prefix in `hit_tokens`; call `wait_layer(i)`
+        right before layer i reads its KV (docs/ENGINE.md, "Layerwise retrieves").
+        """
+        with self._lock:
+            layers = self._layers.get(instance_id)
+        if layers is None:
+            raise InvalidRequestError(
+                f"instance {instance_id!r} was not registered by this client with layerwise=True"
+            )
+        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
+        blocks = as_int32_array(block_ids, "block_ids")
+        with layers.lock:  # numbers reach the server in the order they are given
+            seq = layers.next_seq()
+            request = Retrieve(
+                instance_id=instance_id,
+                request_id=request_id,
+                skip_first_n_tokens=skip_first_n_tokens,
+                cache_salt=cache_salt,
+                keyed=keyed,
+                layer_seq=seq,
+            )
+            hit = self._count(request, (tokens, blocks))
+        return LayerwiseLoad(hit, layers, seq, self.timeout_s)
+
     def _cuda_events(self, instance_id: str) -> _CudaEvents | None:
         with self._lock:
             return self._events.get(instance_id)
@@ -570,6 +630,7 @@ class KVFlowClient:
         self._done(Unregister(instance_id=instance_id))
         with self._lock:
             self._events.pop(instance_id, None)
+            self._layers.pop(instance_id, None)
 
     def status(self) -> dict[str, Any]:
         """The server's status: engine (instances, L1, bus) and server (clients, counters)."""

@@ -115,6 +115,10 @@ class Register(Request, tag="register"):
     retrieve_event_handle: bytes | None = None
     #: take over the instance id even when another (dead) client still holds it
     takeover: bool = False
+    #: layerwise retrieves (kvflow.core.server.layers): one interprocess CUDA event per
+    #: layer (GPU caches) or a shared int64 flag per layer (CPU caches, as uint8 bytes)
+    layer_event_handles: list[bytes] | None = None
+    layer_flags: TensorDesc | None = None
 
 
 class Lookup(Request, tag="lookup"):
@@ -158,6 +162,9 @@ class Retrieve(Request, tag="retrieve"):
     cache_salt: str | None = None
     #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
     keyed: bool = False
+    #: > 0: a layerwise retrieve with this number (kvflow.core.server.layers); the reply
+    #: comes once every layer is queued (CUDA) or before the first is copied (CPU)
+    layer_seq: int = 0
 
 
 class EndSession(Request, tag="end_session"):

@@ -45,6 +45,7 @@ from kvflow.core.errors import (
 from kvflow.core.server.admin import AdminAuth, AdminOps, DrainState
 from kvflow.core.server.curve import CurveServer
 from kvflow.core.server.kv_streams import KVSubscriptions
+from kvflow.core.server.layers import LayerMarks, ServerLayers, open_server_layers
 from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
@@ -158,6 +159,21 @@ def _check_exposure(config: ServerConfig) -> None:
     )
 
 
+def _layer_signal(reg: _Registration, request: Retrieve) -> LayerMarks | None:
+    """The marks of a layerwise retrieve (request.layer_seq > 0), else None."""
+    seq = request.layer_seq
+    if seq == 0:
+        return None
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise InvalidRequestError(f"layer_seq must be an integer >= 0, got {seq!r}")
+    if reg.layers is None:
+        raise InvalidRequestError(
+            f"instance {reg.instance_id!r} was registered without layerwise=True: it has no"
+            " per-layer completion points for a layerwise retrieve"
+        )
+    return reg.layers.signal(seq)
+
+
 def _cuda_ipc_mappings() -> int:
     """CUDA IPC handles this process holds open (0 until a GPU client registers)."""
     ipc = sys.modules.get("kvflow.core.server.ipc")
@@ -238,13 +254,19 @@ class _Registration:
     event: Any = None
     #: the client's event a retrieve records once its copies are queued (CUDA caches)
     retrieved: Any = None
+    #: per-layer completion points of layerwise retrieves, and what maps them
+    layers: ServerLayers | None = None
+    layers_opened: Any = None
     registered_at: float = field(default_factory=time.monotonic)
 
     def release(self) -> None:
-        """Unmap the instance's memory and drop its CUDA event now (idempotent)."""
+        """Unmap the instance's memory and drop its CUDA events now (idempotent)."""
         opened, self.opened, self.event, self.retrieved = self.opened, None, None, None
+        layers_opened, self.layers, self.layers_opened = self.layers_opened, None, None
         if opened is not None:
             opened.release()
+        if layers_opened is not None:
+            layers_opened.release()
 
 
 class KVFlowServer:
@@ -673,9 +695,11 @@ class KVFlowServer:
         def answer_early(stream: Any, hit_tokens: int) -> None:
             """A retrieve's copies are queued: mark their end with the client's event on
             the copy stream and reply now; the client's stream waits on the event, and
-            the reply's trip overlaps the copy."""
+            the reply's trip overlaps the copy. A layerwise retrieve of CPU caches
+            (stream None) replies before its copies; the client polls its layer flags."""
             nonlocal answered
-            reg.retrieved.record(stream.torch)
+            if stream is not None and reg.retrieved is not None:
+                reg.retrieved.record(stream.torch)
             done = Done(id=request.id, value=hit_tokens, server_ns=_since(started))
             reg.worker.answer(identity, done)
             answered = True
@@ -694,6 +718,8 @@ class KVFlowServer:
                         chunk_keys=keys,
                     )
                 else:
+                    layers = _layer_signal(reg, request)
+                    early = reg.retrieved is not None or layers is not None
                     value = self.engine.retrieve(
                         reg.instance_id,
                         None if keys is not None else tokens,
@@ -701,8 +727,9 @@ class KVFlowServer:
                         request_id=request.request_id,
                         skip_first_n_tokens=request.skip_first_n_tokens,
                         cache_salt=request.cache_salt,
-                        enqueued=answer_early if reg.retrieved is not None else None,
+                        enqueued=answer_early if early else None,
                         chunk_keys=keys,
+                        layers=layers,
                     )
             except Exception as exc:
                 self._count_error()
@@ -782,6 +809,8 @@ class KVFlowServer:
 
         def run() -> Reply:
             opened: OpenedKVCaches | None = None
+            layers: ServerLayers | None = None
+            layers_opened: Any = None
             try:
                 opened = open_kv_caches(request.kv_caches)
                 event = retrieved = None
@@ -802,6 +831,16 @@ class KVFlowServer:
                     block_size=request.block_size,
                     kv_format=request.kv_format,
                 )
+                try:
+                    layers, layers_opened = open_server_layers(
+                        request.layer_event_handles,
+                        request.layer_flags,
+                        opened.cuda_device,
+                        self.engine.num_layers(request.instance_id),
+                    )
+                except BaseException:
+                    self.engine.unregister(request.instance_id)
+                    raise
             except Exception as exc:
                 with self._registrations_lock:
                     if self._registrations.get(reg.instance_id) is reg:
@@ -812,7 +851,8 @@ class KVFlowServer:
                 self._count_error()
                 return _failed(request.id, exc, started)
             reg.opened, reg.event, reg.retrieved = opened, event, retrieved
-            del opened, event, retrieved
+            reg.layers, reg.layers_opened = layers, layers_opened
+            del opened, event, retrieved, layers, layers_opened
             log.info(
                 "registered instance %r of model %r (rank %d/%d) for client %s",
                 request.instance_id,

@@ -1,0 +1,80 @@
+"""Layer-by-layer retrieves: a prefix copied one layer at a time, each layer signalled.
+
+The engine reads layer i's KV right before layer i's attention, so a retrieve that
+lands layer by layer, in order, lets layer i compute while layer i+1 still copies
+(docs/ENGINE.md, "Layerwise retrieves"). A chunk holds, per layer group,
+[kv, layers, tokens, row]: one layer's part of a chunk is `kv_size` runs
+(`KVLayout.layer_parts`), and `KVLayout.layer_layout` is the layout whose chunk is
+exactly those runs back to back, so each layer moves with the ordinary block kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvflow.core.tiers.base import HostChunks
+from kvflow.kernels import KVLayout, PreparedTransfer
+
+
+class LayerSignal(Protocol):
+    """Where a layerwise retrieve tells the engine that a layer's KV may be read."""
+
+    def ready(self, layer: int, stream: Any) -> None:
+        """Layer `layer`'s copies are queued on `stream` (a TransferStream), or done
+        already when `stream` is None (CPU caches)."""
+        ...
+
+    def failed(self, first_layer: int) -> None:
+        """The retrieve failed after its reply: layers from `first_layer` on never land."""
+        ...
+
+
+def layer_bytes(layout: KVLayout, layer: int, chunk_tokens: int) -> int:
+    """Bytes of one layer's part of one chunk."""
+    return sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+
+
+def gather_layer(
+    layout: KVLayout, layer: int, chunk_tokens: int, srcs: HostChunks, out: torch.Tensor
+) -> torch.Tensor:
+    """Copy layer `layer`'s runs of every chunk in `srcs` into rows of `out` (a uint8
+    buffer of at least len(srcs) x layer bytes); returns the [chunks, layer bytes] view."""
+    parts = layout.layer_parts(layer, chunk_tokens)
+    width = sum(n for _, n in parts)
+    rows = out[: len(srcs) * width].view(len(srcs), width)
+    at = 0
+    for offset, n in parts:
+        for c in range(len(srcs)):
+            rows[c, at : at + n].copy_(srcs[c][offset : offset + n])
+        at += n
+    return rows
+
+
+def cpu_scatter_layers(
+    layout: KVLayout,
+    chunk_tokens: int,
+    srcs: HostChunks,
+    table: np.ndarray,
+    skip_blocks: Sequence[int],
+    ready: Callable[[int, Any], None],
+) -> None:
+    """Write each layer of `srcs` into the CPU cache's blocks (row c of `table`: chunk
+    c's blocks, its first skip_blocks[c] untouched), layer 0 first, each followed by
+    `ready(layer, None)`."""
+    if not len(srcs):
+        for layer in range(layout.num_layers):
+            ready(layer, None)
+        return
+    widest = max(layer_bytes(layout, i, chunk_tokens) for i in range(layout.num_layers))
+    buffer = torch.empty(len(srcs) * widest, dtype=torch.uint8)
+    for layer in range(layout.num_layers):
+        rows = gather_layer(layout, layer, chunk_tokens, srcs, buffer)
+        moves = PreparedTransfer.trusted(
+            layout.layer_layout(layer), table, skip_blocks, gather=False, backend="cpu"
+        )
+        moves.launch_trusted(rows, 0, len(srcs))
+        ready(layer, None)

@@ -1,0 +1,121 @@
+"""Layerwise retrieves on CPU caches: each layer lands whole, in order, before its signal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core.errors import InvalidRequestError
+from kvflow.events import EventType
+from tests.support.engine import BLOCK, CHUNK, block_bytes, caches, events_of, small_engine
+
+TOKENS = np.arange(100, 100 + 3 * CHUNK + 3, dtype=np.int32)  # 3 full chunks + a partial one
+SRC_BLOCKS = [5, 2, 9, 0, 14, 7, 3]
+DST_BLOCKS = [1, 11, 4, 13, 6, 8, 10]
+TWO_GROUPS = [(2, 8, torch.bfloat16), (1, 12, torch.float32), (2, 8, torch.bfloat16)]
+
+
+def _layer_block(kv_caches: Any, layer: int, block: int) -> torch.Tensor:
+    """Block `block` of one layer of flash-attn caches ([2, blocks, block_size, heads, size])."""
+    return kv_caches[layer][:, block].contiguous().view(torch.uint8).clone()
+
+
+class Recorder:
+    """A LayerSignal that checks, at each layer's signal, which layers hold the source's
+    KV: exactly the layers signalled so far (the copies run layer by layer, in order)."""
+
+    def __init__(self, src: Any, dst: Any, blocks: list[int], src_blocks: list[int]) -> None:
+        self.src, self.dst = src, dst
+        self.pairs = list(zip(blocks, src_blocks, strict=True))
+        self.ready_layers: list[int] = []
+        self.failed_from: int | None = None
+        self.streams: list[Any] = []
+
+    def _landed(self, layer: int) -> bool:
+        return all(
+            torch.equal(_layer_block(self.dst, layer, d), _layer_block(self.src, layer, s))
+            for d, s in self.pairs
+        )
+
+    def ready(self, layer: int, stream: Any) -> None:
+        self.streams.append(stream)
+        if self.pairs:
+            assert self._landed(layer), f"layer {layer} signalled before its blocks landed"
+            later = range(layer + 1, len(self.dst))
+            assert not any(self._landed(i) for i in later), f"layers after {layer} landed early"
+        self.ready_layers.append(layer)
+
+    def failed(self, first_layer: int) -> None:
+        self.failed_from = first_layer
+
+
+@pytest.mark.parametrize("specs", [None, TWO_GROUPS], ids=["one-group", "two-groups"])
+def test_layers_land_in_order_each_before_its_signal(specs: Any) -> None:
+    """Every layer of the hit is written before its signal and none after it early."""
+    engine, recorder = small_engine()
+    kw: dict[str, Any] = {"layer_specs": specs} if specs else {}
+    src, src_kw = caches("vllm_flash_attn", seed=1, **kw)
+    dst, dst_kw = caches("vllm_flash_attn", seed=2, **kw)
+    engine.register_kv_caches("src", src, model_name="m", **src_kw)
+    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w") == 3 * CHUNK
+    before = block_bytes(dst, dst_kw, DST_BLOCKS)
+    signal = Recorder(src, dst, DST_BLOCKS[:6], SRC_BLOCKS[:6])
+    got = engine.retrieve("dst", TOKENS, DST_BLOCKS, request_id="r", layers=signal)
+    assert got == 3 * CHUNK
+    assert signal.ready_layers == list(range(len(dst)))
+    assert signal.streams == [None] * len(dst)  # CPU: done when signalled
+    after = block_bytes(dst, dst_kw, DST_BLOCKS)
+    assert torch.equal(after[:6], block_bytes(src, src_kw, SRC_BLOCKS)[:6])
+    assert torch.equal(after[6], before[6])  # the partial chunk's block is never written
+    ends = [e for e in events_of(recorder, engine) if e.type is EventType.RETRIEVE_END]
+    assert len(ends) == 1 and ends[0].attrs["layerwise"] is True
+    assert ends[0].attrs["hit_tokens"] == 3 * CHUNK
+    engine.close()
+
+
+def test_skipped_blocks_stay_untouched_and_a_miss_signals_every_layer() -> None:
+    """skip_first_n_tokens leaves those blocks alone; a miss still signals each layer."""
+    engine, _ = small_engine()
+    src, src_kw = caches("vllm_flash_attn", seed=1)
+    dst, dst_kw = caches("vllm_flash_attn", seed=2)
+    engine.register_kv_caches("src", src, model_name="m", **src_kw)
+    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
+    before = block_bytes(dst, dst_kw, DST_BLOCKS)
+    signal = Recorder(src, dst, DST_BLOCKS[3:6], SRC_BLOCKS[3:6])
+    skip = 3 * BLOCK
+    got = engine.retrieve(
+        "dst", TOKENS, DST_BLOCKS, request_id="r", skip_first_n_tokens=skip, layers=signal
+    )
+    assert got == 3 * CHUNK
+    after = block_bytes(dst, dst_kw, DST_BLOCKS)
+    assert torch.equal(after[:3], before[:3])
+    assert torch.equal(after[3:6], block_bytes(src, src_kw, SRC_BLOCKS)[3:6])
+    other = np.arange(500, 500 + 2 * CHUNK, dtype=np.int32)
+    miss = Recorder(src, dst, [], [])
+    assert engine.retrieve("dst", other, DST_BLOCKS[:4], request_id="m", layers=miss) == 0
+    assert miss.ready_layers == list(range(len(dst)))
+    engine.close()
+
+
+def test_a_bad_block_id_fails_before_any_layer_and_writes_nothing() -> None:
+    """A repeated block id is refused with a clear error; no layer is written or signalled."""
+    engine, _ = small_engine()
+    src, src_kw = caches("vllm_flash_attn", seed=1)
+    dst, dst_kw = caches("vllm_flash_attn", seed=2)
+    engine.register_kv_caches("src", src, model_name="m", **src_kw)
+    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
+    before = block_bytes(dst, dst_kw, DST_BLOCKS)
+    signal = Recorder(src, dst, [], [])
+    bad = [1, 11, 4, 4, 6, 8, 10]
+    with pytest.raises(InvalidRequestError, match="block"):
+        engine.retrieve("dst", TOKENS, bad, request_id="r", layers=signal)
+    assert signal.ready_layers == [] and signal.failed_from == 0
+    assert torch.equal(block_bytes(dst, dst_kw, DST_BLOCKS), before)
+    assert engine.retrieve("dst", TOKENS, DST_BLOCKS, request_id="r2") == 3 * CHUNK
+    engine.close()

@@ -1,0 +1,102 @@
+"""Layerwise retrieves through a real `kvflow server` on CPU caches in shared memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
+from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, ServerLayers
+from tests.e2e.server_proc import running_server
+
+NL, NB, BS, NH, HS = 6, 64, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
+CHUNK = 32
+TOKENS = np.arange(1, 4 * CHUNK + 5, dtype=np.int32)  # 4 full chunks and a partial one
+SRC = list(range(0, 9))
+DST = list(range(20, 29))
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(NL):
+        t = empty_shared((2, NB, BS, NH, HS), torch.float16)
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.float16))
+        layers.append(t)
+    return layers
+
+
+def _layer(caches: list[torch.Tensor], layer: int, blocks: list[int]) -> torch.Tensor:
+    return caches[layer][:, blocks].clone()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> object:
+    log = Path(tmp_path_factory.mktemp("layerwise")) / "server.log"
+    with running_server(CHUNK, log) as ep:
+        yield ep
+
+
+def test_every_layer_is_whole_once_its_wait_returns(endpoint: str) -> None:
+    """Each layer's blocks hold the stored KV when its wait returns; the rest are untouched."""
+    client = KVFlowClient(endpoint)
+    src, dst = _caches(1), _caches(2)
+    client.register_kv_caches("lw-src", src, model_name="lw", block_size=BS)
+    client.register_kv_caches("lw-dst", dst, model_name="lw", block_size=BS, layerwise=True)
+    assert client.store("lw-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
+    tail = _layer(dst, 0, DST[8:])
+    for attempt in range(2):  # a second retrieve waits on its own (higher) number
+        for t in dst:
+            t.zero_()
+        load = client.retrieve_layerwise("lw-dst", TOKENS, DST, request_id=f"r{attempt}")
+        assert load.hit_tokens == 4 * CHUNK
+        for layer in range(NL):
+            load.wait_layer(layer)
+            assert torch.equal(_layer(dst, layer, DST[:8]), _layer(src, layer, SRC[:8]))
+        assert set(load.waited_s) == set(range(NL))
+    assert not _layer(dst, 0, DST[8:]).any() and tail.any()  # the partial chunk: not written
+    client.close()
+
+
+def test_a_miss_and_a_plain_instance(endpoint: str) -> None:
+    """A miss signals every layer; an instance registered without layerwise is refused
+    with a clear error, and the server keeps serving it."""
+    client = KVFlowClient(endpoint)
+    dst, plain = _caches(3), _caches(4)
+    client.register_kv_caches("lw-miss", dst, model_name="lw", block_size=BS, layerwise=True)
+    client.register_kv_caches("lw-plain", plain, model_name="lw", block_size=BS)
+    other = np.arange(9000, 9000 + 2 * CHUNK, dtype=np.int32)
+    load = client.retrieve_layerwise("lw-miss", other, DST[:4], request_id="m")
+    assert load.hit_tokens == 0
+    load.wait()
+    with pytest.raises(InvalidRequestError, match="layerwise=True"):
+        client.retrieve_layerwise("lw-plain", other, DST[:4], request_id="p")
+    assert client.retrieve("lw-plain", other, DST[:4], request_id="p2") == 0
+    client.close()
+
+
+def test_flags_tell_landed_failed_and_late_apart() -> None:
+    """A flag at the retrieve's number (or a later one) means landed, its negative means
+    failed from that layer on, and an unset flag times out naming the layer."""
+    client_side = ClientLayers(3, None)
+    assert client_side.flags is not None
+    raw = client_side.flags.view(torch.uint8)
+    marks = ServerLayers(3, None, raw).signal(2)
+    marks.ready(0, None)
+    marks.failed(1)
+    load = LayerwiseLoad(64, client_side, 2, timeout_s=0.05)
+    load.wait_layer(0)
+    with pytest.raises(TransferError, match="layer 1"):
+        load.wait_layer(1)
+    earlier = LayerwiseLoad(64, client_side, 1, timeout_s=0.05)
+    earlier.wait()  # a later retrieve's marks (landed or failed) mean retrieve 1 finished
+    ServerLayers(3, None, raw).signal(3).ready(0, None)
+    late = LayerwiseLoad(64, client_side, 4, timeout_s=0.05)
+    with pytest.raises(RequestTimeoutError, match="layer 0"):
+        late.wait_layer(0)
+    with pytest.raises(InvalidRequestError):
+        ServerLayers(4, None, raw)
