@@ -91,6 +91,21 @@ class Row:
     retrieve_server_ms: float  # of which the server's own handling (receipt to reply)
     landed_ms: float  # call start to the copies landed on the GPU (CUDA; else the call)
     logits_rel_err: float
+    #: (e) a layerwise retrieve (returns once queued) + the suffix prefill, each layer
+    #: waiting for its own copies (0 when not run)
+    layerwise_ms: float = 0.0
+    #: one layer's share of (c): what the copy of the last layer adds to the floor of (e)
+    layer_copy_ms: float = 0.0
+
+    @property
+    def layerwise_ratio(self) -> float:
+        """(e) / (a)."""
+        return self.layerwise_ms / self.recompute_ms
+
+    @property
+    def layerwise_over_floor(self) -> float:
+        """(e) / (max((c), (d)) + one layer's copy): 1.0 is a perfectly hidden copy."""
+        return self.layerwise_ms / (max(self.copy_ms, self.suffix_ms) + self.layer_copy_ms)
 
     @property
     def ratio(self) -> float:
@@ -172,11 +187,17 @@ class PagedCache:
 
         cache = DynamicCache(config=model.config)
         index = table.to(self.layers[0].device)
-        for layer, view in enumerate(self.layers):
-            kv = view[:, index].flatten(1, 2)[:, :num_tokens]  # [2, T, H, D]
-            kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, H, T, D]
-            cache.update(kv[0], kv[1], layer)
+        for layer in range(len(self.layers)):
+            cache.update(*self.layer_kv(layer, num_tokens, index), layer)
         return cache
+
+    def layer_kv(
+        self, layer: int, num_tokens: int, index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V of the blocks `index`, first `num_tokens`, as [1, H, T, D]."""
+        kv = self.layers[layer][:, index].flatten(1, 2)[:, :num_tokens]  # [2, T, H, D]
+        kv = kv.transpose(1, 2).unsqueeze(1)  # [2, 1, H, T, D]
+        return kv[0], kv[1]
 
     def fill(self, table: torch.Tensor, value: float) -> None:
         for view in self.layers:
@@ -184,6 +205,36 @@ class PagedCache:
 
     def blocks(self, table: torch.Tensor) -> list[torch.Tensor]:
         return [view[:, table.to(view.device)] for view in self.layers]
+
+
+@contextlib.contextmanager
+def layerwise_past(
+    cache: PagedCache, model: Any, num_tokens: int, table: torch.Tensor, load: Any
+) -> Iterator[Any]:
+    """A transformers cache filled layer by layer as the forward reaches each decoder
+    layer, after `load.wait_layer(layer)`: the wait the vLLM connector makes before a
+    layer's attention. Layer 0 is filled at once (the model reads its length for the
+    positions before any layer runs); the hooks go when the block exits."""
+    from transformers import DynamicCache
+
+    past = DynamicCache(config=model.config)
+    index = table.to(cache.layers[0].device)
+
+    def fill(layer: int) -> None:
+        load.wait_layer(layer)
+        past.update(*cache.layer_kv(layer, num_tokens, index), layer)
+
+    fill(0)
+    hooks = [
+        block.register_forward_pre_hook(lambda _m, _a, i=i: fill(i))
+        for i, block in enumerate(model.model.layers)
+        if i
+    ]
+    try:
+        yield past
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @contextlib.contextmanager
@@ -261,6 +312,7 @@ def measure(
     length: int,
     repeat: int,
     device: torch.device,
+    layerwise: bool = False,
 ) -> Row:
     """One row: (a)-(d) for a prompt of `length` tokens, checks included (AssertionError)."""
     gen = torch.Generator().manual_seed(length)
@@ -324,17 +376,34 @@ def measure(
     def suffix_only() -> torch.Tensor:
         return _last_logits(model, ids[prefix:], cache.past(model, prefix, table))
 
+    def with_layerwise() -> torch.Tensor:
+        rid = f"{name}-{length}-l{next(requests)}"
+        load = client.retrieve_layerwise(instance, tokens[:prefix], retrieved_at, request_id=rid)
+        assert load.hit_tokens == prefix, f"layerwise retrieved {load.hit_tokens} of {prefix}"
+        sessions.append(rid)
+        with layerwise_past(cache, model, prefix, table, load) as past:
+            return _last_logits(model, ids[prefix:], past)
+
     floor_logits = suffix_only()
     assert torch.equal(got_logits, floor_logits), "(b) and (d) logits differ"
-    # (b) and (d) alternate, so drift (clocks, other work) touches both alike
-    kvflow_s, suffix_s = [], []
+    if layerwise:
+        cache.fill(retrieved_at, float("nan"))
+        layer_logits = with_layerwise()
+        end_sessions()
+        assert torch.equal(layer_logits, floor_logits), "(e) and (d) logits differ"
+    # (b), (d) and (e) alternate, so drift (clocks, other work) touches them alike
+    kvflow_s, suffix_s, layerwise_s = [], [], []
     for _ in range(repeat):
         kvflow_s.append(_seconds(with_kvflow, device))
         end_sessions()
         suffix_s.append(_seconds(suffix_only, device))
+        if layerwise:
+            layerwise_s.append(_seconds(with_layerwise, device))
+            end_sessions()
     err = float((got_logits - expected).abs().max() / expected.abs().max())
     assert err <= BF16_TOLERANCE, f"logits off a full recompute by {err:.3g} (relative)"
     nbytes = prefix * shape.kv_bytes_per_token(cache.layers[0].dtype)
+    copy_ms = _copy_ms(nbytes, repeat, device)
     return Row(
         model=name,
         prompt=length,
@@ -343,7 +412,7 @@ def measure(
         prefix_gib=nbytes / (1 << 30),
         recompute_ms=recompute_ms,
         kvflow_ms=1e3 * statistics.median(kvflow_s),
-        copy_ms=_copy_ms(nbytes, repeat, device),
+        copy_ms=copy_ms,
         suffix_ms=1e3 * statistics.median(suffix_s),
         added_ms=1e3 * statistics.median(b - d for b, d in zip(kvflow_s, suffix_s, strict=True)),
         retrieve_ms=1e3 * statistics.median(retrieve_s),
@@ -353,6 +422,8 @@ def measure(
             for begin, end, call in landed
         ),
         logits_rel_err=err,
+        layerwise_ms=1e3 * statistics.median(layerwise_s) if layerwise else 0.0,
+        layer_copy_ms=copy_ms / shape.layers,
     )
 
 
@@ -374,12 +445,14 @@ def run(args: argparse.Namespace, device: torch.device) -> list[Row]:
         for name, shape in shapes.items():
             model = build_model(shape, dtype, device)
             cache = PagedCache(shape, 2 * (lengths[-1] // BLOCK) + 16, dtype, device)
-            client.register_kv_caches(f"ttft-{name}", cache.layers, model_name=f"ttft-{name}")
+            client.register_kv_caches(
+                f"ttft-{name}", cache.layers, model_name=f"ttft-{name}", layerwise=args.layerwise
+            )
             try:
                 _last_logits(model, torch.zeros(CHUNK, dtype=torch.long, device=device))  # warm
                 for length in lengths:
                     rows.append(measure(client, name, model, cache, shape, length, args.repeat,
-                                        device))  # fmt: skip
+                                        device, args.layerwise))  # fmt: skip
                     print(_format([rows[-1]], header=len(rows) == 1), flush=True)
             finally:
                 client.unregister(f"ttft-{name}")
@@ -394,7 +467,7 @@ def _format(rows: list[Row], header: bool = True) -> str:
         f"{'model':<5} {'prompt':>6} {'prefix':>6} {'suffix':>6} {'GiB':>6} "
         f"{'(a) recompute':>13} {'(b) kvflow':>10} {'(c) copy':>9} {'(d) suffix':>10} "
         f"{'retrieve':>9} {'server':>9} {'landed':>9} {'b/a':>6} {'(b-d)/c':>7} "
-        f"{'logit err':>9}"
+        f"{'logit err':>9} {'(e) layerwise':>13} {'e/a':>6} {'e/floor':>7}"
     )
     lines = [head] if header else []
     for r in rows:
@@ -404,7 +477,8 @@ def _format(rows: list[Row], header: bool = True) -> str:
             f"{r.suffix_ms:>7.2f} ms {r.retrieve_ms:>6.2f} ms {r.retrieve_server_ms:>6.2f} ms "
             f"{r.landed_ms:>6.2f} ms "
             f"{r.ratio:>6.3f} "
-            f"{r.over_copy:>7.2f} {r.logits_rel_err:>9.2e}"
+            f"{r.over_copy:>7.2f} {r.logits_rel_err:>9.2e} {r.layerwise_ms:>10.2f} ms "
+            f"{r.layerwise_ratio:>6.3f} {r.layerwise_over_floor:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -443,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (median)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--l1-size-gb", type=float, help="server L1 (default: 1.5 x largest)")
+    parser.add_argument(
+        "--layerwise", action="store_true", help="add (e): a layerwise retrieve + the suffix"
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, metavar="ROWS.json", help="only draw these rows")
     parser.add_argument("--png", type=Path, help="with --plot (or a run): the PNG to write")

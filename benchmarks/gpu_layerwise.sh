@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The layerwise GPU run for the device machine, in one lease: the layerwise GPU test,
+# the engine and server GPU tests it builds on, and bench_ttft's (e) on the 8B shape.
+# Usage (repo root, `.whl/` carried): bash benchmarks/gpu_layerwise.sh [OUT_DIR] [LENGTHS]
+set -uo pipefail
+out=${1:-${OUT:-/tmp/kvflow-gpu}}
+lengths=${2:-8192,32768}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+status=0
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -25
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+step layerwise_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/core/server/test_layerwise_gpu.py tests/core/engine/test_engine_gpu.py \
+  tests/core/server/test_server_gpu.py
+step bench_ttft 420 python3 benchmarks/bench_ttft.py --models 8b --lengths "$lengths" \
+  --repeat 5 --layerwise --json "$out/bench_ttft_layerwise.json"
+exit $status

@@ -1,0 +1,62 @@
+"""GPU: layerwise retrieves through a server process, each layer ordered by its IPC event."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.kernels import cuda_available
+
+NL, NB, BS, NH, HS = 16, 1200, 16, 8, 128  # ~1.3 GB of bf16 KV; a prefix of 512 blocks
+CHUNK = 256
+PREFIX_BLOCKS = 512
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_each_layer_is_read_only_after_its_copy() -> None:
+    """Reads queued after `wait_layer(i)` see layer i whole (0.5 GiB in flight, so the last
+    layers land tens of ms after the reply); the same reads queued without the waits,
+    right after the call returns, catch copies still in flight: the waits do the ordering."""
+    import torch
+
+    from kvflow.core import KVFlowClient
+    from tests.core.server.test_server import ServerProcess
+
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "1.5")
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        caches = [
+            torch.randn(2, NB, BS, NH, HS, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for _ in range(NL)
+        ]
+        src = list(range(PREFIX_BLOCKS))
+        dst = list(range(PREFIX_BLOCKS, 2 * PREFIX_BLOCKS))
+        tokens = list(range(PREFIX_BLOCKS * BS))
+        with KVFlowClient(srv.endpoint, timeout_s=120) as client:
+            client.register_kv_caches("lw", caches, model_name="m", layerwise=True)
+            assert client.store("lw", tokens, src, request_id="s") == len(tokens)
+            want = [c[:, src].clone() for c in caches]
+            for waits in (True, False):
+                for c in caches:
+                    c[:, dst] = 0
+                torch.cuda.synchronize()
+                load = client.retrieve_layerwise("lw", tokens, dst, request_id=f"r{waits}")
+                assert load.hit_tokens == len(tokens)
+                seen = []
+                for layer in range(NL):
+                    if waits:
+                        load.wait_layer(layer)
+                    seen.append(caches[layer][:, dst].clone())
+                torch.cuda.synchronize()
+                equal = [torch.equal(s, w) for s, w in zip(seen, want, strict=True)]
+                if waits:
+                    assert all(equal), (
+                        f"layers read early: {[i for i, e in enumerate(equal) if not e]}"
+                    )
+                else:
+                    assert not all(equal), "no copy was in flight: this test proves nothing here"
+                load.wait()
+                torch.cuda.synchronize()
+                assert all(torch.equal(c[:, dst], w) for c, w in zip(caches, want, strict=True))
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)
