@@ -978,8 +978,9 @@ class CacheEngine:
         """A retrieve that copies layer by layer and signals each layer (docs/ENGINE.md,
         "Layerwise retrieves"). The whole hit must be held at once (layer 0 of the last
         chunk is copied before layer 1 of the first), so the hit is pinned in L1 (L2 hits
-        loaded first) and the reply comes once every layer is queued (CUDA) or before the
-        first layer is copied (CPU). A hit that would take more than a streaming window
+        loaded first) and `enqueued` (the server's reply) is called once the block ids are
+        checked, before the first layer is queued: each layer's signal tells when it may
+        be read. A hit that would take more than a streaming window
         of L1 from L2 goes the ordinary way (None: the caller does it, signalling every
         layer at its end)."""
         n_chunks = ids.n_chunks
@@ -1025,15 +1026,13 @@ class CacheEngine:
                 layer = i + 1
 
             mover = inst.mover
+            if enqueued is not None:  # the ids are checked: reply, the copies follow
+                enqueued(mover.retrieve_stream, hit_tokens)
             if isinstance(mover, CudaMover):
                 mover.retrieve_layers(srcs, table, skips, self.chunk_size, ready)
                 op.end(mover.retrieve_stream, **result)
-                if enqueued is not None:
-                    enqueued(mover.retrieve_stream, hit_tokens)
                 mover.wait()
             else:
-                if enqueued is not None:
-                    enqueued(None, hit_tokens)
                 cpu_scatter_layers(inst.layout, self.chunk_size, srcs, table, skips, ready)
                 op.end(None, **result)
         except BaseException:
@@ -1046,7 +1045,9 @@ class CacheEngine:
                 tiering.loader.discard(staged)
         if result["chunks"]:
             self._publish(
-                EventType.L1_READ, request_id, {"chunks": result["chunks"], "bytes": result["bytes"]}
+                EventType.L1_READ,
+                request_id,
+                {"chunks": result["chunks"], "bytes": result["bytes"]},
             )
         return result
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvflow.core.tiers.base import HostChunks
-from kvflow.cuda import CurrentContext, DriverEvent, copy_async, stream_context
+from kvflow.cuda import CurrentContext, DriverEvent, copy_async, libcuda, stream_context
 from kvflow.kernels import (
     IdBuffer,
     KVLayout,
@@ -251,7 +251,8 @@ class CudaMover:
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
         stage_bytes = self.group * self.chunk_nbytes
-        cb = self.chunk_nbytes
+        addresses = [srcs.address(c, self.chunk_nbytes) for c in range(len(srcs))]
+        memcpy, handle = libcuda().cuMemcpyAsync, cs.handle  # the context is current here
         self._after_caller(cs)
         for layer in range(self.layout.num_layers):
             parts = self.layout.layer_parts(layer, chunk_tokens)
@@ -268,12 +269,12 @@ class CudaMover:
                     self._drained[s].wait_on(cs.handle)
                 self._groups += 1
                 rows = self._stage(s, self.group).view(-1)[: (stop - start) * width]
-                base = rows.data_ptr()
-                for c in range(start, stop):
-                    at = base + (c - start) * width
-                    src = srcs.address(c, cb)
+                at = rows.data_ptr()
+                for src in addresses[start:stop]:
                     for offset, n in parts:
-                        copy_async(at, src + offset, n, cs.handle)
+                        rc = memcpy(at, src + offset, n, handle)
+                        if rc:
+                            raise libcuda().fail(rc, "cuMemcpyAsync")
                         at += n
                 self._landed[s][0].record(cs.handle)
                 self._landed[s][0].wait_on(ks.handle)

@@ -570,9 +570,9 @@ class KVFlowClient:
     ) -> LayerwiseLoad:
         """A retrieve that lands layer by layer (instance registered with layerwise=True).
 
-        Returns once every layer's copies are queued (CUDA) or, for CPU caches, before
-        the first is copied, with the hit prefix in `hit_tokens`; call `wait_layer(i)`
-        right before layer i reads its KV (docs/ENGINE.md, "Layerwise retrieves").
+        Returns before the copies, with the hit prefix in `hit_tokens`; call
+        `wait_layer(i)` right before layer i reads its KV (docs/ENGINE.md, "Layerwise
+        retrieves"): the server marks each layer as it goes.
         """
         with self._lock:
             layers = self._layers.get(instance_id)

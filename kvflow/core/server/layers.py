@@ -1,18 +1,20 @@
 """Layerwise retrieves across processes: one completion point per layer the engine waits on.
 
-CUDA caches: one interprocess CUDA event per layer, made by the client when it registers
-with `layerwise=True` and recorded by the server on its copy stream once that layer's
-copies are queued; the engine's stream waits on layer i's event right before layer i
-reads its KV, a wait on the GPU that costs the host nothing. CPU caches: one int64 per
-layer in shared memory; the server writes the retrieve's sequence number there once the
-layer is copied (its negative when the retrieve failed before that layer), and the engine
-polls it. Sequence numbers grow per instance and a server serves one instance's
-retrieves in order, so a layer's flag at or past a retrieve's number means it landed.
+Every instance registered with `layerwise=True` has one int64 flag per layer in shared
+memory: the server writes a retrieve's sequence number there once that layer's copies
+are queued (CUDA) or done (CPU), and its negative when the retrieve failed before that
+layer. CUDA caches also have one interprocess CUDA event per layer, which the server
+records on its copy stream before writing the flag. The server replies before it queues
+the first layer, so its host work overlaps the engine's forward pass; `wait_layer(i)`
+polls layer i's flag on the host (the server is queueing ahead of the GPU, so this
+rarely waits) and then, on CUDA, makes the engine's stream wait on layer i's event, a
+wait on the GPU. Sequence numbers grow per instance and the server serves one
+instance's retrieves in order, so a flag at or past a retrieve's number means its layer
+was marked.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any
@@ -21,8 +23,6 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, TensorDesc
-
-log = logging.getLogger("kvflow.server")
 
 #: bytes of one layer's flag (an int64)
 FLAG_BYTES = 8
@@ -37,8 +37,6 @@ class ClientLayers:
         self.num_layers = num_layers
         self.device = cuda_device
         self.events: list[torch.cuda.Event] = []
-        self.flags: torch.Tensor | None = None
-        self._raw: torch.Tensor | None = None
         if cuda_device is not None:
             from kvflow.core.server.ipc import make_interprocess_event
 
@@ -46,23 +44,21 @@ class ClientLayers:
                 self.events = [make_interprocess_event() for _ in range(num_layers)]
                 for event in self.events:  # an event must be recorded once to be shared
                     event.record(torch.cuda.current_stream(cuda_device))
-        else:
-            from kvflow.core.server.shm import empty_shared
+        from kvflow.core.server.shm import empty_shared
 
-            self._raw = empty_shared(num_layers * FLAG_BYTES, torch.uint8)
-            self._raw.zero_()
-            self.flags = self._raw.view(torch.int64)
+        self._raw = empty_shared(num_layers * FLAG_BYTES, torch.uint8)
+        self._raw.zero_()
+        self.flags = self._raw.view(torch.int64)
         self._seq = 0
         #: held from numbering a retrieve until its reply: numbers reach the server in order
         self.lock = threading.Lock()
 
-    def wire(self) -> tuple[list[bytes] | None, TensorDesc | None]:
-        """(event IPC handles, flags description) for the Register request."""
-        if self._raw is not None:
-            from kvflow.core.server.sharing import describe_tensor
+    def wire(self) -> tuple[list[bytes] | None, TensorDesc]:
+        """(event IPC handles or None, flags description) for the Register request."""
+        from kvflow.core.server.sharing import describe_tensor
 
-            return None, describe_tensor(self._raw, "layer flags")
-        return [bytes(e.ipc_handle()) for e in self.events], None
+        handles = [bytes(e.ipc_handle()) for e in self.events] if self.events else None
+        return handles, describe_tensor(self._raw, "layer flags")
 
     def next_seq(self) -> int:
         """The next retrieve's number (call with `lock` held)."""
@@ -85,18 +81,15 @@ class LayerwiseLoad:
         self.waited_s: dict[int, float] = {}
 
     def wait_layer(self, layer: int) -> None:
-        """Order layer `layer`'s reads after its copies: on CUDA, torch's current stream
-        waits on the GPU; on CPU, this blocks until the layer landed. TransferError if
-        the retrieve failed before that layer; RequestTimeoutError after the timeout."""
+        """Order layer `layer`'s reads after its copies: on CPU this blocks until the
+        layer landed; on CUDA until its copies are queued, then torch's current stream
+        waits for them on the GPU. TransferError if the retrieve failed before that
+        layer; RequestTimeoutError after the client's timeout."""
         layers = self._layers
         if layers is None or layer in self.waited_s:
             return
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
-        if layers.flags is None:
-            torch.cuda.current_stream(layers.device).wait_event(layers.events[layer])
-            self.waited_s[layer] = 0.0
-            return
         started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
         spins = 0
@@ -114,6 +107,8 @@ class LayerwiseLoad:
             if spins > 100:
                 time.sleep(POLL_S)
         self.waited_s[layer] = time.perf_counter() - started
+        if layers.events:
+            torch.cuda.current_stream(layers.device).wait_event(layers.events[layer])
 
     def wait(self) -> None:
         """Wait for every layer (what a caller that reads them all at once does)."""
@@ -125,19 +120,18 @@ class LayerwiseLoad:
 class ServerLayers:
     """The server's side of an instance's completion points (opened from the Register)."""
 
-    def __init__(
-        self, num_layers: int, events: list[Any] | None, flags: torch.Tensor | None
-    ) -> None:
-        count: float | None = len(events) if events is not None else None
-        if flags is not None:
-            count = flags.numel() / FLAG_BYTES
-        if count != num_layers or (flags is not None and flags.dtype != torch.uint8):
+    def __init__(self, num_layers: int, events: list[Any] | None, flags: torch.Tensor) -> None:
+        count = flags.numel() / FLAG_BYTES
+        if count != num_layers or flags.dtype != torch.uint8 or flags.dim() != 1:
             raise InvalidRequestError(
-                f"layerwise registration gives {count} layer completion points for"
-                f" {num_layers} layers"
+                f"layerwise registration gives {count:g} layer flags for {num_layers} layers"
+            )
+        if events is not None and len(events) != num_layers:
+            raise InvalidRequestError(
+                f"layerwise registration gives {len(events)} layer events for {num_layers} layers"
             )
         self.events = events
-        self.flags = flags.view(torch.int64) if flags is not None else None
+        self.flags = flags.view(torch.int64)
 
     def signal(self, seq: int) -> LayerMarks:
         """The engine-side signal of retrieve number `seq`."""
@@ -153,18 +147,12 @@ class LayerMarks:
 
     def ready(self, layer: int, stream: Any) -> None:
         layers = self._layers
-        if layers.flags is not None:
-            layers.flags[layer] = self._seq
-        elif layers.events is not None and stream is not None:
-            layers.events[layer].record(stream.torch)
+        if layers.events is not None and stream is not None:
+            layers.events[layer].record(stream.torch)  # queued before the flag is seen
+        layers.flags[layer] = self._seq
 
     def failed(self, first_layer: int) -> None:
-        layers = self._layers
-        if layers.flags is not None:
-            layers.flags[first_layer:] = -self._seq
-        elif first_layer < len(layers.events or ()):
-            # nothing to tell a GPU stream: its waits return at the layer's last record
-            log.error("a layerwise retrieve failed at layer %d after its reply", first_layer)
+        self._layers.flags[first_layer:] = -self._seq
 
 
 def open_server_layers(
@@ -177,12 +165,14 @@ def open_server_layers(
     layerwise retrieves, what to `release()` once the instance goes, or None)."""
     if event_handles is None and flags is None:
         return None, None
+    if flags is None or isinstance(flags.memory, CudaIpcMemory):
+        raise InvalidRequestError("a layerwise registration needs layer_flags in shared memory")
     if (event_handles is not None) != (cuda_device is not None):
-        where = "GPU" if cuda_device is not None else "CPU"
         raise InvalidRequestError(
-            f"layerwise registration of {where} caches needs "
-            + ("layer_event_handles" if cuda_device is not None else "layer_flags")
+            "layer_event_handles go with GPU caches, and only with them"
+            f" (these caches are on {'the GPU' if cuda_device is not None else 'the CPU'})"
         )
+    events = None
     if event_handles is not None:
         assert cuda_device is not None
         from kvflow.core.server.ipc import open_interprocess_event
@@ -193,15 +183,11 @@ def open_server_layers(
                 f" {num_layers} layers"
             )
         events = [open_interprocess_event(h, cuda_device) for h in event_handles]
-        return ServerLayers(num_layers, events, None), None
-    assert flags is not None
     from kvflow.core.server.sharing import open_kv_caches
 
-    if isinstance(flags.memory, CudaIpcMemory):
-        raise InvalidRequestError("layer_flags must be shared CPU memory")
     opened = open_kv_caches(KVCachesDesc(kind="tensor", tensors=[flags]))
     try:
-        return ServerLayers(num_layers, None, opened.kv_caches), opened
+        return ServerLayers(num_layers, events, opened.kv_caches), opened
     except BaseException:
         opened.release()
         raise

@@ -163,7 +163,7 @@ class Retrieve(Request, tag="retrieve"):
     #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
     keyed: bool = False
     #: > 0: a layerwise retrieve with this number (kvflow.core.server.layers); the reply
-    #: comes once every layer is queued (CUDA) or before the first is copied (CPU)
+    #: comes once the block ids are checked, before the first layer's copies
     layer_seq: int = 0
 
 

@@ -703,6 +703,9 @@ class KVFlowServer:
             done = Done(id=request.id, value=hit_tokens, server_ns=_since(started))
             reg.worker.answer(identity, done)
             answered = True
+            # this thread goes on queueing copies holding the GIL: hand it over so the
+            # loop sends the reply now, not a switch interval later
+            time.sleep(0)
 
         def run() -> Reply | None:
             try:
