@@ -484,7 +484,7 @@ def _format(rows: list[Row], header: bool = True) -> str:
 
 
 def plot(rows: list[dict[str, Any]], png: Path) -> None:
-    """TTFT against prompt length: four lines per model, log-log."""
+    """TTFT against prompt length: four lines per model (five with (e)), log-log."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -494,6 +494,8 @@ def plot(rows: list[dict[str, Any]], png: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     series = [("recompute_ms", "(a) recompute"), ("kvflow_ms", "(b) kvflow retrieve + suffix"),
               ("copy_ms", "(c) pinned copy of the prefix"), ("suffix_ms", "(d) suffix prefill")]  # fmt: skip
+    if any(r.get("layerwise_ms") for r in rows):
+        series.append(("layerwise_ms", "(e) layerwise retrieve + suffix"))
     for ax, model in zip(axes[0], models, strict=True):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["prompt"])
         for key, label in series:

@@ -46,6 +46,9 @@ class ConnectorConfig:
     #: set vLLM's kv_load_failure_policy to "recompute": a chunk lost between lookup and
     #: load is recomputed, never an error (vLLM's own default, "fail", ends the request)
     recompute_failed_loads: bool = True
+    #: load layer by layer, each layer waited for right before its attention (None: on
+    #: for CUDA caches, where the copy hides behind the forward pass; off on CPU)
+    layerwise: bool | None = None
     #: the prefix of the registered instance ids (`<prefix>-rank<r>`; default: vLLM's engine id)
     instance_id: str | None = None
     #: CURVE: the server's public key (NAME.key or its 40 Z85 characters) ...
@@ -87,6 +90,6 @@ class ConnectorConfig:
             return seconds(key, value, 0.001, 86400.0)
         if key == "lookup_timeout_s":
             return seconds(key, value, 0.001, 600.0)
-        if key in ("load", "store", "report_allocations", "recompute_failed_loads"):
+        if key in ("load", "store", "report_allocations", "recompute_failed_loads", "layerwise"):
             return _bool(key, value)
         return text(key, value)

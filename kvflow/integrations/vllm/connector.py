@@ -260,7 +260,9 @@ class KVFlowConnector(KVConnectorBase_V1):
             self._worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: start_load_kv loaded every layer."""
+        """Layerwise loads: order this layer's reads after its copies (worker.py)."""
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -269,6 +271,8 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
+        if self._worker is not None:
+            self._worker.finish_loads()
         if self._worker is not None and plan is not None:
             self._remember(plan.stores)
             self._counted["stores"] += len(plan.stores)

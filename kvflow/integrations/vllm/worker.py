@@ -1,10 +1,12 @@
 """The connector's worker side: registration, retrieves before the forward pass, stores after.
 
 Runs in every vLLM worker (one per tensor-parallel rank), each registering its own
-KV caches as instance `<prefix>-rank<r>`. Loads run synchronously in
-`start_load_kv` (before any layer reads the cache) and stores in `wait_for_save`
-(after the forward pass wrote it); a load that falls short or fails reports the
-blocks it did not fill through `take_load_errors`, so vLLM recomputes them. A
+KV caches as instance `<prefix>-rank<r>`. Loads start in `start_load_kv`: whole
+(they have landed when it returns) or, layerwise, returning once the server has the
+request, each layer then waited for in `wait_layer` right before its attention reads
+it. Stores run in `wait_for_save` (after the forward pass wrote the cache), once the
+step's layerwise loads are all waited for. A load that falls short or fails reports
+the blocks it did not fill through `take_load_errors`, so vLLM recomputes them. A
 failed store is only a future miss: it is logged, never raised.
 """
 
@@ -17,10 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvflow.core import KVFlowClient
+from kvflow.core.server.layers import LayerwiseLoad
 from kvflow.core.server.shm import shared_memory_of
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.layout import KV_FORMAT, kvflow_views, split_for_device
-from kvflow.integrations.vllm.plan import StepPlan
+from kvflow.integrations.vllm.plan import LoadSpec, StepPlan
 from kvflow.integrations.vllm.shared_kv import SharedKV
 
 log = logging.getLogger("kvflow.integrations.vllm")
@@ -58,6 +61,11 @@ class WorkerSide:
         self._block_size = 0
         self.registered = False
         self._load_errors: set[int] = set()
+        self._layerwise = False
+        #: vLLM layer name -> index of its (possibly shared) cache among the registered ones
+        self._layer_index: dict[str, int] = {}
+        #: this step's layerwise loads still to be waited for, with their plans
+        self._pending: list[tuple[LayerwiseLoad, LoadSpec]] = []
         self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvflow-report")
         #: tokens retrieved and stored by this worker, for tests and logs
         self.loaded_tokens = 0
@@ -69,6 +77,12 @@ class WorkerSide:
             raise ValueError("vLLM passed no KV caches to register")
         self._block_size = block_size
         device = next(iter(kv_caches.values())).device
+        distinct: dict[int, int] = {}
+        self._layer_index = {
+            name: distinct.setdefault(id(t), len(distinct)) for name, t in kv_caches.items()
+        }
+        layerwise = self.config.layerwise
+        self._layerwise = device.type == "cuda" if layerwise is None else layerwise
         how = "CUDA IPC"
         if device.type == "cpu":
             already = all(shared_memory_of(t) is not None for t in kv_caches.values())
@@ -85,6 +99,7 @@ class WorkerSide:
                 block_size=block_size,
                 kv_format=KV_FORMAT,
                 takeover=True,
+                layerwise=self._layerwise,
             )
         except Exception as exc:
             log.error(
@@ -97,37 +112,89 @@ class WorkerSide:
             return
         self.registered = True
         log.info(
-            "kvflow: registered %d layers of %s as %s through %s",
+            "kvflow: registered %d layers of %s as %s through %s%s",
             len(views),
             device,
             self.instance_id,
             how,
+            ", loading layer by layer" if self._layerwise else "",
         )
 
     def load(self, plan: StepPlan) -> None:
-        """Retrieve every planned load into vLLM's blocks; shortfalls become load errors."""
-        bs = self._block_size
+        """Retrieve every planned load into vLLM's blocks (layerwise: start it); shortfalls
+        become load errors."""
         for spec in plan.loads:
             got = 0
             if self.registered:
                 try:
-                    got = self._client.retrieve(
-                        self.instance_id,
-                        spec.token_ids,
-                        spec.block_ids,
-                        request_id=spec.req_id,
-                        skip_first_n_tokens=spec.skip_tokens,
-                        cache_salt=spec.cache_salt,
-                    )
+                    got = self._retrieve(spec)
                 except Exception as exc:
                     log.warning("kvflow: retrieve for %s failed: %s", spec.req_id, exc)
             got = max(got, spec.skip_tokens)
             if got < len(spec.token_ids):
-                self._load_errors.update(spec.block_ids[got // bs :] if bs else spec.block_ids)
+                self._fail_from(spec, got)
             self.loaded_tokens += max(min(got, len(spec.token_ids)) - spec.skip_tokens, 0)
 
+    def _retrieve(self, spec: LoadSpec) -> int:
+        """One planned load: whole, or (layerwise) started and kept for `wait_layer`."""
+        if not self._layerwise:
+            return self._client.retrieve(
+                self.instance_id, spec.token_ids, spec.block_ids, request_id=spec.req_id,
+                skip_first_n_tokens=spec.skip_tokens, cache_salt=spec.cache_salt,
+            )  # fmt: skip
+        load = self._client.retrieve_layerwise(
+            self.instance_id, spec.token_ids, spec.block_ids, request_id=spec.req_id,
+            skip_first_n_tokens=spec.skip_tokens, cache_salt=spec.cache_salt,
+        )  # fmt: skip
+        if load.hit_tokens > spec.skip_tokens:
+            self._pending.append((load, spec))
+        return load.hit_tokens
+
+    def _fail_from(self, spec: LoadSpec, tokens: int) -> None:
+        """Report spec's blocks from token `tokens` on as not loaded (vLLM recomputes them)."""
+        bs = self._block_size
+        self._load_errors.update(spec.block_ids[tokens // bs :] if bs else spec.block_ids)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Order the named layer's reads after this step's layerwise loads of it; a load
+        that failed is reported from its first unfilled block and waited for no more."""
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            self._wait_index(layer)
+
+    def _wait_index(self, layer: int) -> None:
+        if not self._pending:
+            return
+        failed = []
+        for load, spec in self._pending:
+            try:
+                load.wait_layer(layer)
+            except Exception as exc:
+                log.warning("kvflow: layerwise load for %s failed: %s", spec.req_id, exc)
+                self._fail_from(spec, spec.skip_tokens)
+                failed.append(load)
+        if failed:
+            self._pending = [(ld, sp) for ld, sp in self._pending if ld not in failed]
+
+    def finish_loads(self) -> None:
+        """Wait for every layer of the step's layerwise loads (those vLLM did not ask for
+        too): once the forward pass is over, nothing may land in its blocks later."""
+        for load, spec in self._pending:
+            log.info(
+                "kvflow: layerwise load of %s: vLLM waited for %d of %d layers, %.2f ms on"
+                " the host",
+                spec.req_id,
+                len(load.waited_s),
+                len(set(self._layer_index.values())),
+                1e3 * sum(load.waited_s.values()),
+            )
+        for layer in sorted(set(self._layer_index.values())):
+            self._wait_index(layer)
+        self._pending = []
+
     def save(self, plan: StepPlan) -> None:
-        """Store every planned prompt chunk; rank 0 reports the step's block allocations."""
+        """Store every planned prompt chunk (after `finish_loads`); rank 0 reports the
+        step's block allocations."""
         if not self.registered:
             return
         for spec in plan.stores:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from kvflow.core.server.shm import map_shared, shared_memory_of
 from kvflow.integrations.vllm import scheduler as scheduler_module
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views
-from kvflow.integrations.vllm.plan import LoadSpec, StepPlan
+from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.shared_kv import SharedKV, SharedZeros
 from kvflow.integrations.vllm.worker import WorkerSide
@@ -454,3 +455,44 @@ def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str) -> No
     finally:
         worker.shutdown()
         scheduler.shutdown()
+
+
+def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str) -> None:
+    """With kvflow.layerwise each layer's blocks hold the prefix once vLLM's wait for that
+    layer returns; finish_loads waits for the layers vLLM did not ask for; a layerwise
+    miss reports its blocks like any load."""
+    writer = WorkerSide(
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="lw-w-rank0"
+    )
+    reader = WorkerSide(
+        _config(endpoint, layerwise=True), model_name=MODEL, world_size=1, rank=0,
+        instance_id="lw-r-rank0",
+    )  # fmt: skip
+    try:
+        src_caches, dst_caches = _vllm_cpu_caches(), _vllm_cpu_caches()
+        writer.register(src_caches, BLOCK)
+        reader.register(dst_caches, BLOCK)
+        src, dst = kvflow_views(src_caches, "rows"), kvflow_views(dst_caches, "rows")
+        prompt = np.arange(4000, 4000 + 2 * CHUNK, dtype=np.int32)
+        a_blocks, b_blocks = [3, 7, 1, 9], [11, 12, 13, 14]
+        for view in src:
+            view[:, a_blocks].copy_(torch.randn_like(view[:, a_blocks]))
+        writer.save(StepPlan(stores=[StoreSpec("a", prompt, a_blocks)]))
+        reader.load(StepPlan(loads=[LoadSpec("b", prompt, b_blocks, skip_tokens=0)]))
+        names = list(dst_caches)
+        for name, s, d in zip(names[:-1], src, dst, strict=False):
+            reader.wait_layer(name)
+            assert torch.equal(d[:, b_blocks], s[:, a_blocks]), name
+        reader.finish_loads()  # the last layer: vLLM never asked for it here
+        assert torch.equal(dst[-1][:, b_blocks], src[-1][:, a_blocks])
+        assert reader.take_load_errors() == set()
+        assert reader.loaded_tokens == 2 * CHUNK
+
+        missing = LoadSpec("m", np.arange(9000, 9000 + CHUNK, dtype=np.int32), [5, 6], 0)
+        reader.load(StepPlan(loads=[missing]))
+        reader.wait_layer(names[0])
+        reader.finish_loads()
+        assert reader.take_load_errors() == {5, 6}
+    finally:
+        writer.shutdown()
+        reader.shutdown()

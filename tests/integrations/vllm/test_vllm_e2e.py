@@ -57,12 +57,16 @@ def _engine(
     name: str,
     endpoint: str | None,
     tp: int = 1,
+    layerwise: bool = False,
 ) -> tuple[dict, str]:
-    """Run one engine over `prompts`; its results and its log."""
+    """Run one engine over `prompts` (`layerwise`: the connector loads layer by layer);
+    its results and its log."""
     (tmp / f"{name}.prompts.json").write_text(json.dumps(prompts))
     out = tmp / f"{name}.out.json"
     args = [python, str(RUNNER), str(model), str(tmp / f"{name}.prompts.json"), str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    if layerwise:
+        env["VLLM_RUN_LAYERWISE"] = "1"
     if tp > 1:  # vLLM binds each CPU worker's threads to a NUMA node; one node here: by hand
         cores = os.cpu_count() or 1
         env["VLLM_RUN_TP"] = str(tp)
@@ -119,7 +123,13 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
         lifetime = activity["l0_histograms"].get("lifetime", {})
         assert lifetime.get("count", 0) > 0, activity["l0_histograms"]
 
-        second, log2 = _engine(python, model, [longer], tmp_path, "engine2", endpoint)
+        # the second engine loads layer by layer: each attention layer waits for its own
+        second, log2 = _engine(
+            python, model, [longer], tmp_path, "engine2", endpoint, layerwise=True
+        )
+        assert "loading layer by layer" in log2, log2[-4000:]
+        waited = re.findall(r"vLLM waited for (\d+) of (\d+) layers", log2)
+        assert waited and all(a == b for a, b in waited), log2[-4000:]
         # the connector matched A's two chunks, and vLLM did not compute those tokens
         assert _matched(log2) == [(PROMPT_TOKENS, len(longer))], log2[-4000:]
         assert second["results"][0]["num_cached_tokens"] == PROMPT_TOKENS

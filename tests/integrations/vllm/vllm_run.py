@@ -6,7 +6,8 @@ Runs in the vLLM venv (.venv-vllm), never in the main suite's:
 
 With ENDPOINT the engine uses `KVFlowConnector` against that kvflow server (chunk
 size from the server); without it, no connector (the reference run).
-VLLM_RUN_TP sets the tensor-parallel size (default 1). vLLM's own
+VLLM_RUN_TP sets the tensor-parallel size (default 1); VLLM_RUN_LAYERWISE=1 turns the
+connector's layerwise loads on (`kvflow.layerwise`). vLLM's own
 prefix caching is off, decoding greedy. Writes each prompt's generated token ids
 and vLLM's `num_cached_tokens` (tokens it did not compute: here, the connector's
 loads) to OUT_JSON.
@@ -34,7 +35,11 @@ def main() -> None:
             kv_connector="KVFlowConnector",
             kv_connector_module_path="kvflow.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"kvflow.endpoint": endpoint, "kvflow.timeout_s": 60},
+            kv_connector_extra_config={
+                "kvflow.endpoint": endpoint,
+                "kvflow.timeout_s": 60,
+                "kvflow.layerwise": os.environ.get("VLLM_RUN_LAYERWISE") == "1",
+            },
         )
     started = time.monotonic()
     llm = LLM(
