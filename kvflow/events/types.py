@@ -40,6 +40,8 @@ class EventType(IntEnum):
     PREFETCH_END = 19
     L2_EVICT = 20
     WRITE_BACK = 21
+    #: how long an engine waited for each layer of a layerwise retrieve (its report)
+    LAYER_WAIT = 22
     #: an operator's call (clear, resize, drain, quota): who, what, and how it ended
     ADMIN = 40
 

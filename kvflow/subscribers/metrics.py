@@ -194,6 +194,12 @@ class MetricsSubscriber:
         self._instances = updown(
             "kvflow.instances.registered", unit="{instance}", description="Registered KV instances"
         )
+        self._layer_wait = hist(
+            "kvflow.retrieve.layer_wait",
+            unit="s",
+            description="How long an engine waited for each layer of a layerwise retrieve",
+            explicit_bucket_boundaries_advisory=OP_SECONDS,
+        )
 
     def _build_l1_instruments(self, meter: Any) -> None:
         self._l1_counters = {
@@ -331,6 +337,13 @@ class MetricsSubscriber:
                 chunks, nbytes = self._l1_counters[etype]
                 add(adds, chunks, _EMPTY, ev.attrs.get("chunks") or 0)
                 add(adds, nbytes, _EMPTY, ev.attrs.get("bytes") or 0)
+            elif etype is _ET.LAYER_WAIT:
+                attrs = ev.attrs
+                labels = self._labels.get(
+                    _IM, attrs.get("instance_id", ""), attrs.get("model_name", "")
+                )
+                for wait in attrs.get("waits_s") or ():
+                    self._layer_wait.record(wait, labels)
             elif etype is _ET.REGISTER or etype is _ET.UNREGISTER:
                 labels = self._labels.get(_M, ev.attrs.get("model_name", ""))
                 add(adds, self._instances, labels, 1 if etype is _ET.REGISTER else -1)

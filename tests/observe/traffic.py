@@ -82,7 +82,7 @@ class Workload:
         self.caches = [empty_shared(SHAPE, torch.bfloat16) for _ in range(LAYERS)]
         for i, layer in enumerate(self.caches):
             layer.fill_(float(i + 1))
-        client.register_kv_caches(INSTANCE, self.caches, model_name=MODEL)
+        client.register_kv_caches(INSTANCE, self.caches, model_name=MODEL, layerwise=True)
         self.round = 0
         #: block allocation records reported, and the block lifetimes they end (every
         #: block is sampled): what the server's L0 totals reach once its events are in
@@ -107,7 +107,14 @@ class Workload:
         for i, tokens in reversed(list(enumerate(prompts))):
             # the last prompts hit in L1, the first ones only on disk (the loads evict more)
             c.lookup(tokens, model_name=MODEL, request_id=f"l{r}-{i}")
-            c.retrieve(INSTANCE, tokens, list(range(8, 16)), request_id=f"r{r}-{i}")
+            if i == len(prompts) - 1:  # layer by layer, as an engine reports its waits
+                load = c.retrieve_layerwise(
+                    INSTANCE, tokens, list(range(8, 16)), request_id=f"r{r}-{i}"
+                )
+                load.wait()
+                c.report_layer_waits(INSTANCE, f"r{r}-{i}", load.layer_waits())
+            else:
+                c.retrieve(INSTANCE, tokens, list(range(8, 16)), request_id=f"r{r}-{i}")
             _wait(self.settled)
         c.lookup(_tokens(base + 900_000, 4), model_name=MODEL)  # a miss
         bad_blocks = [BLOCKS + 5] * 8  # block ids past the cache: a failed store and retrieve

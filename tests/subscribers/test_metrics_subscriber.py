@@ -297,3 +297,18 @@ def test_whole_catalogue_is_emitted(cap: MetricsCapture) -> None:
     }  # fmt: skip
     assert catalogue <= cap.names()
     bus.stop(5.0)
+
+
+def test_layer_waits_feed_one_histogram_value_per_layer(cap: MetricsCapture) -> None:
+    """LAYER_WAIT (an engine's report of a layerwise retrieve) records each layer's wait."""
+    sub = MetricsSubscriber(cap.provider)
+    s = EventScript()
+    s.add(EventType.LAYER_WAIT, 0.0, "r1", **STORE, waits_s=[0.0, 0.002, 0.0003], layers=3)
+    s.add(EventType.LAYER_WAIT, 0.1, "r2", **STORE, waits_s=[0.5], layers=1)
+    sub.on_events(s.events)
+    waits = cap.histogram("kvflow.retrieve.layer_wait", **STORE)
+    assert waits.count == 4
+    assert waits.sum == pytest.approx(0.5023)
+    assert tuple(waits.explicit_bounds) == OP_SECONDS
+    assert waits.bucket_counts[0] == 1  # the layer whose copy was ahead: 0 s
+    assert waits.bucket_counts[OP_SECONDS.index(0.0025)] == 1

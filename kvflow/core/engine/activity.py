@@ -11,6 +11,7 @@ percentiles. Both are exact totals since the engine started, as the metrics are.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections import Counter
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflow.events import Event, EventType
+from kvflow.subscribers.buckets import OP_SECONDS
 from kvflow.subscribers.preaggregated import HistogramStore
 
 _ET = EventType
@@ -67,7 +69,7 @@ class ActivityTally:
     name = "activity"
     blocking = False
     event_types: frozenset[EventType] | None = frozenset(
-        {*_STARTS, *_ENDS, *_L1, _ET.L2_EVICT, _ET.BLOCK_ALLOCATION}
+        {*_STARTS, *_ENDS, *_L1, _ET.L2_EVICT, _ET.BLOCK_ALLOCATION, _ET.LAYER_WAIT}
     )
 
     def __init__(self) -> None:
@@ -81,6 +83,10 @@ class ActivityTally:
         self._l1: Counter[str] = Counter()
         self._l2: dict[str, Counter[str]] = {}
         self._l0: Counter[str] = Counter()
+        #: layer waits of layerwise retrieves, counted in OP_SECONDS buckets
+        self._wait_counts = [0] * (len(OP_SECONDS) + 1)
+        self._waits: Counter[str] = Counter()
+        self._wait_max = self._wait_sum = 0.0
 
     def on_events(self, events: Sequence[Event]) -> None:
         """Add each event of the batch to the totals."""
@@ -107,6 +113,8 @@ class ActivityTally:
             tier = self._tier(attrs)
             tier["evicted_chunks"] += _int(attrs.get("chunks"))
             tier["evicted_bytes"] += _int(attrs.get("bytes"))
+        elif etype is _ET.LAYER_WAIT:
+            self._add_waits(attrs)
         elif etype is _ET.BLOCK_ALLOCATION:
             records = attrs.get("records")
             if isinstance(records, Sequence):
@@ -148,6 +156,28 @@ class ActivityTally:
             tier["loaded_bytes"] += _int(attrs.get("loaded_bytes"))
             tier["load_failed_chunks"] += _int(attrs.get("failed_chunks"))
 
+    def _add_waits(self, attrs: Mapping[str, Any]) -> None:
+        waits = attrs.get("waits_s")
+        if not isinstance(waits, Sequence):
+            return
+        self._waits["reports"] += 1
+        self._waits["stalled_layers"] += _int(attrs.get("stalled_layers"))
+        for wait in waits:
+            if isinstance(wait, (int, float)) and 0 <= wait < math.inf:
+                self._wait_counts[bisect.bisect_left(OP_SECONDS, wait)] += 1
+                self._waits["layers"] += 1
+                self._wait_sum += wait
+                self._wait_max = max(self._wait_max, wait)
+
+    def _layer_waits(self) -> dict[str, Any]:
+        """The layer-wait totals and quantiles (call with the lock held)."""
+        out: dict[str, Any] = dict(self._waits)
+        out["sum_s"], out["max_s"] = self._wait_sum, self._wait_max
+        for q in QUANTILES:
+            value = quantile(q, OP_SECONDS, self._wait_counts)
+            out[f"p{round(q * 100)}_s"] = None if value is None else min(value, self._wait_max)
+        return out
+
     def _tier(self, attrs: Mapping[str, Any]) -> Counter[str]:
         name = str(attrs.get("tier"))
         tier = self._l2.get(name)
@@ -164,8 +194,12 @@ class ActivityTally:
             l1 = dict(self._l1)
             l2 = {name: dict(totals) for name, totals in self._l2.items()}
             l0 = dict(self._l0)
+            layer_waits = self._layer_waits()
         ops["lookup"]["hit_tokens_by_tier"] = hit_by_tier
-        return {"ops": ops, "inflight": inflight, "l1": l1, "l2": l2, "l0": l0}
+        return {
+            "ops": ops, "inflight": inflight, "l1": l1, "l2": l2, "l0": l0,
+            "layer_waits": layer_waits,
+        }  # fmt: skip
 
     def shutdown(self) -> None:
         """Nothing to release."""

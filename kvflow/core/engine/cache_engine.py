@@ -54,6 +54,9 @@ MAX_REQUEST_TOKENS = 1 << 22
 #: larger than L1 with an L2 tier): with the write-through backlog (BACKLOG_SHARE) and a
 #: retrieve's next window in flight, the streaming request never needs all of L1.
 STREAM_SHARE = 0.25
+#: A layer wait longer than this counts as a stall (shorter ones are the cost of looking:
+#: a flag read, or two GPU timing events around a wait that did not wait).
+STALL_S = 50e-6
 
 
 def _check_str(name: str, value: Any) -> str:
@@ -1127,6 +1130,35 @@ class CacheEngine:
         return len(rows), sum(bpc - s for s in skips) * inst.block_size
 
     # -- sessions and allocations ------------------------------------------------------------
+
+    def report_layer_waits(self, instance_id: str, request_id: str, waits_s: Any) -> None:
+        """Publish an engine's per-layer waits of a layerwise retrieve (LAYER_WAIT):
+        at most one per layer, each a finite number of seconds >= 0."""
+        inst = self._instance(instance_id)
+        _check_str("request_id", request_id)
+        if isinstance(waits_s, (str, bytes)) or not isinstance(waits_s, Sequence):
+            raise InvalidRequestError("waits_s must be a sequence of seconds, one per layer")
+        if len(waits_s) > inst.layout.num_layers:
+            raise InvalidRequestError(
+                f"waits_s has {len(waits_s)} entries for {inst.layout.num_layers} layers"
+            )
+        waits = []
+        for i, w in enumerate(waits_s):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
+                raise InvalidRequestError(f"waits_s[{i}] must be seconds >= 0, got {w!r}")
+            waits.append(float(w))
+        self._publish(
+            EventType.LAYER_WAIT,
+            request_id,
+            {
+                "instance_id": inst.instance_id,
+                "model_name": inst.model_name,
+                "waits_s": waits,
+                "layers": len(waits),
+                "stalled_layers": sum(w > STALL_S for w in waits),
+                "total_s": sum(waits),
+            },
+        )
 
     def end_session(self, request_id: str) -> None:
         """The request finished: drop its key chain and publish END_SESSION."""

@@ -59,6 +59,8 @@ class Snapshot:
     models: list[str] = field(default_factory=list)
     #: the L2 write-through's backpressure and drops since start (empty without L2)
     l2_writes: dict[str, float] = field(default_factory=dict)
+    #: engines' waits for the layers of layerwise retrieves (empty before the first report)
+    layer_waits: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, status: Mapping[str, Any]) -> Snapshot:
@@ -124,6 +126,7 @@ class Snapshot:
                 {str(i.get("model_name")) for i in instances.values() if isinstance(i, Mapping)}
             ),
             l2_writes=l2_writes,
+            layer_waits=dict(activity.get("layer_waits") or {}),
         )
 
     def hit_rate(self) -> float | None:

@@ -120,6 +120,16 @@ def _pipeline(snap: Snapshot) -> Text:
     )
     text.append(f"dropped {bus['dropped']:.0f}", style="bold red" if bus["dropped"] else "")
     text.append(f"  subscriber errors {bus['subscriber_errors']:.0f}")
+    waits = snap.layer_waits
+    if waits.get("layers"):  # layerwise retrieves reported: were their copies ahead?
+        stalled = waits.get("stalled_layers", 0)
+        text.append("\nLayer waits  ", style="bold")
+        text.append(f"{waits['layers']:.0f} layers, ")
+        text.append(f"{stalled:.0f} stalled", style="bold yellow" if stalled else "")
+        text.append(
+            f"  p50 {units.seconds(waits.get('p50_s'))}  p99 {units.seconds(waits.get('p99_s'))}"
+            f"  max {units.seconds(waits.get('max_s'))}"
+        )
     writes = snap.l2_writes
     if writes:  # L2 configured: how often stores waited for it, and what it lost
         text.append("\nL2 writes  ", style="bold")

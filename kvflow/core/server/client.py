@@ -56,6 +56,7 @@ from kvflow.core.server.protocol import (
     Registered,
     Reply,
     ReportAllocations,
+    ReportLayerWaits,
     Request,
     Retrieve,
     Status,
@@ -624,6 +625,17 @@ class KVFlowClient:
                 )
             )
         self._done(ReportAllocations(instance_id=instance_id, records=wire))
+
+    def report_layer_waits(
+        self, instance_id: str, request_id: str, waits_s: Sequence[float]
+    ) -> None:
+        """Report how long the engine waited for each layer of a layerwise retrieve
+        (`LayerwiseLoad.layer_waits()`): the server's LAYER_WAIT event and metrics."""
+        self._done(
+            ReportLayerWaits(
+                instance_id=instance_id, request_id=request_id, waits_s=[float(w) for w in waits_s]
+            )
+        )
 
     def unregister(self, instance_id: str) -> None:
         """Unregister an instance (after its queued transfers finish on the server)."""

@@ -76,9 +76,11 @@ class LayerwiseLoad:
         self._layers = layers
         self._seq = seq
         self._timeout_s = timeout_s
-        #: seconds the host spent in each layer's wait (CPU caches; 0 on CUDA, whose wait is
-        #: on the GPU)
+        #: seconds the host spent in each layer's wait (on CUDA only until the layer was
+        #: queued: the stream's own wait is timed on the GPU, see `layer_waits`)
         self.waited_s: dict[int, float] = {}
+        #: CUDA: timing events around each layer's stream wait, by layer
+        self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
 
     def wait_layer(self, layer: int) -> None:
         """Order layer `layer`'s reads after its copies: on CPU this blocks until the
@@ -108,7 +110,28 @@ class LayerwiseLoad:
                 time.sleep(POLL_S)
         self.waited_s[layer] = time.perf_counter() - started
         if layers.events:
-            torch.cuda.current_stream(layers.device).wait_event(layers.events[layer])
+            stream = torch.cuda.current_stream(layers.device)
+            before = torch.cuda.Event(enable_timing=True)
+            after = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(layers.events[layer])
+            after.record(stream)
+            self._stalls[layer] = (before, after)
+
+    def layer_waits(self) -> list[float]:
+        """Seconds the engine waited for each layer it waited for, in layer order: the
+        host's wait on CPU; on CUDA the host's wait plus how long the stream stalled at
+        the layer's event (this synchronizes with those events: call it off the hot
+        path, once the forward pass is queued)."""
+        waits = []
+        for layer in sorted(self.waited_s):
+            wait = self.waited_s[layer]
+            marks = self._stalls.get(layer)
+            if marks is not None:
+                marks[1].synchronize()
+                wait += marks[0].elapsed_time(marks[1]) / 1e3
+            waits.append(wait)
+        return waits
 
     def wait(self) -> None:
         """Wait for every layer (what a caller that reads them all at once does)."""

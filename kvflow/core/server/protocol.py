@@ -176,6 +176,14 @@ class ReportAllocations(Request, tag="report_allocations"):
     records: list[AllocationRecord]
 
 
+class ReportLayerWaits(Request, tag="report_layer_waits"):
+    """How long the engine waited for each layer of a layerwise retrieve (seconds, by layer)."""
+
+    instance_id: str
+    request_id: str
+    waits_s: list[float]
+
+
 class Unregister(Request, tag="unregister"):
     instance_id: str
 
@@ -256,6 +264,7 @@ AnyRequest = (
     | Retrieve
     | EndSession
     | ReportAllocations
+    | ReportLayerWaits
     | Unregister
     | Status
     | Heartbeat

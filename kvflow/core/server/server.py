@@ -65,6 +65,7 @@ from kvflow.core.server.protocol import (
     Registered,
     Reply,
     ReportAllocations,
+    ReportLayerWaits,
     Request,
     Retrieve,
     Status,
@@ -568,6 +569,10 @@ class KVFlowServer:
                     BlockAllocation(r.req_id, r.block_ids, r.token_ids) for r in request.records
                 ]
                 engine.report_block_allocations(request.instance_id, records)
+                return Done(id=rid, server_ns=_since(started))
+            case ReportLayerWaits():
+                self._owned(request.instance_id, request.client, "ReportLayerWaits")
+                engine.report_layer_waits(request.instance_id, request.request_id, request.waits_s)
                 return Done(id=rid, server_ns=_since(started))
         raise ProtocolError(f"unsupported request {type(request).__name__}")
 

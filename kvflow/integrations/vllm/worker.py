@@ -190,6 +190,8 @@ class WorkerSide:
             )
         for layer in sorted(set(self._layer_index.values())):
             self._wait_index(layer)
+        for load, spec in self._pending:
+            self._reports.submit(self._report_waits, load, spec.req_id)
         self._pending = []
 
     def save(self, plan: StepPlan) -> None:
@@ -216,6 +218,13 @@ class WorkerSide:
             self._client.report_block_allocations(self.instance_id, records)
         except Exception as exc:
             log.warning("kvflow: reporting block allocations failed: %s", exc)
+
+    def _report_waits(self, load: LayerwiseLoad, req_id: str) -> None:
+        """Send a layerwise load's per-layer waits (the server's kvflow.retrieve.layer_wait)."""
+        try:
+            self._client.report_layer_waits(self.instance_id, req_id, load.layer_waits())
+        except Exception as exc:
+            log.warning("kvflow: reporting layer waits failed: %s", exc)
 
     def take_load_errors(self) -> set[int]:
         """Blocks that loads since the last call left unfilled (vLLM recomputes them)."""

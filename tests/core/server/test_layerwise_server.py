@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,17 @@ def test_every_layer_is_whole_once_its_wait_returns(endpoint: str) -> None:
             load.wait_layer(layer)
             assert torch.equal(_layer(dst, layer, DST[:8]), _layer(src, layer, SRC[:8]))
         assert set(load.waited_s) == set(range(NL))
+        waits = load.layer_waits()
+        assert len(waits) == NL and all(w >= 0 for w in waits)
+        client.report_layer_waits("lw-dst", f"r{attempt}", waits)
     assert not _layer(dst, 0, DST[8:]).any() and tail.any()  # the partial chunk: not written
+    deadline = time.monotonic() + 10  # the server's bus delivers the reports meanwhile
+    while client.status()["activity"]["layer_waits"].get("layers") != 2 * NL:
+        assert time.monotonic() < deadline, client.status()["activity"]["layer_waits"]
+        time.sleep(0.05)
+    with pytest.raises(InvalidRequestError, match="entries"):
+        client.report_layer_waits("lw-dst", "r9", [0.0] * (NL + 1))
+    assert client.retrieve("lw-dst", TOKENS, DST, request_id="after") == 4 * CHUNK
     client.close()
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvflow.core import KVFlowClient
 from kvflow.core.server.shm import map_shared, shared_memory_of
 from kvflow.integrations.vllm import scheduler as scheduler_module
 from kvflow.integrations.vllm.config import ConnectorConfig
@@ -487,6 +488,12 @@ def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str) -> None:
         assert torch.equal(dst[-1][:, b_blocks], src[-1][:, a_blocks])
         assert reader.take_load_errors() == set()
         assert reader.loaded_tokens == 2 * CHUNK
+        # the load's per-layer waits reach the server (in the background)
+        with KVFlowClient(endpoint) as probe:
+            deadline = time.monotonic() + 10
+            while not probe.status()["activity"]["layer_waits"].get("layers"):
+                assert time.monotonic() < deadline, "the layer waits never reached the server"
+                time.sleep(0.05)
 
         missing = LoadSpec("m", np.arange(9000, 9000 + CHUNK, dtype=np.int32), [5, 6], 0)
         reader.load(StepPlan(loads=[missing]))
