@@ -23,7 +23,12 @@ from kvflow.core.config import ServerConfig
 from kvflow.core.engine.chunk_keys import check_chunk_keys, placeholder_tokens
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
-from kvflow.core.engine.layerwise import LayerSignal, cpu_scatter_layers
+from kvflow.core.engine.layerwise import (
+    LayerSignal,
+    WrittenSignal,
+    cpu_gather_layers,
+    cpu_scatter_layers,
+)
 from kvflow.core.engine.loads import Slot
 from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
@@ -634,11 +639,13 @@ class CacheEngine:
         request_id: str,
         cache_salt: str | None = None,
         chunk_keys: Sequence[bytes] | None = None,
+        layers: WrittenSignal | None = None,
     ) -> int:
         """Copy the full chunks missing from L1 into it; returns tokens of the request held.
 
         With `chunk_keys` (and token_ids None) the chunks are named by those keys, one per
-        chunk, as in `lookup`.
+        chunk, as in `lookup`. With `layers` each layer is copied once it says the engine
+        wrote it (`_store_layers`).
 
         The result counts, from token 0, the chunks now held: in L1 (written by this call,
         already there, or being written by a concurrent store) or, with L2 tiers, in L2 or
@@ -654,6 +661,10 @@ class CacheEngine:
             with self._transfer(inst, op, tokens=0, bytes=0):
                 ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
                 ids.hashes = named
+                if layers is not None:
+                    held = self._store_layers(inst, op, ids, request_id, cache_salt, layers)
+                    if held is not None:
+                        return held
                 # chunks go in waves: the first group is converted, hashed, planned and
                 # enqueued alone, then each wave doubles the chunks done, so a wave's host
                 # work runs while the copies of the (as many) chunks before it drain
@@ -689,15 +700,7 @@ class CacheEngine:
                         result = self._stream_store(inst, ids, plan, request_id, cache_salt)
                         op.end(None, **result)
                         return int(result["held_tokens"])
-                    result = {
-                        "tokens": len(plan.new) * self.chunk_size,
-                        "bytes": len(plan.new) * inst.chunk_nbytes,
-                        # the chunks now in L1 and their object size, for kvflow whatif
-                        "chunk_hashes": list(map(_HASH_OF, plan.keys[: plan.covered])),
-                        "chunk_bytes": inst.chunk_nbytes,
-                        "held_tokens": plan.covered * self.chunk_size,
-                        "tokens_by_tier": {"l1": plan.covered * self.chunk_size},
-                    }
+                    result = self._store_result(inst, plan)
                     inst.mover.flush()
                     self._publish_evictions(plan, request_id)  # events once the GPU is busy
                     evictions_told = True
@@ -710,15 +713,86 @@ class CacheEngine:
                         self._publish_evictions(plan, request_id)
                     raise
                 self.l1.commit(plan)
+        self._publish_written(inst, plan, request_id)
+        return plan.covered * self.chunk_size
+
+    def _store_result(self, inst: Instance, plan: WritePlan) -> dict[str, Any]:
+        """The STORE_END attrs of a store whose chunks all went to L1 in one plan."""
+        return {
+            "tokens": len(plan.new) * self.chunk_size,
+            "bytes": len(plan.new) * inst.chunk_nbytes,
+            # the chunks now in L1 and their object size, for kvflow whatif
+            "chunk_hashes": list(map(_HASH_OF, plan.keys[: plan.covered])),
+            "chunk_bytes": inst.chunk_nbytes,
+            "held_tokens": plan.covered * self.chunk_size,
+            "tokens_by_tier": {"l1": plan.covered * self.chunk_size},
+        }
+
+    def _publish_written(self, inst: Instance, plan: WritePlan, request_id: str) -> None:
+        """A committed plan's new chunks: L1_WRITE, then their write-through to L2."""
         if plan.new:
             new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
             self._publish(
                 EventType.L1_WRITE,
                 request_id,
-                {"chunks": len(plan.new), "bytes": result["bytes"], "keys": new_keys},
+                {
+                    "chunks": len(plan.new),
+                    "bytes": len(plan.new) * inst.chunk_nbytes,
+                    "keys": new_keys,
+                },
             )
             if self._tiering is not None:  # in the background: the reply never waits for L2
                 self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id)
+
+    def _store_layers(
+        self, inst: Instance, op: Op, ids: RequestIds, request_id: str, cache_salt: str | None,
+        written: WrittenSignal,
+    ) -> int | None:  # fmt: skip
+        """A store that copies each layer once the engine wrote it (docs/ENGINE.md,
+        "Layerwise stores"): the chunks are planned in L1 first, while the forward pass
+        runs, then each layer is gathered into their objects as it comes; they become
+        visible together once the last layer landed. A request L1 cannot hold at once
+        (it would stream through L1 to L2) waits for every layer and returns None: the
+        caller stores it the ordinary way."""
+        n_chunks = ids.n_chunks
+        ids.convert(n_chunks)
+        keys = self._chunk_keys(inst, ids, 0, n_chunks, request_id, cache_salt)
+        plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
+        mover = inst.mover
+        stream = mover.kernel_stream if isinstance(mover, CudaMover) else None
+        told = False
+        try:
+            if keys and not plan.covered and self._tiering is None:
+                raise CapacityError(
+                    f"L1 is full of objects being read; no room for a chunk of "
+                    f"{inst.chunk_nbytes} bytes"
+                )
+            if self._tiering is not None and plan.covered < n_chunks:
+                self.l1.abort(plan)
+                self._publish_evictions(plan, request_id)
+                told = True
+                for layer in range(inst.layout.num_layers):
+                    written.wait_written(layer, stream)
+                return None
+            table = _rows_of(ids.table, [i for i, _ in plan.new])
+            dsts = self.l1.views([o for _, o in plan.new])
+            if isinstance(mover, CudaMover):
+                mover.store_layers(table, dsts, self.chunk_size, written.wait_written)
+            else:
+                cpu_gather_layers(inst.layout, self.chunk_size, table, dsts, written)
+            result = {**self._store_result(inst, plan), "layerwise": True}
+            self._publish_evictions(plan, request_id)
+            told = True
+            op.end(mover.store_stream, **result)
+            mover.wait()
+        except BaseException:
+            self._quiesce(inst)
+            self.l1.abort(plan)
+            if not told:
+                self._publish_evictions(plan, request_id)
+            raise
+        self.l1.commit(plan)
+        self._publish_written(inst, plan, request_id)
         return plan.covered * self.chunk_size
 
     def _stream_chunks(self, nbytes: int) -> int:

@@ -1,8 +1,9 @@
-"""Layer-by-layer retrieves: a prefix copied one layer at a time, each layer signalled.
+"""Layer-by-layer transfers: a prefix copied one layer at a time, each layer signalled.
 
 The engine reads layer i's KV right before layer i's attention, so a retrieve that
-lands layer by layer, in order, lets layer i compute while layer i+1 still copies
-(docs/ENGINE.md, "Layerwise retrieves"). A chunk holds, per layer group,
+lands layer by layer, in order, lets layer i compute while layer i+1 still copies; a
+store that takes layer i as soon as the forward pass wrote it overlaps the rest of the
+pass (docs/ENGINE.md, "Layerwise retrieves" and "Layerwise stores"). A chunk holds, per layer group,
 [kv, layers, tokens, row]: one layer's part of a chunk is `kv_size` runs
 (`KVLayout.layer_parts`), and `KVLayout.layer_layout` is the layout whose chunk is
 exactly those runs back to back, so each layer moves with the ordinary block kernels.
@@ -30,6 +31,16 @@ class LayerSignal(Protocol):
 
     def failed(self, first_layer: int) -> None:
         """The retrieve failed after its reply: layers from `first_layer` on never land."""
+        ...
+
+
+class WrittenSignal(Protocol):
+    """Where a layerwise store learns that the engine wrote a layer."""
+
+    def wait_written(self, layer: int, stream: Any) -> None:
+        """Return once layer `layer` is written; with a `stream` (a TransferStream), work
+        queued on it after this call is also ordered after the engine's writes.
+        Raises (a timeout, a failed engine) when the layer never comes."""
         ...
 
 
@@ -78,3 +89,32 @@ def cpu_scatter_layers(
         )
         moves.launch_trusted(rows, 0, len(srcs))
         ready(layer, None)
+
+
+def cpu_gather_layers(
+    layout: KVLayout,
+    chunk_tokens: int,
+    table: np.ndarray,
+    dsts: HostChunks,
+    written: WrittenSignal,
+) -> None:
+    """Copy each layer of the blocks in `table` (row c: chunk c's blocks) into its runs
+    of `dsts[c]`, layer 0 first, each once `written` says the engine wrote it."""
+    if not len(dsts):
+        return
+    widest = max(layer_bytes(layout, i, chunk_tokens) for i in range(layout.num_layers))
+    buffer = torch.empty(len(dsts) * widest, dtype=torch.uint8)
+    for layer in range(layout.num_layers):
+        written.wait_written(layer, None)
+        parts = layout.layer_parts(layer, chunk_tokens)
+        width = sum(n for _, n in parts)
+        rows = buffer[: len(dsts) * width].view(len(dsts), width)
+        moves = PreparedTransfer.trusted(
+            layout.layer_layout(layer), table, gather=True, backend="cpu"
+        )
+        moves.launch_trusted(rows, 0, len(dsts))
+        at = 0
+        for offset, n in parts:
+            for c in range(len(dsts)):
+                dsts[c][offset : offset + n].copy_(rows[c, at : at + n])
+            at += n

@@ -226,6 +226,59 @@ class CudaMover:
                 self._landed[s][i].record(cs.handle)
             self._held.append((self._groups - 1, call, s, start, stop))
 
+    def store_layers(
+        self,
+        table: np.ndarray,
+        dsts: HostChunks,
+        chunk_tokens: int,
+        written: Callable[[int, TransferStream], None],
+    ) -> None:
+        """Enqueue a store layer by layer: per layer, `written(layer, kernel_stream)`
+        returns once the engine wrote it (ordering the kernel stream after its writes),
+        then one launch per stage of chunks gathers the layer and the copy stream puts
+        its runs into each chunk's L1 object. `table`: checked ids (row c: chunk c's)."""
+        with CurrentContext(self._context):
+            self._store_layers(table, dsts, chunk_tokens, written)
+
+    def _store_layers(
+        self,
+        table: np.ndarray,
+        dsts: HostChunks,
+        chunk_tokens: int,
+        written: Callable[[int, TransferStream], None],
+    ) -> None:
+        cs, ks = self.copy_stream, self.kernel_stream
+        stage_bytes = self.group * self.chunk_nbytes
+        addresses = [dsts.address(c, self.chunk_nbytes) for c in range(len(dsts))]
+        memcpy, handle = libcuda().cuMemcpyAsync, cs.handle  # the context is current here
+        for layer in range(self.layout.num_layers):
+            written(layer, ks)
+            parts = self.layout.layer_parts(layer, chunk_tokens)
+            width = sum(n for _, n in parts)
+            per_stage = max(1, stage_bytes // width)
+            moves = PreparedTransfer.trusted(
+                self.layout.layer_layout(layer), table, gather=True, backend="cuda",
+                stream=ks, id_buffer=self._ids,
+            )  # fmt: skip
+            for start in range(0, len(dsts), per_stage):
+                stop = min(start + per_stage, len(dsts))
+                s = self._groups % self.stages
+                if self._groups >= self.stages:
+                    self._drained[s].wait_on(ks.handle)
+                self._groups += 1
+                rows = self._stage(s, self.group).view(-1)[: (stop - start) * width]
+                moves.launch_trusted(rows.view(stop - start, width), start, stop - start)
+                self._gathered[s].record(ks.handle)
+                self._gathered[s].wait_on(cs.handle)
+                at = rows.data_ptr()
+                for dst in addresses[start:stop]:
+                    for offset, n in parts:
+                        rc = memcpy(dst + offset, at, n, handle)
+                        if rc:
+                            raise libcuda().fail(rc, "cuMemcpyAsync")
+                        at += n
+                self._drained[s].record(cs.handle)
+
     def retrieve_layers(
         self,
         srcs: HostChunks,

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,7 +37,7 @@ from kvflow.core.errors import (
 )
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.kv_streams import KVPoll
-from kvflow.core.server.layers import ClientLayers, LayerwiseLoad
+from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, LayerwiseSave
 from kvflow.core.server.protocol import (
     AdminRequest,
     AllocationRecord,
@@ -212,6 +213,7 @@ class KVFlowClient:
         self._idle: list[_Connection] = []
         self._events: dict[str, _CudaEvents] = {}  # per instance with CUDA caches
         self._layers: dict[str, ClientLayers] = {}  # per instance registered layerwise
+        self._store_sender: ThreadPoolExecutor | None = None
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
         self._stopping = threading.Event()
@@ -525,6 +527,47 @@ class KVFlowClient:
         )
         return self._count(request, (tokens, blocks))
 
+    def store_layerwise(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+        chunk_keys: Sequence[bytes] | None = None,
+    ) -> LayerwiseSave:
+        """A store that takes each layer as soon as the engine wrote it (instance
+        registered with layerwise=True): returns at once; call `layer_done(i)` once the
+        forward pass queued layer i's writes and `wait()` for the tokens stored
+        (docs/ENGINE.md, "Layerwise stores"). The request goes from this client's one
+        sender thread, so its layerwise stores reach the server in the order made."""
+        with self._lock:
+            layers = self._layers.get(instance_id)
+        if layers is None:
+            raise InvalidRequestError(
+                f"instance {instance_id!r} was not registered by this client with layerwise=True"
+            )
+        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
+        blocks = as_int32_array(block_ids, "block_ids")
+        with layers.store_lock:
+            seq = layers.next_store_seq()
+            request = Store(
+                instance_id=instance_id, request_id=request_id, cache_salt=cache_salt,
+                keyed=keyed, layer_seq=seq,
+            )  # fmt: skip
+            reply = self._sender().submit(self._count, request, (tokens, blocks))
+        return LayerwiseSave(layers, seq, reply)
+
+    def _sender(self) -> ThreadPoolExecutor:
+        """The thread layerwise stores are sent from (made on first use)."""
+        with self._lock:
+            if self._closed:
+                raise ProtocolError("the client is closed")
+            if self._store_sender is None:
+                self._store_sender = ThreadPoolExecutor(1, thread_name_prefix="kvflow-store")
+            return self._store_sender
+
     def retrieve(
         self,
         instance_id: str,
@@ -735,10 +778,12 @@ class KVFlowClient:
             if self._closed:
                 return
             self._closed = True
-            heartbeat = self._heartbeat
+            heartbeat, sender = self._heartbeat, self._store_sender
         self._stopping.set()
         if heartbeat is not None:
             heartbeat.join()
+        if sender is not None:  # layerwise stores already sent finish (or time out) first
+            sender.shutdown(wait=True)
         with self._lock:
             connections, self._connections, self._idle = self._connections, set(), []
         for conn in connections:

@@ -1,4 +1,4 @@
-"""Layerwise retrieves across processes: one completion point per layer the engine waits on.
+"""Layerwise retrieves and stores across processes: one completion point per layer and way.
 
 Every instance registered with `layerwise=True` has one int64 flag per layer in shared
 memory: the server writes a retrieve's sequence number there once that layer's copies
@@ -11,12 +11,22 @@ rarely waits) and then, on CUDA, makes the engine's stream wait on layer i's eve
 wait on the GPU. Sequence numbers grow per instance and the server serves one
 instance's retrieves in order, so a flag at or past a retrieve's number means its layer
 was marked.
+
+Stores go the other way with a second flag and (CUDA) a second event per layer: the
+engine marks layer i written once its forward pass queued layer i's KV writes
+(`LayerwiseSave.layer_done`: the event recorded on its stream, then the flag set to the
+store's number), and the server, which has had the store request since the first layer,
+gathers layer i once the flag says so, its stream waiting on the event. The flags are
+one shared array, `num_layers` retrieve flags then `num_layers` store flags, and the
+events one list in the same order.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -28,6 +38,38 @@ from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, TensorDesc
 FLAG_BYTES = 8
 #: seconds between polls of a CPU layer flag once spinning found it unset
 POLL_S = 50e-6
+#: the longest a layerwise store waits for the engine to mark one layer written (an engine
+#: that died mid-forward must not hold its instance's worker for ever)
+STORE_LAYER_TIMEOUT_S = 60.0
+
+
+def _wait_flag(
+    flags: torch.Tensor,
+    layer: int,
+    seq: int,
+    timeout_s: float,
+    what: str,
+    cancelled: Callable[[], bool] | None = None,
+) -> float:
+    """Poll `flags[layer]` until it reaches `seq` (or a later one's marks); returns the
+    seconds waited. TransferError at `-seq` or once `cancelled()`, RequestTimeoutError
+    after `timeout_s`."""
+    started = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while True:
+        value = int(flags[layer])
+        if value >= seq or -value > seq:
+            return time.perf_counter() - started
+        if value == -seq:
+            raise TransferError(f"the layerwise {what} failed before layer {layer}")
+        if cancelled is not None and cancelled():
+            raise TransferError(f"the layerwise {what} was cancelled waiting for layer {layer}")
+        if time.monotonic() > deadline:
+            raise RequestTimeoutError(f"layer {layer} was not marked within {timeout_s:g} s")
+        spins += 1
+        if spins > 100:
+            time.sleep(POLL_S)
 
 
 class ClientLayers:
@@ -36,34 +78,52 @@ class ClientLayers:
     def __init__(self, num_layers: int, cuda_device: int | None) -> None:
         self.num_layers = num_layers
         self.device = cuda_device
+        #: retrieve events, then store events (CUDA caches)
         self.events: list[torch.cuda.Event] = []
         if cuda_device is not None:
             from kvflow.core.server.ipc import make_interprocess_event
 
             with torch.cuda.device(cuda_device):
-                self.events = [make_interprocess_event() for _ in range(num_layers)]
+                self.events = [make_interprocess_event() for _ in range(2 * num_layers)]
                 for event in self.events:  # an event must be recorded once to be shared
                     event.record(torch.cuda.current_stream(cuda_device))
         from kvflow.core.server.shm import empty_shared
 
-        self._raw = empty_shared(num_layers * FLAG_BYTES, torch.uint8)
-        self._raw.zero_()
-        self.flags = self._raw.view(torch.int64)
-        self._seq = 0
+        self.raw = empty_shared(2 * num_layers * FLAG_BYTES, torch.uint8)
+        self.raw.zero_()
+        self.flags = self.raw.view(torch.int64)[:num_layers]
+        self.store_flags = self.raw.view(torch.int64)[num_layers:]
+        self._seq = self._store_seq = 0
         #: held from numbering a retrieve until its reply: numbers reach the server in order
         self.lock = threading.Lock()
+        #: held while numbering a store and handing it to the sender, and while marking
+        self.store_lock = threading.Lock()
 
     def wire(self) -> tuple[list[bytes] | None, TensorDesc]:
         """(event IPC handles or None, flags description) for the Register request."""
         from kvflow.core.server.sharing import describe_tensor
 
         handles = [bytes(e.ipc_handle()) for e in self.events] if self.events else None
-        return handles, describe_tensor(self._raw, "layer flags")
+        return handles, describe_tensor(self.raw, "layer flags")
 
     def next_seq(self) -> int:
         """The next retrieve's number (call with `lock` held)."""
         self._seq += 1
         return self._seq
+
+    def next_store_seq(self) -> int:
+        """The next layerwise store's number (call with `store_lock` held)."""
+        self._store_seq += 1
+        return self._store_seq
+
+    def mark_written(self, layer: int, seq: int) -> None:
+        """Layer `layer`'s KV is written (its writes queued on torch's current stream, on
+        CUDA) for every store up to number `seq`: record the layer's store event, then
+        raise its flag (call with `store_lock` held)."""
+        if self.events:
+            self.events[self.num_layers + layer].record(torch.cuda.current_stream(self.device))
+        if int(self.store_flags[layer]) < seq:
+            self.store_flags[layer] = seq
 
 
 class LayerwiseLoad:
@@ -92,23 +152,9 @@ class LayerwiseLoad:
             return
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
-        started = time.perf_counter()
-        deadline = time.monotonic() + self._timeout_s
-        spins = 0
-        while True:
-            value = int(layers.flags[layer])
-            if value >= self._seq or -value > self._seq:
-                break
-            if value == -self._seq:
-                raise TransferError(f"the layerwise retrieve failed before layer {layer} landed")
-            if time.monotonic() > deadline:
-                raise RequestTimeoutError(
-                    f"layer {layer} did not land within {self._timeout_s:g} s"
-                )
-            spins += 1
-            if spins > 100:
-                time.sleep(POLL_S)
-        self.waited_s[layer] = time.perf_counter() - started
+        self.waited_s[layer] = _wait_flag(
+            layers.flags, layer, self._seq, self._timeout_s, "retrieve"
+        )
         if layers.events:
             stream = torch.cuda.current_stream(layers.device)
             before = torch.cuda.Event(enable_timing=True)
@@ -145,20 +191,30 @@ class ServerLayers:
 
     def __init__(self, num_layers: int, events: list[Any] | None, flags: torch.Tensor) -> None:
         count = flags.numel() / FLAG_BYTES
-        if count != num_layers or flags.dtype != torch.uint8 or flags.dim() != 1:
+        if count != 2 * num_layers or flags.dtype != torch.uint8 or flags.dim() != 1:
             raise InvalidRequestError(
                 f"layerwise registration gives {count:g} layer flags for {num_layers} layers"
+                " (one per layer for retrieves, one for stores)"
             )
-        if events is not None and len(events) != num_layers:
+        if events is not None and len(events) != 2 * num_layers:
             raise InvalidRequestError(
-                f"layerwise registration gives {len(events)} layer events for {num_layers} layers"
+                f"layerwise registration gives {len(events)} layer events for {num_layers}"
+                " layers (one per layer for retrieves, one for stores)"
             )
-        self.events = events
-        self.flags = flags.view(torch.int64)
+        self.num_layers = num_layers
+        self.events = events[:num_layers] if events is not None else None
+        self.store_events = events[num_layers:] if events is not None else None
+        self.flags = flags.view(torch.int64)[:num_layers]
+        self.store_flags = flags.view(torch.int64)[num_layers:]
 
     def signal(self, seq: int) -> LayerMarks:
         """The engine-side signal of retrieve number `seq`."""
         return LayerMarks(self, seq)
+
+    def store_waits(self, seq: int, cancelled: Callable[[], bool]) -> WrittenLayers:
+        """What the engine waits on for layerwise store number `seq` (given up once
+        `cancelled()`: the instance is going)."""
+        return WrittenLayers(self, seq, cancelled)
 
 
 class LayerMarks:
@@ -176,6 +232,24 @@ class LayerMarks:
 
     def failed(self, first_layer: int) -> None:
         self._layers.flags[first_layer:] = -self._seq
+
+
+class WrittenLayers:
+    """A `WrittenSignal` (kvflow.core.engine.layerwise) for one layerwise store: waits
+    until the engine marked a layer written, then orders the gather after its writes."""
+
+    def __init__(self, layers: ServerLayers, seq: int, cancelled: Callable[[], bool]) -> None:
+        self._layers = layers
+        self._seq = seq
+        self._cancelled = cancelled
+
+    def wait_written(self, layer: int, stream: Any) -> None:
+        layers = self._layers
+        _wait_flag(
+            layers.store_flags, layer, self._seq, STORE_LAYER_TIMEOUT_S, "store", self._cancelled
+        )
+        if layers.store_events is not None and stream is not None:
+            layers.store_events[layer].wait(stream.torch)
 
 
 def open_server_layers(
@@ -200,10 +274,10 @@ def open_server_layers(
         assert cuda_device is not None
         from kvflow.core.server.ipc import open_interprocess_event
 
-        if len(event_handles) != num_layers:
+        if len(event_handles) != 2 * num_layers:
             raise InvalidRequestError(
                 f"layerwise registration gives {len(event_handles)} layer events for"
-                f" {num_layers} layers"
+                f" {num_layers} layers (one per layer for retrieves, one for stores)"
             )
         events = [open_interprocess_event(h, cuda_device) for h in event_handles]
     from kvflow.core.server.sharing import open_kv_caches
@@ -214,3 +288,34 @@ def open_server_layers(
     except BaseException:
         opened.release()
         raise
+
+
+class LayerwiseSave:
+    """A layerwise store on its way: the server has (or is being sent) the request and
+    gathers each layer once `layer_done` marks it; `wait()` gives the stored tokens."""
+
+    def __init__(self, layers: ClientLayers, seq: int, reply: Future[int]) -> None:
+        self._layers = layers
+        self._seq = seq
+        #: the store's reply: the tokens held, or the error it failed with
+        self.reply = reply
+        self._marked: set[int] = set()
+
+    def layer_done(self, layer: int) -> None:
+        """Layer `layer`'s KV is written (CUDA: its writes are queued on torch's current
+        stream, which the server's gather waits for on the GPU)."""
+        layers = self._layers
+        if not 0 <= layer < layers.num_layers:
+            raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
+        if layer in self._marked:
+            return
+        with layers.store_lock:
+            layers.mark_written(layer, self._seq)
+        self._marked.add(layer)
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Mark the layers not marked yet (the forward pass is over), then wait for the
+        store's reply: tokens held, as `store` returns; raises what the store raised."""
+        for layer in range(self._layers.num_layers):
+            self.layer_done(layer)
+        return self.reply.result(timeout_s)

@@ -150,6 +150,9 @@ class Store(Request, tag="store"):
     instance_id: str
     request_id: str
     cache_salt: str | None = None
+    #: > 0: a layerwise store with this number (kvflow.core.server.layers): each layer is
+    #: copied once the engine marks it written; the reply comes when all are stored
+    layer_seq: int = 0
     #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
     keyed: bool = False
 

@@ -45,7 +45,7 @@ from kvflow.core.errors import (
 from kvflow.core.server.admin import AdminAuth, AdminOps, DrainState
 from kvflow.core.server.curve import CurveServer
 from kvflow.core.server.kv_streams import KVSubscriptions
-from kvflow.core.server.layers import LayerMarks, ServerLayers, open_server_layers
+from kvflow.core.server.layers import ServerLayers, open_server_layers
 from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
@@ -160,8 +160,9 @@ def _check_exposure(config: ServerConfig) -> None:
     )
 
 
-def _layer_signal(reg: _Registration, request: Retrieve) -> LayerMarks | None:
-    """The marks of a layerwise retrieve (request.layer_seq > 0), else None."""
+def _layers_of(reg: _Registration, request: Store | Retrieve) -> ServerLayers | None:
+    """The instance's completion points when `request` is layerwise (layer_seq > 0), else
+    None; InvalidRequestError for a bad number or an instance registered without them."""
     seq = request.layer_seq
     if seq == 0:
         return None
@@ -170,9 +171,9 @@ def _layer_signal(reg: _Registration, request: Retrieve) -> LayerMarks | None:
     if reg.layers is None:
         raise InvalidRequestError(
             f"instance {reg.instance_id!r} was registered without layerwise=True: it has no"
-            " per-layer completion points for a layerwise retrieve"
+            f" per-layer completion points for a layerwise {type(request).__name__.lower()}"
         )
-    return reg.layers.signal(seq)
+    return reg.layers
 
 
 def _cuda_ipc_mappings() -> int:
@@ -258,6 +259,8 @@ class _Registration:
     #: per-layer completion points of layerwise retrieves, and what maps them
     layers: ServerLayers | None = None
     layers_opened: Any = None
+    #: set once the instance is being unregistered (read by a layerwise store's waits)
+    retiring: bool = False
     registered_at: float = field(default_factory=time.monotonic)
 
     def release(self) -> None:
@@ -714,8 +717,9 @@ class KVFlowServer:
 
         def run() -> Reply | None:
             try:
+                layers = _layers_of(reg, request)
                 if isinstance(request, Store):
-                    if reg.event is not None:  # the engine's KV writes must be done first
+                    if reg.event is not None and layers is None:  # the engine's writes first
                         reg.event.synchronize()
                     value = self.engine.store(
                         reg.instance_id,
@@ -724,9 +728,13 @@ class KVFlowServer:
                         request_id=request.request_id,
                         cache_salt=request.cache_salt,
                         chunk_keys=keys,
+                        layers=(
+                            layers.store_waits(request.layer_seq, lambda: reg.retiring)
+                            if layers
+                            else None
+                        ),
                     )
                 else:
-                    layers = _layer_signal(reg, request)
                     early = reg.retrieved is not None or layers is not None
                     value = self.engine.retrieve(
                         reg.instance_id,
@@ -737,7 +745,7 @@ class KVFlowServer:
                         cache_salt=request.cache_salt,
                         enqueued=answer_early if early else None,
                         chunk_keys=keys,
-                        layers=layers,
+                        layers=layers.signal(request.layer_seq) if layers else None,
                     )
             except Exception as exc:
                 self._count_error()
@@ -878,7 +886,9 @@ class KVFlowServer:
     def _retire(
         self, reg: _Registration, identity: bytes | None, request_id: int, started: int
     ) -> None:
-        """Unregister `reg` on its worker after its queued jobs, releasing its memory there."""
+        """Unregister `reg` on its worker after its queued jobs, releasing its memory there
+        (a layerwise store waiting for the engine's layers gives up at once)."""
+        reg.retiring = True
         with self._registrations_lock:
             if self._registrations.get(reg.instance_id) is reg:
                 del self._registrations[reg.instance_id]

@@ -267,7 +267,9 @@ class KVFlowConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing per layer: wait_for_save stores every layer of the planned chunks."""
+        """Layerwise: hand the layer the forward pass just wrote to the step's stores."""
+        if self._worker is not None:
+            self._worker.layer_written(layer_name, self._plan())
 
     def wait_for_save(self) -> None:
         plan = self._plan()

@@ -5,7 +5,9 @@ KV caches as instance `<prefix>-rank<r>`. Loads start in `start_load_kv`: whole
 (they have landed when it returns) or, layerwise, returning once the server has the
 request, each layer then waited for in `wait_layer` right before its attention reads
 it. Stores run in `wait_for_save` (after the forward pass wrote the cache), once the
-step's layerwise loads are all waited for. A load that falls short or fails reports
+step's layerwise loads are all waited for; layerwise, they start at the step's first
+`layer_written` (vLLM's `save_kv_layer`), take each layer as the pass writes it, and
+`wait_for_save` only waits for their replies. A load that falls short or fails reports
 the blocks it did not fill through `take_load_errors`, so vLLM recomputes them. A
 failed store is only a future miss: it is logged, never raised.
 """
@@ -19,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvflow.core import KVFlowClient
-from kvflow.core.server.layers import LayerwiseLoad
+from kvflow.core.server.layers import LayerwiseLoad, LayerwiseSave
 from kvflow.core.server.shm import shared_memory_of
 from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.layout import KV_FORMAT, kvflow_views, split_for_device
-from kvflow.integrations.vllm.plan import LoadSpec, StepPlan
+from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvflow.integrations.vllm.shared_kv import SharedKV
 
 log = logging.getLogger("kvflow.integrations.vllm")
@@ -66,6 +68,9 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         #: this step's layerwise loads still to be waited for, with their plans
         self._pending: list[tuple[LayerwiseLoad, LoadSpec]] = []
+        #: this step's layerwise stores (started at its first written layer), by plan
+        self._saves: list[tuple[LayerwiseSave, StoreSpec]] = []
+        self._saves_started = False
         self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvflow-report")
         #: tokens retrieved and stored by this worker, for tests and logs
         self.loaded_tokens = 0
@@ -194,12 +199,44 @@ class WorkerSide:
             self._reports.submit(self._report_waits, load, spec.req_id)
         self._pending = []
 
+    def layer_written(self, layer_name: str, plan: StepPlan | None) -> None:
+        """vLLM's forward pass queued the named layer's KV writes: hand the layer to the
+        step's layerwise stores, which start at the step's first written layer."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._layerwise or not self.registered or plan is None:
+            return
+        if not self._saves_started:
+            self._saves_started = True
+            for spec in plan.stores:
+                try:
+                    save = self._client.store_layerwise(
+                        self.instance_id, spec.token_ids, spec.block_ids,
+                        request_id=spec.req_id, cache_salt=spec.cache_salt,
+                    )  # fmt: skip
+                except Exception as exc:  # stored whole in `save` instead
+                    log.warning("kvflow: layerwise store for %s failed: %s", spec.req_id, exc)
+                    continue
+                self._saves.append((save, spec))
+        for save, _ in self._saves:
+            save.layer_done(layer)
+
     def save(self, plan: StepPlan) -> None:
-        """Store every planned prompt chunk (after `finish_loads`); rank 0 reports the
-        step's block allocations."""
+        """Store every planned prompt chunk (after `finish_loads`): wait for the step's
+        layerwise stores, store the rest whole; rank 0 reports the step's block
+        allocations."""
+        saves, self._saves, self._saves_started = self._saves, [], False
         if not self.registered:
             return
+        layered = set()
+        for save, spec in saves:
+            layered.add(id(spec))
+            try:
+                self.stored_tokens += save.wait(self.config.timeout_s)
+            except Exception as exc:
+                log.warning("kvflow: layerwise store for %s failed: %s", spec.req_id, exc)
         for spec in plan.stores:
+            if id(spec) in layered:
+                continue
             try:
                 self.stored_tokens += self._client.store(
                     self.instance_id,

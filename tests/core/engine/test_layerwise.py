@@ -119,3 +119,58 @@ def test_a_bad_block_id_fails_before_any_layer_and_writes_nothing() -> None:
     assert torch.equal(block_bytes(dst, dst_kw, DST_BLOCKS), before)
     assert engine.retrieve("dst", TOKENS, DST_BLOCKS, request_id="r2") == 3 * CHUNK
     engine.close()
+
+
+class Forward:
+    """A WrittenSignal playing the forward pass: when the store asks for layer i it first
+    writes layer i's KV into the source blocks, as a layer's attention would just before
+    its mark, and records the order it was asked in."""
+
+    def __init__(self, caches: Any, blocks: list[int], seed: int) -> None:
+        self.caches, self.blocks = caches, blocks
+        gen = torch.Generator().manual_seed(seed)
+        self.kv = [torch.randn(c[:, blocks].shape, generator=gen).to(c.dtype) for c in caches]
+        self.asked: list[int] = []
+
+    def wait_written(self, layer: int, stream: Any) -> None:
+        assert stream is None  # CPU caches
+        self.caches[layer][:, self.blocks] = self.kv[layer]
+        self.asked.append(layer)
+
+
+def test_a_layerwise_store_takes_each_layer_as_written() -> None:
+    """Each layer is read after its signal returned (the data written at that moment is
+    what was stored), in order; the chunks read back bit-exact; END says layerwise."""
+    engine, recorder = small_engine()
+    src, src_kw = caches("vllm_flash_attn", seed=1)
+    dst, dst_kw = caches("vllm_flash_attn", seed=2)
+    engine.register_kv_caches("src", src, model_name="m", **src_kw)
+    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    forward = Forward(src, SRC_BLOCKS[:6], seed=3)
+    assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w", layers=forward) == 3 * CHUNK
+    assert forward.asked == list(range(len(src)))
+    assert engine.retrieve("dst", TOKENS, DST_BLOCKS, request_id="r") == 3 * CHUNK
+    for layer in range(len(src)):
+        assert torch.equal(dst[layer][:, DST_BLOCKS[:6]], forward.kv[layer])
+    ends = [e for e in events_of(recorder, engine) if e.type is EventType.STORE_END]
+    assert ends[0].attrs["layerwise"] is True and ends[0].attrs["held_tokens"] == 3 * CHUNK
+    engine.close()
+
+
+def test_a_layerwise_store_that_fails_midway_leaves_nothing_visible() -> None:
+    """An engine that never marks layer 1: the store fails, no chunk is visible, and a
+    plain store of the same request works afterwards."""
+    engine, _ = small_engine()
+    src, src_kw = caches("vllm_flash_attn", seed=1)
+    engine.register_kv_caches("src", src, model_name="m", **src_kw)
+
+    class Dies:
+        def wait_written(self, layer: int, stream: Any) -> None:
+            if layer == 1:
+                raise TimeoutError("layer 1 was not marked")
+
+    with pytest.raises(Exception, match="layer 1"):
+        engine.store("src", TOKENS, SRC_BLOCKS, request_id="w", layers=Dies())
+    assert engine.lookup(TOKENS, model_name="m") == 0
+    assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w2") == 3 * CHUNK
+    engine.close()

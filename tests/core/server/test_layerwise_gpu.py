@@ -60,3 +60,45 @@ def test_each_layer_is_read_only_after_its_copy() -> None:
                 assert all(torch.equal(c[:, dst], w) for c, w in zip(caches, want, strict=True))
     finally:
         assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_a_layerwise_store_reads_each_layer_after_its_writes() -> None:
+    """Each layer is written on the engine's stream behind a GPU sleep, then marked: the
+    server's gather must wait for it on the GPU (its event), so what is stored is what
+    the stream wrote, not what the blocks held when the mark was set on the host."""
+    import torch
+
+    from kvflow.core import KVFlowClient
+    from tests.core.server.test_server import ServerProcess
+
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "1.5")
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        caches = [
+            torch.zeros(2, NB, BS, NH, HS, device="cuda", dtype=torch.bfloat16) for _ in range(NL)
+        ]
+        src = list(range(PREFIX_BLOCKS))
+        dst = list(range(PREFIX_BLOCKS, 2 * PREFIX_BLOCKS))
+        tokens = list(range(PREFIX_BLOCKS * BS))
+        want = [
+            torch.randn(2, PREFIX_BLOCKS, BS, NH, HS, device="cuda", generator=gen,
+                        dtype=torch.bfloat16)
+            for _ in range(NL)
+        ]  # fmt: skip
+        torch.cuda.synchronize()
+        with KVFlowClient(srv.endpoint, timeout_s=120) as client:
+            client.register_kv_caches("lws", caches, model_name="m", layerwise=True)
+            save = client.store_layerwise("lws", tokens, src, request_id="s")
+            for layer in range(NL):
+                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the layer's write
+                caches[layer][:, src] = want[layer]
+                save.layer_done(layer)
+            assert save.wait(60) == len(tokens)
+            assert client.retrieve("lws", tokens, dst, request_id="r") == len(tokens)
+            torch.cuda.synchronize()
+            bad = [i for i in range(NL) if not torch.equal(caches[i][:, dst], want[i])]
+            assert not bad, f"layers stored before their writes: {bad}"
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)

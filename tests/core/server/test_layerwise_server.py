@@ -94,8 +94,7 @@ def test_flags_tell_landed_failed_and_late_apart() -> None:
     """A flag at the retrieve's number (or a later one) means landed, its negative means
     failed from that layer on, and an unset flag times out naming the layer."""
     client_side = ClientLayers(3, None)
-    assert client_side.flags is not None
-    raw = client_side.flags.view(torch.uint8)
+    raw = client_side.raw
     marks = ServerLayers(3, None, raw).signal(2)
     marks.ready(0, None)
     marks.failed(1)
@@ -111,3 +110,51 @@ def test_flags_tell_landed_failed_and_late_apart() -> None:
         late.wait_layer(0)
     with pytest.raises(InvalidRequestError):
         ServerLayers(4, None, raw)
+
+
+def test_a_layerwise_store_copies_each_layer_once_marked(endpoint: str) -> None:
+    """The server holds a layerwise store until the engine marks each layer; a layer
+    written after the request went (but before its mark) is stored as written then;
+    nothing is visible before the last layer, and everything is after the reply."""
+    client = KVFlowClient(endpoint)
+    src, dst = _caches(5), _caches(6)
+    client.register_kv_caches("st-src", src, model_name="st", block_size=BS, layerwise=True)
+    client.register_kv_caches("st-dst", dst, model_name="st", block_size=BS)
+    tokens = np.arange(50_000, 50_000 + 4 * CHUNK, dtype=np.int32)
+    for t in src:
+        t[:, SRC].zero_()
+    save = client.store_layerwise("st-src", tokens, SRC[:8], request_id="ls")
+    want = _caches(7)  # what the forward pass writes, layer by layer
+    for layer in range(NL):
+        src[layer][:, SRC[:8]] = want[layer][:, SRC[:8]]
+        save.layer_done(layer)
+        if layer == NL // 2:  # half the layers marked: the store is still running
+            time.sleep(0.2)
+            assert client.lookup(tokens, model_name="st") == 0
+    assert save.wait(30) == 4 * CHUNK
+    assert client.retrieve("st-dst", tokens, DST[:8], request_id="back") == 4 * CHUNK
+    for layer in range(NL):
+        assert torch.equal(_layer(dst, layer, DST[:8]), _layer(want, layer, SRC[:8]))
+    with pytest.raises(InvalidRequestError, match="layerwise=True"):
+        client.store_layerwise("st-dst", tokens, DST[:8], request_id="no")
+    client.close()
+
+
+def test_a_store_whose_layers_never_come_ends_with_its_instance(endpoint: str) -> None:
+    """An engine that stops marking layers (it died mid-forward) holds its store only
+    until its instance goes: the store fails naming the layer, nothing becomes visible,
+    and the server serves the instance registered again."""
+    client = KVFlowClient(endpoint)
+    src = _caches(8)
+    client.register_kv_caches("st-dead", src, model_name="dead", block_size=BS, layerwise=True)
+    tokens = np.arange(60_000, 60_000 + 2 * CHUNK, dtype=np.int32)
+    save = client.store_layerwise("st-dead", tokens, SRC[:4], request_id="dead")
+    save.layer_done(0)
+    time.sleep(0.2)  # the server waits for layer 1
+    client.unregister("st-dead")
+    with pytest.raises(TransferError, match="layer 1"):
+        save.reply.result(30)
+    assert client.lookup(tokens, model_name="dead") == 0
+    client.register_kv_caches("st-dead", src, model_name="dead", block_size=BS, layerwise=True)
+    assert client.store("st-dead", tokens, SRC[:4], request_id="alive") == 2 * CHUNK
+    client.close()

@@ -503,3 +503,37 @@ def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str) -> None:
     finally:
         writer.shutdown()
         reader.shutdown()
+
+
+def test_layerwise_stores_take_each_layer_as_vllm_writes_it(endpoint: str) -> None:
+    """save_kv_layer's layers start the step's layerwise stores and mark each layer;
+    wait_for_save only waits: what each layer held when marked is what was stored."""
+    writer = WorkerSide(
+        _config(endpoint, layerwise=True), model_name=MODEL, world_size=1, rank=0,
+        instance_id="lws-w-rank0",
+    )  # fmt: skip
+    reader = WorkerSide(
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="lws-r-rank0"
+    )
+    try:
+        src_caches, dst_caches = _vllm_cpu_caches(), _vllm_cpu_caches()
+        writer.register(src_caches, BLOCK)
+        reader.register(dst_caches, BLOCK)
+        src, dst = kvflow_views(src_caches, "rows"), kvflow_views(dst_caches, "rows")
+        prompt = np.arange(7000, 7000 + 2 * CHUNK, dtype=np.int32)
+        a_blocks, b_blocks = [2, 5, 8, 6], [16, 17, 18, 19]
+        plan = StepPlan(stores=[StoreSpec("a", prompt, a_blocks)])
+        written = []
+        for name, view in zip(src_caches, src, strict=True):  # the forward pass, layer by layer
+            view[:, a_blocks].copy_(torch.randn_like(view[:, a_blocks]))
+            written.append(view[:, a_blocks].clone())
+            writer.layer_written(name, plan)
+        writer.save(plan)
+        assert writer.stored_tokens == 2 * CHUNK
+        reader.load(StepPlan(loads=[LoadSpec("b", prompt, b_blocks, skip_tokens=0)]))
+        assert reader.take_load_errors() == set()
+        for layer, view in enumerate(dst):
+            assert torch.equal(view[:, b_blocks], written[layer])
+    finally:
+        writer.shutdown()
+        reader.shutdown()

@@ -112,7 +112,11 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
     # it runs only with a metric reader: the Prometheus endpoint on a free port
     l0_all = ("--l0-sample-rate", "1", "--prometheus-port", str(free_port()))
     with running_server(CHUNK, tmp_path / "server.log", l0_all) as endpoint:
-        first, log1 = _engine(python, model, [prompt, other], tmp_path, "engine1", endpoint)
+        # both engines go layer by layer: the first stores each layer as its forward pass
+        # writes it (save_kv_layer), the second waits for each loaded layer
+        first, log1 = _engine(
+            python, model, [prompt, other], tmp_path, "engine1", endpoint, layerwise=True
+        )
         assert _matched(log1) == [(0, PROMPT_TOKENS)] * 2, log1[-4000:]
         assert "through shared memory (allocated there)" in log1, "CPU KV not allocated shared"
         activity = _activity(endpoint)
@@ -123,7 +127,6 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
         lifetime = activity["l0_histograms"].get("lifetime", {})
         assert lifetime.get("count", 0) > 0, activity["l0_histograms"]
 
-        # the second engine loads layer by layer: each attention layer waits for its own
         second, log2 = _engine(
             python, model, [longer], tmp_path, "engine2", endpoint, layerwise=True
         )
