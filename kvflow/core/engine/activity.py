@@ -170,7 +170,10 @@ class ActivityTally:
                 self._wait_max = max(self._wait_max, wait)
 
     def _layer_waits(self) -> dict[str, Any]:
-        """The layer-wait totals and quantiles (call with the lock held)."""
+        """The layer-wait totals and quantiles, empty before the first report (call with
+        the lock held)."""
+        if not self._waits:
+            return {}
         out: dict[str, Any] = dict(self._waits)
         out["sum_s"], out["max_s"] = self._wait_sum, self._wait_max
         for q in QUANTILES:

@@ -36,6 +36,7 @@ def _workload() -> EventScript:
     s.add(EventType.L2_EVICT, 0.9, tier="disk", chunks=1, bytes=40)
     s.add(EventType.L2_EVICT, 0.9, tier="redis", chunks=1, bytes=10)
     s.allocate(1.0, ("r1", [1, 2], [7] * 32), ("r2", [3], [8] * 16))
+    s.add(EventType.LAYER_WAIT, 1.1, "r1", waits_s=[0.0, 0.003], layers=2, stalled_layers=1)
     return s
 
 
@@ -43,7 +44,13 @@ def test_snapshot_reports_every_total_and_what_is_in_flight() -> None:
     """One snapshot: per-operation totals, hits by tier, in-flight counts, L1, L2 per tier, L0."""
     tally = ActivityTally()
     tally.on_events(_workload().events)
-    assert tally.snapshot() == {
+    snapshot = tally.snapshot()
+    # two layer waits, 0 and 3 ms: quantiles interpolated in their buckets, capped at max
+    assert snapshot.pop("layer_waits") == pytest.approx(
+        {"reports": 1, "stalled_layers": 1, "layers": 2, "sum_s": 0.003, "max_s": 0.003,
+         "p50_s": 1e-5, "p90_s": 0.003, "p99_s": 0.003}
+    )  # fmt: skip
+    assert snapshot == {
         "ops": {
             "store": {"requests": 1, "errors": 0, "tokens": 512, "bytes": 2048},
             "retrieve": {"requests": 1, "errors": 1, "tokens": 64, "bytes": 256},
@@ -86,6 +93,7 @@ def test_a_fresh_tally_reports_zero_and_snapshots_are_copies() -> None:
         "l1": {},
         "l2": {},
         "l0": {},
+        "layer_waits": {},
     }
     tally.on_events(_workload().events)
     assert empty["ops"]["store"] == {} and empty["l2"] == {} and empty["inflight"] == {}

@@ -105,7 +105,16 @@ def test_the_engines_pipeline_serves_its_metrics_and_activity(attached: list[Eve
         'kvflow_l2_usage_bytes{tier="disk"} 777.0'
     ]
     assert status is not None
-    assert set(status) == {"monotonic_s", "ops", "inflight", "l1", "l2", "l0", "l0_histograms"}
+    assert set(status) == {
+        "monotonic_s",
+        "ops",
+        "inflight",
+        "l1",
+        "l2",
+        "l0",
+        "l0_histograms",
+        "layer_waits",
+    }
     assert isinstance(status["monotonic_s"], float)
     store = status["ops"]["store"]
     assert (store["requests"], store["errors"], store["tokens"]) == (2, 1, 512)
