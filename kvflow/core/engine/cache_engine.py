@@ -2,7 +2,7 @@
 
 Thread-safe: lookup/status may run while stores and retrieves of different
 instances run on other threads; one instance's transfers are serialised by its
-lock. Every operation is observed through START/END event pairs on the bus.
+lock, which an op gives up while it waits on an L2 tier (`_unlocked`). Every operation is observed through START/END event pairs on the bus.
 """
 
 from __future__ import annotations
@@ -330,6 +330,24 @@ class CacheEngine:
         """After a failure: let enqueued copies finish before their memory is reused."""
         with contextlib.suppress(Exception):
             inst.mover.wait()
+
+    @contextlib.contextmanager
+    def _unlocked(self, inst: Instance) -> Iterator[None]:
+        """Let the instance's other transfers run while this one waits on I/O (an L2 load):
+        the caller holds `inst.lock` with its mover idle (every copy it queued landed).
+        Once the lock is taken back, an instance unregistered meanwhile fails the op."""
+        inst.lock.release()
+        try:
+            yield
+        finally:
+            inst.lock.acquire()
+        with self._lock:
+            gone = self._instances.get(inst.instance_id) is not inst
+        if gone:
+            raise UnknownInstanceError(
+                f"instance {inst.instance_id!r} was unregistered while its transfer waited"
+                " for an L2 tier"
+            )
 
     @contextlib.contextmanager
     def _transfer(self, inst: Instance, op: Op, **failed: Any) -> Iterator[None]:
@@ -842,7 +860,10 @@ class CacheEngine:
         receipt = WriteReceipt([t.name for t in self._tiering.tiers])
         done: list[ObjectKey] = [cast(ObjectKey, k) for k in plan.keys[: plan.covered]]
         new = len(plan.new)
-        dropped = self._written(inst, plan, 0, request_id, receipt)
+        # waits for L2 (backlog room, L1 room its writes hold) go without the instance's
+        # lock: the mover is idle between windows
+        with self._unlocked(inst):
+            dropped = self._written(inst, plan, 0, request_id, receipt)
         window = self._stream_chunks(nbytes)
         head = done[:window]  # kept the most recently used: the streamed middle goes first
         n_chunks = ids.n_chunks
@@ -854,7 +875,8 @@ class CacheEngine:
             # refresh the head just before the window's room is made: the write-through's
             # pins have made the chunks it took newer than a head L1 held before this store
             self.l1.release(self.l1.pin_prefix(head))
-            wplan = self._window_plan(keys, nbytes, request_id)
+            with self._unlocked(inst):
+                wplan = self._window_plan(keys, nbytes, request_id)
             if not wplan.covered:
                 break
             try:
@@ -869,7 +891,8 @@ class CacheEngine:
             done.extend(keys[: wplan.covered])
             new += len(wplan.new)
             head = head or done[:window]
-            dropped = self._written(inst, wplan, first, request_id, receipt)
+            with self._unlocked(inst):
+                dropped = self._written(inst, wplan, first, request_id, receipt)
         self._tiering.count_streamed("stores", len(done))
         return self._held(inst, done, new, receipt)
 
@@ -1003,9 +1026,13 @@ class CacheEngine:
                         chunks, tokens = chunks + got[2], tokens + got[3]
                         hit_hashes.extend(k[0] for k in keys[: got[0]])
                     elif keys:
-                        # L1 misses some tier may hold: load them (or wait for their prefetch)
+                        # L1 misses some tier may hold: load them (or wait for their
+                        # prefetch) without the lock, once the L1 part's copies landed
                         assert tiering is not None
-                        fetched = tiering.fetch(keys, inst.chunk_nbytes, request_id)
+                        inst.mover.flush()
+                        inst.mover.wait()
+                        with self._unlocked(inst):
+                            fetched = tiering.fetch(keys, inst.chunk_nbytes, request_id)
                         objs.extend(fetched.pinned)
                         staged = fetched.staged
                         hit_chunks, from_l2 = first + len(fetched.objs), fetched.from_l2
@@ -1074,7 +1101,8 @@ class CacheEngine:
         try:
             hits = list(objs)
             if tiering is not None and first < n_chunks:
-                fetched = tiering.fetch(keys[first:], inst.chunk_nbytes, request_id)
+                with self._unlocked(inst):  # nothing queued yet
+                    fetched = tiering.fetch(keys[first:], inst.chunk_nbytes, request_id)
                 objs.extend(fetched.pinned)
                 staged, from_l2 = fetched.staged, fetched.from_l2
                 hits.extend(fetched.objs)
@@ -1147,7 +1175,8 @@ class CacheEngine:
         span = keys[:window]
         job = tiering.start_fetch(span, nbytes, request_id)
         while True:
-            fetched = tiering.finish_fetch(job, span)
+            with self._unlocked(inst):  # the mover is idle: the last window's copies landed
+                fetched = tiering.finish_fetch(job, span)
             n = len(fetched.objs)
             span = keys[pos + n : pos + n + window] if n == len(span) else []
             if span:  # the next window loads while this one is copied

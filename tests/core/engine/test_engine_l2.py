@@ -338,3 +338,39 @@ def test_a_disk_tier_from_the_config_serves_every_visible_gpu(tmp_path: Path) ->
     finally:
         engine.close()
     assert detail["num_gpus"] == (torch.cuda.device_count() if cuda_available() else 1)
+
+
+def test_a_retrieve_waiting_on_l2_holds_no_lock_the_instance_needs() -> None:
+    """While dst's retrieve of T waits for a stalled tier (T's last four chunks are only in
+    L2), a retrieve of L1-resident chunks into dst's other blocks, a store from dst and a
+    lookup all finish; once the tier answers, T's retrieve lands whole."""
+    tier = FaultyTier(memory_tier())
+    s = Setup(tier, l2_timeout_s=30.0)
+    s.store_then_evict()
+    tier.gate = threading.Event()
+    got: dict[str, int] = {}
+    slow = threading.Thread(
+        target=lambda: got.setdefault("T", s.engine.retrieve("dst", T, DST, request_id="slow"))
+    )
+    slow.start()
+    wait_for(lambda: tier.calls["load"] >= 1)  # the retrieve now waits on the tier
+    others_done = threading.Event()
+    fourth = np.arange(40000, 40000 + 2 * CHUNK, dtype=np.int32)
+
+    def others() -> None:
+        got["OTHER"] = s.engine.retrieve("dst", OTHER[: 2 * CHUNK], [8, 9, 10, 11], request_id="f")
+        got["stored"] = s.engine.store("dst", fourth, [8, 9, 10, 11], request_id="s")
+        got["lookup"] = s.engine.lookup(OTHER, model_name="m")
+        others_done.set()
+
+    threading.Thread(target=others, daemon=True).start()
+    try:
+        assert others_done.wait(10), "the instance's other work waited for the stalled tier"
+        assert slow.is_alive(), "the slow retrieve did not wait for the tier"
+    finally:
+        tier.gate.set()
+        slow.join(10)
+    assert got == {"OTHER": 2 * CHUNK, "stored": 2 * CHUNK, "lookup": N * CHUNK, "T": N * CHUNK}
+    want = block_bytes(s.src, s.src_kw, SRC)
+    assert torch.equal(block_bytes(s.dst, s.dst_kw, DST), want)
+    s.engine.close()
