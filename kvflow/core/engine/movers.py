@@ -8,7 +8,7 @@ kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_st
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -248,35 +248,20 @@ class CudaMover:
         written: Callable[[int, TransferStream], None],
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
-        stage_bytes = self.group * self.chunk_nbytes
         addresses = [dsts.address(c, self.chunk_nbytes) for c in range(len(dsts))]
-        memcpy, handle = libcuda().cuMemcpyAsync, cs.handle  # the context is current here
         for layer in range(self.layout.num_layers):
             written(layer, ks)
-            parts = self.layout.layer_parts(layer, chunk_tokens)
-            width = sum(n for _, n in parts)
-            per_stage = max(1, stage_bytes // width)
             moves = PreparedTransfer.trusted(
                 self.layout.layer_layout(layer), table, gather=True, backend="cuda",
                 stream=ks, id_buffer=self._ids,
             )  # fmt: skip
-            for start in range(0, len(dsts), per_stage):
-                stop = min(start + per_stage, len(dsts))
-                s = self._groups % self.stages
-                if self._groups >= self.stages:
-                    self._drained[s].wait_on(ks.handle)
-                self._groups += 1
-                rows = self._stage(s, self.group).view(-1)[: (stop - start) * width]
-                moves.launch_trusted(rows.view(stop - start, width), start, stop - start)
+            for parts, start, stop, s, rows in self._layer_pieces(
+                layer, len(dsts), chunk_tokens, ks
+            ):
+                moves.launch_trusted(rows, start, stop - start)
                 self._gathered[s].record(ks.handle)
                 self._gathered[s].wait_on(cs.handle)
-                at = rows.data_ptr()
-                for dst in addresses[start:stop]:
-                    for offset, n in parts:
-                        rc = memcpy(dst + offset, at, n, handle)
-                        if rc:
-                            raise libcuda().fail(rc, "cuMemcpyAsync")
-                        at += n
+                self._copy_runs(rows.data_ptr(), addresses[start:stop], parts, to_stage=False)
                 self._drained[s].record(cs.handle)
 
     def retrieve_layers(
@@ -303,37 +288,56 @@ class CudaMover:
         ready: Callable[[int, TransferStream], None],
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
-        stage_bytes = self.group * self.chunk_nbytes
         addresses = [srcs.address(c, self.chunk_nbytes) for c in range(len(srcs))]
-        memcpy, handle = libcuda().cuMemcpyAsync, cs.handle  # the context is current here
         self._after_caller(cs)
         for layer in range(self.layout.num_layers):
-            parts = self.layout.layer_parts(layer, chunk_tokens)
-            width = sum(n for _, n in parts)
-            per_stage = max(1, stage_bytes // width)
             moves = PreparedTransfer.trusted(
                 self.layout.layer_layout(layer), table, skip_blocks, gather=False,
                 backend="cuda", stream=ks, id_buffer=self._ids,
             )  # fmt: skip
-            for start in range(0, len(srcs), per_stage):
-                stop = min(start + per_stage, len(srcs))
-                s = self._groups % self.stages
-                if self._groups >= self.stages:
-                    self._drained[s].wait_on(cs.handle)
-                self._groups += 1
-                rows = self._stage(s, self.group).view(-1)[: (stop - start) * width]
-                at = rows.data_ptr()
-                for src in addresses[start:stop]:
-                    for offset, n in parts:
-                        rc = memcpy(at, src + offset, n, handle)
-                        if rc:
-                            raise libcuda().fail(rc, "cuMemcpyAsync")
-                        at += n
+            for parts, start, stop, s, rows in self._layer_pieces(
+                layer, len(srcs), chunk_tokens, cs
+            ):
+                self._copy_runs(rows.data_ptr(), addresses[start:stop], parts, to_stage=True)
                 self._landed[s][0].record(cs.handle)
                 self._landed[s][0].wait_on(ks.handle)
-                moves.launch_trusted(rows.view(stop - start, width), start, stop - start)
+                moves.launch_trusted(rows, start, stop - start)
                 self._drained[s].record(ks.handle)
             ready(layer, ks)
+
+    def _layer_pieces(
+        self, layer: int, count: int, chunk_tokens: int, reuse: TransferStream
+    ) -> Iterator[tuple[list[tuple[int, int]], int, int, int, torch.Tensor]]:
+        """A layerwise op's pieces of one layer: (the layer's runs in a chunk, first
+        chunk, stop chunk, ring slot, the slot's [chunks, layer bytes] rows), as many
+        chunks a piece as a stage holds; `reuse` waits for a slot's last reader first."""
+        parts = self.layout.layer_parts(layer, chunk_tokens)
+        width = sum(n for _, n in parts)
+        per_stage = max(1, self.group * self.chunk_nbytes // width)
+        for start in range(0, count, per_stage):
+            stop = min(start + per_stage, count)
+            s = self._groups % self.stages
+            if self._groups >= self.stages:
+                self._drained[s].wait_on(reuse.handle)
+            self._groups += 1
+            rows = self._stage(s, self.group).view(-1)[: (stop - start) * width]
+            yield parts, start, stop, s, rows.view(stop - start, width)
+
+    def _copy_runs(
+        self, stage: int, hosts: Sequence[int], parts: list[tuple[int, int]], *, to_stage: bool
+    ) -> None:
+        """Queue on the copy stream, for each chunk (its L1 object's host address), the
+        copies of its layer runs to (or from) its row of a stage starting at `stage`.
+        Straight driver calls: a layer's copies are the most numerous of any op."""
+        memcpy, handle = libcuda().cuMemcpyAsync, self.copy_stream.handle
+        at = stage
+        for host in hosts:
+            for offset, n in parts:
+                dst, src = (at, host + offset) if to_stage else (host + offset, at)
+                rc = memcpy(dst, src, n, handle)
+                if rc:
+                    raise libcuda().fail(rc, "cuMemcpyAsync")
+                at += n
 
     def _scatter_through(self, group: int, *, by_chunk: bool = False) -> None:
         """Queue the held-back scatters of groups up to `group`, oldest first: one launch

@@ -96,6 +96,28 @@ def _int_list(values: Any, where: str) -> list[int]:
         raise InvalidRequestError(f"{where} must be a sequence of integers") from None
 
 
+def _retrieve_request(
+    instance_id: str,
+    token_ids: Any,
+    block_ids: Any,
+    request_id: str,
+    skip_first_n_tokens: int,
+    cache_salt: str | None,
+    chunk_keys: Sequence[bytes] | None,
+) -> tuple[Retrieve, tuple[np.ndarray, np.ndarray]]:
+    """A Retrieve request and its payloads (token ids or chunk keys, block ids)."""
+    tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
+    blocks = as_int32_array(block_ids, "block_ids")
+    request = Retrieve(
+        instance_id=instance_id,
+        request_id=request_id,
+        skip_first_n_tokens=skip_first_n_tokens,
+        cache_salt=cache_salt,
+        keyed=keyed,
+    )
+    return request, (tokens, blocks)
+
+
 def _tokens_or_keys(token_ids: Any, chunk_keys: Any) -> tuple[np.ndarray, bool]:
     """A request's first payload: its token ids, or its chunk keys (then True)."""
     if chunk_keys is None:
@@ -542,12 +564,7 @@ class KVFlowClient:
         forward pass queued layer i's writes and `wait()` for the tokens stored
         (docs/ENGINE.md, "Layerwise stores"). The request goes from this client's one
         sender thread, so its layerwise stores reach the server in the order made."""
-        with self._lock:
-            layers = self._layers.get(instance_id)
-        if layers is None:
-            raise InvalidRequestError(
-                f"instance {instance_id!r} was not registered by this client with layerwise=True"
-            )
+        layers = self._layers_of(instance_id)
         tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
         blocks = as_int32_array(block_ids, "block_ids")
         with layers.store_lock:
@@ -586,16 +603,11 @@ class KVFlowClient:
         are ordered before the work torch's current stream queues after this returns
         (like a torch op: read the blocks on the host only after synchronizing it).
         """
-        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
-        blocks = as_int32_array(block_ids, "block_ids")
-        request = Retrieve(
-            instance_id=instance_id,
-            request_id=request_id,
-            skip_first_n_tokens=skip_first_n_tokens,
-            cache_salt=cache_salt,
-            keyed=keyed,
-        )
-        hit = self._count(request, (tokens, blocks))
+        request, arrays = _retrieve_request(
+            instance_id, token_ids, block_ids, request_id, skip_first_n_tokens, cache_salt,
+            chunk_keys,
+        )  # fmt: skip
+        hit = self._count(request, arrays)
         events = self._cuda_events(instance_id)
         if events is not None:  # the server recorded it after queueing the copies
             events.stream().wait_event(events.retrieved)
@@ -618,26 +630,25 @@ class KVFlowClient:
         `wait_layer(i)` right before layer i reads its KV (docs/ENGINE.md, "Layerwise
         retrieves"): the server marks each layer as it goes.
         """
+        layers = self._layers_of(instance_id)
+        request, arrays = _retrieve_request(
+            instance_id, token_ids, block_ids, request_id, skip_first_n_tokens, cache_salt,
+            chunk_keys,
+        )  # fmt: skip
+        with layers.lock:  # numbers reach the server in the order they are given
+            request.layer_seq = layers.next_seq()
+            hit = self._count(request, arrays)
+        return LayerwiseLoad(hit, layers, request.layer_seq, self.timeout_s)
+
+    def _layers_of(self, instance_id: str) -> ClientLayers:
+        """The completion points of an instance this client registered layerwise."""
         with self._lock:
             layers = self._layers.get(instance_id)
         if layers is None:
             raise InvalidRequestError(
                 f"instance {instance_id!r} was not registered by this client with layerwise=True"
             )
-        tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
-        blocks = as_int32_array(block_ids, "block_ids")
-        with layers.lock:  # numbers reach the server in the order they are given
-            seq = layers.next_seq()
-            request = Retrieve(
-                instance_id=instance_id,
-                request_id=request_id,
-                skip_first_n_tokens=skip_first_n_tokens,
-                cache_salt=cache_salt,
-                keyed=keyed,
-                layer_seq=seq,
-            )
-            hit = self._count(request, (tokens, blocks))
-        return LayerwiseLoad(hit, layers, seq, self.timeout_s)
+        return layers
 
     def _cuda_events(self, instance_id: str) -> _CudaEvents | None:
         with self._lock:
