@@ -34,7 +34,7 @@ from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.request import RequestIds
-from kvflow.core.engine.tiering import Fetched, Tiering
+from kvflow.core.engine.tiering import Tiering
 from kvflow.core.engine.writethrough import WriteReceipt
 from kvflow.core.errors import (
     AlreadyRegisteredError,
@@ -1064,16 +1064,24 @@ class CacheEngine:
                     self._quiesce(inst)
                     raise
                 finally:
-                    self.l1.release(objs)
-                    if tiering is not None and staged:
-                        tiering.loader.discard(staged)
+                    self._release_hits(objs, staged)
+        self._publish_read(result, request_id)
+        return int(result["hit_tokens"])
+
+    def _release_hits(self, pinned: Sequence[Any], staged: Sequence[Slot]) -> None:
+        """A retrieve's end: unpin its L1 hits and free the staged L2 objects it read."""
+        self.l1.release(pinned)
+        if self._tiering is not None and staged:
+            self._tiering.loader.discard(staged)
+
+    def _publish_read(self, result: dict[str, Any], request_id: str) -> None:
+        """L1_READ for a retrieve's copied chunks (none: no event)."""
         if result["chunks"]:
             self._publish(
                 EventType.L1_READ,
                 request_id,
                 {"chunks": result["chunks"], "bytes": result["bytes"]},
             )
-        return int(result["hit_tokens"])
 
     def _retrieve_layers(
         self, inst: Instance, op: Op, ids: RequestIds, skip: int, request_id: str,
@@ -1145,15 +1153,8 @@ class CacheEngine:
             signal.failed(layer)
             raise
         finally:
-            self.l1.release(objs)
-            if tiering is not None and staged:
-                tiering.loader.discard(staged)
-        if result["chunks"]:
-            self._publish(
-                EventType.L1_READ,
-                request_id,
-                {"chunks": result["chunks"], "bytes": result["bytes"]},
-            )
+            self._release_hits(objs, staged)
+        self._publish_read(result, request_id)
         return result
 
     def _stream_retrieve(
@@ -1186,7 +1187,7 @@ class CacheEngine:
                 inst.mover.flush()
                 inst.mover.wait()
             finally:
-                self._drop_fetched(fetched)
+                self._release_hits(fetched.pinned, fetched.staged)
             chunks, tokens = chunks + more[0], tokens + more[1]
             pos, landed_l2 = pos + n, landed_l2 + fetched.from_l2
             if pos == len(keys) or not n:
@@ -1196,13 +1197,6 @@ class CacheEngine:
                 job = tiering.start_fetch(span, nbytes, request_id)
         tiering.count_streamed("retrieves", pos)
         return pos, landed_l2, chunks, tokens
-
-    def _drop_fetched(self, fetched: Fetched) -> None:
-        """Release a fetch's L1 pins and free its staged objects (the copies have landed)."""
-        self.l1.release(fetched.pinned)
-        if fetched.staged:
-            assert self._tiering is not None
-            self._tiering.loader.discard(fetched.staged)
 
     def _scatter(
         self, inst: Instance, objs: Sequence[Any], first: int, ids: RequestIds, skip_blocks: int,

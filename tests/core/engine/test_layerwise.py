@@ -52,15 +52,22 @@ class Recorder:
         self.failed_from = first_layer
 
 
-@pytest.mark.parametrize("specs", [None, TWO_GROUPS], ids=["one-group", "two-groups"])
-def test_layers_land_in_order_each_before_its_signal(specs: Any) -> None:
-    """Every layer of the hit is written before its signal and none after it early."""
+def _pair(**kw: Any) -> tuple[Any, Any, Any, dict[str, Any], Any, dict[str, Any]]:
+    """An engine with instances src and dst of one model (caches as `kw` says):
+    (engine, its recorder, src caches, their kwargs, dst caches, their kwargs)."""
     engine, recorder = small_engine()
-    kw: dict[str, Any] = {"layer_specs": specs} if specs else {}
     src, src_kw = caches("vllm_flash_attn", seed=1, **kw)
     dst, dst_kw = caches("vllm_flash_attn", seed=2, **kw)
     engine.register_kv_caches("src", src, model_name="m", **src_kw)
     engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    return engine, recorder, src, src_kw, dst, dst_kw
+
+
+@pytest.mark.parametrize("specs", [None, TWO_GROUPS], ids=["one-group", "two-groups"])
+def test_layers_land_in_order_each_before_its_signal(specs: Any) -> None:
+    """Every layer of the hit is written before its signal and none after it early."""
+    kw: dict[str, Any] = {"layer_specs": specs} if specs else {}
+    engine, recorder, src, src_kw, dst, dst_kw = _pair(**kw)
     assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w") == 3 * CHUNK
     before = block_bytes(dst, dst_kw, DST_BLOCKS)
     signal = Recorder(src, dst, DST_BLOCKS[:6], SRC_BLOCKS[:6])
@@ -79,11 +86,7 @@ def test_layers_land_in_order_each_before_its_signal(specs: Any) -> None:
 
 def test_skipped_blocks_stay_untouched_and_a_miss_signals_every_layer() -> None:
     """skip_first_n_tokens leaves those blocks alone; a miss still signals each layer."""
-    engine, _ = small_engine()
-    src, src_kw = caches("vllm_flash_attn", seed=1)
-    dst, dst_kw = caches("vllm_flash_attn", seed=2)
-    engine.register_kv_caches("src", src, model_name="m", **src_kw)
-    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    engine, _, src, src_kw, dst, dst_kw = _pair()
     engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
     before = block_bytes(dst, dst_kw, DST_BLOCKS)
     signal = Recorder(src, dst, DST_BLOCKS[3:6], SRC_BLOCKS[3:6])
@@ -104,11 +107,7 @@ def test_skipped_blocks_stay_untouched_and_a_miss_signals_every_layer() -> None:
 
 def test_a_bad_block_id_fails_before_any_layer_and_writes_nothing() -> None:
     """A repeated block id is refused with a clear error; no layer is written or signalled."""
-    engine, _ = small_engine()
-    src, src_kw = caches("vllm_flash_attn", seed=1)
-    dst, dst_kw = caches("vllm_flash_attn", seed=2)
-    engine.register_kv_caches("src", src, model_name="m", **src_kw)
-    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    engine, _, src, _, dst, dst_kw = _pair()
     engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
     before = block_bytes(dst, dst_kw, DST_BLOCKS)
     signal = Recorder(src, dst, [], [])
@@ -141,11 +140,7 @@ class Forward:
 def test_a_layerwise_store_takes_each_layer_as_written() -> None:
     """Each layer is read after its signal returned (the data written at that moment is
     what was stored), in order; the chunks read back bit-exact; END says layerwise."""
-    engine, recorder = small_engine()
-    src, src_kw = caches("vllm_flash_attn", seed=1)
-    dst, dst_kw = caches("vllm_flash_attn", seed=2)
-    engine.register_kv_caches("src", src, model_name="m", **src_kw)
-    engine.register_kv_caches("dst", dst, model_name="m", **dst_kw)
+    engine, recorder, src, _, dst, _ = _pair()
     forward = Forward(src, SRC_BLOCKS[:6], seed=3)
     assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w", layers=forward) == 3 * CHUNK
     assert forward.asked == list(range(len(src)))
