@@ -16,9 +16,11 @@ from kvflow.core.errors import InvalidRequestError
 INT32_LE = np.dtype("<i4")
 _INT32_MIN = -(2**31)
 _INT32_MAX = 2**31 - 1
-#: the array module's 4-byte signed type code: lists convert in one C loop that refuses
-#: non-integers and values outside int32 (numpy's conversion of a list is ~1.5x slower)
-_ARRAY_INT32 = next(code for code in "ilh" if array.array(code).itemsize == 4)
+#: the array module's 4-byte type codes. Both refuse non-integers and values out of their
+#: range; the unsigned one converts each int with one C call, the signed one parses a
+#: format string per item (~3x slower), so it is kept for sequences with negative ids.
+_ARRAY_UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+_ARRAY_INT32 = next(code for code in "il" if array.array(code).itemsize == 4)
 
 
 def as_int32_array(values: Any, what: str) -> np.ndarray:
@@ -30,12 +32,9 @@ def as_int32_array(values: Any, what: str) -> np.ndarray:
     if isinstance(values, (str, bytes)):
         raise InvalidRequestError(f"{what} must be a sequence of integers, got a string")
     if isinstance(values, (list, tuple)) and values:
-        try:
-            fast = np.frombuffer(array.array(_ARRAY_INT32, values), dtype=f"={_ARRAY_INT32}")
-        except (TypeError, OverflowError):
-            pass  # a bad value: numpy's path below names what was wrong
-        else:
-            return fast.astype(INT32_LE, copy=False)
+        fast = _sequence_int32(values)
+        if fast is not None:
+            return fast
     if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
         values = values.detach().cpu().numpy()
     try:
@@ -53,3 +52,21 @@ def as_int32_array(values: Any, what: str) -> np.ndarray:
         if lo < _INT32_MIN or hi > _INT32_MAX:
             raise InvalidRequestError(f"{what} must fit in int32, got values in [{lo}, {hi}]")
     return np.ascontiguousarray(arr, dtype=INT32_LE)
+
+
+def _sequence_int32(values: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """`values` as int32 LE through one array-module C loop (docs/PERFORMANCE.md, RPC), or
+    None for a value that is no integer or outside int32: numpy's path then names it."""
+    try:
+        unsigned = np.frombuffer(array.array(_ARRAY_UINT32, values), dtype=f"={_ARRAY_UINT32}")
+    except TypeError:
+        return None
+    except OverflowError:  # a negative value, or one from 2**32 (the signed code refuses it)
+        try:
+            signed = np.frombuffer(array.array(_ARRAY_INT32, values), dtype=f"={_ARRAY_INT32}")
+        except (TypeError, OverflowError):
+            return None
+        return signed.astype(INT32_LE, copy=False)
+    if unsigned.max() > _INT32_MAX:
+        return None
+    return unsigned.astype("<u4", copy=False).view(INT32_LE)

@@ -7,9 +7,12 @@ kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_st
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +27,7 @@ from kvflow.kernels import (
     current_stream_handle,
     new_transfer_stream,
 )
+from kvflow.kernels.reference import Copy, chunk_copies
 
 #: GPU bytes a CudaMover may use for staging (at least two chunks, whatever their size).
 STAGING_BUDGET_BYTES = 256 << 20
@@ -83,26 +87,80 @@ class Mover(Protocol):
 
 
 class CpuMover:
-    """Synchronous moves for CPU-resident caches, through the kernels' CPU path."""
+    """Synchronous moves for CPU-resident caches, straight between the cache and the L1
+    objects (no staging): `chunk_copies` gives one numpy copy per run of consecutive
+    blocks of a chunk, every layer and K/V its strides allow at once, on word-wide views.
+
+    A numpy copy is a single-threaded memcpy loop that releases the GIL, so no OpenMP
+    team wakes for a small copy. A move of `PARALLEL_BYTES` or more also hands its copies
+    to up to `MAX_THREADS - 1` threads shared by every CpuMover, which pull copies from
+    the same queue as the calling thread: one core's memcpy reaches about half of a
+    host's copy bandwidth, and a helper that runs late (a busy host) only takes fewer.
+    """
 
     store_stream: Any = None
     retrieve_stream: Any = None
     head_chunks = 1  # nothing overlaps here, but both movers share the engine's store path
 
+    #: bytes from which a move is worth splitting: a hand-off to a helper costs tens of
+    #: microseconds, 4 MiB half a millisecond of one core's copy
+    PARALLEL_BYTES = 4 << 20
+    #: most threads, the caller's included, that copy one move (memory bandwidth stops
+    #: growing after a few, and the server has other work)
+    MAX_THREADS = 4
+    _helpers: ClassVar[ThreadPoolExecutor | None] = None
+    _helpers_lock: ClassVar[threading.Lock] = threading.Lock()
+
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+        self.threads = min(self.MAX_THREADS, len(os.sched_getaffinity(0)))
 
     def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
-        moves = PreparedTransfer.trusted(self.layout, block_ids, gather=True, backend="cpu")
-        for c in range(len(dsts)):
-            moves.launch_trusted(dsts[c].view(1, -1), c, 1)
+        self._copy(chunk_copies(self.layout, dsts, block_ids, None, gather=True))
 
     def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
-        moves = PreparedTransfer.trusted(
-            self.layout, block_ids(), skip_blocks, gather=False, backend="cpu"
-        )
-        for c in range(len(srcs)):
-            moves.launch_trusted(srcs[c].view(1, -1), c, 1)
+        skip = np.asarray(skip_blocks, dtype=np.int64)
+        self._copy(chunk_copies(self.layout, srcs, block_ids(), skip, gather=False))
+
+    def _copy(self, copies: list[Copy]) -> None:
+        """Run every copy, on this thread and (a big move) the helpers; returns once all
+        are done, so no helper writes after the move returns or raises."""
+        queue = deque(copies)
+        helpers: list[Future[None]] = []
+        if self.threads > 1 and sum(copy.nbytes for copy in copies) >= self.PARALLEL_BYTES:
+            pool = self._helper_pool()
+            count = min(self.threads - 1, len(copies) - 1)
+            helpers = [pool.submit(self._drain, queue) for _ in range(count)]
+        try:
+            self._drain(queue)
+        finally:
+            queue.clear()  # after a failure: helpers stop at their current copy
+            for helper in helpers:
+                helper.cancel()  # still waiting for a thread (another move's): not needed
+            wait(helpers)
+        for helper in helpers:
+            if not helper.cancelled():
+                helper.result()  # raises a helper's error
+
+    @staticmethod
+    def _drain(queue: deque[Copy]) -> None:
+        """Run the copies off `queue` until it is empty."""
+        while True:
+            try:
+                copy = queue.popleft()
+            except IndexError:
+                return
+            copy.run()
+
+    @classmethod
+    def _helper_pool(cls) -> ThreadPoolExecutor:
+        """The helper threads every CpuMover shares, made on first use."""
+        with cls._helpers_lock:
+            if cls._helpers is None:
+                cls._helpers = ThreadPoolExecutor(
+                    cls.MAX_THREADS - 1, thread_name_prefix="kvflow-cpu-copy"
+                )
+            return cls._helpers
 
     def flush(self) -> None:
         return None
