@@ -347,11 +347,12 @@ class RedisTier:
                 with self._lock:
                     self._last_error = f"reconnect: {self._scrub(e)}"
                 continue
+            # logged before the tier shows as connected: whoever sees it back finds the line
+            log.info("L2 Redis %s reachable again", self.target.safe_url())
             with self._lock:
                 self._connected = True
                 self._reconnector = None
                 self.counters["reconnects"] += 1
-            log.info("L2 Redis %s reachable again", self.target.safe_url())
             self._request_info()
             return
         with self._lock:
