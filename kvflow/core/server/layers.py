@@ -131,7 +131,7 @@ class LayerwiseLoad:
     blocks once each layer's `wait_layer` returned (CUDA: once torch's current stream
     reaches the work queued after it)."""
 
-    def __init__(self, hit_tokens: int, layers: ClientLayers | None, seq: int, timeout_s: float):
+    def __init__(self, hit_tokens: int, layers: ClientLayers, seq: int, timeout_s: float):
         self.hit_tokens = hit_tokens
         self._layers = layers
         self._seq = seq
@@ -148,7 +148,7 @@ class LayerwiseLoad:
         waits for them on the GPU. TransferError if the retrieve failed before that
         layer; RequestTimeoutError after the client's timeout."""
         layers = self._layers
-        if layers is None or layer in self.waited_s:
+        if layer in self.waited_s:
             return
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
@@ -181,25 +181,21 @@ class LayerwiseLoad:
 
     def wait(self) -> None:
         """Wait for every layer (what a caller that reads them all at once does)."""
-        if self._layers is not None:
-            for layer in range(self._layers.num_layers):
-                self.wait_layer(layer)
+        for layer in range(self._layers.num_layers):
+            self.wait_layer(layer)
 
 
 class ServerLayers:
     """The server's side of an instance's completion points (opened from the Register)."""
 
     def __init__(self, num_layers: int, events: list[Any] | None, flags: torch.Tensor) -> None:
+        """`events`: 2 x num_layers opened events (counted by `open_server_layers`
+        before it opened them), or None for CPU caches; `flags`: the shared bytes."""
         count = flags.numel() / FLAG_BYTES
         if count != 2 * num_layers or flags.dtype != torch.uint8 or flags.dim() != 1:
             raise InvalidRequestError(
                 f"layerwise registration gives {count:g} layer flags for {num_layers} layers"
                 " (one per layer for retrieves, one for stores)"
-            )
-        if events is not None and len(events) != 2 * num_layers:
-            raise InvalidRequestError(
-                f"layerwise registration gives {len(events)} layer events for {num_layers}"
-                " layers (one per layer for retrieves, one for stores)"
             )
         self.num_layers = num_layers
         self.events = events[:num_layers] if events is not None else None
