@@ -2,7 +2,8 @@
 
 Thread-safe: lookup/status may run while stores and retrieves of different
 instances run on other threads; one instance's transfers are serialised by its
-lock, which an op gives up while it waits on an L2 tier (`_unlocked`). Every operation is observed through START/END event pairs on the bus.
+lock, which an op gives up while it waits on an L2 tier (`_unlocked`). Every
+operation is observed through START/END event pairs on the bus.
 """
 
 from __future__ import annotations
@@ -81,6 +82,21 @@ def _rows_of(table: np.ndarray, rows: list[int]) -> np.ndarray:
     if rows and rows[-1] - rows[0] == len(rows) - 1:
         return table[rows[0] : rows[-1] + 1]
     return table[np.asarray(rows, dtype=np.intp)]
+
+
+def _written_chunks(
+    first: int, stop: int, skip_blocks: int, blocks_per_chunk: int
+) -> tuple[list[int], list[int]]:
+    """Of chunks [first, stop), those a retrieve writes (not wholly within the skipped
+    blocks), and how many leading blocks of each it leaves alone."""
+    rows: list[int] = []
+    skips: list[int] = []
+    for c in range(first, stop):
+        s = min(max(skip_blocks - c * blocks_per_chunk, 0), blocks_per_chunk)
+        if s < blocks_per_chunk:
+            rows.append(c)
+            skips.append(s)
+    return rows, skips
 
 
 def _requested_tokens(token_ids: Any) -> int:
@@ -1116,10 +1132,8 @@ class CacheEngine:
                 hits.extend(fetched.objs)
             bpc = inst.blocks_per_chunk
             skip_blocks = skip // inst.block_size
-            rows = [c for c in range(len(hits)) if skip_blocks - c * bpc < bpc]
-            skips = [min(max(skip_blocks - c * bpc, 0), bpc) for c in rows]
-            ids.convert_blocks(n_chunks)
-            ids.check_distinct(skip_blocks)
+            rows, skips = _written_chunks(0, len(hits), skip_blocks, bpc)
+            ids.check_distinct(skip_blocks)  # converts and checks every block id
             srcs = self.l1.views([hits[c] for c in rows])
             table = _rows_of(ids.table, rows)
             hit_tokens = len(hits) * self.chunk_size
@@ -1210,13 +1224,7 @@ class CacheEngine:
         """
         bpc = inst.blocks_per_chunk
         shift = first if base else 0
-        rows: list[int] = []
-        skips: list[int] = []
-        for c in range(first, len(objs) + shift):
-            s = min(max(skip_blocks - c * bpc, 0), bpc)
-            if s < bpc:
-                rows.append(c)
-                skips.append(s)
+        rows, skips = _written_chunks(first, len(objs) + shift, skip_blocks, bpc)
 
         def block_rows() -> np.ndarray:
             ids.check_distinct(skip_blocks)  # converts and checks every block id
