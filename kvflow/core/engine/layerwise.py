@@ -3,8 +3,8 @@
 The engine reads layer i's KV right before layer i's attention, so a retrieve that
 lands layer by layer, in order, lets layer i compute while layer i+1 still copies; a
 store that takes layer i as soon as the forward pass wrote it overlaps the rest of the
-pass (docs/ENGINE.md, "Layerwise retrieves" and "Layerwise stores"). A chunk holds, per layer group,
-[kv, layers, tokens, row]: one layer's part of a chunk is `kv_size` runs
+pass (docs/ENGINE.md, "Layerwise retrieves" and "Layerwise stores"). A chunk holds, per
+layer group, [kv, layers, tokens, row]: one layer's part of a chunk is `kv_size` runs
 (`KVLayout.layer_parts`), and `KVLayout.layer_layout` is the layout whose chunk is
 exactly those runs back to back, so each layer moves with the ordinary block kernels.
 """
@@ -44,25 +44,37 @@ class WrittenSignal(Protocol):
         ...
 
 
-def layer_bytes(layout: KVLayout, layer: int, chunk_tokens: int) -> int:
-    """Bytes of one layer's part of one chunk."""
-    return sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+def _layer_buffer(layout: KVLayout, chunk_tokens: int, count: int) -> torch.Tensor:
+    """Bytes for any one layer of `count` chunks: the stage a CPU layerwise op reuses."""
+    widest = max(
+        sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+        for layer in range(layout.num_layers)
+    )
+    return torch.empty(count * widest, dtype=torch.uint8)
 
 
-def gather_layer(
-    layout: KVLayout, layer: int, chunk_tokens: int, srcs: HostChunks, out: torch.Tensor
-) -> torch.Tensor:
-    """Copy layer `layer`'s runs of every chunk in `srcs` into rows of `out` (a uint8
-    buffer of at least len(srcs) x layer bytes); returns the [chunks, layer bytes] view."""
+def _layer_rows(
+    layout: KVLayout, layer: int, chunk_tokens: int, buffer: torch.Tensor, count: int
+) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """(the layer's runs in a chunk, its [count, layer bytes] rows in `buffer`)."""
     parts = layout.layer_parts(layer, chunk_tokens)
     width = sum(n for _, n in parts)
-    rows = out[: len(srcs) * width].view(len(srcs), width)
+    return parts, buffer[: count * width].view(count, width)
+
+
+def _copy_runs(
+    rows: torch.Tensor, chunks: HostChunks, parts: list[tuple[int, int]], *, to_rows: bool
+) -> None:
+    """Copy each chunk's layer runs (`parts` of `chunks[c]`) to (or from) row c of `rows`."""
     at = 0
     for offset, n in parts:
-        for c in range(len(srcs)):
-            rows[c, at : at + n].copy_(srcs[c][offset : offset + n])
+        for c in range(len(chunks)):
+            run = chunks[c][offset : offset + n]
+            if to_rows:
+                rows[c, at : at + n].copy_(run)
+            else:
+                run.copy_(rows[c, at : at + n])
         at += n
-    return rows
 
 
 def cpu_scatter_layers(
@@ -80,10 +92,10 @@ def cpu_scatter_layers(
         for layer in range(layout.num_layers):
             ready(layer, None)
         return
-    widest = max(layer_bytes(layout, i, chunk_tokens) for i in range(layout.num_layers))
-    buffer = torch.empty(len(srcs) * widest, dtype=torch.uint8)
+    buffer = _layer_buffer(layout, chunk_tokens, len(srcs))
     for layer in range(layout.num_layers):
-        rows = gather_layer(layout, layer, chunk_tokens, srcs, buffer)
+        parts, rows = _layer_rows(layout, layer, chunk_tokens, buffer, len(srcs))
+        _copy_runs(rows, srcs, parts, to_rows=True)
         moves = PreparedTransfer.trusted(
             layout.layer_layout(layer), table, skip_blocks, gather=False, backend="cpu"
         )
@@ -102,19 +114,12 @@ def cpu_gather_layers(
     of `dsts[c]`, layer 0 first, each once `written` says the engine wrote it."""
     if not len(dsts):
         return
-    widest = max(layer_bytes(layout, i, chunk_tokens) for i in range(layout.num_layers))
-    buffer = torch.empty(len(dsts) * widest, dtype=torch.uint8)
+    buffer = _layer_buffer(layout, chunk_tokens, len(dsts))
     for layer in range(layout.num_layers):
         written.wait_written(layer, None)
-        parts = layout.layer_parts(layer, chunk_tokens)
-        width = sum(n for _, n in parts)
-        rows = buffer[: len(dsts) * width].view(len(dsts), width)
+        parts, rows = _layer_rows(layout, layer, chunk_tokens, buffer, len(dsts))
         moves = PreparedTransfer.trusted(
             layout.layer_layout(layer), table, gather=True, backend="cpu"
         )
         moves.launch_trusted(rows, 0, len(dsts))
-        at = 0
-        for offset, n in parts:
-            for c in range(len(dsts)):
-                dsts[c][offset : offset + n].copy_(rows[c, at : at + n])
-            at += n
+        _copy_runs(rows, dsts, parts, to_rows=False)
