@@ -142,15 +142,13 @@ class WorkerSide:
 
     def _retrieve(self, spec: LoadSpec) -> int:
         """One planned load: whole, or (layerwise) started and kept for `wait_layer`."""
-        if not self._layerwise:
-            return self._client.retrieve(
-                self.instance_id, spec.token_ids, spec.block_ids, request_id=spec.req_id,
-                skip_first_n_tokens=spec.skip_tokens, cache_salt=spec.cache_salt,
-            )  # fmt: skip
-        load = self._client.retrieve_layerwise(
+        call = self._client.retrieve_layerwise if self._layerwise else self._client.retrieve
+        load = call(
             self.instance_id, spec.token_ids, spec.block_ids, request_id=spec.req_id,
             skip_first_n_tokens=spec.skip_tokens, cache_salt=spec.cache_salt,
         )  # fmt: skip
+        if isinstance(load, int):
+            return load
         if load.hit_tokens > spec.skip_tokens:
             self._pending.append((load, spec))
         return load.hit_tokens
@@ -184,16 +182,17 @@ class WorkerSide:
     def finish_loads(self) -> None:
         """Wait for every layer of the step's layerwise loads (those vLLM did not ask for
         too): once the forward pass is over, nothing may land in its blocks later."""
+        layers = sorted(set(self._layer_index.values()))
         for load, spec in self._pending:
             log.info(
                 "kvflow: layerwise load of %s: vLLM waited for %d of %d layers, %.2f ms on"
                 " the host",
                 spec.req_id,
                 len(load.waited_s),
-                len(set(self._layer_index.values())),
+                len(layers),
                 1e3 * sum(load.waited_s.values()),
             )
-        for layer in sorted(set(self._layer_index.values())):
+        for layer in layers:
             self._wait_index(layer)
         for load, spec in self._pending:
             self._reports.submit(self._report_waits, load, spec.req_id)
