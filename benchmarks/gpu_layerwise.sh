@@ -5,19 +5,10 @@
 set -uo pipefail
 out=${1:-${OUT:-/tmp/kvflow-gpu}}
 lengths=${2:-8192,32768}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+STEP_TAIL=25
+# shellcheck source=benchmarks/gpu_lib.sh
+. "$(dirname "$0")/gpu_lib.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-status=0
-step() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name"
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -25
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name rc=$rc"
-  [ "$rc" -eq 0 ] || status=1
-}
 tests=${TESTS:-tests/core/server/test_layerwise_gpu.py tests/core/engine/test_engine_gpu.py tests/core/server/test_server_gpu.py}
 # shellcheck disable=SC2086
 step layerwise_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu $tests

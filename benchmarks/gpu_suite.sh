@@ -5,20 +5,10 @@
 # Usage (repo root, `.whl/` carried): bash benchmarks/gpu_suite.sh [OUT_DIR]
 set -uo pipefail
 out=${1:-${OUT:-/tmp/kvflow-gpu}}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# shellcheck source=benchmarks/gpu_lib.sh
+. "$(dirname "$0")/gpu_lib.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
-status=0
-step() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name"
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -40
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name rc=$rc"
-  [ "$rc" -eq 0 ] || status=1
-}
 step gpu_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu tests
 step gpu_e2e 90 python3 -m tests.e2e.gpu_e2e --json "$out/gpu_e2e.json"
 step bench_engine 240 python3 benchmarks/bench_engine.py --reps 10 --json "$out/bench_engine.json"
