@@ -185,18 +185,23 @@ class LayerwiseLoad:
             self.wait_layer(layer)
 
 
+def _check_flags(uint8: bool, shape: tuple[int, ...], num_layers: int) -> None:
+    """InvalidRequestError unless the flags are 2 x num_layers int64s as 1-D uint8 bytes."""
+    if not uint8 or len(shape) != 1 or shape[0] != 2 * num_layers * FLAG_BYTES:
+        raise InvalidRequestError(
+            f"layerwise registration gives layer flags of shape {shape} for {num_layers}"
+            f" layers: expected ({2 * num_layers * FLAG_BYTES},) uint8 bytes (one int64 per"
+            " layer for retrieves, one for stores)"
+        )
+
+
 class ServerLayers:
     """The server's side of an instance's completion points (opened from the Register)."""
 
     def __init__(self, num_layers: int, events: list[Any] | None, flags: torch.Tensor) -> None:
         """`events`: 2 x num_layers opened events (counted by `open_server_layers`
         before it opened them), or None for CPU caches; `flags`: the shared bytes."""
-        count = flags.numel() / FLAG_BYTES
-        if count != 2 * num_layers or flags.dtype != torch.uint8 or flags.dim() != 1:
-            raise InvalidRequestError(
-                f"layerwise registration gives {count:g} layer flags for {num_layers} layers"
-                " (one per layer for retrieves, one for stores)"
-            )
+        _check_flags(flags.dtype == torch.uint8, tuple(flags.shape), num_layers)
         self.num_layers = num_layers
         self.events = events[:num_layers] if events is not None else None
         self.store_events = events[num_layers:] if events is not None else None
@@ -260,6 +265,7 @@ def open_server_layers(
         return None, None
     if flags is None or isinstance(flags.memory, CudaIpcMemory):
         raise InvalidRequestError("a layerwise registration needs layer_flags in shared memory")
+    _check_flags(flags.dtype == "uint8", flags.shape, num_layers)  # before mapping them
     if (event_handles is not None) != (cuda_device is not None):
         raise InvalidRequestError(
             "layer_event_handles go with GPU caches, and only with them"

@@ -11,7 +11,12 @@ import torch
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
-from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, ServerLayers
+from kvflow.core.server.layers import (
+    ClientLayers,
+    LayerwiseLoad,
+    ServerLayers,
+    open_server_layers,
+)
 from tests.e2e.server_proc import running_server
 
 NL, NB, BS, NH, HS = 6, 64, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
@@ -108,8 +113,11 @@ def test_flags_tell_landed_failed_and_late_apart() -> None:
     late = LayerwiseLoad(64, client_side, 4, timeout_s=0.05)
     with pytest.raises(RequestTimeoutError, match="layer 0"):
         late.wait_layer(0)
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError, match="shape"):
         ServerLayers(4, None, raw)
+    _, desc = client_side.wire()  # flags for 3 layers offered for 4: refused before mapping
+    with pytest.raises(InvalidRequestError, match=r"expected \(64,\) uint8"):
+        open_server_layers(None, desc, None, 4)
 
 
 def test_a_layerwise_store_copies_each_layer_once_marked(endpoint: str) -> None:
