@@ -9,7 +9,7 @@ STEP_TAIL=25
 # shellcheck source=benchmarks/gpu_lib.sh
 . "$(dirname "$0")/gpu_lib.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-tests=${TESTS:-tests/core/server/test_layerwise_gpu.py tests/core/engine/test_engine_gpu.py tests/core/server/test_server_gpu.py}
+tests=${TESTS:-tests/core/engine/test_movers_layers_gpu.py tests/core/server/test_layerwise_gpu.py tests/core/engine/test_engine_gpu.py tests/core/server/test_server_gpu.py}
 # shellcheck disable=SC2086
 step layerwise_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu $tests
 step bench_ttft 420 python3 benchmarks/bench_ttft.py --models 8b --lengths "$lengths" \

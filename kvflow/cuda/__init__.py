@@ -12,15 +12,17 @@ libcuda nor PyCUDA.
 from kvflow.cuda.cache import build_file, build_lock, cache_dir
 from kvflow.cuda.context import CurrentContext, primary_context, pycuda_context, stream_context
 from kvflow.cuda.driver import Driver, cuda_driver, libcuda
-from kvflow.cuda.enqueue import DriverEvent, copy_async
+from kvflow.cuda.enqueue import MAX_PITCH, DriverEvent, copy_2d_async, copy_async
 
 __all__ = [
+    "MAX_PITCH",
     "CurrentContext",
     "Driver",
     "DriverEvent",
     "build_file",
     "build_lock",
     "cache_dir",
+    "copy_2d_async",
     "copy_async",
     "cuda_driver",
     "libcuda",

@@ -19,9 +19,34 @@ CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1  # no implicit synchronisation with the legacy default stream
 CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_NOT_READY = 600
+CU_MEMORYTYPE_UNIFIED = 4  # an address the driver resolves itself (UVA: host or device)
 
 _vp = ctypes.c_void_p
 _vpp = ctypes.POINTER(ctypes.c_void_p)
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D (v2): a copy of `Height` rows of `WidthInBytes`, each side with its
+    own pitch (bytes from one row's start to the next)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
 
 
 def _address(fn: Any) -> int:
@@ -62,6 +87,7 @@ class Driver:
             "cuEventElapsedTime", ctypes.POINTER(ctypes.c_float), _vp, _vp
         )
         self.cuMemcpyAsync = typed("cuMemcpyAsync", u64, u64, ctypes.c_size_t, _vp)
+        self.cuMemcpy2DAsync = typed("cuMemcpy2DAsync_v2", ctypes.POINTER(Memcpy2D), _vp)
         self.cuGetErrorName = typed("cuGetErrorName", cint, ctypes.POINTER(ctypes.c_char_p))
         #: cuEventRecord(event, stream) -> CUresult (the stream stamper's name for it)
         self.record = self.cuEventRecord

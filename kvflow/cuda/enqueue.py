@@ -14,7 +14,17 @@ import weakref
 from collections.abc import Callable
 
 from kvflow.cuda.context import CurrentContext, stream_context
-from kvflow.cuda.driver import CU_EVENT_DISABLE_TIMING, CUDA_ERROR_INVALID_CONTEXT, libcuda
+from kvflow.cuda.driver import (
+    CU_EVENT_DISABLE_TIMING,
+    CU_MEMORYTYPE_UNIFIED,
+    CUDA_ERROR_INVALID_CONTEXT,
+    Memcpy2D,
+    libcuda,
+)
+
+#: the largest pitch a 2-D copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH on every GPU kvflow
+#: targets); rows further apart are copied one by one
+MAX_PITCH = 2**31 - 1
 
 
 def _call(what: str, context: int, fn: Callable[..., int], *args: object) -> None:
@@ -36,6 +46,31 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
         _call("cuMemcpyAsync", stream_context(stream), lib.cuMemcpyAsync, dst, src, nbytes, stream)
     elif rc:
         raise lib.fail(rc, "cuMemcpyAsync")
+
+
+def copy_2d_async(
+    dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int
+) -> None:
+    """Queue one copy of `height` rows of `width` bytes from `src` to `dst` (each row
+    `src_pitch` / `dst_pitch` bytes after the last, both at most MAX_PITCH) on `stream`
+    (a created stream): one driver call for what would be `height` plain copies."""
+    lib = libcuda()
+    desc = Memcpy2D(
+        srcMemoryType=CU_MEMORYTYPE_UNIFIED, srcDevice=src, srcPitch=src_pitch,
+        dstMemoryType=CU_MEMORYTYPE_UNIFIED, dstDevice=dst, dstPitch=dst_pitch,
+        WidthInBytes=width, Height=height,
+    )  # fmt: skip
+    rc = lib.cuMemcpy2DAsync(ctypes.byref(desc), stream)
+    if rc == CUDA_ERROR_INVALID_CONTEXT:
+        _call(
+            "cuMemcpy2DAsync",
+            stream_context(stream),
+            lib.cuMemcpy2DAsync,
+            ctypes.byref(desc),
+            stream,
+        )
+    elif rc:
+        raise lib.fail(rc, "cuMemcpy2DAsync")
 
 
 class DriverEvent:

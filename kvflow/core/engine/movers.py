@@ -7,6 +7,7 @@ kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_st
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import deque
@@ -18,7 +19,14 @@ import numpy as np
 import torch
 
 from kvflow.core.tiers.base import HostChunks
-from kvflow.cuda import CurrentContext, DriverEvent, copy_async, libcuda, stream_context
+from kvflow.cuda import (
+    MAX_PITCH,
+    CurrentContext,
+    DriverEvent,
+    copy_2d_async,
+    copy_async,
+    stream_context,
+)
 from kvflow.kernels import (
     IdBuffer,
     KVLayout,
@@ -212,6 +220,7 @@ class CudaMover:
         # retrieve groups whose scatter is held back: (group, call, stage, start, stop)
         self._held: deque[tuple[int, _RetrieveCall, int, int, int]] = deque()
         self._ids = IdBuffer(self.device)  # every op's block ids; reset once it has finished
+        self._copy_handle = self.copy_stream.handle
 
     def _stage(self, s: int, n: int) -> torch.Tensor:
         """The first n chunk rows of stage s (views made once: indexing costs ~5 us)."""
@@ -386,16 +395,35 @@ class CudaMover:
     ) -> None:
         """Queue on the copy stream, for each chunk (its L1 object's host address), the
         copies of its layer runs to (or from) its row of a stage starting at `stage`.
-        Straight driver calls: a layer's copies are the most numerous of any op."""
-        memcpy, handle = libcuda().cuMemcpyAsync, self.copy_stream.handle
-        at = stage
-        for host in hosts:
-            for offset, n in parts:
-                dst, src = (at, host + offset) if to_stage else (host + offset, at)
-                rc = memcpy(dst, src, n, handle)
-                if rc:
-                    raise libcuda().fail(rc, "cuMemcpyAsync")
-                at += n
+        A layer's copies are the most numerous of any op, so they go as 2-D copies: per
+        run of evenly spaced objects (L1 lays a request's objects out one after another),
+        one per part across the objects; per lone object, one across its parts."""
+        width = sum(n for _, n in parts)
+        part_pitch = even_pitch(parts)
+        for first, count, pitch in even_runs(hosts, width):
+            row, host = stage + first * width, hosts[first]
+            if count > 1:
+                at = 0
+                for offset, n in parts:
+                    self._copy_2d(row + at, width, host + offset, pitch, n, count, to_stage)
+                    at += n
+            elif part_pitch:
+                n = parts[0][1]
+                self._copy_2d(row, n, host + parts[0][0], part_pitch, n, len(parts), to_stage)
+            else:
+                for offset, n in parts:
+                    self._copy_2d(row, n, host + offset, n, n, 1, to_stage)
+                    row += n
+
+    def _copy_2d(
+        self, device: int, device_pitch: int, host: int, host_pitch: int, width: int,
+        rows: int, to_stage: bool,
+    ) -> None:  # fmt: skip
+        """One 2-D copy between a stage (`device`) and L1 (`host`), direction by `to_stage`."""
+        if to_stage:
+            copy_2d_async(device, device_pitch, host, host_pitch, width, rows, self._copy_handle)
+        else:
+            copy_2d_async(host, host_pitch, device, device_pitch, width, rows, self._copy_handle)
 
     def _scatter_through(self, group: int, *, by_chunk: bool = False) -> None:
         """Queue the held-back scatters of groups up to `group`, oldest first: one launch
@@ -450,6 +478,36 @@ class _RetrieveCall:
                 stream=stream, id_buffer=ids,
             )  # fmt: skip
         return self._moves
+
+
+def even_runs(hosts: Sequence[int], width: int) -> list[tuple[int, int, int]]:
+    """Split objects' addresses into runs one 2-D copy can cover: (first object, count,
+    pitch), each run's addresses ascending by one pitch of at least `width` bytes (so
+    rows never overlap) and at most MAX_PITCH; an object that starts no run is alone
+    (count 1, pitch 0)."""
+    runs: list[tuple[int, int, int]] = []
+    first, n = 0, len(hosts)
+    while first < n:
+        last, pitch = first, hosts[first + 1] - hosts[first] if first + 1 < n else 0
+        if width <= pitch <= MAX_PITCH:
+            last += 1
+            while last + 1 < n and hosts[last + 1] - hosts[last] == pitch:
+                last += 1
+        else:
+            pitch = 0
+        runs.append((first, last - first + 1, pitch))
+        first = last + 1
+    return runs
+
+
+def even_pitch(parts: Sequence[tuple[int, int]]) -> int:
+    """The pitch of parts (offset, size) of one size at evenly spaced ascending offsets
+    (a chunk's K and V runs of a layer): one 2-D copy covers them; 0 if they are not so."""
+    if len(parts) < 2 or any(n != parts[0][1] for _, n in parts):
+        return 0
+    pitch = parts[1][0] - parts[0][0]
+    steps = all(b[0] - a[0] == pitch for a, b in itertools.pairwise(parts))
+    return pitch if steps and parts[0][1] <= pitch <= MAX_PITCH else 0
 
 
 def pipeline_shape(chunk_nbytes: int) -> tuple[int, int]:

@@ -1,0 +1,99 @@
+"""GPU: the layerwise CUDA mover's 2-D copies land every byte where the reference does,
+whatever L1's layout: objects one after another, in runs with gaps, out of order, alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core.engine.movers import CudaMover
+from kvflow.kernels import KVLayout, cuda_available
+from kvflow.kernels.reference import transfer_reference
+from kvflow.kernels.synthetic import make_kv_caches
+from tests.support.kernel_reference import same_bytes
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda"),
+]
+
+BLOCK, PER_CHUNK, NUM_BLOCKS = 16, 4, 48
+#: each chunk's L1 slot: runs of 3, 2 and 2 (the last two spaced 5 and 3 slots), a
+#: descending step, and one object alone at the end
+SLOTS = [0, 1, 2, 4, 5, 3, 8, 7, 10, 6]
+SKIPS = [0, 0, 1, 4, 2, 0, 3, 1, 0, 2]
+SPECS = {"one-group": None, "two-groups": [(2, 64, torch.bfloat16), (4, 32, torch.float16)] * 2}
+
+
+def _caches(
+    device: torch.device, seed: int, specs: Any
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    kw: dict[str, Any] = {"layer_specs": specs} if specs else {}
+    return make_kv_caches(
+        "vllm_flash_attn", num_layers=4, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_heads=2,
+        head_size=64, device=device, generator=torch.Generator().manual_seed(seed), **kw,
+    )  # fmt: skip
+
+
+class ScatteredChunks:
+    """L1 objects at SLOTS of one pinned buffer, slots a little wider than an object (so a
+    run's pitch is not its row width)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.slot = nbytes, nbytes + 512
+        self.buffer = torch.zeros(self.slot * (max(SLOTS) + 1), dtype=torch.uint8).pin_memory()
+
+    def __len__(self) -> int:
+        return len(SLOTS)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start = SLOTS[index] * self.slot
+        return self.buffer[start : start + self.nbytes]
+
+    def address(self, index: int, nbytes: int) -> int:
+        assert nbytes == self.nbytes
+        return int(self.buffer.data_ptr()) + SLOTS[index] * self.slot
+
+
+@pytest.mark.parametrize("specs", SPECS.values(), ids=SPECS.keys())
+def test_layerwise_store_and_retrieve_through_scattered_objects(
+    specs: Any, cuda_device: torch.device
+) -> None:
+    chunks = len(SLOTS)
+    ids = np.random.default_rng(3).permutation(NUM_BLOCKS)[: chunks * PER_CHUNK]
+    table = ids.reshape(chunks, PER_CHUNK).astype(np.int64)
+    chunk_tokens = PER_CHUNK * BLOCK
+
+    src, kw = _caches(cuda_device, 1, specs)
+    layout = KVLayout.from_kv_caches(src, **kw)
+    nbytes = layout.chunk_nbytes(chunk_tokens)
+    want = torch.empty((chunks, nbytes), dtype=torch.uint8)
+    cpu_src = [c.cpu() for c in src]
+    transfer_reference(
+        KVLayout.from_kv_caches(cpu_src, **kw), want, torch.from_numpy(table),
+        torch.zeros(chunks, dtype=torch.int64), gather=True,
+    )  # fmt: skip
+
+    l1 = ScatteredChunks(nbytes)
+    mover = CudaMover(layout, nbytes)
+    written: list[int] = []
+    mover.store_layers(table, l1, chunk_tokens, lambda layer, _stream: written.append(layer))
+    mover.wait()
+    assert written == list(range(layout.num_layers))
+    assert all(torch.equal(l1[c], want[c]) for c in range(chunks)), "a stored object differs"
+
+    target, _ = _caches(cuda_device, 2, specs)
+    expected = [c.cpu() for c in target]
+    transfer_reference(
+        KVLayout.from_kv_caches(expected, **kw), want, torch.from_numpy(table),
+        torch.tensor(SKIPS, dtype=torch.int64), gather=False,
+    )  # fmt: skip
+    ready: list[int] = []
+    back = CudaMover(KVLayout.from_kv_caches(target, **kw), nbytes)
+    back.retrieve_layers(l1, table, SKIPS, chunk_tokens, lambda layer, _s: ready.append(layer))
+    back.wait()
+    assert ready == list(range(layout.num_layers))
+    assert same_bytes([c.cpu() for c in target], expected)
