@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,12 @@ class Row:
     layerwise_ms: float = 0.0
     #: one layer's share of (c): what the copy of the last layer adds to the floor of (e)
     layer_copy_ms: float = 0.0
+    #: (e)'s parts (medians over repetitions): the layerwise call until it returned, the
+    #: engine's wait on layer 0, and its waits on every later layer together (host wait
+    #: for the layer's mark plus the stream's stall at its event: LayerwiseLoad.layer_waits)
+    layerwise_call_ms: float = 0.0
+    first_wait_ms: float = 0.0
+    later_waits_ms: float = 0.0
 
     @property
     def layerwise_ratio(self) -> float:
@@ -376,9 +382,13 @@ def measure(
     def suffix_only() -> torch.Tensor:
         return _last_logits(model, ids[prefix:], cache.past(model, prefix, table))
 
+    layer_loads: list[tuple[float, Any]] = []  # (call seconds, load) of each (e)
+
     def with_layerwise() -> torch.Tensor:
         rid = f"{name}-{length}-l{next(requests)}"
+        began = time.perf_counter()
         load = client.retrieve_layerwise(instance, tokens[:prefix], retrieved_at, request_id=rid)
+        layer_loads.append((time.perf_counter() - began, load))
         assert load.hit_tokens == prefix, f"layerwise retrieved {load.hit_tokens} of {prefix}"
         sessions.append(rid)
         with layerwise_past(cache, model, prefix, table, load) as past:
@@ -400,6 +410,8 @@ def measure(
         if layerwise:
             layerwise_s.append(_seconds(with_layerwise, device))
             end_sessions()
+    timed_loads = layer_loads[-repeat:] if layerwise else []
+    waits = [load.layer_waits() for _, load in timed_loads]
     err = float((got_logits - expected).abs().max() / expected.abs().max())
     assert err <= BF16_TOLERANCE, f"logits off a full recompute by {err:.3g} (relative)"
     nbytes = prefix * shape.kv_bytes_per_token(cache.layers[0].dtype)
@@ -424,7 +436,16 @@ def measure(
         logits_rel_err=err,
         layerwise_ms=1e3 * statistics.median(layerwise_s) if layerwise else 0.0,
         layer_copy_ms=copy_ms / shape.layers,
+        layerwise_call_ms=_ms_median(call for call, _ in timed_loads),
+        first_wait_ms=_ms_median(w[0] for w in waits),
+        later_waits_ms=_ms_median(sum(w[1:]) for w in waits),
     )
+
+
+def _ms_median(seconds: Iterable[float]) -> float:
+    """The median in ms (0.0 for none)."""
+    values = list(seconds)
+    return 1e3 * statistics.median(values) if values else 0.0
 
 
 def run(args: argparse.Namespace, device: torch.device) -> list[Row]:
@@ -479,6 +500,16 @@ def _format(rows: list[Row], header: bool = True) -> str:
             f"{r.ratio:>6.3f} "
             f"{r.over_copy:>7.2f} {r.logits_rel_err:>9.2e} {r.layerwise_ms:>10.2f} ms "
             f"{r.layerwise_ratio:>6.3f} {r.layerwise_over_floor:>7.2f}"
+        )
+    waits = [r for r in rows if r.layerwise_ms]
+    if waits and header:
+        lines.append(
+            f"\n{'model':<5} {'prompt':>6} {'(e) call':>9} {'layer 0 wait':>12} {'later waits':>11}"
+        )
+    for r in waits:
+        lines.append(
+            f"{r.model:<5} {r.prompt:>6} {r.layerwise_call_ms:>6.2f} ms {r.first_wait_ms:>9.2f} ms "
+            f"{r.later_waits_ms:>8.2f} ms"
         )
     return "\n".join(lines)
 
