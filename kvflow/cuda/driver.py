@@ -19,6 +19,7 @@ CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1  # no implicit synchronisation with the legacy default stream
 CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_NOT_READY = 600
+CU_LAUNCH_ATTRIBUTE_PRIORITY = 8  # a stream attribute too (CU_STREAM_ATTRIBUTE_PRIORITY)
 CU_MEMORYTYPE_UNIFIED = 4  # an address the driver resolves itself (UVA: host or device)
 
 _vp = ctypes.c_void_p
@@ -88,6 +89,11 @@ class Driver:
         )
         self.cuMemcpyAsync = typed("cuMemcpyAsync", u64, u64, ctypes.c_size_t, _vp)
         self.cuMemcpy2DAsync = typed("cuMemcpy2DAsync_v2", ctypes.POINTER(Memcpy2D), _vp)
+        self.cuCtxGetStreamPriorityRange = typed(
+            "cuCtxGetStreamPriorityRange", ctypes.POINTER(cint), ctypes.POINTER(cint)
+        )
+        self.cuStreamSetAttribute = typed("cuStreamSetAttribute", _vp, cint, _vp)
+        self.cuStreamGetPriority = typed("cuStreamGetPriority", _vp, ctypes.POINTER(cint))
         self.cuGetErrorName = typed("cuGetErrorName", cint, ctypes.POINTER(ctypes.c_char_p))
         #: cuEventRecord(event, stream) -> CUresult (the stream stamper's name for it)
         self.record = self.cuEventRecord
@@ -151,6 +157,25 @@ class Driver:
         stream = ctypes.c_void_p()
         self._check(self.cuStreamCreate(ctypes.byref(stream), flags), "cuStreamCreate")
         return stream.value or 0
+
+    def raise_priority(self, stream: int) -> int:
+        """Give `stream` the greatest priority its context allows (that context current):
+        the GPU then starts its kernels' blocks before those of streams of normal priority
+        as multiprocessors free up. Returns the priority the stream now has."""
+        least, greatest = ctypes.c_int(), ctypes.c_int()
+        self._check(
+            self.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+            "cuCtxGetStreamPriorityRange",
+        )
+        value = ctypes.create_string_buffer(64)  # CUlaunchAttributeValue: a 64-byte union
+        ctypes.c_int.from_buffer(value).value = greatest.value
+        self._check(
+            self.cuStreamSetAttribute(stream, CU_LAUNCH_ATTRIBUTE_PRIORITY, value),
+            "cuStreamSetAttribute",
+        )
+        got = ctypes.c_int()
+        self._check(self.cuStreamGetPriority(stream, ctypes.byref(got)), "cuStreamGetPriority")
+        return got.value
 
     def query(self, event: int) -> bool:
         """True when `event`'s last record has completed."""

@@ -10,7 +10,7 @@ import torch
 from torch import device as TorchDevice
 
 from kvflow.cuda.context import pycuda_context
-from kvflow.cuda.driver import CU_STREAM_NON_BLOCKING
+from kvflow.cuda.driver import CU_STREAM_NON_BLOCKING, libcuda
 from kvflow.kernels.loader import cuda_available
 
 _default_lock = threading.Lock()
@@ -40,8 +40,12 @@ def _device_index(device: torch.device | str | int) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
-def new_transfer_stream(device: torch.device | str | int) -> TransferStream:
-    """A new non-blocking stream on ``device``; RuntimeError without CUDA or pycuda."""
+def new_transfer_stream(
+    device: torch.device | str | int, *, high_priority: bool = False
+) -> TransferStream:
+    """A new non-blocking stream on ``device`` (`high_priority`: the device's greatest
+    stream priority, for kernels the engine's own work waits on); RuntimeError without
+    CUDA or pycuda."""
     if not cuda_available():
         raise RuntimeError(
             "CUDA transfer streams need a CUDA device visible to torch and pycuda "
@@ -52,7 +56,9 @@ def new_transfer_stream(device: torch.device | str | int) -> TransferStream:
 
     with pycuda_context(index):
         stream = drv.Stream(CU_STREAM_NON_BLOCKING)
-    handle = int(stream.handle)
+        handle = int(stream.handle)
+        if high_priority:
+            libcuda().raise_priority(handle)
     dev = torch.device("cuda", index)
     return TransferStream(handle, stream, torch.cuda.ExternalStream(handle, device=dev), dev)
 

@@ -204,7 +204,10 @@ class CudaMover:
         self.chunk_nbytes = chunk_nbytes
         self.group, self.stages = pipeline_shape(chunk_nbytes)
         self.head_chunks = min(self.group, max(1, -(-HEAD_BYTES // max(chunk_nbytes, 1))))
-        self.kernel_stream: TransferStream = new_transfer_stream(self.device)
+        # the block kernels gate what the engine waits on (a layer's load) and when a
+        # stage is free for the next copy: at high priority they start as soon as SMs
+        # free up, rather than queueing behind the engine's own kernels
+        self.kernel_stream: TransferStream = new_transfer_stream(self.device, high_priority=True)
         self.copy_stream: TransferStream = new_transfer_stream(self.device)
         self.store_stream = self.copy_stream
         self.retrieve_stream = self.kernel_stream

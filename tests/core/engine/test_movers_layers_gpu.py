@@ -97,3 +97,28 @@ def test_layerwise_store_and_retrieve_through_scattered_objects(
     back.wait()
     assert ready == list(range(layout.num_layers))
     assert same_bytes([c.cpu() for c in target], expected)
+
+
+def test_the_block_kernels_run_at_the_devices_greatest_priority(cuda_device: torch.device) -> None:
+    """A layer's scatter must not queue behind the engine's kernels: the mover's kernel
+    stream has the greatest priority, its copy stream the default."""
+    import ctypes
+
+    from kvflow.cuda import libcuda
+
+    caches, kw = _caches(cuda_device, 0, None)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    mover = CudaMover(layout, layout.chunk_nbytes(PER_CHUNK * BLOCK))
+    lib = libcuda()
+    least, greatest = ctypes.c_int(), ctypes.c_int()
+    torch.cuda.set_device(cuda_device)
+    assert lib.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)) == 0
+    assert greatest.value < least.value, "this GPU has a single stream priority"
+
+    def priority(handle: int) -> int:
+        got = ctypes.c_int()
+        assert lib.cuStreamGetPriority(handle, ctypes.byref(got)) == 0
+        return got.value
+
+    assert priority(mover.kernel_stream.handle) == greatest.value
+    assert priority(mover.copy_stream.handle) == least.value
