@@ -8,6 +8,15 @@ from kvflow.kernels.formats import KVFormat, detect_format
 from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import SUPPORTED_DTYPES, KVLayout, LayerGroup, StrideDesc
 from kvflow.kernels.loader import cuda_available
+from kvflow.kernels.rope import (
+    LayerRopes,
+    LinearScaling,
+    Llama3Scaling,
+    Pairing,
+    RerotateSegment,
+    RopeParams,
+    rerotate,
+)
 from kvflow.kernels.streams import (
     TransferStream,
     current_stream_handle,
@@ -22,7 +31,13 @@ __all__ = [
     "KVFormat",
     "KVLayout",
     "LayerGroup",
+    "LayerRopes",
+    "LinearScaling",
+    "Llama3Scaling",
+    "Pairing",
     "PreparedTransfer",
+    "RerotateSegment",
+    "RopeParams",
     "StrideDesc",
     "TransferStream",
     "cuda_available",
@@ -30,5 +45,6 @@ __all__ = [
     "default_transfer_stream",
     "detect_format",
     "new_transfer_stream",
+    "rerotate",
     "transfer_blocks",
 ]
