@@ -46,6 +46,7 @@ from kvflow.core.server.protocol import (
     EndSession,
     Failed,
     Heartbeat,
+    KVCachesDesc,
     KVEvents,
     KVSubscribed,
     Lookup,
@@ -172,6 +173,41 @@ class _CudaEvents(NamedTuple):
         import torch
 
         return torch.cuda.current_stream(self.device)
+
+
+def _cuda_events(desc: KVCachesDesc) -> tuple[_CudaEvents, bytes, bytes] | None:
+    """For caches in CUDA memory: their interprocess events, made on their device (the
+    store one recorded once now), and the IPC handles of both for the Register."""
+    device = next(
+        (t.memory.device_index for t in desc.tensors if isinstance(t.memory, CudaIpcMemory)),
+        None,
+    )
+    if device is None:
+        return None
+    import torch
+
+    from kvflow.core.server.ipc import make_interprocess_event
+
+    with torch.cuda.device(device):
+        written = make_interprocess_event()
+        written.record(torch.cuda.current_stream(device))
+        written_handle = bytes(written.ipc_handle())
+        retrieved = make_interprocess_event()
+        retrieved_handle = bytes(retrieved.ipc_handle())
+    return _CudaEvents(written, retrieved, device), written_handle, retrieved_handle
+
+
+def _client_layers(kv_caches: Any, block_size: int | None, kv_format: str | None) -> ClientLayers:
+    """One completion point per layer of `kv_caches` (InvalidRequestError for a layout
+    `KVLayout` cannot read)."""
+    from kvflow.kernels import KVLayout
+
+    try:
+        layout = KVLayout.from_kv_caches(kv_caches, block_size=block_size, kv_format=kv_format)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    cuda = layout.device.index if layout.device.type == "cuda" else None
+    return ClientLayers(layout.num_layers, cuda)
 
 
 class KVFlowClient:
@@ -418,34 +454,9 @@ class KVFlowClient:
         completion point per layer for `retrieve_layerwise` (kvflow.core.server.layers).
         """
         desc = describe_kv_caches(kv_caches)
-        layers = None
-        if layerwise:
-            from kvflow.kernels import KVLayout
-
-            try:
-                layout = KVLayout.from_kv_caches(
-                    kv_caches, block_size=block_size, kv_format=kv_format
-                )
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
-            cuda = layout.device.index if layout.device.type == "cuda" else None
-            layers = ClientLayers(layout.num_layers, cuda)
-        event = retrieved = event_handle = retrieved_handle = None
-        device = next(
-            (t.memory.device_index for t in desc.tensors if isinstance(t.memory, CudaIpcMemory)),
-            None,
-        )
-        if device is not None:
-            import torch
-
-            from kvflow.core.server.ipc import make_interprocess_event
-
-            with torch.cuda.device(device):
-                event = make_interprocess_event()
-                event.record(torch.cuda.current_stream(device))
-                event_handle = bytes(event.ipc_handle())
-                retrieved = make_interprocess_event()
-                retrieved_handle = bytes(retrieved.ipc_handle())
+        layers = _client_layers(kv_caches, block_size, kv_format) if layerwise else None
+        shared = _cuda_events(desc)
+        events, event_handle, retrieved_handle = shared if shared else (None, None, None)
         request = Register(
             instance_id=instance_id,
             kv_caches=desc,
@@ -464,8 +475,8 @@ class KVFlowClient:
         if not isinstance(reply, Registered):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
         with self._lock:
-            if event is not None and device is not None:
-                self._events[instance_id] = _CudaEvents(event, retrieved, device)
+            if events is not None:
+                self._events[instance_id] = events
             if layers is not None:
                 self._layers[instance_id] = layers
             else:

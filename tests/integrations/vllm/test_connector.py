@@ -413,14 +413,18 @@ def test_load_and_store_switches(endpoint: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str) -> None:
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str, layerwise: bool) -> None:
     """The worker side on CUDA caches laid out as FlashAttention's (NHD memory seen through
     vLLM's [B, H, N, 2*D] manager view, K and V split by channels): registration goes by
-    CUDA IPC, and a chunk stored from one request's blocks loads into another's exactly."""
+    CUDA IPC, and a chunk stored from one request's blocks loads into another's exactly,
+    whole or (the default on CUDA) layer by layer, driven as vLLM drives the connector:
+    each layer's write marked, each layer's load waited for, then `finish_loads`."""
     scheduler = SchedulerSide(_config(endpoint), model_name=MODEL, world_size=1, block_size=BLOCK)
     worker = WorkerSide(
-        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="gpu-rank0"
-    )
+        _config(endpoint, layerwise=layerwise), model_name=MODEL, world_size=1, rank=0,
+        instance_id=f"gpu-{layerwise}-rank0",
+    )  # fmt: skip
     try:
         physical = [torch.zeros(BLOCKS, BLOCK, HEADS, 2 * HEAD, device="cuda") for _ in
                     range(LAYERS)]  # fmt: skip
@@ -436,9 +440,11 @@ def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str) -> No
         assert _match(scheduler, first) == (0, False)
         scheduler.update_state_after_alloc(first, _blocks([]), 0)
         a_blocks = [5, 2, 8]
-        for layer in physical:  # the forward pass writes K and V of the prompt's blocks
+        plan = scheduler.build_plan(_new_step(first, a_blocks, 0, len(prompt)))
+        for name, layer in zip(caches, physical, strict=True):  # the forward pass, layer by layer
             layer[a_blocks] = torch.randn_like(layer[a_blocks])
-        worker.save(scheduler.build_plan(_new_step(first, a_blocks, 0, len(prompt))))
+            worker.layer_written(name, plan)
+        worker.save(plan)
         assert worker.stored_tokens == CHUNK
 
         second = _request("gpu-b", [*prompt[:CHUNK], 7])
@@ -446,6 +452,9 @@ def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str) -> No
         b_blocks = [17, 11, 20]
         scheduler.update_state_after_alloc(second, _blocks(b_blocks), CHUNK)
         worker.load(scheduler.build_plan(_new_step(second, b_blocks, CHUNK, 1)))
+        for name in caches:
+            worker.wait_layer(name)
+        worker.finish_loads()
         assert worker.take_load_errors() == set()
         torch.cuda.synchronize()
         whole = CHUNK // BLOCK

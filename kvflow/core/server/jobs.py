@@ -1,0 +1,441 @@
+"""The server's worker threads and the jobs they run, one small class per request kind.
+
+The main loop turns each register, store, retrieve, unregister and admin request
+(and, with L2 tiers, each lookup and prefetch) into a `Job` and submits it to a
+`Worker`, which runs its jobs in order on one thread. A job's `run` returns its
+reply, or sends it early itself (`Job.answered`). Whatever a job raises, the worker
+counts and turns into a Failed reply through `ErrorReplies`, the one place that does
+both, which the main loop uses for its own errors too.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import zmq
+
+from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.engine.chunk_keys import keys_from_wire
+from kvflow.core.errors import InvalidRequestError, KVFlowError
+from kvflow.core.server.admin import AdminOps, DrainState
+from kvflow.core.server.layers import ServerLayers, open_server_layers
+from kvflow.core.server.protocol import (
+    AdminRequest,
+    Done,
+    Failed,
+    Lookup,
+    Prefetch,
+    PrefetchStarted,
+    Register,
+    Registered,
+    Reply,
+    Retrieve,
+    StatusResult,
+    Store,
+    encode_reply,
+)
+from kvflow.core.server.registry import Registration, Registry
+from kvflow.core.server.sharing import OpenedKVCaches, open_kv_caches
+
+#: the server's logger: these lines are the server's
+log = logging.getLogger("kvflow.server")
+
+_Transferred = TypeVar("_Transferred", Store, Retrieve)
+
+
+def since(started_ns: int) -> int:
+    """Nanoseconds since `started_ns` (a `time.perf_counter_ns()`): a reply's server_ns."""
+    return time.perf_counter_ns() - started_ns
+
+
+class Job(ABC):
+    """One queued request's work, run on a worker's thread.
+
+    `run` returns the reply, or None once it sent the reply itself through
+    `Worker.answer` (and set `answered`). It raises its errors: the worker answers them.
+    """
+
+    def __init__(self, request_id: int, started: int) -> None:
+        self.request_id = request_id
+        #: when the request arrived (`time.perf_counter_ns()`), for the reply's server_ns
+        self.started = started
+        self.answered = False
+
+    @abstractmethod
+    def run(self) -> Reply | None:
+        """Do the request's work and return its reply (None: already sent)."""
+
+    def __str__(self) -> str:
+        return f"request {self.request_id}"
+
+
+class ErrorReplies:
+    """Counts requests' errors and turns each into its Failed reply: the one place for
+    both, used by the main loop and every worker. Lock rule: the count is read and
+    written under the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """Errors so far."""
+        with self._lock:
+            return self._count
+
+    def failed(self, request_id: int, exc: BaseException, started: int) -> Failed:
+        """Count `exc` and make its reply: a kvflow error's code and message, else an
+        internal error (logged with its traceback: call this in the `except` block)."""
+        self._add()
+        if isinstance(exc, KVFlowError):
+            code, message = exc.code, str(exc)
+        else:
+            log.exception("internal error while serving a request")
+            code, message = KVFlowError.code, f"internal server error: {type(exc).__name__}: {exc}"
+        return Failed(id=request_id, code=code, message=message, server_ns=since(started))
+
+    def of_job(self, job: Job, exc: Exception) -> Failed | None:
+        """`failed` for what `job` raised; None when the job had already replied (too late
+        to tell the client: the error is counted and logged)."""
+        if not job.answered:
+            return self.failed(job.request_id, exc, job.started)
+        self._add()
+        log.error("%s failed after its reply: %s", job, exc)
+        return None
+
+    def _add(self) -> None:
+        with self._lock:
+            self._count += 1
+
+
+#: a queued job: who waits for its reply, the job, and what runs it (`job.run`, or that
+#: counted in flight by a drain)
+_Queued = tuple[bytes | None, Job, Callable[[], Reply | None]]
+
+
+class Worker:
+    """An ordered job queue and the thread that drains it, sending each job's reply
+    through an inproc PUSH socket the main loop forwards to the client."""
+
+    def __init__(
+        self, ctx: zmq.Context[Any], results: str, name: str, errors: ErrorReplies
+    ) -> None:
+        self._ctx = ctx
+        self._results = results
+        self._errors = errors
+        self._jobs: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
+        self._push: zmq.Socket[Any]  # made by the worker thread, used only there
+        self.name = name
+        self._thread = threading.Thread(target=self._run, name=f"kvflow-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, identity: bytes | None, job: Job, drain: DrainState | None = None) -> None:
+        """Queue `job`; its reply goes to `identity` (None: nobody waits for it). With
+        `drain`, the job counts as in flight (what a drain waits for) until it has run."""
+        run = job.run if drain is None else drain.track(job.run)
+        self._jobs.put((identity, job, run))
+
+    def answer(self, identity: bytes, reply: Reply) -> None:
+        """Send a job's reply now, from the job itself (on this worker's thread), so the
+        client goes on while the job finishes."""
+        try:
+            self._push.send_multipart([identity, encode_reply(reply)])
+        except zmq.Again:
+            log.warning("reply dropped: the server stopped without waiting for it")
+
+    def finish(self) -> None:
+        """Stop after the jobs already queued."""
+        self._jobs.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.linger = 1000
+        push.sndtimeo = 1000  # only blocks once the main loop is gone (a forced stop)
+        push.connect(self._results)
+        self._push = push
+        try:
+            while (item := self._jobs.get()) is not None:
+                self._run_one(*item)
+                del item  # hold no finished job (and what it references) while idle
+        finally:
+            push.close()
+
+    def _run_one(self, identity: bytes | None, job: Job, run: Callable[[], Reply | None]) -> None:
+        """Run `job` and send its reply, or the error reply for what it raised."""
+        try:
+            reply = run()
+        except Exception as exc:  # never lose the thread
+            reply = self._errors.of_job(job, exc)
+        if identity is not None and reply is not None:
+            self.answer(identity, reply)
+
+
+def _layers_of(reg: Registration, request: Store | Retrieve) -> ServerLayers | None:
+    """The instance's completion points when `request` is layerwise (layer_seq > 0), else
+    None; InvalidRequestError for a bad number or an instance registered without them."""
+    seq = request.layer_seq
+    if seq == 0:
+        return None
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise InvalidRequestError(f"layer_seq must be an integer >= 0, got {seq!r}")
+    if reg.layers is None:
+        raise InvalidRequestError(
+            f"instance {reg.instance_id!r} was registered without layerwise=True: it has no"
+            f" per-layer completion points for a layerwise {type(request).__name__.lower()}"
+        )
+    return reg.layers
+
+
+class QueryJob(Job):
+    """A lookup's hit tokens or a prefetch's id. Run on the query worker when L2 tiers
+    may make it wait, else at once on the main loop."""
+
+    def __init__(
+        self, engine: CacheEngine, request: Lookup | Prefetch, tokens: np.ndarray, started: int
+    ) -> None:
+        super().__init__(request.id, started)
+        self._engine = engine
+        self._request = request
+        self._tokens = tokens
+
+    def run(self) -> Reply:
+        request, tokens = self._request, self._tokens
+        model, world, salt, rid = (
+            request.model_name, request.world_size, request.cache_salt, request.request_id
+        )  # fmt: skip
+        if isinstance(request, Lookup):
+            keys = keys_from_wire(tokens) if request.keyed else None
+            hit = self._engine.lookup(
+                None if request.keyed else tokens, model_name=model, world_size=world,
+                cache_salt=salt, request_id=rid, prefetch=request.prefetch, chunk_keys=keys,
+            )  # fmt: skip
+            return Done(id=request.id, value=hit, server_ns=since(self.started))
+        prefetch_id = self._engine.prefetch(
+            tokens, model_name=model, world_size=world, cache_salt=salt, request_id=rid
+        )
+        return PrefetchStarted(
+            id=request.id, prefetch_id=prefetch_id, server_ns=since(self.started)
+        )
+
+
+class _Transfer(Job, Generic[_Transferred]):
+    """What a store and a retrieve share: the instance, and the tokens (or chunk keys,
+    chunk_keys.py) and blocks, decoded on the main loop when the job is made."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        reg: Registration,
+        request: _Transferred,
+        arrays: tuple[np.ndarray, ...],
+        started: int,
+    ) -> None:
+        super().__init__(request.id, started)
+        self._engine = engine
+        self._reg = reg
+        self._request: _Transferred = request
+        tokens, self._blocks = arrays
+        self._keys = keys_from_wire(tokens) if request.keyed else None
+        self._tokens = None if self._keys is not None else tokens
+
+
+class StoreJob(_Transfer[Store]):
+    """Copy blocks into the cache, after the engine's writes to them (its IPC event) or,
+    layerwise, each layer once the engine marks it written."""
+
+    def run(self) -> Reply:
+        reg, request = self._reg, self._request
+        layers = _layers_of(reg, request)
+        if reg.event is not None and layers is None:  # the engine's writes first
+            reg.event.synchronize()
+        value = self._engine.store(
+            reg.instance_id,
+            self._tokens,
+            self._blocks,
+            request_id=request.request_id,
+            cache_salt=request.cache_salt,
+            chunk_keys=self._keys,
+            layers=(
+                layers.store_waits(request.layer_seq, lambda: reg.retiring) if layers else None
+            ),
+        )
+        return Done(id=request.id, value=value, server_ns=since(self.started))
+
+
+class RetrieveJob(_Transfer[Retrieve]):
+    """Copy cached chunks into blocks. With CUDA caches or layerwise, it replies as soon
+    as the copies are queued (`_answer_early`), so a later error can only be logged."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        reg: Registration,
+        request: Retrieve,
+        arrays: tuple[np.ndarray, ...],
+        started: int,
+        identity: bytes,
+    ) -> None:
+        super().__init__(engine, reg, request, arrays, started)
+        self._identity = identity
+
+    def __str__(self) -> str:
+        return f"retrieve {self._request.request_id!r}"
+
+    def run(self) -> Reply | None:
+        reg, request = self._reg, self._request
+        layers = _layers_of(reg, request)
+        early = reg.retrieved is not None or layers is not None
+        value = self._engine.retrieve(
+            reg.instance_id,
+            self._tokens,
+            self._blocks,
+            request_id=request.request_id,
+            skip_first_n_tokens=request.skip_first_n_tokens,
+            cache_salt=request.cache_salt,
+            enqueued=self._answer_early if early else None,
+            chunk_keys=self._keys,
+            layers=layers.signal(request.layer_seq) if layers else None,
+        )
+        if self.answered:
+            return None
+        return Done(id=request.id, value=value, server_ns=since(self.started))
+
+    def _answer_early(self, stream: Any, hit_tokens: int) -> None:
+        """The copies are queued: mark their end with the client's event on the copy
+        stream and reply now; the client's stream waits on the event, and the reply's
+        trip overlaps the copy. A layerwise retrieve of CPU caches (stream None) replies
+        before its copies; the client polls its layer flags."""
+        reg = self._reg
+        if stream is not None and reg.retrieved is not None:
+            reg.retrieved.record(stream.torch)
+        done = Done(id=self.request_id, value=hit_tokens, server_ns=since(self.started))
+        reg.worker.answer(self._identity, done)
+        self.answered = True
+        # this thread goes on queueing copies holding the GIL: hand it over so the
+        # loop sends the reply now, not a switch interval later
+        time.sleep(0)
+
+
+class RegisterJob(Job):
+    """Map the client's KV caches, open its CUDA events and layer points and register
+    the instance with the engine; on failure, forget the registration and unmap."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        registry: Registry,
+        reg: Registration,
+        request: Register,
+        started: int,
+        heartbeat_interval_s: float,
+    ) -> None:
+        super().__init__(request.id, started)
+        self._engine = engine
+        self._registry = registry
+        self._reg = reg
+        self._request = request
+        self._heartbeat_interval_s = heartbeat_interval_s
+
+    def run(self) -> Reply:
+        request = self._request
+        opened: OpenedKVCaches | None = None
+        try:
+            opened = open_kv_caches(request.kv_caches)
+            self._serve(opened)
+        except BaseException:
+            self._registry.discard(self._reg)
+            if opened is not None:
+                opened.release()
+            raise
+        log.info(
+            "registered instance %r of model %r (rank %d/%d) for client %s",
+            request.instance_id,
+            request.model_name,
+            request.rank,
+            request.world_size,
+            request.client or "?",
+        )
+        return Registered(
+            id=request.id,
+            heartbeat_interval_s=self._heartbeat_interval_s,
+            server_ns=since(self.started),
+        )
+
+    def _serve(self, opened: OpenedKVCaches) -> None:
+        """Register the mapped caches with the engine and fill in the registration."""
+        request, engine, reg = self._request, self._engine, self._reg
+        event = retrieved = None
+        if opened.cuda_device is not None:
+            from kvflow.core.server.ipc import open_interprocess_event
+
+            device = opened.cuda_device
+            if request.event_handle is not None:
+                event = open_interprocess_event(request.event_handle, device)
+            if request.retrieve_event_handle is not None:
+                retrieved = open_interprocess_event(request.retrieve_event_handle, device)
+        engine.register_kv_caches(
+            request.instance_id,
+            opened.kv_caches,
+            model_name=request.model_name,
+            world_size=request.world_size,
+            rank=request.rank,
+            block_size=request.block_size,
+            kv_format=request.kv_format,
+        )
+        try:
+            layers, layers_opened = open_server_layers(
+                request.layer_event_handles,
+                request.layer_flags,
+                opened.cuda_device,
+                engine.num_layers(request.instance_id),
+            )
+        except BaseException:
+            engine.unregister(request.instance_id)
+            raise
+        reg.opened, reg.event, reg.retrieved = opened, event, retrieved
+        reg.layers, reg.layers_opened = layers, layers_opened
+
+
+class RetireJob(Job):
+    """Unregister an instance from the engine after its queued jobs, and release its
+    memory (also when the engine's unregister fails)."""
+
+    def __init__(self, engine: CacheEngine, reg: Registration, request_id: int, started: int):
+        super().__init__(request_id, started)
+        self._engine = engine
+        self._reg = reg
+
+    def run(self) -> Reply:
+        reg = self._reg
+        try:
+            if reg.opened is not None:  # else its registration failed: nothing to unregister
+                self._engine.unregister(reg.instance_id)
+        finally:
+            reg.release()
+        return Done(id=self.request_id, server_ns=since(self.started))
+
+
+class AdminJob(Job):
+    """An admin's request (clear, resize, drain, quota), on the admin worker."""
+
+    def __init__(self, admin: AdminOps, request: AdminRequest, caller: str, started: int):
+        super().__init__(request.id, started)
+        self._admin = admin
+        self._request = request
+        self._caller = caller
+
+    def run(self) -> Reply:
+        result = self._admin.run(self._request, self._caller)
+        return StatusResult(id=self.request_id, status=result, server_ns=since(self.started))
