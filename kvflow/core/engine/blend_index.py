@@ -100,9 +100,23 @@ def window_fingerprints(tokens: np.ndarray, length: int) -> np.ndarray:
         return (sums[length:] - sums[: n - length + 1]) * up[length - 1 : n]
 
 
+def chunk_fingerprints(tokens: np.ndarray, chunk_size: int) -> np.ndarray:
+    """The fingerprint of each full chunk of `tokens` (what `window_fingerprints` gives
+    at offsets 0, chunk_size, ...), computed for those windows only."""
+    count = len(tokens) // chunk_size
+    if count == 0:
+        return np.empty(0, dtype=np.uint64)
+    up, _ = _powers.upto(chunk_size)
+    rows = tokens[: count * chunk_size].astype(np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return (rows.reshape(count, chunk_size) * up[chunk_size - 1 :: -1]).sum(
+            axis=1, dtype=np.uint64
+        )
+
+
 def chunk_fingerprint(tokens: np.ndarray) -> int:
     """A chunk's fingerprint: that of its one window of its own length."""
-    return int(window_fingerprints(tokens, len(tokens))[0])
+    return int(chunk_fingerprints(tokens, len(tokens))[0])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,12 +159,15 @@ class BlendIndex:
     ) -> None:  # fmt: skip
         """Index chunks first_chunk.. of a stored sequence (`tokens`, int32 from token 0;
         `chunk_hashes[i]` the key of chunk first_chunk + i) as stored by `rank`."""
-        prints = window_fingerprints(tokens, chunk_size)
+        first = first_chunk * chunk_size
+        prints = chunk_fingerprints(
+            tokens[first : first + len(chunk_hashes) * chunk_size], chunk_size
+        )
         with self._lock:
             table = self._by_owner.setdefault(owner, {})
             for i, chunk_hash in enumerate(chunk_hashes):
-                start = (first_chunk + i) * chunk_size
-                fp = int(prints[start])
+                start = first + i * chunk_size
+                fp = int(prints[i])
                 entry = self._entry(table, fp, chunk_hash)
                 if entry is None:
                     digest = _digest(tokens[start : start + chunk_size])

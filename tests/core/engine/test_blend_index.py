@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from kvflow.core.engine import blend_index
-from kvflow.core.engine.blend_index import BlendIndex, chunk_fingerprint, window_fingerprints
+from kvflow.core.engine.blend_index import (
+    BlendIndex,
+    chunk_fingerprint,
+    chunk_fingerprints,
+    window_fingerprints,
+)
 
 CHUNK = 16
 OWNER = ("m", 1, None)
@@ -34,6 +39,9 @@ def test_window_fingerprints_equal_each_windows_own_fingerprint() -> None:
     )
     assert int(prints[5]) == direct % (1 << 64)
     assert len(window_fingerprints(tokens[:5], CHUNK)) == 0
+    assert [int(p) for p in chunk_fingerprints(tokens, CHUNK)] == [
+        int(prints[i]) for i in range(0, 300 - CHUNK + 1, CHUNK)
+    ]
 
 
 def test_a_document_is_found_wherever_it_moved() -> None:
@@ -75,6 +83,9 @@ def test_a_fingerprint_collision_is_rejected_by_the_digest(monkeypatch: pytest.M
         blend_index,
         "window_fingerprints",
         lambda tokens, n: np.zeros(max(0, len(tokens) - n + 1), np.uint64),
+    )
+    monkeypatch.setattr(
+        blend_index, "chunk_fingerprints", lambda tokens, n: np.zeros(len(tokens) // n, np.uint64)
     )
     stored, other = _tokens(6, CHUNK), _tokens(7, 3 * CHUNK)
     index = BlendIndex()
