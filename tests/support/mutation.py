@@ -157,6 +157,12 @@ MODULES = [
     "kvflow/core/engine/loads.py",
     "kvflow/core/engine/movers.py",
     "kvflow/core/engine/cache_engine.py",
+    # split out of cache_engine.py (issue 40)
+    "kvflow/core/engine/validation.py",
+    "kvflow/core/engine/queries.py",
+    "kvflow/core/engine/transfers.py",
+    "kvflow/core/engine/l2_from_config.py",
+    "kvflow/core/engine/bus_status.py",
     "kvflow/core/server/shm.py",
     "kvflow/core/server/curve.py",
     "kvflow/core/server/ipc.py",

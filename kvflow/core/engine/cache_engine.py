@@ -1,15 +1,21 @@
-"""The in-process cache engine (docs/ENGINE.md): registration, keys, L1, transfers, events.
+"""The in-process cache engine (docs/ENGINE.md): registration, transfers, sessions, status.
 
-Thread-safe: lookup/status may run while stores and retrieves of different
-instances run on other threads; one instance's transfers are serialised by its
-lock, which an op gives up while it waits on an L2 tier (`_unlocked`). Every
-operation is observed through START/END event pairs on the bus.
+`CacheEngine` is the public face; the modules beside this one hold its parts:
+`validation` (argument checks, request bounds), `queries` (lookup and prefetch),
+`transfers` (a store's or retrieve's state and waves), `tiering` with `loads` and
+`writethrough` (the L2 side, its tiers built by `l2_from_config`), `movers` and
+`layerwise` (bytes), `observability` and `bus_status` (events, status).
+
+A transfer reads top-down. `store` and `retrieve` call one helper per phase: check the
+request (`_begin`); copy its L1 part in doubling waves (`_store_waves`, `_retrieve_l1`);
+its L2 part (`_stream_store`, `_retrieve_l2`); end it: END published, copies waited
+for, plan committed (`_end_store`, `_end_retrieve`). Every failure takes one path,
+`_transfer`: the instance's streams drained once, what the op holds undone, a failed END.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,25 +23,45 @@ from operator import itemgetter
 from typing import Any, cast
 
 import numpy as np
-import torch
 
-from kvflow.core.arrays import as_int32_array
 from kvflow.core.config import ServerConfig
-from kvflow.core.engine.chunk_keys import check_chunk_keys, placeholder_tokens
+from kvflow.core.engine.bus_status import bus_status
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
+from kvflow.core.engine.l2_from_config import GIB, build_l2
 from kvflow.core.engine.layerwise import (
     LayerSignal,
     WrittenSignal,
     cpu_gather_layers,
     cpu_scatter_layers,
 )
-from kvflow.core.engine.loads import Slot
 from kvflow.core.engine.movers import CpuMover, CudaMover, Mover
 from kvflow.core.engine.observability import Observability
 from kvflow.core.engine.ops import Op
+from kvflow.core.engine.queries import Queries
 from kvflow.core.engine.request import RequestIds
 from kvflow.core.engine.tiering import Tiering
+from kvflow.core.engine.transfers import (
+    Copied,
+    LayerProgress,
+    Transfer,
+    rows_of,
+    run_waves,
+    transfer_attrs,
+    written_chunks,
+    written_tokens,
+)
+from kvflow.core.engine.validation import (
+    MAX_REQUEST_TOKENS,
+    MAX_WORLD_SIZE,
+    check_allocations,
+    check_salt,
+    check_skip,
+    check_str,
+    check_waits,
+    check_world,
+    keyed,
+)
 from kvflow.core.engine.writethrough import WriteReceipt
 from kvflow.core.errors import (
     AlreadyRegisteredError,
@@ -51,11 +77,15 @@ from kvflow.core.tiers.quota import TenantQuotas, parse_quotas
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
 
-GIB = 1 << 30
-#: Largest world_size a register, lookup or prefetch may name (rank < world_size).
-MAX_WORLD_SIZE = 1024
-#: Most tokens one lookup or prefetch may carry: checked before any hashing.
-MAX_REQUEST_TOKENS = 1 << 22
+__all__ = [
+    "GIB",
+    "MAX_REQUEST_TOKENS",
+    "MAX_WORLD_SIZE",
+    "STALL_S",
+    "STREAM_SHARE",
+    "CacheEngine",
+]
+
 #: Share of L1 one window of a store or retrieve streaming through L1 takes (a request
 #: larger than L1 with an L2 tier): with the write-through backlog (BACKLOG_SHARE) and a
 #: retrieve's next window in flight, the streaming request never needs all of L1.
@@ -64,166 +94,8 @@ STREAM_SHARE = 0.25
 #: a flag read, or two GPU timing events around a wait that did not wait).
 STALL_S = 50e-6
 
-
-def _check_str(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _check_salt(cache_salt: Any) -> str | None:
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise InvalidRequestError(f"cache_salt must be a string or None, got {cache_salt!r}")
-    return cache_salt
-
-
-def _rows_of(table: np.ndarray, rows: list[int]) -> np.ndarray:
-    """table[rows] for ascending rows: a view when they are one contiguous run."""
-    if rows and rows[-1] - rows[0] == len(rows) - 1:
-        return table[rows[0] : rows[-1] + 1]
-    return table[np.asarray(rows, dtype=np.intp)]
-
-
-def _written_chunks(
-    first: int, stop: int, skip_blocks: int, blocks_per_chunk: int
-) -> tuple[list[int], list[int]]:
-    """Of chunks [first, stop), those a retrieve writes (not wholly within the skipped
-    blocks), and how many leading blocks of each it leaves alone."""
-    rows: list[int] = []
-    skips: list[int] = []
-    for c in range(first, stop):
-        s = min(max(skip_blocks - c * blocks_per_chunk, 0), blocks_per_chunk)
-        if s < blocks_per_chunk:
-            rows.append(c)
-            skips.append(s)
-    return rows, skips
-
-
-def _requested_tokens(token_ids: Any) -> int:
-    """The request's token count for START events (0 when it has no length: refused later)."""
-    return len(token_ids) if hasattr(token_ids, "__len__") else 0
-
-
 #: an ObjectKey's chunk hash, for the chunk_hashes attr (a C call per key, no Python frame)
 _HASH_OF: Callable[[Any], bytes] = itemgetter(0)
-
-
-def _transfer_attrs(inst: Instance, token_ids: Any) -> dict[str, Any]:
-    """A store's or retrieve's START attrs."""
-    return {
-        "instance_id": inst.instance_id,
-        "model_name": inst.model_name,
-        "tokens": _requested_tokens(token_ids),
-    }
-
-
-def _desc_nbytes(desc: LayoutDesc) -> int:
-    """Bytes of one chunk object laid out as `desc` (its layer groups back to back)."""
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in desc)
-
-
-def _gpu_count() -> int:
-    """GPUs the disk tier's by_gpu sharding spreads over (a GPU-less host counts one)."""
-    return max(1, torch.cuda.device_count()) if cuda_available() else 1
-
-
-def _build_l2(config: ServerConfig) -> list[StorageTier]:
-    """The L2 tiers the config names, in order: disk, then Redis (none: L1 only).
-
-    The modules are imported only when configured; a tier that fails to start closes
-    the ones built before it (a disk tier holds its directories' locks).
-    """
-    tiers: list[StorageTier] = []
-    try:
-        if config.l2_disk_paths:
-            from kvflow.core.tiers.disk import DiskTier
-
-            tiers.append(
-                DiskTier(
-                    config.l2_disk_paths,
-                    int(config.l2_disk_size_gb * GIB),
-                    num_gpus=_gpu_count(),
-                    direct_io=config.l2_disk_direct_io,
-                )
-            )
-        if config.l2_redis_url is not None:
-            from kvflow.core.tiers.redis import RedisTier
-            from kvflow.core.tiers.redis_target import resolve_target
-
-            target = resolve_target(
-                config.l2_redis_url,
-                username=config.l2_redis_username,
-                password=config.l2_redis_password,
-            )
-            tiers.append(
-                RedisTier(
-                    target,
-                    cluster=config.l2_redis_cluster,
-                    key_prefix=config.l2_redis_key_prefix,
-                    timeout_s=config.l2_redis_timeout_s,
-                    pool_size=config.l2_redis_pool_size,
-                )
-            )
-    except BaseException:
-        for tier in tiers:
-            tier.close()
-        raise
-    return tiers
-
-
-def _check_world(world_size: Any, rank: Any = 0) -> None:
-    if (
-        isinstance(world_size, bool)
-        or not isinstance(world_size, int)
-        or not 1 <= world_size <= MAX_WORLD_SIZE
-    ):
-        raise InvalidRequestError(
-            f"world_size must be an integer in [1, {MAX_WORLD_SIZE}] (MAX_WORLD_SIZE), "
-            f"got {world_size!r}"
-        )
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-
-
-def _check_tokens(token_ids: Any) -> None:
-    """A lookup's or prefetch's token count against MAX_REQUEST_TOKENS, before any work."""
-    n = _requested_tokens(token_ids)
-    if n > MAX_REQUEST_TOKENS:
-        raise InvalidRequestError(
-            f"token_ids holds {n} tokens, more than the {MAX_REQUEST_TOKENS} "
-            "(MAX_REQUEST_TOKENS) a request may carry"
-        )
-
-
-def _rank_groups(world_size: int) -> Iterator[range]:
-    """Ranks in groups of doubling size: [0], [1], [2, 3], [4..7], ...
-
-    A prefix is narrowed group by group, so ranks that hold nothing cost at most
-    about as much as the ranks before them that do, whatever the world_size.
-    """
-    start = 0
-    while start < world_size:
-        stop = min(world_size, max(start + 1, 2 * start))
-        yield range(start, stop)
-        start = stop
-
-
-def _check_ids(values: Any, what: str, limit: int | None = None) -> int:
-    """len(values) after checking they are integers (in [0, limit) when given)."""
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidRequestError(f"{what} must be a flat sequence of integers") from None
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidRequestError(f"{what} must be a flat sequence of integers")
-    if limit is not None and arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= limit:
-            raise InvalidRequestError(
-                f"{what} holds block id {lo if lo < 0 else hi}, which does not exist: the "
-                f"instance's cache has {limit} blocks (valid ids 0..{limit - 1})"
-            )
-    return int(arr.size)
 
 
 class CacheEngine:
@@ -233,6 +105,16 @@ class CacheEngine:
     is given; a given bus is used as is (the caller starts and stops it). L2 tiers
     come from the config (`l2_disk_paths`) unless `l2_tiers` are given (the engine
     closes them either way).
+
+    Lock rule. `_lock` guards `_instances`, `_layouts` and `_closed`: each is read and
+    written only under it (`_open` takes it and refuses a closed engine: the one closed
+    check). Each `Instance.lock` orders that instance's transfers, which share its mover
+    (streams, staging buffer); a transfer gives it up only while it waits on L2 with its
+    mover idle (`_unlocked`). Locks are taken in this order: an instance's lock, then
+    `_lock`, then those of L1 and the tiers; `_lock` is never held while an instance's
+    lock is taken or while waiting on I/O. Read without a lock: `config`, `chunk_size`,
+    `tenants`, `l1`, `bus`, `_keys`, `_obs`, `_tiering` and `_queries`, set in __init__
+    and never reassigned, each immutable or thread-safe by its own lock.
     """
 
     def __init__(
@@ -261,7 +143,7 @@ class CacheEngine:
         self._instances: dict[str, Instance] = {}
         self._layouts: dict[ModelRank, LayoutDesc] = {}
         self._closed = False
-        tiers = list(l2_tiers) if l2_tiers is not None else _build_l2(self.config)
+        tiers = list(l2_tiers) if l2_tiers is not None else build_l2(self.config)
         self._obs = Observability(
             self.config.observability,
             bus,
@@ -277,111 +159,54 @@ class CacheEngine:
                 write_back=self.config.l2_write_back, timeout_s=self.config.l2_timeout_s,
                 backlog_wait_s=self.config.l2_backlog_wait_s,
             )  # fmt: skip
+        self._queries = Queries(
+            l1=self.l1, keys=self._keys, tiering=self._tiering, tenants=self.tenants,
+            bus=self.bus, chunk_size=self.chunk_size, check_open=self._check_open,
+            layouts=self._rank_layouts,
+        )  # fmt: skip
 
-    # -- helpers ---------------------------------------------------------------------
+    # -- engine state (under `_lock`) ------------------------------------------------------
 
-    def _instance(self, instance_id: Any) -> Instance:
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Hold the engine's lock, refusing a closed engine (KVFlowError)."""
         with self._lock:
             if self._closed:
                 raise KVFlowError("the cache engine is closed")
+            yield
+
+    def _check_open(self) -> None:
+        """KVFlowError when the engine is closed."""
+        with self._open():
+            pass
+
+    def _instance(self, instance_id: Any) -> Instance:
+        """A registered instance (UnknownInstanceError if none; KVFlowError once closed)."""
+        with self._open():
             inst = self._instances.get(instance_id)
         if inst is None:
             raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
         return inst
 
-    def _request_ids(
-        self, inst: Instance, token_ids: Any, block_ids: Any, request_id: Any, cache_salt: Any
-    ) -> RequestIds:
-        """A store/retrieve request's ids, after the checks that need no conversion."""
-        _check_str("request_id", request_id)
-        _check_salt(cache_salt)
-        return RequestIds(
-            token_ids, block_ids, chunk_size=self.chunk_size, layout=inst.layout,
-            blocks_per_chunk=inst.blocks_per_chunk,
-        )  # fmt: skip
+    def _rank_layouts(self, model_name: str, world_size: int) -> list[LayoutDesc | None]:
+        """The layout desc recorded for each rank of the model's world (None: never)."""
+        with self._lock:
+            return [self._layouts.get((model_name, world_size, r)) for r in range(world_size)]
 
-    def _chunk_keys(
-        self, inst: Instance, ids: RequestIds, first: int, stop: int, request_id: str,
-        cache_salt: str | None,
-    ) -> list[ObjectKey]:  # fmt: skip
-        """L1 keys of chunks [first, stop), converting their token ids first (chained
-        hashes of the whole prefix, computed once per session, then cached), or the
-        request's own chunk keys when it came with them."""
-        model, world, rank = inst.model_rank
-        hashes: Sequence[bytes]
-        if ids.hashes is not None:
-            hashes = ids.hashes[:stop]
-        else:
-            ids.convert_tokens(stop)
-            hashes = self._keys.hashes(ids.tokens[: stop * self.chunk_size], request_id)
-        return [ObjectKey(h, model, world, rank, cache_salt) for h in hashes[first:]]
-
-    def _keyed(self, token_ids: Any, chunk_keys: Any) -> tuple[Any, list[bytes] | None]:
-        """(token ids, None) for a request by tokens; for one by `chunk_keys`, placeholder
-        token ids (one whole chunk per key) and the checked keys."""
-        if chunk_keys is None:
-            return token_ids, None
-        if token_ids is not None:
-            raise InvalidRequestError("give token_ids or chunk_keys, not both")
-        keys = check_chunk_keys(chunk_keys, self.chunk_size, MAX_REQUEST_TOKENS)
-        return placeholder_tokens(len(keys), self.chunk_size), keys
+    # -- events ------------------------------------------------------------------------------
 
     def _publish(self, etype: EventType, session_id: str | None, attrs: dict[str, Any]) -> None:
         self.bus.publish(Event(etype, 0, session_id, None, attrs))
 
     def _publish_evictions(self, plan: WritePlan, session_id: str | None) -> None:
+        """L1_EVICT for the objects a write plan evicted (none: no event)."""
         if plan.evicted_chunks:
-            self._publish(
-                EventType.L1_EVICT,
-                session_id,
-                {
-                    "chunks": plan.evicted_chunks,
-                    "bytes": plan.evicted_bytes,
-                    "keys": plan.evicted_keys,
-                },
-            )
-
-    @staticmethod
-    def _quiesce(inst: Instance) -> None:
-        """After a failure: let enqueued copies finish before their memory is reused."""
-        with contextlib.suppress(Exception):
-            inst.mover.wait()
-
-    @contextlib.contextmanager
-    def _unlocked(self, inst: Instance) -> Iterator[None]:
-        """Let the instance's other transfers run while this one waits on I/O (an L2 load):
-        the caller holds `inst.lock` with its mover idle (every copy it queued landed).
-        Once the lock is taken back, an instance unregistered meanwhile fails the op."""
-        inst.lock.release()
-        try:
-            yield
-        finally:
-            inst.lock.acquire()
-        with self._lock:
-            gone = self._instances.get(inst.instance_id) is not inst
-        if gone:
-            raise UnknownInstanceError(
-                f"instance {inst.instance_id!r} was unregistered while its transfer waited"
-                " for an L2 tier"
-            )
-
-    @contextlib.contextmanager
-    def _transfer(self, inst: Instance, op: Op, **failed: Any) -> Iterator[None]:
-        """Run an op's body; on any error wait for its streams, publish a failed END, re-raise.
-
-        `failed` are the END attrs of a failure. Errors that are not kvflow's own
-        (a failing copy) become TransferError.
-        """
-        try:
-            yield
-        except BaseException as exc:
-            self._quiesce(inst)
-            if isinstance(exc, KVFlowError) or not isinstance(exc, Exception):
-                op.fail(exc, **failed)
-                raise
-            err = TransferError(f"transfer for instance {inst.instance_id!r} failed: {exc}")
-            op.fail(err, **failed)
-            raise err from exc
+            attrs = {
+                "chunks": plan.evicted_chunks,
+                "bytes": plan.evicted_bytes,
+                "keys": plan.evicted_keys,
+            }
+            self._publish(EventType.L1_EVICT, session_id, attrs)
 
     # -- registration ------------------------------------------------------------------
 
@@ -397,9 +222,9 @@ class CacheEngine:
         kv_format: str | None = None,
     ) -> None:
         """Register an instance's KV tensors; the layout is detected (or `kv_format`)."""
-        _check_str("instance_id", instance_id)
-        _check_str("model_name", model_name)
-        _check_world(world_size, rank)
+        check_str("instance_id", instance_id)
+        check_str("model_name", model_name)
+        check_world(world_size, rank)
         with self._lock:
             if instance_id in self._instances:
                 raise AlreadyRegisteredError(f"instance {instance_id!r} is already registered")
@@ -446,9 +271,7 @@ class CacheEngine:
     def _add_instance(self, inst: Instance) -> None:
         """Record the instance and its (model, world, rank) layout desc, atomically."""
         key = inst.model_rank
-        with self._lock:
-            if self._closed:
-                raise KVFlowError("the cache engine is closed")
+        with self._open():
             if inst.instance_id in self._instances:
                 raise AlreadyRegisteredError(f"instance {inst.instance_id!r} is already registered")
             known = self._layouts.get(key)
@@ -489,7 +312,7 @@ class CacheEngine:
         with self._lock:
             return self._layouts.get((model_name, world_size, rank))
 
-    # -- lookup ---------------------------------------------------------------------------
+    # -- lookup and prefetch (queries.py) ---------------------------------------------------
 
     def lookup(
         self,
@@ -511,108 +334,10 @@ class CacheEngine:
         `prefetch` is False or the model's layouts were never registered) and the
         lookup returns at once.
         """
-        token_ids, named = self._keyed(token_ids, chunk_keys)
-        n_req = _requested_tokens(token_ids)
-        attrs = {"model_name": model_name, "tokens": n_req}
-        op = Op(self.bus, EventType.LOOKUP_START, request_id, attrs)
-        result: dict[str, Any] = {"requested_tokens": n_req, "hit_tokens": 0}
-        try:
-            salt = self._check_query(token_ids, model_name, world_size, cache_salt, request_id)
-            if not isinstance(prefetch, bool):
-                raise InvalidRequestError(f"prefetch must be a bool, got {prefetch!r}")
-            tokens = as_int32_array(token_ids, "token_ids")
-            hashes = named if named is not None else self._keys.hashes(tokens, request_id)
-            in_l1 = len(hashes)
-            for ranks in _rank_groups(world_size):  # rank 0 first: see _rank_groups
-                if not in_l1:
-                    break
-                # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
-                in_l1 = self.l1.count_prefix(
-                    [(h, model_name, world_size, r, salt) for r in ranks] for h in hashes[:in_l1]
-                )
-            by_tier = {"l1": in_l1 * self.chunk_size}
-            hit = in_l1
-            if self._tiering is not None and in_l1 < len(hashes):
-                rows = self._tier_rows(hashes[in_l1:], model_name, world_size, salt)
-                more, tiers, where = self._tiering.hit_rows(rows)
-                hit += more
-                for name, n in tiers.items():
-                    by_tier[name] = by_tier.get(name, 0) + n * self.chunk_size
-                nbytes = self._rank_nbytes(model_name, world_size) if prefetch else None
-                if more and nbytes is not None and len(tiers) > ("l1" in tiers):
-                    self._tiering.prefetch(
-                        rows[:more], nbytes, model_name=model_name, trigger="lookup",
-                        session_id=request_id, residency=where,
-                    )  # fmt: skip
-        except BaseException as exc:
-            op.fail(exc, **result)
-            raise
-        hit_tokens = hit * self.chunk_size
-        self.tenants.record_lookup(model_name, salt, n_req, hit_tokens)
-        # chunk_hashes: the list the key cache returned (no copy), for kvflow whatif
-        op.end(
-            requested_tokens=n_req, hit_tokens=hit_tokens, hit_tokens_by_tier=by_tier,
-            chunk_hashes=hashes, chunk_size=self.chunk_size, world_size=world_size,
+        return self._queries.lookup(
+            token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
+            request_id=request_id, prefetch=prefetch, chunk_keys=chunk_keys,
         )  # fmt: skip
-        return hit_tokens
-
-    def _check_query(
-        self, token_ids: Any, model_name: Any, world_size: Any, cache_salt: Any, request_id: Any
-    ) -> str | None:
-        """A lookup's or prefetch's arguments, checked before any work; returns the salt."""
-        if self._closed:
-            raise KVFlowError("the cache engine is closed")
-        _check_str("model_name", model_name)
-        _check_world(world_size)
-        salt = _check_salt(cache_salt)
-        if request_id is not None:
-            _check_str("request_id", request_id)
-        _check_tokens(token_ids)
-        return salt
-
-    def _tier_rows(
-        self, hashes: Sequence[bytes], model_name: str, world_size: int, salt: str | None
-    ) -> list[list[ObjectKey]]:
-        """Key rows (one key per rank) of the chunks some tier may hold for every rank.
-
-        The chunks are narrowed rank group by rank group (`_rank_groups`) on the keys'
-        residency before the last group, so that the rows handed to `hit_rows` never
-        reach far beyond the chunks that ranks really hold: the work follows the ranks
-        that exist, not world_size. The rows returned may still miss (the last group).
-        """
-        assert self._tiering is not None
-        residency = self._tiering.loader.residency
-        n = len(hashes)
-        groups = list(_rank_groups(world_size))
-        for ranks in groups[:-1]:
-            if not n:
-                break
-            keys = [
-                ObjectKey(h, model_name, world_size, r, salt) for h in hashes[:n] for r in ranks
-            ]
-            where = residency(keys)
-            width = len(ranks)
-            n = next(
-                (
-                    i
-                    for i in range(n)
-                    if any(where[k] is None for k in keys[i * width : (i + 1) * width])
-                ),
-                n,
-            )
-        ranks = range(world_size)
-        return [[ObjectKey(h, model_name, world_size, r, salt) for r in ranks] for h in hashes[:n]]
-
-    def _rank_nbytes(self, model_name: str, world_size: int) -> list[int] | None:
-        """Chunk bytes of each rank of the model's world, from the layout descs recorded
-        at registration; None when some rank was never registered."""
-        with self._lock:
-            descs = [self._layouts.get((model_name, world_size, r)) for r in range(world_size)]
-        if any(d is None for d in descs):
-            return None
-        return [_desc_nbytes(d) for d in descs if d is not None]
-
-    # -- prefetch ---------------------------------------------------------------------------
 
     def prefetch(
         self,
@@ -629,38 +354,131 @@ class CacheEngine:
         rank of (model_name, world_size), so no engine tensor is touched; a model whose
         ranks were never registered is an error. `prefetch_state(id)` reports progress.
         """
-        salt = self._check_query(token_ids, model_name, world_size, cache_salt, request_id)
-        tiering = self._tiering
-        if tiering is None:
-            raise InvalidRequestError(
-                "prefetch needs an L2 tier; none is configured (start the server with --l2-disk)"
-            )
-        nbytes = self._rank_nbytes(model_name, world_size)
-        if nbytes is None:
-            with self._lock:
-                missing = [
-                    r for r in range(world_size) if (model_name, world_size, r) not in self._layouts
-                ]
-            raise UnknownInstanceError(
-                f"model {model_name!r} world_size {world_size} rank(s) {missing} never registered "
-                "KV caches: prefetch needs their layout"
-            )
-        tokens = as_int32_array(token_ids, "token_ids")
-        hashes = self._keys.hashes(tokens, request_id)
-        rows = self._tier_rows(hashes, model_name, world_size, salt)
-        hit, _, where = tiering.hit_rows(rows)
-        return tiering.prefetch(
-            rows[:hit], nbytes, model_name=model_name, trigger="api", session_id=request_id,
-            residency=where,
+        return self._queries.prefetch(
+            token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
+            request_id=request_id,
         )  # fmt: skip
 
     def prefetch_state(self, prefetch_id: str) -> dict[str, Any]:
         """A prefetch's progress: state running/done, chunks, tokens landed, kept, discarded."""
-        _check_str("prefetch_id", prefetch_id)
-        state = self._tiering.prefetch_state(prefetch_id) if self._tiering is not None else None
-        if state is None:
-            raise UnknownInstanceError(f"prefetch {prefetch_id!r} is unknown (or long finished)")
-        return state
+        return self._queries.prefetch_state(prefetch_id)
+
+    # -- what every transfer shares ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transfer(
+        self, inst: Instance, start: EventType, request_id: Any, token_ids: Any, **failed: Any
+    ) -> Iterator[Transfer]:
+        """Run a store's or retrieve's body under the instance's lock, as one START/END op.
+
+        On any error the instance's streams are drained (the failure path's one wait:
+        copies already queued land before their memory is reused), the Transfer's
+        holdings are undone (`_undo`), a failed END with the `failed` attrs is published
+        (whatever the undoing raised) and the error re-raised; errors that are not
+        kvflow's own (a failing copy) become TransferError. On success the objects it read
+        are released, still under the lock.
+        """
+        attrs = transfer_attrs(inst, token_ids)
+        with inst.lock:
+            tx = Transfer(inst, Op(self.bus, start, request_id, attrs), request_id)
+            try:
+                yield tx
+            except BaseException as exc:
+                own = isinstance(exc, KVFlowError) or not isinstance(exc, Exception)
+                err = exc
+                if not own:
+                    err = TransferError(f"transfer for instance {inst.instance_id!r} failed: {exc}")
+                try:
+                    with contextlib.suppress(Exception):
+                        inst.mover.wait()
+                    self._undo(tx)
+                finally:
+                    tx.op.fail(err, **failed)
+                if own:
+                    raise
+                raise err from exc
+            self._release_hits(tx)
+
+    def _undo(self, tx: Transfer) -> None:
+        """A failed transfer's holdings, once its streams are drained: its failure steps
+        run, its uncommitted plan is aborted (nothing it wrote becomes visible), evictions
+        not told yet are told, and the objects it read are released (even when a failure
+        step raised)."""
+        try:
+            for step in tx.on_failure:
+                step()
+        finally:
+            if tx.plan is not None:
+                self.l1.abort(tx.plan)
+                tx.plan = None
+            self._tell_evictions(tx)
+            self._release_hits(tx)
+
+    @contextlib.contextmanager
+    def _unlocked(self, inst: Instance) -> Iterator[None]:
+        """Let the instance's other transfers run while this one waits on I/O (an L2 load):
+        the caller holds `inst.lock` with its mover idle (every copy it queued landed).
+        Once the lock is taken back, an instance unregistered meanwhile fails the op."""
+        inst.lock.release()
+        try:
+            yield
+        finally:
+            inst.lock.acquire()
+        with self._lock:
+            gone = self._instances.get(inst.instance_id) is not inst
+        if gone:
+            raise UnknownInstanceError(
+                f"instance {inst.instance_id!r} was unregistered while its transfer waited"
+                " for an L2 tier"
+            )
+
+    def _begin(
+        self, tx: Transfer, token_ids: Any, block_ids: Any, cache_salt: Any,
+        named: list[bytes] | None,
+    ) -> None:  # fmt: skip
+        """A transfer's first phase: its arguments checked (those that need no conversion)
+        and its ids made (`RequestIds`, converted chunk range by chunk range later)."""
+        inst = tx.inst
+        check_str("request_id", tx.request_id)
+        tx.cache_salt = check_salt(cache_salt)
+        tx.ids = RequestIds(
+            token_ids, block_ids, chunk_size=self.chunk_size, layout=inst.layout,
+            blocks_per_chunk=inst.blocks_per_chunk,
+        )  # fmt: skip
+        tx.ids.hashes = named
+
+    def _chunk_keys(self, tx: Transfer, first: int, stop: int) -> list[ObjectKey]:
+        """L1 keys of chunks [first, stop), converting their token ids first (chained
+        hashes of the whole prefix, computed once per session, then cached), or the
+        request's own chunk keys when it came with them."""
+        model, world, rank = tx.inst.model_rank
+        ids = tx.ids
+        hashes: Sequence[bytes]
+        if ids.hashes is not None:
+            hashes = ids.hashes[:stop]
+        else:
+            ids.convert_tokens(stop)
+            hashes = self._keys.hashes(ids.tokens[: stop * self.chunk_size], tx.request_id)
+        return [ObjectKey(h, model, world, rank, tx.cache_salt) for h in hashes[first:]]
+
+    def _stream_chunks(self, nbytes: int) -> int:
+        """Chunks of `nbytes` in one window of a request streaming through L1."""
+        return max(1, int(self.l1.capacity_bytes * STREAM_SHARE) // max(nbytes, 1))
+
+    def _tell_evictions(self, tx: Transfer) -> None:
+        """Publish the evictions of the transfer's plan, once."""
+        plan, tx.untold = tx.untold, None
+        if plan is not None:
+            self._publish_evictions(plan, tx.request_id)
+
+    def _release_hits(self, tx: Transfer) -> None:
+        """Unpin the L1 objects the transfer read and free the staged L2 loads it read."""
+        pinned, staged = tx.pinned, tx.staged
+        tx.pinned, tx.staged = [], []
+        if pinned:
+            self.l1.release(pinned)
+        if staged and self._tiering is not None:
+            self._tiering.loader.discard(staged)
 
     # -- store ------------------------------------------------------------------------------
 
@@ -686,69 +504,75 @@ class CacheEngine:
         being written to it. Without L2 it stops at the first chunk L1 had no room for;
         with L2 a request larger than (free) L1 streams through it (`_stream_store`).
         """
-        token_ids, named = self._keyed(token_ids, chunk_keys)
+        token_ids, named = keyed(token_ids, chunk_keys, self.chunk_size)
         inst = self._instance(instance_id)
-        attrs = _transfer_attrs(inst, token_ids)
-        result: dict[str, Any] = {}
-        with inst.lock:
-            op = Op(self.bus, EventType.STORE_START, request_id, attrs)
-            with self._transfer(inst, op, tokens=0, bytes=0):
-                ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
-                ids.hashes = named
-                if layers is not None:
-                    held = self._store_layers(inst, op, ids, request_id, cache_salt, layers)
-                    if held is not None:
-                        return held
-                # chunks go in waves: the first group is converted, hashed, planned and
-                # enqueued alone, then each wave doubles the chunks done, so a wave's host
-                # work runs while the copies of the (as many) chunks before it drain
-                n_chunks = ids.n_chunks
-                stop = min(n_chunks, inst.mover.head_chunks)
-                ids.convert(stop)
-                keys = self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
-                plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
-                evictions_told = streaming = False
-                try:
-                    if keys and not plan.covered and self._tiering is None:
-                        raise CapacityError(
-                            f"L1 is full of objects being read; no room for a chunk of "
-                            f"{inst.chunk_nbytes} bytes"
-                        )
-                    queued = 0
-                    while True:
-                        self._enqueue_store(inst, ids.table, plan.new[queued:])
-                        queued = len(plan.new)
-                        if stop == n_chunks or plan.covered < stop:
-                            break
-                        first, stop = stop, min(n_chunks, 2 * stop)
-                        ids.convert(stop)
-                        keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
-                        self.l1.extend_write(plan, [*plan.keys, *keys], inst.chunk_nbytes)
-                    streaming = self._tiering is not None and plan.covered < n_chunks
-                    if streaming:  # the rest goes through L1 window by window
-                        inst.mover.flush()
-                        inst.mover.wait()
-                        self.l1.commit(plan)
-                        self._publish_evictions(plan, request_id)
-                        evictions_told = True
-                        result = self._stream_store(inst, ids, plan, request_id, cache_salt)
-                        op.end(None, **result)
-                        return int(result["held_tokens"])
-                    result = self._store_result(inst, plan)
-                    inst.mover.flush()
-                    self._publish_evictions(plan, request_id)  # events once the GPU is busy
-                    evictions_told = True
-                    op.end(inst.mover.store_stream, **result)
-                    inst.mover.wait()
-                except BaseException:
-                    self._quiesce(inst)
-                    self.l1.abort(plan)  # committed already when streaming: a no-op then
-                    if not evictions_told:
-                        self._publish_evictions(plan, request_id)
-                    raise
-                self.l1.commit(plan)
+        failed = {"tokens": 0, "bytes": 0}
+        with self._transfer(inst, EventType.STORE_START, request_id, token_ids, **failed) as tx:
+            self._begin(tx, token_ids, block_ids, cache_salt, named)
+            plan = self._store_layers(tx, layers) if layers is not None else None
+            if plan is None:  # not layerwise, or more than L1 can hold at once
+                plan = self._store_waves(tx)
+                if self._tiering is not None and plan.covered < tx.ids.n_chunks:
+                    return self._stream_store(tx, plan)
+                inst.mover.flush()
+                self._end_store(tx, plan)
+        # once the lock is free: the write-through may wait for backlog room
         self._publish_written(inst, plan, request_id)
         return plan.covered * self.chunk_size
+
+    def _plan(self, tx: Transfer, keys: Sequence[ObjectKey]) -> WritePlan:
+        """Reserve L1 objects for the keys L1 lacks (the transfer's plan, aborted on failure);
+        CapacityError when not even the first missing chunk fits and no L2 tier is there."""
+        nbytes = tx.inst.chunk_nbytes
+        plan = tx.plan = tx.untold = self.l1.prepare_write(keys, nbytes)
+        self._check_room(plan, keys, nbytes)
+        return plan
+
+    def _check_room(self, plan: WritePlan, keys: Sequence[ObjectKey], nbytes: int) -> None:
+        """CapacityError for a plan that found room for none of its (first) keys, without L2."""
+        if keys and not plan.covered and self._tiering is None:
+            raise CapacityError(
+                f"L1 is full of objects being read; no room for a chunk of {nbytes} bytes"
+            )
+
+    def _store_waves(self, tx: Transfer) -> WritePlan:
+        """The L1 part of a store: its chunks planned in L1 and their copies enqueued in
+        waves (`run_waves`), each wave converting and hashing its chunks, extending the
+        plan over them and enqueueing its new objects' copies. The plan stops at the first
+        chunk L1 had no room for."""
+        inst, ids = tx.inst, tx.ids
+        plan = self._plan(tx, [])
+        queued = 0
+
+        def wave(first: int, stop: int) -> bool:
+            nonlocal queued
+            ids.convert(stop)
+            keys = self._chunk_keys(tx, first, stop)
+            self.l1.extend_write(plan, [*plan.keys, *keys], inst.chunk_nbytes)
+            self._check_room(plan, keys, inst.chunk_nbytes)
+            self._enqueue_store(tx, plan.new[queued:])
+            queued = len(plan.new)
+            return plan.covered == stop
+
+        run_waves(ids.n_chunks, inst.mover.head_chunks, wave)
+        return plan
+
+    def _enqueue_store(self, tx: Transfer, new: Sequence[tuple[int, Any]]) -> None:
+        """Enqueue the copies of planned (chunk index, L1 object) pairs into L1."""
+        if new:
+            rows = [i for i, _ in new]
+            tx.inst.mover.store(rows_of(tx.ids.table, rows), self.l1.views([o for _, o in new]))
+
+    def _end_store(self, tx: Transfer, plan: WritePlan, **extra: Any) -> None:
+        """A store's end once its copies are queued: its evictions and END published while
+        they run, then the wait for them, then the plan committed (visible at once)."""
+        mover = tx.inst.mover
+        result = {**self._store_result(tx.inst, plan), **extra}
+        self._tell_evictions(tx)
+        tx.op.end(mover.store_stream, **result)
+        mover.wait()
+        self.l1.commit(plan)
+        tx.plan = None
 
     def _store_result(self, inst: Instance, plan: WritePlan) -> dict[str, Any]:
         """The STORE_END attrs of a store whose chunks all went to L1 in one plan."""
@@ -778,76 +602,93 @@ class CacheEngine:
             if self._tiering is not None:  # in the background: the reply never waits for L2
                 self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id)
 
-    def _store_layers(
-        self, inst: Instance, op: Op, ids: RequestIds, request_id: str, cache_salt: str | None,
-        written: WrittenSignal,
-    ) -> int | None:  # fmt: skip
+    def _store_layers(self, tx: Transfer, written: WrittenSignal) -> WritePlan | None:
         """A store that copies each layer once the engine wrote it (docs/ENGINE.md,
         "Layerwise stores"): the chunks are planned in L1 first, while the forward pass
         runs, then each layer is gathered into their objects as it comes; they become
-        visible together once the last layer landed. A request L1 cannot hold at once
-        (it would stream through L1 to L2) waits for every layer and returns None: the
-        caller stores it the ordinary way."""
-        n_chunks = ids.n_chunks
-        ids.convert(n_chunks)
-        keys = self._chunk_keys(inst, ids, 0, n_chunks, request_id, cache_salt)
-        plan = self.l1.prepare_write(keys, inst.chunk_nbytes)
-        mover = inst.mover
+        visible together once the last layer landed. Returns the committed plan. A request
+        L1 cannot hold at once (it would stream through L1 to L2) waits for every layer and
+        returns None: the caller stores it the ordinary way."""
+        inst, ids, mover = tx.inst, tx.ids, tx.inst.mover
+        ids.convert(ids.n_chunks)
+        plan = self._plan(tx, self._chunk_keys(tx, 0, ids.n_chunks))
         stream = mover.kernel_stream if isinstance(mover, CudaMover) else None
-        told = False
-        try:
-            if keys and not plan.covered and self._tiering is None:
-                raise CapacityError(
-                    f"L1 is full of objects being read; no room for a chunk of "
-                    f"{inst.chunk_nbytes} bytes"
-                )
-            if self._tiering is not None and plan.covered < n_chunks:
-                self.l1.abort(plan)
-                self._publish_evictions(plan, request_id)
-                told = True
-                for layer in range(inst.layout.num_layers):
-                    written.wait_written(layer, stream)
-                return None
-            table = _rows_of(ids.table, [i for i, _ in plan.new])
-            dsts = self.l1.views([o for _, o in plan.new])
-            if isinstance(mover, CudaMover):
-                mover.store_layers(table, dsts, self.chunk_size, written.wait_written)
-            else:
-                cpu_gather_layers(inst.layout, self.chunk_size, table, dsts, written)
-            result = {**self._store_result(inst, plan), "layerwise": True}
-            self._publish_evictions(plan, request_id)
-            told = True
-            op.end(mover.store_stream, **result)
-            mover.wait()
-        except BaseException:
-            self._quiesce(inst)
+        if self._tiering is not None and plan.covered < ids.n_chunks:
             self.l1.abort(plan)
-            if not told:
-                self._publish_evictions(plan, request_id)
-            raise
-        self.l1.commit(plan)
-        self._publish_written(inst, plan, request_id)
-        return plan.covered * self.chunk_size
+            tx.plan = None
+            self._tell_evictions(tx)
+            for layer in range(inst.layout.num_layers):
+                written.wait_written(layer, stream)
+            return None
+        table = rows_of(ids.table, [i for i, _ in plan.new])
+        dsts = self.l1.views([o for _, o in plan.new])
+        if isinstance(mover, CudaMover):
+            mover.store_layers(table, dsts, self.chunk_size, written.wait_written)
+        else:
+            cpu_gather_layers(inst.layout, self.chunk_size, table, dsts, written)
+        self._end_store(tx, plan, layerwise=True)
+        return plan
 
-    def _stream_chunks(self, nbytes: int) -> int:
-        """Chunks of `nbytes` in one window of a request streaming through L1."""
-        return max(1, int(self.l1.capacity_bytes * STREAM_SHARE) // max(nbytes, 1))
-
-    def _written(
-        self, inst: Instance, plan: WritePlan, first: int, request_id: str, receipt: WriteReceipt
-    ) -> int:
-        """A streaming store's committed window (chunks from `first`): L1_WRITE, then its
-        write-through, waiting for backlog room within the bound; returns chunks dropped."""
-        if not plan.new:
-            return 0
+    def _stream_store(self, tx: Transfer, plan: WritePlan) -> int:
+        """The L2 part of a store larger than (free) L1: the chunks `plan` covers are
+        committed and written through, then the rest goes through L1 in windows of
+        STREAM_SHARE of it (`_store_window`), each written through to L2 so that its room
+        is reused once L2 has it. Stops when no room comes within the bound or L2 writes
+        were dropped (their chunks live in L1 only, and a later window would evict them).
+        Publishes END (what each tier holds, `_held`); returns the tokens held."""
         assert self._tiering is not None
-        new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
-        attrs = {
-            "chunks": len(new_keys), "bytes": len(new_keys) * inst.chunk_nbytes,
-            "keys": new_keys, "first_chunk": first,
-        }  # fmt: skip
-        self._publish(EventType.L1_WRITE, request_id, attrs)
-        return self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id, receipt)
+        inst, n_chunks = tx.inst, tx.ids.n_chunks
+        inst.mover.flush()
+        inst.mover.wait()
+        self.l1.commit(plan)
+        tx.plan = None
+        self._tell_evictions(tx)
+        receipt = WriteReceipt([t.name for t in self._tiering.tiers])
+        done = cast(list[ObjectKey], list(plan.keys[: plan.covered]))
+        new = len(plan.new)
+        # waits for L2 (backlog room, L1 room its writes hold) go without the instance's
+        # lock: the mover is idle between windows
+        with self._unlocked(inst):
+            dropped = self._write_through(inst, plan, 0, tx.request_id, receipt)
+        window = self._stream_chunks(inst.chunk_nbytes)
+        head = done[:window]  # kept the most recently used: the streamed middle goes first
+        while not dropped and len(done) < n_chunks:
+            first = len(done)
+            wplan = self._store_window(tx, first, min(n_chunks, first + window), head)
+            if wplan is None:
+                break
+            done.extend(cast(list[ObjectKey], wplan.keys[: wplan.covered]))
+            new += len(wplan.new)
+            head = head or done[:window]
+            with self._unlocked(inst):
+                dropped = self._write_through(inst, wplan, first, tx.request_id, receipt)
+        self._tiering.count_streamed("stores", len(done))
+        result = self._held(inst, done, new, receipt)
+        tx.op.end(None, **result)
+        return int(result["held_tokens"])
+
+    def _store_window(
+        self, tx: Transfer, first: int, stop: int, head: list[ObjectKey]
+    ) -> WritePlan | None:
+        """One window of a streaming store: chunks [first, stop) planned in L1 (waiting for
+        room without the lock), copied and committed; None when no room came in time."""
+        inst = tx.inst
+        tx.ids.convert(stop)
+        keys = self._chunk_keys(tx, first, stop)
+        # refresh the head just before the window's room is made: the write-through's
+        # pins have made the chunks it took newer than a head L1 held before this store
+        self.l1.release(self.l1.pin_prefix(head))
+        with self._unlocked(inst):
+            plan = tx.plan = self._window_plan(keys, inst.chunk_nbytes, tx.request_id)
+        if not plan.covered:
+            tx.plan = None  # it reserved nothing
+            return None
+        self._enqueue_store(tx, [(first + i, o) for i, o in plan.new])
+        inst.mover.flush()
+        inst.mover.wait()
+        self.l1.commit(plan)
+        tx.plan = None
+        return plan
 
     def _window_plan(self, keys: Sequence[ObjectKey], nbytes: int, request_id: str) -> WritePlan:
         """Reserve L1 room for a window's keys; while L1 has none (its objects pinned by
@@ -862,55 +703,21 @@ class CacheEngine:
             if plan.covered or not writes.wait_progress(deadline):
                 return plan
 
-    def _stream_store(
-        self, inst: Instance, ids: RequestIds, plan: WritePlan, request_id: str,
-        cache_salt: str | None,
-    ) -> dict[str, Any]:  # fmt: skip
-        """Store the chunks after `plan` (committed, covering what L1 took at once) through
-        L1 in windows of STREAM_SHARE of it: each window is copied into L1, committed and
-        written through to L2; its L1 room is reused once L2 has it. Stops when no room
-        comes within the bound or L2 writes were dropped (their chunks live in L1 only,
-        and a later window would evict them). Returns the STORE_END attrs."""
+    def _write_through(
+        self, inst: Instance, plan: WritePlan, first: int, request_id: str, receipt: WriteReceipt
+    ) -> int:
+        """A streaming store's committed window (chunks from `first`): L1_WRITE, then its
+        write-through, waiting for backlog room within the bound; returns chunks dropped."""
+        if not plan.new:
+            return 0
         assert self._tiering is not None
-        nbytes = inst.chunk_nbytes
-        receipt = WriteReceipt([t.name for t in self._tiering.tiers])
-        done: list[ObjectKey] = [cast(ObjectKey, k) for k in plan.keys[: plan.covered]]
-        new = len(plan.new)
-        # waits for L2 (backlog room, L1 room its writes hold) go without the instance's
-        # lock: the mover is idle between windows
-        with self._unlocked(inst):
-            dropped = self._written(inst, plan, 0, request_id, receipt)
-        window = self._stream_chunks(nbytes)
-        head = done[:window]  # kept the most recently used: the streamed middle goes first
-        n_chunks = ids.n_chunks
-        while not dropped and len(done) < n_chunks:
-            first = len(done)
-            stop = min(n_chunks, first + window)
-            ids.convert(stop)
-            keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
-            # refresh the head just before the window's room is made: the write-through's
-            # pins have made the chunks it took newer than a head L1 held before this store
-            self.l1.release(self.l1.pin_prefix(head))
-            with self._unlocked(inst):
-                wplan = self._window_plan(keys, nbytes, request_id)
-            if not wplan.covered:
-                break
-            try:
-                self._enqueue_store(inst, ids.table, [(first + i, o) for i, o in wplan.new])
-                inst.mover.flush()
-                inst.mover.wait()
-            except BaseException:
-                self._quiesce(inst)
-                self.l1.abort(wplan)
-                raise
-            self.l1.commit(wplan)
-            done.extend(keys[: wplan.covered])
-            new += len(wplan.new)
-            head = head or done[:window]
-            with self._unlocked(inst):
-                dropped = self._written(inst, wplan, first, request_id, receipt)
-        self._tiering.count_streamed("stores", len(done))
-        return self._held(inst, done, new, receipt)
+        new_keys = [cast(ObjectKey, plan.keys[i]) for i, _ in plan.new]
+        attrs = {
+            "chunks": len(new_keys), "bytes": len(new_keys) * inst.chunk_nbytes,
+            "keys": new_keys, "first_chunk": first,
+        }  # fmt: skip
+        self._publish(EventType.L1_WRITE, request_id, attrs)
+        return self._tiering.writes.submit(new_keys, inst.chunk_nbytes, request_id, receipt)
 
     def _held(
         self, inst: Instance, keys: list[ObjectKey], new: int, receipt: WriteReceipt
@@ -950,14 +757,6 @@ class CacheEngine:
             "streamed": True,
         }
 
-    def _enqueue_store(
-        self, inst: Instance, table: np.ndarray, new: Sequence[tuple[int, Any]]
-    ) -> None:
-        """Enqueue the copies of planned (chunk index, L1 object) pairs into L1."""
-        if new:
-            rows = [i for i, _ in new]
-            inst.mover.store(_rows_of(table, rows), self.l1.views([o for _, o in new]))
-
     # -- retrieve ----------------------------------------------------------------------------
 
     def retrieve(
@@ -982,113 +781,187 @@ class CacheEngine:
         server replies then, with an event recorded on that stream. With `layers`
         the copies go layer by layer, each layer signalled there (`_retrieve_layers`).
         """
-        token_ids, named = self._keyed(token_ids, chunk_keys)
+        token_ids, named = keyed(token_ids, chunk_keys, self.chunk_size)
         inst = self._instance(instance_id)
-        attrs = _transfer_attrs(inst, token_ids)
-        result: dict[str, Any] = {}
-        with inst.lock:
-            op = Op(self.bus, EventType.RETRIEVE_START, request_id, attrs)
-            with self._transfer(inst, op, tokens=0, bytes=0, hit_tokens=0):
-                skip = skip_first_n_tokens
-                if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-                    raise InvalidRequestError(
-                        f"skip_first_n_tokens must be an integer >= 0, got {skip!r}"
-                    )
-                if skip % inst.block_size:
-                    raise InvalidRequestError(
-                        f"skip_first_n_tokens ({skip}) must be a multiple of the block_size "
-                        f"({inst.block_size}) of instance {inst.instance_id!r}"
-                    )
-                ids = self._request_ids(inst, token_ids, block_ids, request_id, cache_salt)
-                ids.hashes = named
-                if layers is not None:
-                    done = self._retrieve_layers(
-                        inst, op, ids, skip, request_id, cache_salt, layers, enqueued
-                    )
-                    if done is not None:
-                        return int(done["hit_tokens"])
-                # in waves like a store: the first group's keys are hashed and its copies
-                # started before the rest of the request is hashed and looked up
-                n_chunks = ids.n_chunks
-                stop = min(n_chunks, inst.mover.head_chunks)
-                objs = self.l1.pin_prefix(
-                    self._chunk_keys(inst, ids, 0, stop, request_id, cache_salt)
-                )
-                tiering = self._tiering
-                staged: list[Slot] = []
-                try:
-                    chunks, tokens = self._scatter(inst, objs, 0, ids, skip // inst.block_size)
-                    while len(objs) == stop < n_chunks:
-                        first, stop = stop, min(n_chunks, 2 * stop)
-                        keys = self._chunk_keys(inst, ids, first, stop, request_id, cache_salt)
-                        objs.extend(self.l1.pin_prefix(keys))
-                        more = self._scatter(inst, objs, first, ids, skip // inst.block_size)
-                        chunks, tokens = chunks + more[0], tokens + more[1]
-                    hit_chunks, from_l2 = len(objs), 0
-                    hit_hashes = [o.key[0] for o in objs]
-                    first = len(objs)
-                    keys = []
-                    if tiering is not None and first < n_chunks:
-                        keys = self._chunk_keys(inst, ids, first, n_chunks, request_id, cache_salt)
-                    if len(keys) > 2 * self._stream_chunks(inst.chunk_nbytes):
-                        # more than half of L1 misses it: the L1 part's copies land and its
-                        # pins go, then L2 streams through L1 window by window
-                        inst.mover.flush()
-                        inst.mover.wait()
-                        self.l1.release(objs)
-                        objs = []
-                        got = self._stream_retrieve(inst, ids, keys, first, skip, request_id)
-                        hit_chunks, from_l2 = first + got[0], got[1]
-                        chunks, tokens = chunks + got[2], tokens + got[3]
-                        hit_hashes.extend(k[0] for k in keys[: got[0]])
-                    elif keys:
-                        # L1 misses some tier may hold: load them (or wait for their
-                        # prefetch) without the lock, once the L1 part's copies landed
-                        assert tiering is not None
-                        inst.mover.flush()
-                        inst.mover.wait()
-                        with self._unlocked(inst):
-                            fetched = tiering.fetch(keys, inst.chunk_nbytes, request_id)
-                        objs.extend(fetched.pinned)
-                        staged = fetched.staged
-                        hit_chunks, from_l2 = first + len(fetched.objs), fetched.from_l2
-                        hit_hashes.extend(o.key[0] for o in fetched.objs)
-                        more = self._scatter(
-                            inst, [*objs[:first], *fetched.objs], first, ids,
-                            skip // inst.block_size,
-                        )  # fmt: skip
-                        chunks, tokens = chunks + more[0], tokens + more[1]
-                    ids.convert_blocks(n_chunks)  # checked even when nothing was copied
-                    inst.mover.flush()
-                    result = {
-                        "tokens": tokens,
-                        "bytes": chunks * inst.chunk_nbytes,
-                        "hit_tokens": hit_chunks * self.chunk_size,
-                        "chunks": chunks,
-                        "l2_chunks": from_l2,
-                        # the hit prefix (L1 refreshes its recency), for kvflow whatif
-                        "chunk_hashes": hit_hashes[:hit_chunks],
-                    }
-                    op.end(inst.mover.retrieve_stream, **result)
-                    if layers is not None:  # too big to go layer by layer: all at once
-                        for i in range(inst.layout.num_layers):
-                            layers.ready(i, inst.mover.retrieve_stream)
-                    if enqueued is not None and inst.mover.retrieve_stream is not None:
-                        enqueued(inst.mover.retrieve_stream, int(result["hit_tokens"]))
-                    inst.mover.wait()
-                except BaseException:
-                    self._quiesce(inst)
-                    raise
-                finally:
-                    self._release_hits(objs, staged)
+        failed = {"tokens": 0, "bytes": 0, "hit_tokens": 0}
+        with self._transfer(inst, EventType.RETRIEVE_START, request_id, token_ids, **failed) as tx:
+            skip = check_skip(skip_first_n_tokens, inst.block_size, inst.instance_id)
+            self._begin(tx, token_ids, block_ids, cache_salt, named)
+            skip_blocks = skip // inst.block_size
+            result = None
+            if layers is not None:
+                result = self._retrieve_layers(tx, skip_blocks, layers, enqueued)
+            if result is None:  # not layerwise, or too much of it in L2 for that
+                copied = self._retrieve_l1(tx, skip_blocks)
+                self._retrieve_l2(tx, skip_blocks, copied)
+                result = self._end_retrieve(tx, copied, layers, enqueued)
         self._publish_read(result, request_id)
         return int(result["hit_tokens"])
 
-    def _release_hits(self, pinned: Sequence[Any], staged: Sequence[Slot]) -> None:
-        """A retrieve's end: unpin its L1 hits and free the staged L2 objects it read."""
-        self.l1.release(pinned)
-        if self._tiering is not None and staged:
-            self._tiering.loader.discard(staged)
+    def _retrieve_l1(self, tx: Transfer, skip_blocks: int) -> Copied:
+        """The L1 part of a retrieve: its hit prefix pinned and its copies enqueued in waves
+        (`run_waves`), so the first chunks' copies start before the rest of the request is
+        hashed and looked up. The prefix ends at the first chunk L1 misses (a chunk evicted
+        while earlier waves were enqueued ends it there)."""
+        copied = Copied()
+        pinned = tx.pinned
+
+        def wave(first: int, stop: int) -> bool:
+            pinned.extend(self.l1.pin_prefix(self._chunk_keys(tx, first, stop)))
+            self._scatter(tx, pinned, first, skip_blocks, copied)
+            return len(pinned) == stop
+
+        run_waves(tx.ids.n_chunks, tx.inst.mover.head_chunks, wave)
+        copied.hashes = [o.key[0] for o in pinned]
+        return copied
+
+    def _retrieve_l2(self, tx: Transfer, skip_blocks: int, copied: Copied) -> None:
+        """The L2 part of a retrieve: the chunks after L1's hit prefix, loaded from a tier
+        (or waited for, when a prefetch is bringing them) without the lock once the L1
+        part's copies landed, then copied. A part larger than half of L1 streams through
+        it window by window instead (`_stream_retrieve`)."""
+        tiering, inst = self._tiering, tx.inst
+        first, n_chunks = len(copied.hashes), tx.ids.n_chunks
+        if tiering is None or first == n_chunks:
+            return
+        keys = self._chunk_keys(tx, first, n_chunks)
+        inst.mover.flush()
+        inst.mover.wait()  # the L1 part landed: the mover is idle while this waits on L2
+        if len(keys) > 2 * self._stream_chunks(inst.chunk_nbytes):
+            self._release_hits(tx)  # the L1 part's pins go: the prefix need not fit at once
+            self._stream_retrieve(tx, keys, skip_blocks, copied)
+            return
+        with self._unlocked(inst):
+            fetched = tx.hold(tiering.fetch(keys, inst.chunk_nbytes, tx.request_id))
+        self._scatter(tx, fetched.objs, first, skip_blocks, copied, base=True)
+        copied.hashes.extend(k[0] for k in keys[: len(fetched.objs)])
+        copied.from_l2 = fetched.from_l2
+
+    def _stream_retrieve(
+        self, tx: Transfer, keys: list[ObjectKey], skip_blocks: int, copied: Copied
+    ) -> None:
+        """Load `keys` (the chunks after `copied`'s) from L2 into L1 a window (STREAM_SHARE
+        of L1) at a time and copy each to the blocks, the next window's loads running
+        meanwhile; each window's L1 objects are released once copied, so the prefix never
+        needs to fit in L1 at once. A window that lands short is retried from its first
+        missing chunk (L1 may have lacked room while the previous window was held); the
+        prefix ends where a retry lands nothing."""
+        tiering = self._tiering
+        assert tiering is not None
+        inst, request_id = tx.inst, tx.request_id
+        nbytes, window = inst.chunk_nbytes, self._stream_chunks(inst.chunk_nbytes)
+        first, pos = len(copied.hashes), 0
+        span = keys[:window]
+        job = tiering.start_fetch(span, nbytes, request_id)
+        while True:
+            with self._unlocked(inst):  # the mover is idle: the last window's copies landed
+                fetched = tx.hold(tiering.finish_fetch(job, span))
+            n = len(fetched.objs)
+            short = n < len(span)
+            span = keys[pos + n : pos + n + window]
+            if span and not short:  # the next window loads while this one is copied
+                job = tiering.start_fetch(span, nbytes, request_id)
+            self._scatter(tx, fetched.objs, first + pos, skip_blocks, copied, base=True)
+            inst.mover.flush()
+            inst.mover.wait()
+            self._release_hits(tx)
+            pos, copied.from_l2 = pos + n, copied.from_l2 + fetched.from_l2
+            if not span or not n:
+                break
+            if short:  # once more from the first chunk missing
+                job = tiering.start_fetch(span, nbytes, request_id)
+        copied.hashes.extend(k[0] for k in keys[:pos])
+        tiering.count_streamed("retrieves", pos)
+
+    def _scatter(
+        self, tx: Transfer, objs: Sequence[Any], first: int, skip_blocks: int, copied: Copied,
+        *, base: bool = False,
+    ) -> None:  # fmt: skip
+        """Enqueue the copies of hit chunks from `first` on that are not wholly skipped,
+        adding them to `copied`: objs[c] is chunk c, or with `base` chunk first + c.
+
+        The block ids are converted and checked, all of them, when the mover first asks
+        for them: after its first host copies are queued, before it writes any block.
+        """
+        inst, ids = tx.inst, tx.ids
+        bpc = inst.blocks_per_chunk
+        shift = first if base else 0
+        rows, skips = written_chunks(first, len(objs) + shift, skip_blocks, bpc)
+
+        def block_rows() -> np.ndarray:
+            ids.check_distinct(skip_blocks)  # converts and checks every block id
+            return rows_of(ids.table, rows)
+
+        if rows:
+            inst.mover.retrieve(self.l1.views([objs[c - shift] for c in rows]), block_rows, skips)
+        copied.add(len(rows), written_tokens(skips, bpc, inst.block_size))
+
+    def _end_retrieve(
+        self, tx: Transfer, copied: Copied, layers: LayerSignal | None,
+        enqueued: Callable[[Any, int], None] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """A retrieve's end once its copies are queued: the block ids checked (even when
+        nothing was copied), END, every layer signalled (a layerwise retrieve too large to
+        go layer by layer), `enqueued` told (the server replies), the wait for the copies.
+        Returns the END attrs."""
+        inst, mover = tx.inst, tx.inst.mover
+        tx.ids.convert_blocks(tx.ids.n_chunks)
+        mover.flush()
+        result = copied.attrs(self.chunk_size, inst.chunk_nbytes)
+        tx.op.end(mover.retrieve_stream, **result)
+        if layers is not None:
+            for i in range(inst.layout.num_layers):
+                layers.ready(i, mover.retrieve_stream)
+        if enqueued is not None and mover.retrieve_stream is not None:
+            enqueued(mover.retrieve_stream, int(result["hit_tokens"]))
+        mover.wait()
+        return result
+
+    def _retrieve_layers(
+        self, tx: Transfer, skip_blocks: int, signal: LayerSignal,
+        enqueued: Callable[[Any, int], None] | None,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """A retrieve that copies layer by layer and signals each layer (docs/ENGINE.md,
+        "Layerwise retrieves"). The whole hit must be held at once (layer 0 of the last
+        chunk is copied before layer 1 of the first), so the hit is pinned in L1 (L2 hits
+        loaded first) and `enqueued` (the server's reply) is called once the block ids are
+        checked, before the first layer is queued: each layer's signal tells when it may
+        be read; a failure signals the layers not signalled yet as failed. A hit that
+        would take more than a streaming window of L1 from L2 goes the ordinary way (None:
+        the caller does it, signalling every layer at its end)."""
+        inst, ids, tiering, mover = tx.inst, tx.ids, self._tiering, tx.inst.mover
+        keys = self._chunk_keys(tx, 0, ids.n_chunks)
+        hits = self.l1.pin_prefix(keys)
+        tx.pinned.extend(hits)
+        first = len(hits)
+        too_big = ids.n_chunks - first > 2 * self._stream_chunks(inst.chunk_nbytes)
+        if tiering is not None and too_big:
+            self._release_hits(tx)
+            return None
+        progress = LayerProgress(signal)
+        tx.on_failure.append(progress.failed)
+        copied = Copied()
+        if tiering is not None and first < ids.n_chunks:
+            with self._unlocked(inst):  # nothing queued yet
+                fetched = tx.hold(tiering.fetch(keys[first:], inst.chunk_nbytes, tx.request_id))
+            hits, copied.from_l2 = [*hits, *fetched.objs], fetched.from_l2
+        rows, skips = written_chunks(0, len(hits), skip_blocks, inst.blocks_per_chunk)
+        ids.check_distinct(skip_blocks)  # converts and checks every block id
+        srcs = self.l1.views([hits[c] for c in rows])
+        table = rows_of(ids.table, rows)
+        copied.hashes = [k[0] for k in keys[: len(hits)]]
+        copied.add(len(rows), written_tokens(skips, inst.blocks_per_chunk, inst.block_size))
+        result = {**copied.attrs(self.chunk_size, inst.chunk_nbytes), "layerwise": True}
+        if enqueued is not None:  # the ids are checked: reply, the copies follow
+            enqueued(mover.retrieve_stream, len(hits) * self.chunk_size)
+        if isinstance(mover, CudaMover):
+            mover.retrieve_layers(srcs, table, skips, self.chunk_size, progress.ready)
+            tx.op.end(mover.retrieve_stream, **result)
+            mover.wait()
+        else:
+            cpu_scatter_layers(inst.layout, self.chunk_size, srcs, table, skips, progress.ready)
+            tx.op.end(None, **result)
+        return result
 
     def _publish_read(self, result: dict[str, Any], request_id: str) -> None:
         """L1_READ for a retrieve's copied chunks (none: no event)."""
@@ -1099,159 +972,14 @@ class CacheEngine:
                 {"chunks": result["chunks"], "bytes": result["bytes"]},
             )
 
-    def _retrieve_layers(
-        self, inst: Instance, op: Op, ids: RequestIds, skip: int, request_id: str,
-        cache_salt: str | None, signal: LayerSignal, enqueued: Callable[[Any, int], None] | None,
-    ) -> dict[str, Any] | None:  # fmt: skip
-        """A retrieve that copies layer by layer and signals each layer (docs/ENGINE.md,
-        "Layerwise retrieves"). The whole hit must be held at once (layer 0 of the last
-        chunk is copied before layer 1 of the first), so the hit is pinned in L1 (L2 hits
-        loaded first) and `enqueued` (the server's reply) is called once the block ids are
-        checked, before the first layer is queued: each layer's signal tells when it may
-        be read. A hit that would take more than a streaming window
-        of L1 from L2 goes the ordinary way (None: the caller does it, signalling every
-        layer at its end)."""
-        n_chunks = ids.n_chunks
-        keys = self._chunk_keys(inst, ids, 0, n_chunks, request_id, cache_salt)
-        tiering = self._tiering
-        objs = self.l1.pin_prefix(keys)
-        first = len(objs)
-        if tiering is not None and n_chunks - first > 2 * self._stream_chunks(inst.chunk_nbytes):
-            self.l1.release(objs)
-            return None
-        staged: list[Slot] = []
-        from_l2 = 0
-        layer = 0
-        try:
-            hits = list(objs)
-            if tiering is not None and first < n_chunks:
-                with self._unlocked(inst):  # nothing queued yet
-                    fetched = tiering.fetch(keys[first:], inst.chunk_nbytes, request_id)
-                objs.extend(fetched.pinned)
-                staged, from_l2 = fetched.staged, fetched.from_l2
-                hits.extend(fetched.objs)
-            bpc = inst.blocks_per_chunk
-            skip_blocks = skip // inst.block_size
-            rows, skips = _written_chunks(0, len(hits), skip_blocks, bpc)
-            ids.check_distinct(skip_blocks)  # converts and checks every block id
-            srcs = self.l1.views([hits[c] for c in rows])
-            table = _rows_of(ids.table, rows)
-            hit_tokens = len(hits) * self.chunk_size
-            result: dict[str, Any] = {
-                "tokens": sum(bpc - s for s in skips) * inst.block_size,
-                "bytes": len(rows) * inst.chunk_nbytes,
-                "hit_tokens": hit_tokens,
-                "chunks": len(rows),
-                "l2_chunks": from_l2,
-                "chunk_hashes": [k[0] for k in keys[: len(hits)]],
-                "layerwise": True,
-            }
-
-            def ready(i: int, stream: Any) -> None:
-                nonlocal layer
-                signal.ready(i, stream)
-                layer = i + 1
-
-            mover = inst.mover
-            if enqueued is not None:  # the ids are checked: reply, the copies follow
-                enqueued(mover.retrieve_stream, hit_tokens)
-            if isinstance(mover, CudaMover):
-                mover.retrieve_layers(srcs, table, skips, self.chunk_size, ready)
-                op.end(mover.retrieve_stream, **result)
-                mover.wait()
-            else:
-                cpu_scatter_layers(inst.layout, self.chunk_size, srcs, table, skips, ready)
-                op.end(None, **result)
-        except BaseException:
-            self._quiesce(inst)
-            signal.failed(layer)
-            raise
-        finally:
-            self._release_hits(objs, staged)
-        self._publish_read(result, request_id)
-        return result
-
-    def _stream_retrieve(
-        self, inst: Instance, ids: RequestIds, keys: list[ObjectKey], first: int, skip: int,
-        request_id: str,
-    ) -> tuple[int, int, int, int]:  # fmt: skip
-        """Load `keys` (chunks `first`...) from L2 into L1 a window (STREAM_SHARE of L1) at
-        a time and copy each to the blocks, the next window's loads running meanwhile;
-        each window's L1 objects are released once copied, so the prefix never needs to
-        fit in L1 at once. Returns (chunks landed, of them from L2, chunks copied, tokens).
-        A window that lands short is retried once from its first missing chunk (L1 may
-        have lacked room while the previous window was held); the prefix ends where a
-        retry lands nothing."""
-        tiering = self._tiering
-        assert tiering is not None
-        nbytes, window = inst.chunk_nbytes, self._stream_chunks(inst.chunk_nbytes)
-        skip_blocks = skip // inst.block_size
-        pos = landed_l2 = chunks = tokens = 0
-        span = keys[:window]
-        job = tiering.start_fetch(span, nbytes, request_id)
-        while True:
-            with self._unlocked(inst):  # the mover is idle: the last window's copies landed
-                fetched = tiering.finish_fetch(job, span)
-            n = len(fetched.objs)
-            span = keys[pos + n : pos + n + window] if n == len(span) else []
-            if span:  # the next window loads while this one is copied
-                job = tiering.start_fetch(span, nbytes, request_id)
-            try:
-                more = self._scatter(inst, fetched.objs, first + pos, ids, skip_blocks, base=True)
-                inst.mover.flush()
-                inst.mover.wait()
-            finally:
-                self._release_hits(fetched.pinned, fetched.staged)
-            chunks, tokens = chunks + more[0], tokens + more[1]
-            pos, landed_l2 = pos + n, landed_l2 + fetched.from_l2
-            if pos == len(keys) or not n:
-                break
-            if not span:  # landed short: once more from the first chunk missing
-                span = keys[pos : pos + window]
-                job = tiering.start_fetch(span, nbytes, request_id)
-        tiering.count_streamed("retrieves", pos)
-        return pos, landed_l2, chunks, tokens
-
-    def _scatter(
-        self, inst: Instance, objs: Sequence[Any], first: int, ids: RequestIds, skip_blocks: int,
-        *, base: bool = False,
-    ) -> tuple[int, int]:  # fmt: skip
-        """Enqueue the copies of hit chunks [first, len(objs)) not wholly skipped; returns
-        (chunks enqueued, tokens they write). With `base`, objs[i] is chunk first + i.
-
-        The block ids are converted and checked, all of them, when the mover first asks
-        for them: after its first host copies are queued, before it writes any block.
-        """
-        bpc = inst.blocks_per_chunk
-        shift = first if base else 0
-        rows, skips = _written_chunks(first, len(objs) + shift, skip_blocks, bpc)
-
-        def block_rows() -> np.ndarray:
-            ids.check_distinct(skip_blocks)  # converts and checks every block id
-            return _rows_of(ids.table, rows)
-
-        if rows:
-            inst.mover.retrieve(self.l1.views([objs[c - shift] for c in rows]), block_rows, skips)
-        return len(rows), sum(bpc - s for s in skips) * inst.block_size
-
     # -- sessions and allocations ------------------------------------------------------------
 
     def report_layer_waits(self, instance_id: str, request_id: str, waits_s: Any) -> None:
         """Publish an engine's per-layer waits of a layerwise retrieve (LAYER_WAIT):
         at most one per layer, each a finite number of seconds >= 0."""
         inst = self._instance(instance_id)
-        _check_str("request_id", request_id)
-        if isinstance(waits_s, (str, bytes)) or not isinstance(waits_s, Sequence):
-            raise InvalidRequestError("waits_s must be a sequence of seconds, one per layer")
-        if len(waits_s) > inst.layout.num_layers:
-            raise InvalidRequestError(
-                f"waits_s has {len(waits_s)} entries for {inst.layout.num_layers} layers"
-            )
-        waits = []
-        for i, w in enumerate(waits_s):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
-                raise InvalidRequestError(f"waits_s[{i}] must be seconds >= 0, got {w!r}")
-            waits.append(float(w))
+        check_str("request_id", request_id)
+        waits = check_waits(waits_s, inst.layout.num_layers)
         self._publish(
             EventType.LAYER_WAIT,
             request_id,
@@ -1267,9 +995,8 @@ class CacheEngine:
 
     def end_session(self, request_id: str) -> None:
         """The request finished: drop its key chain and publish END_SESSION."""
-        _check_str("request_id", request_id)
-        if self._closed:
-            raise KVFlowError("the cache engine is closed")
+        check_str("request_id", request_id)
+        self._check_open()
         self._keys.drop(request_id)
         self._publish(EventType.END_SESSION, request_id, {})
 
@@ -1283,37 +1010,12 @@ class CacheEngine:
         record's blocks; the first bad record is an InvalidRequestError naming it.
         """
         inst = self._instance(instance_id)
-        if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
-            raise InvalidRequestError(
-                f"records must be a sequence of BlockAllocation, got {type(records).__name__}"
-            )
-        checked: list[BlockAllocation] = []
-        num_blocks = inst.layout.num_blocks
-        for i, rec in enumerate(records):
-            if not isinstance(rec, Sequence) or len(rec) != 3:
-                raise InvalidRequestError(
-                    f"records[{i}] must be BlockAllocation(req_id, new_block_ids, new_token_ids)"
-                )
-            req_id, block_ids, token_ids = rec
-            if not isinstance(req_id, str) or not req_id:
-                raise InvalidRequestError(f"records[{i}].req_id must be a non-empty string")
-            for name, seq in (("new_block_ids", block_ids), ("new_token_ids", token_ids)):
-                if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
-                    raise InvalidRequestError(f"records[{i}].{name} must be a sequence of ints")
-            where = f"records[{i}] (req_id {req_id!r})"
-            n_blocks = _check_ids(block_ids, f"{where}.new_block_ids", num_blocks)
-            n_tokens = _check_ids(token_ids, f"{where}.new_token_ids")
-            if n_tokens > n_blocks * inst.block_size:
-                raise InvalidRequestError(
-                    f"{where} holds {n_tokens} tokens in {n_blocks} blocks of "
-                    f"{inst.block_size} tokens (at most {n_blocks * inst.block_size} fit)"
-                )
-            checked.append(rec if isinstance(rec, BlockAllocation) else BlockAllocation(*rec))
+        checked = check_allocations(records, inst.layout.num_blocks, inst.block_size)
         attrs = {
             "instance_id": inst.instance_id,
             "model_name": inst.model_name,
             "block_size": inst.block_size,
-            "records": tuple(checked),
+            "records": checked,
         }
         self._publish(EventType.BLOCK_ALLOCATION, None, attrs)
 
@@ -1348,7 +1050,6 @@ class CacheEngine:
         with self._lock:
             instances = {i: inst.describe() for i, inst in self._instances.items()}
             closed = self._closed
-        stats = self.bus.stats()
         return {
             "closed": closed,
             "chunk_size": self.chunk_size,
@@ -1356,16 +1057,7 @@ class CacheEngine:
             "l1": self.l1.stats(),
             "l1_pinning": self.l1.pin_state(),
             "l2": self._tiering.describe() if self._tiering is not None else None,
-            "bus": {
-                "published": stats.total_published,
-                "delivered": stats.total_delivered,
-                "dropped": stats.total_dropped,
-                "dropped_by_type": {t.label: n for t, n in stats.dropped.items() if n},
-                "queue_depth": stats.queue_depth,
-                "oldest_lag_ns": stats.oldest_lag_ns,
-                "capacity": stats.capacity,
-                "subscriber_errors": dict(stats.subscriber_errors),
-            },
+            "bus": bus_status(self.bus),
             "config": self.config.public_dict(),
             "activity": self._obs.activity_status(),
         }

@@ -11,6 +11,7 @@ first gap on (a miss, a failed or corrupt load) loaded objects are discarded.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from kvflow.core.engine.writethrough import TierCounters
 from kvflow.core.tiers.base import HostTier, ObjectKey, StorageTier, WritePlan
 from kvflow.events import Event, EventBus, EventType
 
+log = logging.getLogger("kvflow.l2")
+
 #: staged objects (write-back off) no retrieve claimed within this many seconds are freed
 STAGE_TTL_S = 60.0
 
@@ -31,7 +34,12 @@ Residency = dict[ObjectKey, str | None]
 
 
 class Slot:
-    """One key being loaded into its reserved L1 object by its owner job."""
+    """One key being loaded into its reserved L1 object by its owner job.
+
+    Lock rule: `loaded` and `staged_at` are read and written under the loader's lock;
+    the other fields are set at construction and never change (`final` is a Future,
+    thread-safe on its own).
+    """
 
     __slots__ = ("final", "key", "loaded", "nbytes", "owner", "plan", "staged_at", "tier")
 
@@ -55,7 +63,14 @@ Entry = bool | Slot
 
 
 class Job:
-    """A load of consecutive chunk positions; `finals[i]` tells whether position i landed."""
+    """A load of consecutive chunk positions; `finals[i]` tells whether position i landed.
+
+    Lock rule: `rows`, `finals` and `l1_pins` are built in `Loader.start` before the job
+    is shared and never change after. The counters and `next`, `gap`, `finished`,
+    `kept_keys` are written under the loader's lock until the job finishes, and frozen
+    after: `on_done` and later readers read them without it (the lock that set `finished`
+    orders those writes before them). `finals` and `done` are Futures, thread-safe.
+    """
 
     def __init__(self, reason: str, session_id: str | None, on_done: Callable[[Job], None]):
         self.reason = reason
@@ -66,7 +81,9 @@ class Job:
         self.next = 0
         self.gap = False
         self.finished = False
-        self.loads = self.kept = self.discarded = self.kept_bytes = 0
+        self.kept = self.discarded = self.kept_bytes = 0
+        #: keys of this job's own loads that the tiers answered well
+        self.loaded = 0
         #: keys committed to L1 (write-back on), for WRITE_BACK's `keys`
         self.kept_keys: list[ObjectKey] = []
         self.l1_pins: list[ObjectKey] = []
@@ -83,7 +100,14 @@ class Job:
 
 
 class Loader:
-    """Runs load jobs against the L2 tiers; keeps the slots in flight and the staged ones."""
+    """Runs load jobs against the L2 tiers; keeps the slots in flight and the staged ones.
+
+    Lock rule: `_lock` guards `_slots`, the slots' and jobs' mutable fields (see Slot and
+    Job), the `loaded` / `load_failures` counters of `counters` (written only here, under
+    it; `Tiering.describe` reads them racily: ints, each read whole, shown as a status
+    snapshot), and `_contains_failures` with `_failing`. It is held for bookkeeping only,
+    never while a tier is waited for; L1's lock may be taken under it (never the reverse).
+    """
 
     def __init__(
         self,
@@ -103,6 +127,10 @@ class Loader:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._slots: dict[ObjectKey, Slot] = {}
+        #: per tier: `contains` calls of `residency` that failed or timed out (status)
+        self._contains_failures = {t.name: 0 for t in tiers}
+        #: per tier failing its `contains` calls now: failures since it last answered
+        self._failing: dict[str, int] = {}
 
     # -- where keys are -----------------------------------------------------------------
 
@@ -127,13 +155,42 @@ class Loader:
                 break
             try:
                 answer = tier.contains(todo).result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # a slow, hung or failing tier: its keys are misses this time
+            except Exception as exc:  # a slow, hung or failing tier: its keys are misses now
+                self._contains_failed(tier, exc)
                 continue
+            self._contains_answered(tier)
             for k, hit in zip(todo, answer, strict=True):
                 if hit:
                     found[k] = tier.name
             todo = [k for k in todo if found[k] is None]
         return found
+
+    def _contains_failed(self, tier: StorageTier, exc: Exception) -> None:
+        """Count a `contains` call that failed or timed out; log the first of a streak."""
+        with self._lock:
+            self._contains_failures[tier.name] += 1
+            streak = self._failing[tier.name] = self._failing.get(tier.name, 0) + 1
+        if streak == 1:
+            log.warning(
+                "l2_contains_failed: tier %r did not answer which keys it holds (%s: %s); "
+                "its keys count as misses until it does (status l2.tiers.%s.contains_failures)",
+                tier.name, type(exc).__name__, exc or "timed out", tier.name,
+            )  # fmt: skip
+
+    def _contains_answered(self, tier: StorageTier) -> None:
+        """A `contains` call answered: log the end of a failure streak, if any."""
+        with self._lock:
+            streak = self._failing.pop(tier.name, 0)
+        if streak:
+            log.warning(
+                "l2_contains_recovered: tier %r answers again after %d failed calls",
+                tier.name, streak,
+            )  # fmt: skip
+
+    def contains_failures(self) -> dict[str, int]:
+        """Per tier, `contains` calls that failed or timed out since start (for status)."""
+        with self._lock:
+            return dict(self._contains_failures)
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -178,7 +235,6 @@ class Loader:
                 job.finals.append(Future())
                 if False in entries:
                     break
-            job.loads = sum(len(v) for v in loads.values())
         if evicted[0]:
             attrs = {"chunks": evicted[0], "bytes": evicted[1], "keys": evicted_keys}
             self._bus.publish(Event(EventType.L1_EVICT, 0, session_id, None, attrs))
@@ -249,12 +305,13 @@ class Loader:
             error: BaseException | None = None
         except Exception as exc:
             answers, error = [False] * len(slots), exc
+        good = sum(answers)
         with self._lock:
             for slot, ok in zip(slots, answers, strict=True):
                 slot.loaded = ok
-        good = sum(answers)
-        counters.loaded += good
-        counters.load_failures += len(slots) - good
+            job.loaded += good
+            counters.loaded += good
+            counters.load_failures += len(slots) - good
         result = {
             "loaded_chunks": good,
             "loaded_bytes": sum(s.nbytes for s, ok in zip(slots, answers, strict=True) if ok),

@@ -26,25 +26,34 @@ KEEP_PREFETCHES = 1024
 
 
 class Prefetch:
-    """One prefetch's state, as `prefetch_state` reports it."""
+    """One prefetch's state, as `prefetch_state` reports it.
 
-    def __init__(self, prefetch_id: str, model_name: str, chunks: int, tokens: int) -> None:
+    Lock rule: `job`, `finished` and the counters are written and read under the
+    tiering's lock (`describe` is called under it), so a prefetch reported done has its
+    final counts; the other fields never change after construction.
+    """
+
+    def __init__(
+        self, prefetch_id: str, model_name: str, *, chunks: int, tokens: int, chunk_size: int,
+        skipped: int,
+    ) -> None:  # fmt: skip
         self.prefetch_id = prefetch_id
         self.model_name = model_name
         self.chunks = chunks
         self.tokens = tokens
+        self.chunk_size = chunk_size
+        self.skipped = skipped  # chunk positions past PREFETCH_SHARE of L1, not prefetched
         self.job: Job | None = None
+        self.finished = False
         self.loaded = self.written_back = self.discarded = 0
-        self.chunk_size = 0
-        self.skipped = 0  # chunk positions past PREFETCH_SHARE of L1, not prefetched
 
     def describe(self) -> dict[str, Any]:
+        """The state (under the tiering's lock); landed_tokens from the job's Futures."""
         job = self.job
-        done = job is not None and job.finished
         landed = job.landed_prefix() * self.chunk_size if job is not None else 0
         return {
             "prefetch_id": self.prefetch_id,
-            "state": "done" if done else "running",
+            "state": "done" if self.finished else "running",
             "model_name": self.model_name,
             "chunks": self.chunks,
             "tokens": self.tokens,
@@ -60,7 +69,8 @@ class Prefetch:
 class Fetched:
     """What a retrieve's L2 step found: objects to read in key order; of those the L1
     objects pinned (release after reading) and the staged slots claimed (discard after
-    reading); how many came from an L2 tier rather than L1."""
+    reading); how many came from an L2 tier rather than L1. Lock rule: none; it belongs
+    to the retrieve that fetched it."""
 
     objs: list[Any]
     pinned: list[Any]
@@ -68,14 +78,17 @@ class Fetched:
     from_l2: int
 
 
-def _owned_loaded(job: Job) -> int:
-    return sum(
-        1 for row in job.rows for e in row if isinstance(e, Slot) and e.owner is job and e.loaded
-    )
-
-
 class Tiering:
-    """L2 tiers behind L1, in their configured order."""
+    """L2 tiers behind L1, in their configured order.
+
+    Lock rule: `_lock` guards `_ids`, `_prefetches` (and each Prefetch's mutable
+    fields), `prefetch_totals`, `streamed` and the `hit_chunks` counters, written only
+    here. The other TierCounters fields are written under the loader's lock (`loaded`,
+    `load_failures`) and by the write-through (`stored`, `store_failures`); `describe`
+    reads every counter racily for status: ints, each read whole, no consistency between
+    them promised. `tiers`, `chunk_size`, `counters` (the dict), `writes` and `loader`
+    are set in __init__ and never reassigned; the last two have locks of their own.
+    """
 
     def __init__(
         self,
@@ -134,9 +147,10 @@ class Tiering:
             slowest = max(places, key=lambda p: self._order[p or "l1"]) or "l1"
             by_tier[slowest] = by_tier.get(slowest, 0) + 1
             n += 1
-        for name, hits in by_tier.items():
-            if name != "l1":
-                self.counters[name].hit_chunks += hits
+        with self._lock:
+            for name, hits in by_tier.items():
+                if name != "l1":
+                    self.counters[name].hit_chunks += hits
         return n, by_tier, where
 
     # -- prefetch --------------------------------------------------------------------------
@@ -156,59 +170,68 @@ class Tiering:
         Only the positions that fit in PREFETCH_SHARE of L1 are loaded; the state and the
         END event count the others as `skipped_chunks`."""
         fit = _fitting_rows(nbytes, len(rows), int(self._l1.capacity_bytes * PREFETCH_SHARE))
-        skipped = sum(1 for row in rows[fit:] for k in row if residency.get(k) not in (None, "l1"))
-        rows = rows[:fit]
-        to_load = sum(1 for row in rows for k in row if residency.get(k) not in (None, "l1"))
-        world = len(rows[0]) if rows else 1
-        prefetch_id = f"pf-{next(self._ids)}"
-        record = Prefetch(prefetch_id, model_name, to_load, len(rows) * self.chunk_size)
-        record.chunk_size = self.chunk_size
-        record.skipped = skipped
+        record = self._new_prefetch(model_name, rows[:fit], residency, rows[fit:])
         attrs = {
             "model_name": model_name,
-            "world_size": world,
-            "chunks": to_load,
+            "world_size": len(rows[0]) if rows else 1,
+            "chunks": record.chunks,
             "tokens": record.tokens,
             "trigger": trigger,
-            "skipped_chunks": skipped,
+            "skipped_chunks": record.skipped,
         }
         op = Op(self._bus, EventType.PREFETCH_START, session_id, attrs)
         op.publish_start()
+        job = self.loader.start(
+            rows[:fit], nbytes, reason="prefetch", session_id=session_id,
+            on_done=lambda job: self._prefetched(record, job, op), residency=residency,
+        )  # fmt: skip
         with self._lock:
+            record.job = job
+        return record.prefetch_id
+
+    def _new_prefetch(
+        self, model_name: str, rows: Sequence[Sequence[ObjectKey]], residency: Residency,
+        skipped_rows: Sequence[Sequence[ObjectKey]],
+    ) -> Prefetch:  # fmt: skip
+        """A prefetch's record, counted and kept queryable (the oldest beyond
+        KEEP_PREFETCHES forgotten)."""
+        with self._lock:
+            record = Prefetch(
+                f"pf-{next(self._ids)}", model_name, chunks=_in_l2(rows, residency),
+                tokens=len(rows) * self.chunk_size, chunk_size=self.chunk_size,
+                skipped=_in_l2(skipped_rows, residency),
+            )  # fmt: skip
             self.prefetch_totals["requests"] += 1
-            self.prefetch_totals["skipped"] += skipped
-            self._prefetches[prefetch_id] = record
+            self.prefetch_totals["skipped"] += record.skipped
+            self._prefetches[record.prefetch_id] = record
             while len(self._prefetches) > KEEP_PREFETCHES:
                 self._prefetches.popitem(last=False)
+        return record
 
-        def done(job: Job) -> None:
-            record.loaded = _owned_loaded(job)
-            record.written_back = job.kept if self.write_back else 0
+    def _prefetched(self, record: Prefetch, job: Job, op: Op) -> None:
+        """A prefetch's job finished: its record and the totals counted, WRITE_BACK, END."""
+        written_back = job.kept if self.write_back else 0
+        with self._lock:
+            record.loaded, record.written_back = job.loaded, written_back
             record.discarded = job.discarded
-            with self._lock:
-                totals = self.prefetch_totals
-                totals["loaded"] += record.loaded
-                totals["written_back"] += record.written_back
-                totals["discarded"] += record.discarded
-            self._publish_write_back(job)
-            op.end(
-                loaded_chunks=record.loaded,
-                written_back_chunks=record.written_back,
-                discarded_chunks=record.discarded,
-                skipped_chunks=record.skipped,
-            )
-
-        record.job = self.loader.start(
-            rows, nbytes, reason="prefetch", session_id=session_id, on_done=done,
-            residency=residency,
-        )  # fmt: skip
-        return prefetch_id
+            record.finished = True
+            totals = self.prefetch_totals
+            totals["loaded"] += job.loaded
+            totals["written_back"] += written_back
+            totals["discarded"] += job.discarded
+        self._publish_write_back(job)
+        op.end(
+            loaded_chunks=job.loaded,
+            written_back_chunks=written_back,
+            discarded_chunks=job.discarded,
+            skipped_chunks=record.skipped,
+        )
 
     def prefetch_state(self, prefetch_id: str) -> dict[str, Any] | None:
         """A prefetch's state (None when the id is unknown or long forgotten)."""
         with self._lock:
             record = self._prefetches.get(prefetch_id)
-        return None if record is None else record.describe()
+            return None if record is None else record.describe()
 
     # -- retrieve ----------------------------------------------------------------------------
 
@@ -257,8 +280,13 @@ class Tiering:
     def describe(self) -> dict[str, Any]:
         """Per-tier usage and counters, prefetch totals, what is in flight (for status)."""
         tiers: dict[str, dict[str, Any]] = {}
+        contains_failures = self.loader.contains_failures()
         for tier in self.tiers:
-            tiers[tier.name] = {**tier.stats(), **self.counters[tier.name].as_dict()}
+            tiers[tier.name] = {
+                **tier.stats(),
+                **self.counters[tier.name].as_dict(),
+                "contains_failures": contains_failures[tier.name],
+            }
             if isinstance(tier, DescribedTier):  # e.g. the disk tier's paths and their usage
                 tiers[tier.name]["detail"] = tier.describe()
         with self._lock:
@@ -286,6 +314,11 @@ class Tiering:
         for tier in self.tiers:
             tier.close()
         self.loader.sweep(0.0)
+
+
+def _in_l2(rows: Sequence[Sequence[ObjectKey]], residency: Residency) -> int:
+    """Keys of `rows` that an L2 tier holds (neither in L1 nor nowhere)."""
+    return sum(1 for row in rows for k in row if residency.get(k) not in (None, "l1"))
 
 
 def _fitting_rows(nbytes: Sequence[int], n_rows: int, budget: int) -> int:

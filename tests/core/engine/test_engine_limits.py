@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvflow.core.engine import cache_engine
+from kvflow.core.engine import validation
 from kvflow.core.engine.cache_engine import MAX_REQUEST_TOKENS, MAX_WORLD_SIZE, CacheEngine
 from kvflow.core.engine.keys import chain_hashes
 from kvflow.core.errors import InvalidRequestError
@@ -107,7 +107,7 @@ def test_tokens_per_request_are_bounded_before_hashing(monkeypatch: pytest.Monke
     (end,) = of_type(events_of(recorder, engine), EventType.LOOKUP_END)
     assert end.attrs["error"] == "invalid_argument"
     # exactly the bound is accepted (a smaller bound keeps the test quick)
-    monkeypatch.setattr(cache_engine, "MAX_REQUEST_TOKENS", 4 * CHUNK)
+    monkeypatch.setattr(validation, "MAX_REQUEST_TOKENS", 4 * CHUNK)
     assert engine.lookup(T[: 4 * CHUNK], model_name="m") == 0
     with pytest.raises(InvalidRequestError, match="MAX_REQUEST_TOKENS"):
         engine.lookup(T[: 4 * CHUNK + 1], model_name="m")
