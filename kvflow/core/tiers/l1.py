@@ -291,6 +291,10 @@ class L1Cache:
                     obj = self._alloc(key, nbytes, plan)
                     if obj is None:
                         break
+                    if key in self._index:  # written meanwhile: _alloc waited unlocked
+                        self._free[obj.segment].free(obj.offset, obj.size)
+                        plan.covered = i + 1
+                        continue
                     self._index[key] = obj
                     self._usage += obj.size
                     self.tenants.added(obj)

@@ -335,17 +335,9 @@ class PinnedAheadL1(L1Cache):
         super().__init__(capacity_bytes, **kwargs)
 
 
-PINNED_AHEAD_RACE = (
-    "L1Cache.extend_write: while L1 is pinned ahead, _alloc can wait for a segment with "
-    "L1's lock released, and the object it returns is indexed without checking that "
-    "another writer took the key meanwhile; index and LRU then disagree (a KeyError in "
-    "_evict_one, or an object whose bytes are never freed)"
-)
-
-
 @pytest.mark.parametrize(
     "l1_growth",
-    ["on_demand", pytest.param("pinned_ahead", marks=pytest.mark.xfail(reason=PINNED_AHEAD_RACE))],
+    ["on_demand", "pinned_ahead"],
 )
 def test_many_threads_against_one_engine_with_l2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, l1_growth: str
