@@ -219,7 +219,7 @@ class WriteThrough:
             self._burst = (start, dropped + chunks, drops + len(self._tiers))
         for i, tier in enumerate(self._tiers):
             op = self._start(tier, chunks, chunks * nbytes, session_id)
-            self._counters[tier.name].store_failures += chunks
+            self._count(tier, failed=chunks)
             op.fail(error, stored_chunks=0, stored_bytes=0, present_chunks=0, failed_chunks=chunks,
                     drop_burst=drops + i + 1)  # fmt: skip
 
@@ -232,6 +232,14 @@ class WriteThrough:
                 "l2_write_drop_burst_ended: %d chunks dropped in %.3f s (%d L2 store ENDs)",
                 burst[1], time.monotonic() - burst[0], burst[2],
             )  # fmt: skip
+
+    def _count(self, tier: StorageTier, *, stored: int = 0, failed: int = 0) -> None:
+        """Add to a tier's store totals under the write-through's lock: tiers answer on
+        their own I/O threads, several at once (status reads the ints racily)."""
+        counters = self._counters[tier.name]
+        with self._idle:
+            counters.stored += stored
+            counters.store_failures += failed
 
     def _start(self, tier: StorageTier, chunks: int, total: int, session_id: str | None) -> Op:
         attrs = {"tier": tier.name, "chunks": chunks, "bytes": total}
@@ -251,17 +259,15 @@ class WriteThrough:
         receipt: WriteReceipt | None,
     ) -> None:
         """One tier answered: publish its END (and evictions), release pins after the last."""
-        counters = self._counters[tier.name]
         outcome: StoreOutcome | None = None
         try:
             outcome = future.result()
         except Exception as exc:
-            counters.store_failures += len(items)
+            self._count(tier, failed=len(items))
             op.fail(exc, stored_chunks=0, stored_bytes=0, present_chunks=0,
                     failed_chunks=len(items))  # fmt: skip
         else:
-            counters.stored += outcome.stored
-            counters.store_failures += outcome.failed
+            self._count(tier, stored=outcome.stored, failed=outcome.failed)
             op.end(
                 stored_chunks=outcome.stored,
                 stored_bytes=outcome.stored * nbytes,
