@@ -91,7 +91,7 @@ class Setup:
 
     def close(self) -> None:
         self.engine.close()
-        pairs(self.events())  # every START got exactly one END
+        list(pairs(self.events()))  # every START got exactly one END
 
 
 def test_store_writes_new_chunks_through_to_every_tier() -> None:

@@ -71,7 +71,7 @@ class Big:
 
     def close(self, timeout: float = 5.0) -> None:
         self.engine.close(timeout)
-        pairs(events_of(self.recorder, self.engine))  # every START got exactly one END
+        list(pairs(events_of(self.recorder, self.engine)))  # every START got exactly one END
 
 
 @pytest.mark.parametrize("times_l1", [1.5, 4, 20])
@@ -151,7 +151,7 @@ def test_without_l2_a_store_still_stops_where_l1_is_full() -> None:
     t = np.arange(24 * CHUNK, dtype=np.int32)
     assert engine.store("src", t, list(range(48)), request_id="s") == L1_CHUNKS * CHUNK
     engine.close()
-    pairs(events_of(recorder, engine))
+    list(pairs(events_of(recorder, engine)))
 
 
 def test_a_write_burst_against_a_slow_tier_loses_nothing_within_the_bound() -> None:
