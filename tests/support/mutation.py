@@ -45,6 +45,20 @@ from tests.support import mutation_hits
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: the Redis tier's tests: they cover redis.py and the modules split out of it (issue 40)
+REDIS_TESTS = [
+    "tests/core/tiers/test_redis.py",
+    "tests/core/tiers/test_redis_faults.py",
+    "tests/core/tiers/test_redis_cluster.py",
+    "tests/core/tiers/test_redis_behaviour.py",
+    "tests/core/tiers/test_redis_cluster_nodes.py",
+    "tests/core/tiers/test_redis_construction.py",
+    "tests/core/tiers/test_redis_info.py",
+    "tests/core/tiers/test_redis_io.py",
+    "tests/core/tiers/test_redis_recorded_errors.py",
+    "tests/core/tiers/test_tier_contract.py",
+]
+
 # The modules issue 23 names (engine, tiers, server, bus), each with the CPU tests that
 # exercise it. A module missing here gets the test_<name>*.py files of its mirrored tests
 # folder (kvflow/core/tiers/disk.py -> tests/core/tiers/test_disk*.py), or the whole folder.
@@ -81,17 +95,11 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_l1.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
-    "kvflow/core/tiers/redis.py": [
-        "tests/core/tiers/test_redis.py",
-        "tests/core/tiers/test_redis_faults.py",
-        "tests/core/tiers/test_redis_cluster.py",
-        "tests/core/tiers/test_redis_behaviour.py",
-        "tests/core/tiers/test_redis_cluster_nodes.py",
-        "tests/core/tiers/test_redis_construction.py",
-        "tests/core/tiers/test_redis_info.py",
-        "tests/core/tiers/test_redis_io.py",
-        "tests/core/tiers/test_tier_contract.py",
-    ],
+    "kvflow/core/tiers/redis.py": REDIS_TESTS,
+    "kvflow/core/tiers/redisformat.py": REDIS_TESTS,
+    "kvflow/core/tiers/redislink.py": REDIS_TESTS,
+    "kvflow/core/tiers/redisnodes.py": REDIS_TESTS,
+    "kvflow/core/tiers/redisstats.py": REDIS_TESTS,
     "kvflow/core/tiers/redis_target.py": ["tests/core/tiers/test_redis_target.py"],
     "kvflow/core/server/protocol.py": [
         "tests/core/server/test_protocol.py",
@@ -146,6 +154,11 @@ MODULES = [
     "kvflow/core/tiers/hostmem.py",
     "kvflow/core/tiers/disk.py",
     "kvflow/core/tiers/redis.py",
+    # split out of redis.py (issue 40)
+    "kvflow/core/tiers/redisformat.py",
+    "kvflow/core/tiers/redislink.py",
+    "kvflow/core/tiers/redisnodes.py",
+    "kvflow/core/tiers/redisstats.py",
     "kvflow/core/tiers/redis_target.py",
     "kvflow/core/engine/keys.py",
     "kvflow/core/engine/request.py",
