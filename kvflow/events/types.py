@@ -42,6 +42,12 @@ class EventType(IntEnum):
     WRITE_BACK = 21
     #: how long an engine waited for each layer of a layerwise retrieve (its report)
     LAYER_WAIT = 22
+    #: blend (docs/BLEND.md): the search for stored chunks past a prompt's prefix, and
+    #: the copy of the segments found into an instance's blocks, K turned to fit
+    BLEND_LOOKUP_START = 23
+    BLEND_LOOKUP_END = 24
+    BLEND_RETRIEVE_START = 25
+    BLEND_RETRIEVE_END = 26
     #: an operator's call (clear, resize, drain, quota): who, what, and how it ended
     ADMIN = 40
 
@@ -57,6 +63,8 @@ START_TO_END: Mapping[EventType, EventType] = MappingProxyType(
         EventType.STORE_START: EventType.STORE_END,
         EventType.RETRIEVE_START: EventType.RETRIEVE_END,
         EventType.LOOKUP_START: EventType.LOOKUP_END,
+        EventType.BLEND_LOOKUP_START: EventType.BLEND_LOOKUP_END,
+        EventType.BLEND_RETRIEVE_START: EventType.BLEND_RETRIEVE_END,
         EventType.L2_STORE_START: EventType.L2_STORE_END,
         EventType.L2_LOAD_START: EventType.L2_LOAD_END,
         EventType.PREFETCH_START: EventType.PREFETCH_END,

@@ -221,6 +221,16 @@ class BlendIndex:
                 free_from = offset + chunk_size
             return found
 
+    def matches(self, owner: Owner, chunk_hash: bytes, window: np.ndarray) -> bool | None:
+        """Whether `window` holds the tokens of indexed chunk `chunk_hash` (its digest);
+        None when the index does not know the chunk."""
+        with self._lock:
+            fp = self._order.get((owner, chunk_hash))
+            entry = None if fp is None else self._entry(self._by_owner[owner], fp, chunk_hash)
+        if entry is None:
+            return None
+        return _digest(window) == entry.digest
+
     @staticmethod
     def _entry(table: dict[int, list[_Entry]], fp: int, chunk_hash: bytes) -> _Entry | None:
         return next((e for e in table.get(fp, ()) if e.chunk_hash == chunk_hash), None)

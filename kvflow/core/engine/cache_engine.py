@@ -25,6 +25,7 @@ from typing import Any, cast
 import numpy as np
 
 from kvflow.core.config import ServerConfig
+from kvflow.core.engine.blend import Blender, BlendHit, copy_segments, layer_ropes
 from kvflow.core.engine.bus_status import bus_status
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
@@ -76,6 +77,7 @@ from kvflow.core.tiers.l1 import L1Cache
 from kvflow.core.tiers.quota import TenantQuotas, parse_quotas
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
 from kvflow.kernels import KVLayout, cuda_available
+from kvflow.kernels.rope import plan_rerotation
 
 __all__ = [
     "GIB",
@@ -164,6 +166,11 @@ class CacheEngine:
             bus=self.bus, chunk_size=self.chunk_size, check_open=self._check_open,
             layouts=self._rank_layouts,
         )  # fmt: skip
+        self._blend = Blender(
+            l1=self.l1, tiering=self._tiering, bus=self.bus, chunk_size=self.chunk_size,
+            prefix_lookup=self._queries.lookup, rank_nbytes=self._queries.rank_nbytes,
+            capacity_chunks=self.config.blend_index_chunks,
+        )  # fmt: skip
 
     # -- engine state (under `_lock`) ------------------------------------------------------
 
@@ -207,6 +214,8 @@ class CacheEngine:
                 "keys": plan.evicted_keys,
             }
             self._publish(EventType.L1_EVICT, session_id, attrs)
+            if self._tiering is None:  # no other tier holds them: blend forgets them
+                self._blend.forget(plan.evicted_keys)
 
     # -- registration ------------------------------------------------------------------
 
@@ -220,8 +229,11 @@ class CacheEngine:
         rank: int = 0,
         block_size: int | None = None,
         kv_format: str | None = None,
+        ropes: Any = None,
     ) -> None:
-        """Register an instance's KV tensors; the layout is detected (or `kv_format`)."""
+        """Register an instance's KV tensors; the layout is detected (or `kv_format`).
+        `ropes` (RopeParams for every layer, or LayerRopes): the model's rotary embedding,
+        which a blend retrieve turns K with (docs/BLEND.md)."""
         check_str("instance_id", instance_id)
         check_str("model_name", model_name)
         check_world(world_size, rank)
@@ -246,16 +258,29 @@ class CacheEngine:
                 f"one chunk of instance {instance_id!r} takes {nbytes} bytes, more than the whole "
                 f"L1 capacity ({self.l1.capacity_bytes} bytes); raise --l1-size-gb"
             )
+        turns = self._checked_ropes(instance_id, layout, ropes)
         mover = self._make_mover(layout, nbytes)
         inst = Instance(
-            instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes, mover
-        )
+            instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes, mover,
+            ropes=turns,
+        )  # fmt: skip
         try:
             self._add_instance(inst)
         except BaseException:
             mover.close()
             raise
         self._publish(EventType.REGISTER, None, inst.event_attrs())
+
+    @staticmethod
+    def _checked_ropes(instance_id: str, layout: KVLayout, ropes: Any) -> Any:
+        """An instance's rotary parameters as LayerRopes, checked against its layout."""
+        turns = layer_ropes(ropes, layout.num_layers)
+        if turns is not None:
+            try:
+                plan_rerotation(layout, turns, [])
+            except ValueError as exc:
+                raise InvalidRequestError(f"ropes of instance {instance_id!r}: {exc}") from None
+        return turns
 
     def _make_mover(self, layout: KVLayout, chunk_nbytes: int) -> Mover:
         if layout.device.type == "cpu":
@@ -513,12 +538,23 @@ class CacheEngine:
             if plan is None:  # not layerwise, or more than L1 can hold at once
                 plan = self._store_waves(tx)
                 if self._tiering is not None and plan.covered < tx.ids.n_chunks:
-                    return self._stream_store(tx, plan)
+                    held = self._stream_store(tx, plan)
+                    self._index_store(tx, held // self.chunk_size)
+                    return held
                 inst.mover.flush()
                 self._end_store(tx, plan)
         # once the lock is free: the write-through may wait for backlog room
         self._publish_written(inst, plan, request_id)
+        self._index_store(tx, plan.covered)
         return plan.covered * self.chunk_size
+
+    def _index_store(self, tx: Transfer, chunks: int) -> None:
+        """Make a store's held chunks findable by blend lookups (chunks named by their
+        tokens only: a store by chunk keys has no tokens to find them by)."""
+        if tx.ids.hashes is None and chunks:
+            tokens = tx.ids.tokens[: chunks * self.chunk_size]
+            hashes = self._keys.hashes(tokens, tx.request_id)[:chunks]
+            self._blend.record_store(tx.inst, tokens, hashes, tx.cache_salt)
 
     def _plan(self, tx: Transfer, keys: Sequence[ObjectKey]) -> WritePlan:
         """Reserve L1 objects for the keys L1 lacks (the transfer's plan, aborted on failure);
@@ -962,6 +998,87 @@ class CacheEngine:
             cpu_scatter_layers(inst.layout, self.chunk_size, srcs, table, skips, progress.ready)
             tx.op.end(None, **result)
         return result
+
+    # -- blend (docs/BLEND.md) ---------------------------------------------------------------
+
+    def blend_lookup(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        prefetch: bool = True,
+    ) -> BlendHit:
+        """The prefix hit as `lookup` gives it (its LOOKUP pair), plus the stored chunks
+        found anywhere past it, at any token offset (one BLEND_LOOKUP pair): those every
+        rank holds in some tier, none overlapping; L2-held ones start loading into L1."""
+        return self._blend.lookup(
+            token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
+            request_id=request_id, prefetch=prefetch,
+        )  # fmt: skip
+
+    def blend_retrieve(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        segments: Any,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy blend segments (from `blend_lookup`: (offset, chunk_hash, original_start)
+        each) into the prompt's blocks at their offsets, K turned by offset -
+        original_start with the instance's registered ropes; returns the tokens blended.
+
+        `block_ids` cover the prompt from token 0, as for `retrieve` (which copies the
+        prefix). A segment may start inside a block. One no tier holds any more, or that
+        the blend index forgot, is skipped (its tokens are to be recomputed); a segment
+        whose prompt tokens are not its chunk's is refused before anything is written."""
+        inst = self._instance(instance_id)
+        failed = {"tokens": 0, "bytes": 0, "blended_tokens": 0}
+        start = EventType.BLEND_RETRIEVE_START
+        with self._transfer(inst, start, request_id, token_ids, **failed) as tx:
+            check_str("request_id", request_id)
+            tx.cache_salt = check_salt(cache_salt)
+            segments, blocks = self._blend.plan_retrieve(
+                inst, token_ids, block_ids, segments, tx.cache_salt
+            )
+            held, objs, from_l2 = self._blend_objects(tx, segments)
+            copy_segments(inst, held, objs, blocks, self.chunk_size)
+            blended = sum(s.length for s in held)
+            result = {
+                "tokens": blended, "bytes": len(held) * inst.chunk_nbytes,
+                "blended_tokens": blended, "segments": len(held), "l2_chunks": from_l2,
+            }  # fmt: skip
+            tx.op.end(**result)
+        return blended
+
+    def _blend_objects(
+        self, tx: Transfer, segments: Sequence[Any]
+    ) -> tuple[list[Any], list[Any], int]:
+        """(the segments whose objects are readable, their bytes, how many came from L2):
+        each pinned in L1, or fetched from L2 without the instance's lock."""
+        inst = tx.inst
+        held, objs, from_l2 = [], [], 0
+        for s in segments:
+            key = ObjectKey(
+                s.chunk_hash, inst.model_name, inst.world_size, inst.rank, tx.cache_salt
+            )
+            got = self.l1.pin_prefix([key])
+            tx.pinned.extend(got)
+            if not got and self._tiering is not None:
+                with self._unlocked(inst):
+                    fetched = self._tiering.fetch([key], inst.chunk_nbytes, tx.request_id)
+                tx.pinned.extend(fetched.pinned)
+                tx.staged.extend(fetched.staged)
+                got, from_l2 = fetched.objs, from_l2 + fetched.from_l2
+            if got:
+                held.append(s)
+                objs.append(self.l1.views(got[:1])[0])
+        return held, objs, from_l2
 
     def _publish_read(self, result: dict[str, Any], request_id: str) -> None:
         """L1_READ for a retrieve's copied chunks (none: no event)."""

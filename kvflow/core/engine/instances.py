@@ -10,6 +10,7 @@ import torch
 
 from kvflow.core.engine.movers import Mover
 from kvflow.kernels import KVLayout
+from kvflow.kernels.rope import LayerRopes
 
 #: (model_name, world_size, rank): the owner of a layout desc and of L1 objects.
 ModelRank = tuple[str, int, int]
@@ -30,6 +31,8 @@ class Instance:
     chunk_nbytes: int
     mover: Mover
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the model's rotary embedding per layer, which blend retrieves turn K with
+    ropes: LayerRopes | None = None
 
     @property
     def model_rank(self) -> ModelRank:

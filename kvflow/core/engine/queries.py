@@ -126,7 +126,7 @@ class Queries:
             raise InvalidRequestError(
                 "prefetch needs an L2 tier; none is configured (start the server with --l2-disk)"
             )
-        nbytes, missing = self._rank_nbytes(model_name, world_size)
+        nbytes, missing = self.rank_nbytes(model_name, world_size)
         if missing:
             raise UnknownInstanceError(
                 f"model {model_name!r} world_size {world_size} rank(s) {missing} never registered "
@@ -182,7 +182,7 @@ class Queries:
         for name, n in tiers.items():
             by_tier[name] = by_tier.get(name, 0) + n * self.chunk_size
         if prefetch and more and len(tiers) > ("l1" in tiers):
-            nbytes, missing = self._rank_nbytes(model_name, world_size)
+            nbytes, missing = self.rank_nbytes(model_name, world_size)
             if not missing:
                 tiering.prefetch(
                     rows[:more], nbytes, model_name=model_name, trigger="lookup",
@@ -228,7 +228,7 @@ class Queries:
         ranks = range(world_size)
         return [[ObjectKey(h, model_name, world_size, r, salt) for r in ranks] for h in hashes[:n]]
 
-    def _rank_nbytes(self, model_name: str, world_size: int) -> tuple[list[int], list[int]]:
+    def rank_nbytes(self, model_name: str, world_size: int) -> tuple[list[int], list[int]]:
         """(chunk bytes of each registered rank of the model's world, from the layout
         descs recorded at registration; the ranks never registered)."""
         descs = self.layouts(model_name, world_size)

@@ -1,0 +1,270 @@
+"""Blend (docs/BLEND.md): stored chunks reused anywhere in a prompt, K turned to fit.
+
+`Blender` keeps the blend index (kvflow.core.engine.blend_index) in step with what
+stores hold, answers blend lookups (the prefix by a plain lookup, then the stored chunks
+found past it that every rank still holds in some tier), and checks a blend retrieve's
+segments. `copy_segments` then writes each segment's KV into the prompt's slots (token
+by token: a segment may start inside a block, kvflow.kernels.token_copy) and turns K's
+rotary dims by the segment's position delta (kvflow.kernels.rope).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.core.arrays import as_int32_array
+from kvflow.core.engine.blend_index import BlendIndex, BlendSegment, Owner
+from kvflow.core.engine.instances import Instance
+from kvflow.core.engine.ops import Op
+from kvflow.core.engine.tiering import Tiering
+from kvflow.core.engine.validation import check_salt
+from kvflow.core.errors import InvalidRequestError
+from kvflow.core.tiers.base import HostTier, ObjectKey
+from kvflow.events import EventBus, EventType
+from kvflow.kernels.rope import LayerRopes, RerotateSegment, RopeParams, plan_rerotation, rerotate
+from kvflow.kernels.token_copy import scatter_chunk_tokens, token_slots
+
+#: segments copied to the GPU at once by a blend retrieve (their bytes staged together)
+STAGE_SEGMENTS = 8
+
+
+@dataclass(frozen=True)
+class BlendHit:
+    """A blend lookup's answer: the prefix hit (tokens from 0) and the stored chunks found
+    past it, leftmost first, none overlapping."""
+
+    prefix_tokens: int
+    segments: list[BlendSegment]
+
+    @property
+    def blended_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+def layer_ropes(ropes: Any, num_layers: int) -> LayerRopes | None:
+    """An instance's rotary parameters as LayerRopes (one RopeParams serves every layer)."""
+    if ropes is None or isinstance(ropes, LayerRopes):
+        return ropes
+    if isinstance(ropes, RopeParams):
+        return LayerRopes.uniform(ropes, num_layers)
+    raise InvalidRequestError(f"ropes must be RopeParams or LayerRopes, got {type(ropes).__name__}")
+
+
+class Blender:
+    """An engine's blend index, blend lookups and blend retrieve checks.
+
+    Lock rule: no lock and no mutable state of its own besides the index, which locks
+    itself; L1, the tiering and the bus are thread-safe.
+    """
+
+    def __init__(
+        self, *, l1: HostTier, tiering: Tiering | None, bus: EventBus, chunk_size: int,
+        prefix_lookup: Callable[..., int],
+        rank_nbytes: Callable[[str, int], tuple[list[int], list[int]]], capacity_chunks: int,
+    ) -> None:  # fmt: skip
+        self.l1 = l1
+        self.tiering = tiering
+        self.bus = bus
+        self.chunk_size = chunk_size
+        self.prefix_lookup = prefix_lookup
+        self.rank_nbytes = rank_nbytes
+        self.index = BlendIndex(capacity_chunks)
+
+    # -- the index --------------------------------------------------------------------------
+
+    def record_store(
+        self, inst: Instance, tokens: np.ndarray, hashes: Sequence[bytes], salt: str | None
+    ) -> None:
+        """Index the chunks a store of `inst` holds now (`hashes`: chunks 0.. of `tokens`)."""
+        if hashes:
+            owner = (inst.model_name, inst.world_size, salt)
+            self.index.add(owner, inst.rank, tokens, self.chunk_size, list(hashes))
+
+    def forget(self, keys: Sequence[Any]) -> None:
+        """Drop chunks whose objects left every tier from the index (`keys`: ObjectKeys,
+        or the plain tuples L1 keeps them as)."""
+        by_owner: dict[Owner, list[bytes]] = {}
+        for key in keys:
+            by_owner.setdefault((key[1], key[2], key[4]), []).append(key[0])
+        for owner, hashes in by_owner.items():
+            self.index.remove(owner, hashes)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(
+        self, token_ids: Any, *, model_name: str, world_size: int, cache_salt: str | None,
+        request_id: str | None, prefetch: bool,
+    ) -> BlendHit:  # fmt: skip
+        """The prefix hit (a LOOKUP pair, as `CacheEngine.lookup`), then one
+        BLEND_LOOKUP pair for the stored chunks found past it."""
+        prefix = self.prefix_lookup(
+            token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
+            request_id=request_id, prefetch=prefetch, chunk_keys=None,
+        )  # fmt: skip
+        tokens = as_int32_array(token_ids, "token_ids")
+        attrs = {"model_name": model_name, "tokens": len(tokens), "prefix_tokens": prefix}
+        op = Op(self.bus, EventType.BLEND_LOOKUP_START, request_id, attrs)
+        try:
+            owner = (model_name, world_size, check_salt(cache_salt))
+            found = self.index.find(owner, world_size, tokens, self.chunk_size, start=prefix)
+            held, by_tier = self._held(owner, found, request_id, prefetch)
+        except BaseException as exc:
+            op.fail(exc, blend_hit_tokens=0, segments=0)
+            raise
+        hit = BlendHit(prefix, held)
+        op.end(
+            blend_hit_tokens=hit.blended_tokens, segments=len(held),
+            blend_hit_tokens_by_tier=by_tier, prefix_tokens=prefix,
+        )  # fmt: skip
+        return hit
+
+    def _held(
+        self, owner: Owner, found: list[BlendSegment], session_id: str | None, prefetch: bool
+    ) -> tuple[list[BlendSegment], dict[str, int]]:
+        """The segments every rank holds in some tier, and their tokens per tier (the
+        slowest each needs); chunks no rank holds leave the index; L2 ones are prefetched."""
+        model_name, world_size, salt = owner
+        rows = [
+            [ObjectKey(s.chunk_hash, model_name, world_size, r, salt) for r in range(world_size)]
+            for s in found
+        ]
+        keys = [k for row in rows for k in row]
+        where = self._residency(keys)
+        held, by_tier, gone, fetch = [], dict[str, int](), [], []
+        for segment, row in zip(found, rows, strict=True):
+            tiers = [where[k] for k in row]
+            if all(t is None for t in tiers):
+                gone.extend(row)
+            elif None not in tiers:
+                held.append(segment)
+                tier = next((t for t in tiers if t and t != "l1"), "l1")
+                by_tier[tier] = by_tier.get(tier, 0) + segment.length
+                if tier != "l1":
+                    fetch.append(row)
+        self.forget(gone)
+        if prefetch and fetch and self.tiering is not None:
+            nbytes, missing = self.rank_nbytes(model_name, world_size)
+            if not missing:
+                self.tiering.prefetch(
+                    fetch, nbytes, model_name=model_name, trigger="blend",
+                    session_id=session_id, residency=where,
+                )  # fmt: skip
+        return held, by_tier
+
+    def _residency(self, keys: list[ObjectKey]) -> dict[ObjectKey, str | None]:
+        if self.tiering is not None:
+            return dict(self.tiering.loader.residency(keys))
+        answers = self.l1.contains(keys).result()
+        return {k: ("l1" if hit else None) for k, hit in zip(keys, answers, strict=True)}
+
+    # -- retrieve ---------------------------------------------------------------------------
+
+    def plan_retrieve(
+        self, inst: Instance, token_ids: Any, block_ids: Any, segments: Any, salt: str | None
+    ) -> tuple[list[BlendSegment], np.ndarray]:
+        """A blend retrieve's segments, checked (InvalidRequestError naming the segment):
+        inside the prompt and its blocks, none overlapping, each one's tokens those of its
+        stored chunk (when the index still knows it; one it forgot is skipped). Returns
+        (the segments to copy, the block ids as int64)."""
+        if inst.ropes is None:
+            raise InvalidRequestError(
+                f"instance {inst.instance_id!r} registered no rotary parameters (ropes): a blend"
+                " retrieve needs them to turn K to the segments' new positions"
+            )
+        tokens = as_int32_array(token_ids, "token_ids")
+        blocks = as_int32_array(block_ids, "block_ids").astype(np.int64)
+        inst.layout.validate_block_ids(blocks)
+        checked = [_segment(s, i, self.chunk_size) for i, s in enumerate(_listed(segments))]
+        reach = len(blocks) * inst.block_size
+        end = 0
+        for i, s in enumerate(sorted(checked, key=lambda s: s.offset)):
+            if s.offset < end:
+                raise InvalidRequestError(f"blend segments overlap at prompt offset {s.offset}")
+            end = s.offset + s.length
+            if end > min(len(tokens), reach):
+                raise InvalidRequestError(
+                    f"blend segment {i} ends at token {end}, past the prompt ({len(tokens)} tokens)"
+                    f" or its blocks ({reach} tokens)"
+                )
+        owner = (inst.model_name, inst.world_size, salt)
+        known = []
+        for s in checked:
+            same = self.index.matches(owner, s.chunk_hash, tokens[s.offset : s.offset + s.length])
+            if same is False:
+                raise InvalidRequestError(
+                    f"blend segment at prompt offset {s.offset}: the prompt's tokens there are"
+                    f" not those of stored chunk {s.chunk_hash.hex()[:16]}"
+                )
+            if same:
+                known.append(s)
+        return known, blocks
+
+
+def _listed(segments: Any) -> list[Any]:
+    if not isinstance(segments, (list, tuple)):
+        raise InvalidRequestError(
+            f"segments must be a list of (offset, chunk_hash, original_start), got {type(segments).__name__}"
+        )
+    return list(segments)
+
+
+def _segment(value: Any, i: int, chunk_size: int) -> BlendSegment:
+    """One segment as (offset, chunk_hash, original_start) or a BlendSegment, checked."""
+    if isinstance(value, BlendSegment):
+        value = (value.offset, value.chunk_hash, value.original_start)
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise InvalidRequestError(
+            f"blend segment {i} must be (offset, chunk_hash, original_start), got {value!r}"
+        )
+    offset, chunk_hash, original = value
+    for name, n in (("offset", offset), ("original_start", original)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidRequestError(
+                f"blend segment {i}: {name} must be an integer >= 0, got {n!r}"
+            )
+    if not isinstance(chunk_hash, bytes) or not chunk_hash:
+        raise InvalidRequestError(
+            f"blend segment {i}: chunk_hash must be bytes, got {chunk_hash!r}"
+        )
+    return BlendSegment(offset, chunk_size, chunk_hash, original)
+
+
+def copy_segments(
+    inst: Instance, segments: Sequence[BlendSegment], objs: Sequence[torch.Tensor],
+    blocks: np.ndarray, chunk_size: int,
+) -> None:  # fmt: skip
+    """Write each segment's chunk object (`objs[i]`: its bytes in L1) into the prompt's
+    slots, then turn K by offset - original_start; on a CUDA cache both run on the
+    instance's kernel stream, which this waits for."""
+    layout, bs = inst.layout, inst.block_size
+    turns = []
+    for s in segments:
+        first, last = s.offset // bs, -(-(s.offset + s.length) // bs)
+        turns.append(
+            RerotateSegment(
+                blocks[first:last], s.offset % bs, s.length, s.offset - s.original_start
+            )
+        )
+    assert inst.ropes is not None
+    plan_rerotation(layout, inst.ropes, turns)  # every check before the first write
+    cuda = layout.device.type == "cuda"
+    stream = getattr(inst.mover, "kernel_stream", None) if cuda else None
+    for start in range(0, len(segments), STAGE_SEGMENTS):
+        part = range(start, min(start + STAGE_SEGMENTS, len(segments)))
+        with torch.cuda.stream(stream.torch) if stream is not None else contextlib.nullcontext():
+            staged = [
+                objs[i].to(layout.device, non_blocking=True) if cuda else objs[i] for i in part
+            ]
+            for i, chunk in zip(part, staged, strict=True):
+                s, turn = segments[i], turns[i]
+                slots = token_slots(np.asarray(turn.block_ids), turn.start, s.length, bs)
+                scatter_chunk_tokens(layout, chunk, chunk_size, *slots)
+    rerotate(layout, inst.ropes, turns, stream=stream)
+    if stream is not None:
+        stream.synchronize()

@@ -1,0 +1,142 @@
+"""Blend through the engine: documents stored in one order are found in another and
+copied to their new positions, K turned so that it equals K computed there.
+
+The check needs no model: K in a cache is RoPE(k_raw, position). The test writes K for
+known raw vectors at the stored positions, blends, and compares the blocks with K
+computed directly at the new positions (float32 caches: within float32 rounding of one
+rotation), V bit-exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core.errors import InvalidRequestError
+from kvflow.events import EventType
+from kvflow.kernels.rope import RopeParams
+from tests.support.engine import BLOCK, CHUNK, events_of, pairs, small_engine
+
+LAYERS, HEADS, HEAD = 2, 2, 8
+BLOCKS = 40
+ROPE = RopeParams(rotary_dim=HEAD, theta=10000.0)
+
+
+def _rotate(raw: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+    """NeoX RoPE of raw [T, heads, head] at `positions`, computed in float64."""
+    half = HEAD // 2
+    inv = 1.0 / (ROPE.theta ** (np.arange(half, dtype=np.float64) * 2 / HEAD))
+    angles = torch.from_numpy(np.outer(positions.astype(np.float64), inv))[:, None, :]
+    x, y = raw[..., :half].double(), raw[..., half:].double()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([x * cos - y * sin, y * cos + x * sin], dim=-1)
+
+
+class Model:
+    """Raw K and V per token id (what a first layer's projections give), and caches
+    written as a forward pass would write them at given positions."""
+
+    def __init__(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.k_raw = torch.randn(1000, LAYERS, HEADS, HEAD, generator=gen)
+        self.v = torch.randn(1000, LAYERS, HEADS, HEAD, generator=gen)
+
+    def caches(self) -> list[torch.Tensor]:
+        return [torch.zeros(2, BLOCKS, BLOCK, HEADS, HEAD) for _ in range(LAYERS)]
+
+    def write(self, caches: list[torch.Tensor], tokens: np.ndarray, blocks: list[int]) -> None:
+        slots = np.arange(len(tokens))
+        for layer in range(LAYERS):
+            k = _rotate(self.k_raw[tokens, layer], slots).float()
+            for t in range(len(tokens)):
+                b, o = blocks[t // BLOCK], t % BLOCK
+                caches[layer][0, b, o] = k[t]
+                caches[layer][1, b, o] = self.v[tokens[t], layer]
+
+    def expected_k(self, tokens: np.ndarray, positions: np.ndarray, layer: int) -> torch.Tensor:
+        return _rotate(self.k_raw[tokens, layer], positions)
+
+
+def _setup(**engine_kw: Any) -> tuple[Any, Any, Model, np.ndarray, np.ndarray, np.ndarray]:
+    engine, recorder = small_engine(**engine_kw)
+    model = Model()
+    rng = np.random.default_rng(1)
+    system, doc_a, doc_b = (
+        rng.integers(0, 1000, n).astype(np.int32) for n in (CHUNK, 2 * CHUNK, CHUNK)
+    )
+    stored = np.concatenate([system, doc_a, doc_b])
+    src = model.caches()
+    src_blocks = list(range(len(stored) // BLOCK))
+    model.write(src, stored, src_blocks)
+    engine.register_kv_caches("src", src, model_name="m", block_size=BLOCK, ropes=ROPE)
+    assert engine.store("src", stored, src_blocks, request_id="s") == len(stored)
+    return engine, recorder, model, system, doc_a, doc_b
+
+
+def test_documents_blend_at_new_offsets_inside_blocks() -> None:
+    engine, recorder, model, system, doc_a, doc_b = _setup()
+    question = np.array([7, 8, 9], dtype=np.int32)  # shifts both documents off block bounds
+    prompt = np.concatenate([system, question, doc_b, doc_a, question])
+    hit = engine.blend_lookup(prompt, model_name="m", request_id="q")
+    assert hit.prefix_tokens == CHUNK
+    b_at, a_at = CHUNK + 3, CHUNK + 3 + CHUNK
+    assert [(s.offset, s.original_start) for s in hit.segments] == [
+        (b_at, 3 * CHUNK), (a_at, CHUNK), (a_at + CHUNK, 2 * CHUNK),
+    ]  # fmt: skip
+    dst = model.caches()
+    before = [c.clone() for c in dst]
+    dst_blocks = list(range(10, 10 + -(-len(prompt) // BLOCK)))
+    engine.register_kv_caches("dst", dst, model_name="m", block_size=BLOCK, ropes=ROPE)
+    blended = engine.blend_retrieve("dst", prompt, dst_blocks, hit.segments, request_id="q")
+    assert blended == hit.blended_tokens == 3 * CHUNK
+    written = set()
+    for s in hit.segments:
+        tokens = prompt[s.offset : s.offset + s.length]
+        positions = np.arange(s.offset, s.offset + s.length)
+        for layer in range(LAYERS):
+            want_k = model.expected_k(tokens, positions, layer)
+            for i, p in enumerate(positions):
+                b, o = dst_blocks[p // BLOCK], p % BLOCK
+                written.add((b, o))
+                got_k = dst[layer][0, b, o].double()
+                assert torch.allclose(
+                    got_k, want_k[i], rtol=0, atol=2e-5 * (1 + want_k[i].abs().max())
+                ), (layer, p)
+                assert torch.equal(dst[layer][1, b, o], model.v[tokens[i], layer])
+    for layer in range(LAYERS):  # nothing outside the segments' slots was written
+        for b in range(BLOCKS):
+            for o in range(BLOCK):
+                if (b, o) not in written:
+                    assert torch.equal(dst[layer][:, b, o], before[layer][:, b, o])
+    events = events_of(recorder, engine)
+    blend = [(s, e) for s, e in pairs(events) if s.type is EventType.BLEND_RETRIEVE_START]
+    assert len(blend) == 1 and blend[0][1].attrs["blended_tokens"] == 3 * CHUNK
+    lookups = [(s, e) for s, e in pairs(events) if s.type is EventType.BLEND_LOOKUP_START]
+    assert lookups[0][1].attrs["blend_hit_tokens"] == 3 * CHUNK
+    assert lookups[0][1].attrs["blend_hit_tokens_by_tier"] == {"l1": 3 * CHUNK}
+
+
+def test_isolation_missing_ropes_lies_and_forgotten_chunks() -> None:
+    engine, _, model, system, doc_a, doc_b = _setup()
+    prompt = np.concatenate([doc_b, system[:3], doc_a])
+    assert engine.blend_lookup(prompt, model_name="other").segments == []
+    assert engine.blend_lookup(prompt, model_name="m", cache_salt="tenant").segments == []
+    hit = engine.blend_lookup(prompt, model_name="m")
+    assert hit.prefix_tokens == 0 and len(hit.segments) == 3
+    blocks = list(range(20, 20 + -(-len(prompt) // BLOCK)))
+    engine.register_kv_caches("plain", model.caches(), model_name="m", block_size=BLOCK)
+    with pytest.raises(InvalidRequestError, match="registered no rotary parameters"):
+        engine.blend_retrieve("plain", prompt, blocks, hit.segments, request_id="r")
+    dst = model.caches()
+    engine.register_kv_caches("dst", dst, model_name="m", block_size=BLOCK, ropes=ROPE)
+    lie = [(hit.segments[0].offset + 1, hit.segments[0].chunk_hash, 0)]
+    with pytest.raises(InvalidRequestError, match="not those of stored chunk"):
+        engine.blend_retrieve("dst", prompt, blocks, lie, request_id="r")
+    with pytest.raises(InvalidRequestError, match="overlap"):
+        twice = [hit.segments[0], hit.segments[0]]
+        engine.blend_retrieve("dst", prompt, blocks, twice, request_id="r")
+    with pytest.raises(InvalidRequestError, match="past the prompt"):
+        engine.blend_retrieve("dst", prompt, blocks[:2], hit.segments, request_id="r")
+    assert all(torch.count_nonzero(c) == 0 for c in dst), "a refused blend wrote something"
