@@ -90,6 +90,14 @@ OPTIONS = (
         " (default 65536; 0 = KV events off)",
     ),
     _Option(
+        "--blend-index-chunks",
+        "blend_index_chunks",
+        _S,
+        int,
+        "stored chunks the blend index keeps findable anywhere in a prompt, 1..2**26"
+        " (default 262144, about 100 MiB; least recently stored or found go first)",
+    ),
+    _Option(
         "--max-message-mb",
         "max_message_mb",
         _S,

@@ -26,6 +26,8 @@ import zmq
 import zmq.utils.monitor
 
 from kvflow.core.arrays import as_int32_array
+from kvflow.core.engine.blend import BlendHit
+from kvflow.core.engine.blend_index import BlendSegment
 from kvflow.core.engine.chunk_keys import KEY_BYTES, keys_to_wire
 from kvflow.core.errors import (
     ERRORS_BY_CODE,
@@ -41,6 +43,9 @@ from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, LayerwiseSave
 from kvflow.core.server.protocol import (
     AdminRequest,
     AllocationRecord,
+    BlendFound,
+    BlendLookup,
+    BlendRetrieve,
     CudaIpcMemory,
     Done,
     EndSession,
@@ -61,6 +66,7 @@ from kvflow.core.server.protocol import (
     ReportLayerWaits,
     Request,
     Retrieve,
+    SegmentRef,
     Status,
     StatusResult,
     Store,
@@ -69,8 +75,10 @@ from kvflow.core.server.protocol import (
     UnsubscribeKVEvents,
     decode_reply,
     encode_request,
+    ropes_to_wire,
 )
 from kvflow.core.server.sharing import describe_kv_caches
+from kvflow.kernels.rope import LayerRopes, RopeParams
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 #: how often a waiting call looks for a failed handshake (so a refusal is reported at once)
@@ -117,6 +125,33 @@ def _retrieve_request(
         keyed=keyed,
     )
     return request, (tokens, blocks)
+
+
+def _segment_refs(segments: Any) -> list[SegmentRef]:
+    """Blend segments (BlendSegments or (offset, chunk_hash, original_start) triples) as
+    BlendRetrieve sends them; their values are checked by the server."""
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise InvalidRequestError(
+            "segments must be a sequence of BlendSegment or (offset, chunk_hash,"
+            f" original_start), got {type(segments).__name__}"
+        )
+    refs = []
+    for i, s in enumerate(segments):
+        if isinstance(s, BlendSegment):
+            s = (s.offset, s.chunk_hash, s.original_start)
+        if not isinstance(s, Sequence) or len(s) != 3:
+            raise InvalidRequestError(
+                f"segments[{i}] must be a BlendSegment or (offset, chunk_hash, original_start),"
+                f" got {s!r}"
+            )
+        offset, chunk_hash, original = s
+        try:
+            refs.append(SegmentRef(operator.index(offset), chunk_hash, operator.index(original)))
+        except TypeError:
+            raise InvalidRequestError(
+                f"segments[{i}]: offset and original_start must be integers, got {s!r}"
+            ) from None
+    return refs
 
 
 def _tokens_or_keys(token_ids: Any, chunk_keys: Any) -> tuple[np.ndarray, bool]:
@@ -445,6 +480,7 @@ class KVFlowClient:
         kv_format: str | None = None,
         takeover: bool = False,
         layerwise: bool = False,
+        ropes: RopeParams | LayerRopes | None = None,
     ) -> None:
         """Share `kv_caches` with the server (shared memory or CUDA IPC) and register them.
 
@@ -452,7 +488,10 @@ class KVFlowClient:
         replaces that registration; one held by another client is refused
         (AlreadyRegisteredError) unless `takeover` is True. `layerwise` makes one
         completion point per layer for `retrieve_layerwise` (kvflow.core.server.layers).
+        `ropes` (kvflow.kernels.rope.RopeParams for every layer, or LayerRopes): the
+        model's rotary embedding, which `blend_retrieve` needs (docs/BLEND.md).
         """
+        wire_ropes = ropes_to_wire(ropes)
         desc = describe_kv_caches(kv_caches)
         layers = _client_layers(kv_caches, block_size, kv_format) if layerwise else None
         shared = _cuda_events(desc)
@@ -468,6 +507,7 @@ class KVFlowClient:
             event_handle=event_handle,
             retrieve_event_handle=retrieved_handle,
             takeover=takeover,
+            ropes=wire_ropes,
         )
         if layers is not None:
             request.layer_event_handles, request.layer_flags = layers.wire()
@@ -650,6 +690,55 @@ class KVFlowClient:
             request.layer_seq = layers.next_seq()
             hit = self._count(request, arrays)
         return LayerwiseLoad(hit, layers, request.layer_seq, self.timeout_s)
+
+    def blend_lookup(
+        self,
+        token_ids: Any,
+        *,
+        model_name: str,
+        world_size: int = 1,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        prefetch: bool = True,
+    ) -> BlendHit:
+        """The prefix hit as `lookup` gives it, plus the stored chunks found anywhere past
+        it, at any token offset, that every rank holds in some tier (docs/BLEND.md);
+        L2-held ones start loading into L1 unless `prefetch` is False."""
+        tokens = as_int32_array(token_ids, "token_ids")
+        request = BlendLookup(
+            model_name=model_name, world_size=world_size, cache_salt=cache_salt,
+            request_id=request_id, prefetch=prefetch,
+        )  # fmt: skip
+        reply = self._call(request, (tokens,))
+        if not isinstance(reply, BlendFound):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a BlendLookup")
+        segments = [
+            BlendSegment(s.offset, s.length, s.chunk_hash, s.original_start) for s in reply.segments
+        ]
+        return BlendHit(reply.prefix_tokens, segments)
+
+    def blend_retrieve(
+        self,
+        instance_id: str,
+        token_ids: Any,
+        block_ids: Any,
+        segments: Any,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Copy blend segments (`blend_lookup`'s BlendSegments, or (offset, chunk_hash,
+        original_start) triples) into the prompt's blocks, K turned to their new positions
+        with the instance's registered ropes; returns the tokens blended. `block_ids`
+        cover the prompt from token 0, as for `retrieve`. The server replies once the
+        copies landed, CUDA caches too: the blocks are ready when this returns."""
+        refs = _segment_refs(segments)
+        tokens = as_int32_array(token_ids, "token_ids")
+        blocks = as_int32_array(block_ids, "block_ids")
+        request = BlendRetrieve(
+            instance_id=instance_id, request_id=request_id, segments=refs, cache_salt=cache_salt
+        )
+        return self._count(request, (tokens, blocks))
 
     def _layers_of(self, instance_id: str) -> ClientLayers:
         """The completion points of an instance this client registered layerwise."""

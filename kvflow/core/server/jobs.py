@@ -1,11 +1,11 @@
 """The server's worker threads and the jobs they run, one small class per request kind.
 
-The main loop turns each register, store, retrieve, unregister and admin request
-(and, with L2 tiers, each lookup and prefetch) into a `Job` and submits it to a
-`Worker`, which runs its jobs in order on one thread. A job's `run` returns its
-reply, or sends it early itself (`Job.answered`). Whatever a job raises, the worker
-counts and turns into a Failed reply through `ErrorReplies`, the one place that does
-both, which the main loop uses for its own errors too.
+The main loop turns each register, store, retrieve, blend retrieve, unregister and
+admin request (and, with L2 tiers, each lookup, blend lookup and prefetch) into a `Job`
+and submits it to a `Worker`, which runs its jobs in order on one thread. A job's `run`
+returns its reply, or sends it early itself (`Job.answered`). Whatever a job raises,
+the worker counts and turns into a Failed reply through `ErrorReplies`, the one place
+that does both, which the main loop uses for its own errors too.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from kvflow.core.server.admin import AdminOps, DrainState
 from kvflow.core.server.layers import ServerLayers, open_server_layers
 from kvflow.core.server.protocol import (
     AdminRequest,
+    BlendFound,
+    BlendLookup,
+    BlendRetrieve,
     Done,
     Failed,
     Lookup,
@@ -37,12 +40,14 @@ from kvflow.core.server.protocol import (
     Registered,
     Reply,
     Retrieve,
+    SegmentFound,
     StatusResult,
     Store,
     encode_reply,
 )
 from kvflow.core.server.registry import Registration, Registry
 from kvflow.core.server.sharing import OpenedKVCaches, open_kv_caches
+from kvflow.kernels.rope import LayerRopes, RopeParams
 
 #: the server's logger: these lines are the server's
 log = logging.getLogger("kvflow.server")
@@ -230,6 +235,77 @@ class QueryJob(Job):
         )
 
 
+class BlendLookupJob(Job):
+    """A blend lookup's prefix hit and segments (docs/BLEND.md). Run where a lookup runs:
+    on the query worker when L2 tiers may make it wait, else at once on the main loop."""
+
+    def __init__(
+        self, engine: CacheEngine, request: BlendLookup, tokens: np.ndarray, started: int
+    ) -> None:
+        super().__init__(request.id, started)
+        self._engine = engine
+        self._request = request
+        self._tokens = tokens
+
+    def run(self) -> Reply:
+        request = self._request
+        hit = self._engine.blend_lookup(
+            self._tokens, model_name=request.model_name, world_size=request.world_size,
+            cache_salt=request.cache_salt, request_id=request.request_id,
+            prefetch=request.prefetch,
+        )  # fmt: skip
+        segments = [
+            SegmentFound(s.offset, s.length, s.chunk_hash, s.original_start) for s in hit.segments
+        ]
+        return BlendFound(
+            id=request.id, prefix_tokens=hit.prefix_tokens, segments=segments,
+            server_ns=since(self.started),
+        )  # fmt: skip
+
+
+class BlendRetrieveJob(Job):
+    """Copy blend segments into an instance's blocks, K turned, on the instance's worker.
+    The engine returns once the copies landed (CUDA too), so the reply comes after them."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        reg: Registration,
+        request: BlendRetrieve,
+        arrays: tuple[np.ndarray, ...],
+        started: int,
+    ) -> None:
+        super().__init__(request.id, started)
+        self._engine = engine
+        self._reg = reg
+        self._request = request
+        self._tokens, self._blocks = arrays
+        # non-overlapping whole chunks inside the prompt: more cannot be valid, and the
+        # bound keeps a huge list from reaching the worker
+        fit = len(self._tokens) // engine.chunk_size
+        if len(request.segments) > fit:
+            raise InvalidRequestError(
+                f"BlendRetrieve has {len(request.segments)} segments, more than its"
+                f" {len(self._tokens)} prompt tokens hold ({fit} chunks of {engine.chunk_size}"
+                " tokens, none overlapping)"
+            )
+
+    def __str__(self) -> str:
+        return f"blend retrieve {self._request.request_id!r}"
+
+    def run(self) -> Reply:
+        request = self._request
+        value = self._engine.blend_retrieve(
+            self._reg.instance_id,
+            self._tokens,
+            self._blocks,
+            [(s.offset, s.chunk_hash, s.original_start) for s in request.segments],
+            request_id=request.request_id,
+            cache_salt=request.cache_salt,
+        )
+        return Done(id=request.id, value=value, server_ns=since(self.started))
+
+
 class _Transfer(Job, Generic[_Transferred]):
     """What a store and a retrieve share: the instance, and the tokens (or chunk keys,
     chunk_keys.py) and blocks, decoded on the main loop when the job is made."""
@@ -330,7 +406,8 @@ class RetrieveJob(_Transfer[Retrieve]):
 
 class RegisterJob(Job):
     """Map the client's KV caches, open its CUDA events and layer points and register
-    the instance with the engine; on failure, forget the registration and unmap."""
+    the instance with the engine (with `ropes`, its rotary embedding decoded from the
+    request); on failure, forget the registration and unmap."""
 
     def __init__(
         self,
@@ -340,6 +417,7 @@ class RegisterJob(Job):
         request: Register,
         started: int,
         heartbeat_interval_s: float,
+        ropes: RopeParams | LayerRopes | None,
     ) -> None:
         super().__init__(request.id, started)
         self._engine = engine
@@ -347,6 +425,7 @@ class RegisterJob(Job):
         self._reg = reg
         self._request = request
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._ropes = ropes
 
     def run(self) -> Reply:
         request = self._request
@@ -393,6 +472,7 @@ class RegisterJob(Job):
             rank=request.rank,
             block_size=request.block_size,
             kv_format=request.kv_format,
+            ropes=self._ropes,
         )
         try:
             layers, layers_opened = open_server_layers(

@@ -18,6 +18,7 @@ import numpy as np
 from kvflow.core.arrays import INT32_LE
 from kvflow.core.errors import InvalidRequestError, ProtocolError
 from kvflow.core.server.kv_streams import KVPoll
+from kvflow.kernels.rope import LayerRopes, LinearScaling, Llama3Scaling, RopeParams
 
 PROTOCOL_VERSION = 1
 
@@ -77,6 +78,129 @@ class KVCachesDesc(msgspec.Struct, frozen=True):
     split: int = 0
 
 
+class LinearScalingDesc(msgspec.Struct, tag="linear", tag_field="kind", frozen=True):
+    """`kvflow.kernels.rope.LinearScaling` on the wire."""
+
+    factor: float
+
+
+class Llama3ScalingDesc(msgspec.Struct, tag="llama3", tag_field="kind", frozen=True):
+    """`kvflow.kernels.rope.Llama3Scaling` on the wire."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class RopeParamsDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """`kvflow.kernels.rope.RopeParams` on the wire (pairing "neox" or "gptj")."""
+
+    rotary_dim: int
+    theta: float = 10000.0
+    pairing: str = "neox"
+    scaling: LinearScalingDesc | Llama3ScalingDesc | None = None
+    offset: int = 0
+
+
+class RopeDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """The rotary embedding of a group of layers (docs/BLEND.md, The rotary registration).
+
+    `layers` None: every layer (then the only group, with params); `params` None: the
+    listed layers have no rotary embedding (NoPE), their K is never turned.
+    """
+
+    layers: list[int] | None = None
+    params: RopeParamsDesc | None = None
+
+
+#: most layer groups, and most layers listed over all groups, of a Register's ropes
+MAX_ROPE_LAYERS = 4096
+
+
+def ropes_to_wire(ropes: Any) -> list[RopeDesc] | None:
+    """RopeParams (every layer), LayerRopes or None as Register.ropes."""
+    if ropes is None:
+        return None
+    if isinstance(ropes, RopeParams):
+        return [RopeDesc(params=_params_to_wire(ropes))]
+    if isinstance(ropes, LayerRopes):
+        return [
+            RopeDesc(
+                layers=[int(x) for x in layers],
+                params=None if params is None else _params_to_wire(params),
+            )
+            for layers, params in ropes.groups
+        ]
+    raise InvalidRequestError(
+        f"ropes must be RopeParams, LayerRopes or None, got {type(ropes).__name__}"
+    )
+
+
+def _params_to_wire(params: RopeParams) -> RopeParamsDesc:
+    """The description of one RopeParams (its scaling by kind)."""
+    scaling: LinearScalingDesc | Llama3ScalingDesc | None = None
+    if isinstance(params.scaling, LinearScaling):
+        scaling = LinearScalingDesc(params.scaling.factor)
+    elif isinstance(params.scaling, Llama3Scaling):
+        s = params.scaling
+        scaling = Llama3ScalingDesc(
+            s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+        )
+    return RopeParamsDesc(
+        rotary_dim=params.rotary_dim, theta=params.theta, pairing=str(params.pairing),
+        scaling=scaling, offset=params.offset,
+    )  # fmt: skip
+
+
+def ropes_from_wire(descs: list[RopeDesc] | None) -> RopeParams | LayerRopes | None:
+    """Register.ropes as the engine takes them; InvalidRequestError naming the entry
+    (ropes[i]) for a bad value, a whole-model entry beside others, or too many layers."""
+    if descs is None:
+        return None
+    listed = sum(len(d.layers) for d in descs if d.layers is not None)
+    if not descs or len(descs) > MAX_ROPE_LAYERS or listed > MAX_ROPE_LAYERS:
+        raise InvalidRequestError(
+            f"ropes must hold 1..{MAX_ROPE_LAYERS} groups listing at most {MAX_ROPE_LAYERS}"
+            f" layers in all, got {len(descs)} groups listing {listed}"
+        )
+    groups = []
+    for i, desc in enumerate(descs):
+        try:
+            params = None if desc.params is None else _params_from_wire(desc.params)
+        except ValueError as exc:
+            raise InvalidRequestError(f"ropes[{i}]: {exc}") from None
+        if desc.layers is None:
+            if len(descs) != 1 or params is None:
+                raise InvalidRequestError(
+                    f"ropes[{i}]: layers None (every layer) must be the only group and give"
+                    " params; list the layers of each group (params None: no RoPE) otherwise"
+                )
+            return params
+        groups.append((tuple(desc.layers), params))
+    try:
+        return LayerRopes(tuple(groups))
+    except ValueError as exc:
+        raise InvalidRequestError(f"ropes: {exc}") from None
+
+
+def _params_from_wire(desc: RopeParamsDesc) -> RopeParams:
+    """RopeParams of a description (ValueError naming the field for a bad value)."""
+    scaling: LinearScaling | Llama3Scaling | None = None
+    if isinstance(desc.scaling, LinearScalingDesc):
+        scaling = LinearScaling(desc.scaling.factor)
+    elif isinstance(desc.scaling, Llama3ScalingDesc):
+        s = desc.scaling
+        scaling = Llama3Scaling(
+            s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+        )
+    pairing: Any = desc.pairing  # a str: RopeParams checks it and makes it a Pairing
+    return RopeParams(
+        rotary_dim=desc.rotary_dim, theta=desc.theta, pairing=pairing, scaling=scaling,
+        offset=desc.offset,
+    )  # fmt: skip
+
+
 class AllocationRecord(msgspec.Struct, array_like=True, frozen=True):
     """One `kvflow.events.BlockAllocation` on the wire."""
 
@@ -119,6 +243,8 @@ class Register(Request, tag="register"):
     #: layer (GPU caches) or a shared int64 flag per layer (CPU caches, as uint8 bytes)
     layer_event_handles: list[bytes] | None = None
     layer_flags: TensorDesc | None = None
+    #: the model's rotary embedding, which a blend retrieve turns K with (None: no blend)
+    ropes: list[RopeDesc] | None = None
 
 
 class Lookup(Request, tag="lookup"):
@@ -168,6 +294,38 @@ class Retrieve(Request, tag="retrieve"):
     #: > 0: a layerwise retrieve with this number (kvflow.core.server.layers); the reply
     #: comes once the block ids are checked, before the first layer's copies
     layer_seq: int = 0
+
+
+class SegmentRef(msgspec.Struct, array_like=True, frozen=True):
+    """A blend segment to copy, as BlendRetrieve sends it: the stored chunk `chunk_hash`
+    (its KV computed at `original_start`) goes to prompt tokens from `offset` on."""
+
+    offset: int
+    chunk_hash: bytes
+    original_start: int
+
+
+class BlendLookup(Request, tag="blend_lookup"):
+    """The prefix hit and the stored chunks found anywhere past it (docs/BLEND.md)."""
+
+    payloads: ClassVar[tuple[str, ...]] = ("token_ids",)
+    model_name: str
+    world_size: int = 1
+    cache_salt: str | None = None
+    request_id: str | None = None
+    #: start loading the segments that lie in L2 into L1
+    prefetch: bool = True
+
+
+class BlendRetrieve(Request, tag="blend_retrieve"):
+    """Copy blend segments into the prompt's blocks, K turned to their new positions;
+    replied once the copies landed (`done`: the tokens blended)."""
+
+    payloads: ClassVar[tuple[str, ...]] = ("token_ids", "block_ids")
+    instance_id: str
+    request_id: str
+    segments: list[SegmentRef]
+    cache_salt: str | None = None
 
 
 class EndSession(Request, tag="end_session"):
@@ -265,6 +423,8 @@ AnyRequest = (
     | PrefetchQuery
     | Store
     | Retrieve
+    | BlendLookup
+    | BlendRetrieve
     | EndSession
     | ReportAllocations
     | ReportLayerWaits
@@ -316,6 +476,25 @@ class PrefetchStarted(Reply, tag="prefetch"):
     prefetch_id: str
 
 
+class SegmentFound(msgspec.Struct, array_like=True, frozen=True):
+    """A blend segment a lookup found (kvflow.core.engine.blend_index.BlendSegment):
+    prompt tokens offset..offset+length are stored chunk `chunk_hash`, computed at
+    `original_start`."""
+
+    offset: int
+    length: int
+    chunk_hash: bytes
+    original_start: int
+
+
+class BlendFound(Reply, tag="blend"):
+    """A blend lookup's answer: the prefix hit in tokens, then the segments found past
+    it, leftmost first, none overlapping."""
+
+    prefix_tokens: int
+    segments: list[SegmentFound]
+
+
 class Failed(Reply, tag="failed"):
     """The request failed; `code` is a kvflow error code (kvflow.core.errors)."""
 
@@ -337,7 +516,16 @@ class KVEvents(Reply, tag="kv_events"):
     poll: KVPoll
 
 
-AnyReply = Done | Registered | StatusResult | PrefetchStarted | Failed | KVSubscribed | KVEvents
+AnyReply = (
+    Done
+    | Registered
+    | StatusResult
+    | PrefetchStarted
+    | BlendFound
+    | Failed
+    | KVSubscribed
+    | KVEvents
+)
 
 
 class _Versioned(msgspec.Struct):

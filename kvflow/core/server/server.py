@@ -1,12 +1,12 @@
 """KVFlowServer: a CacheEngine behind a ZMQ ROUTER socket (docs/SERVER.md).
 
 The main loop owns the socket: it decodes every request, answers cheap ones
-(lookup, status, heartbeat, sessions, allocations) itself, and hands
-register/store/retrieve/unregister to one of a fixed pool of worker threads as a
-job (jobs.py): an instance gets the worker serving the fewest instances when it
-registers and keeps it, so one instance's work runs in order while different
-instances (the ranks of a tensor-parallel engine, one per GPU) run in parallel on
-workers of their own, and no number of instances adds threads or sockets. An
+(lookup and blend lookup without L2 tiers, status, heartbeat, sessions, allocations)
+itself, and hands register/store/retrieve/blend retrieve/unregister to one of a fixed
+pool of worker threads as a job (jobs.py): an instance gets the worker serving the
+fewest instances when it registers and keeps it, so one instance's work runs in order
+while different instances (the ranks of a tensor-parallel engine, one per GPU) run in
+parallel on workers of their own, and no number of instances adds threads or sockets. An
 instance belongs to the client that registered it. Workers send replies back
 through an inproc socket the main loop forwards. Clients that stop heartbeating
 have their instances reaped; `request_stop` finishes in-flight work, then closes
@@ -43,7 +43,10 @@ from kvflow.core.server.admin import AdminAuth, AdminOps, DrainState
 from kvflow.core.server.curve import CurveServer
 from kvflow.core.server.jobs import (
     AdminJob,
+    BlendLookupJob,
+    BlendRetrieveJob,
     ErrorReplies,
+    Job,
     QueryJob,
     RegisterJob,
     RetireJob,
@@ -57,6 +60,8 @@ from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
     AdminRequest,
+    BlendLookup,
+    BlendRetrieve,
     Done,
     EndSession,
     Heartbeat,
@@ -81,6 +86,7 @@ from kvflow.core.server.protocol import (
     decode_request,
     encode_reply,
     peek_id,
+    ropes_from_wire,
 )
 from kvflow.core.server.registry import Registration, Registry
 from kvflow.events import BlockAllocation
@@ -446,13 +452,9 @@ class KVFlowServer:
         rid = request.id
         match request:
             case Lookup() | Prefetch():
-                job = QueryJob(engine, request, arrays[0], started)
-                if self._queries is None:  # L1 only: answered at once, on this thread
-                    return job.run()
-                # L2 tiers may take up to their timeout: off the loop, so other clients'
-                # requests (and heartbeats) keep flowing meanwhile
-                self._queries.submit(identity, job)
-                return None
+                return self._query(identity, QueryJob(engine, request, arrays[0], started))
+            case BlendLookup():
+                return self._query(identity, BlendLookupJob(engine, request, arrays[0], started))
             case PrefetchQuery():
                 state = engine.prefetch_state(request.prefetch_id)
                 return StatusResult(id=rid, status=state, server_ns=since(started))
@@ -466,6 +468,10 @@ class KVFlowServer:
                 reg = self._owned(request.instance_id, request.client, "Retrieve")
                 retrieve = RetrieveJob(engine, reg, request, arrays, started, identity)
                 reg.worker.submit(identity, retrieve)
+                return None
+            case BlendRetrieve():
+                reg = self._owned(request.instance_id, request.client, "BlendRetrieve")
+                reg.worker.submit(identity, BlendRetrieveJob(engine, reg, request, arrays, started))
                 return None
             case Heartbeat():
                 return Done(id=rid, server_ns=since(started))
@@ -495,6 +501,15 @@ class KVFlowServer:
                 engine.report_layer_waits(request.instance_id, request.request_id, request.waits_s)
                 return Done(id=rid, server_ns=since(started))
         raise ProtocolError(f"unsupported request {type(request).__name__}")
+
+    def _query(self, identity: bytes, job: Job) -> Reply | None:
+        """Answer a lookup, blend lookup or prefetch at once on this thread (L1 only), or
+        queue it on the query worker: L2 tiers may take up to their timeout, and other
+        clients' requests (and heartbeats) must keep flowing meanwhile."""
+        if self._queries is None:
+            return job.run()
+        self._queries.submit(identity, job)
+        return None
 
     def _kv_events(
         self, request: SubscribeKVEvents | PollKVEvents | UnsubscribeKVEvents, started: int
@@ -575,6 +590,7 @@ class KVFlowServer:
         client's with `takeover`, first retires the old registration on the same worker.
         """
         self._drain.check("register")
+        ropes = ropes_from_wire(request.ropes)  # a bad one is refused before any work
         iid = request.instance_id
         old = self._registry.get(iid)
         self._check_may_register(old, request)
@@ -591,7 +607,7 @@ class KVFlowServer:
         self._registry.add(reg)
         self._reaped_ids.pop(iid, None)
         interval = self._heartbeat_timeout / 4
-        job = RegisterJob(self.engine, self._registry, reg, request, started, interval)
+        job = RegisterJob(self.engine, self._registry, reg, request, started, interval, ropes)
         worker.submit(identity, job, self._drain)
 
     def _check_may_register(self, old: Registration | None, request: Register) -> None:

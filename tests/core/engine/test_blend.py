@@ -16,47 +16,8 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.events import EventType
-from kvflow.kernels.rope import RopeParams
+from tests.support.blend import ROPE, VOCAB, Model, untouched
 from tests.support.engine import BLOCK, CHUNK, events_of, pairs, small_engine
-
-LAYERS, HEADS, HEAD = 2, 2, 8
-BLOCKS = 40
-ROPE = RopeParams(rotary_dim=HEAD, theta=10000.0)
-
-
-def _rotate(raw: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
-    """NeoX RoPE of raw [T, heads, head] at `positions`, computed in float64."""
-    half = HEAD // 2
-    inv = 1.0 / (ROPE.theta ** (np.arange(half, dtype=np.float64) * 2 / HEAD))
-    angles = torch.from_numpy(np.outer(positions.astype(np.float64), inv))[:, None, :]
-    x, y = raw[..., :half].double(), raw[..., half:].double()
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([x * cos - y * sin, y * cos + x * sin], dim=-1)
-
-
-class Model:
-    """Raw K and V per token id (what a first layer's projections give), and caches
-    written as a forward pass would write them at given positions."""
-
-    def __init__(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.k_raw = torch.randn(1000, LAYERS, HEADS, HEAD, generator=gen)
-        self.v = torch.randn(1000, LAYERS, HEADS, HEAD, generator=gen)
-
-    def caches(self) -> list[torch.Tensor]:
-        return [torch.zeros(2, BLOCKS, BLOCK, HEADS, HEAD) for _ in range(LAYERS)]
-
-    def write(self, caches: list[torch.Tensor], tokens: np.ndarray, blocks: list[int]) -> None:
-        slots = np.arange(len(tokens))
-        for layer in range(LAYERS):
-            k = _rotate(self.k_raw[tokens, layer], slots).float()
-            for t in range(len(tokens)):
-                b, o = blocks[t // BLOCK], t % BLOCK
-                caches[layer][0, b, o] = k[t]
-                caches[layer][1, b, o] = self.v[tokens[t], layer]
-
-    def expected_k(self, tokens: np.ndarray, positions: np.ndarray, layer: int) -> torch.Tensor:
-        return _rotate(self.k_raw[tokens, layer], positions)
 
 
 def _setup(**engine_kw: Any) -> tuple[Any, Any, Model, np.ndarray, np.ndarray, np.ndarray]:
@@ -64,7 +25,7 @@ def _setup(**engine_kw: Any) -> tuple[Any, Any, Model, np.ndarray, np.ndarray, n
     model = Model()
     rng = np.random.default_rng(1)
     system, doc_a, doc_b = (
-        rng.integers(0, 1000, n).astype(np.int32) for n in (CHUNK, 2 * CHUNK, CHUNK)
+        rng.integers(0, VOCAB, n).astype(np.int32) for n in (CHUNK, 2 * CHUNK, CHUNK)
     )
     stored = np.concatenate([system, doc_a, doc_b])
     src = model.caches()
@@ -91,25 +52,8 @@ def test_documents_blend_at_new_offsets_inside_blocks() -> None:
     engine.register_kv_caches("dst", dst, model_name="m", block_size=BLOCK, ropes=ROPE)
     blended = engine.blend_retrieve("dst", prompt, dst_blocks, hit.segments, request_id="q")
     assert blended == hit.blended_tokens == 3 * CHUNK
-    written = set()
-    for s in hit.segments:
-        tokens = prompt[s.offset : s.offset + s.length]
-        positions = np.arange(s.offset, s.offset + s.length)
-        for layer in range(LAYERS):
-            want_k = model.expected_k(tokens, positions, layer)
-            for i, p in enumerate(positions):
-                b, o = dst_blocks[p // BLOCK], p % BLOCK
-                written.add((b, o))
-                got_k = dst[layer][0, b, o].double()
-                assert torch.allclose(
-                    got_k, want_k[i], rtol=0, atol=2e-5 * (1 + want_k[i].abs().max())
-                ), (layer, p)
-                assert torch.equal(dst[layer][1, b, o], model.v[tokens[i], layer])
-    for layer in range(LAYERS):  # nothing outside the segments' slots was written
-        for b in range(BLOCKS):
-            for o in range(BLOCK):
-                if (b, o) not in written:
-                    assert torch.equal(dst[layer][:, b, o], before[layer][:, b, o])
+    written = model.check_blended(dst, prompt, dst_blocks, hit.segments)
+    assert untouched(dst, before, written), "a slot outside the segments was written"
     events = events_of(recorder, engine)
     blend = [(s, e) for s, e in pairs(events) if s.type is EventType.BLEND_RETRIEVE_START]
     assert len(blend) == 1 and blend[0][1].attrs["blended_tokens"] == 3 * CHUNK
