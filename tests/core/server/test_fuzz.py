@@ -27,12 +27,12 @@ from tests.support.engine import small_engine
 
 OPS = [
     "register", "lookup", "prefetch", "prefetch_state", "store", "retrieve", "end_session",
-    "report_allocations", "unregister", "status", "heartbeat",
+    "report_allocations", "unregister", "status", "heartbeat", "blend_lookup", "blend_retrieve",
 ]  # fmt: skip
 FIELDS = [
     "instance_id", "model_name", "world_size", "rank", "block_size", "kv_format",
     "request_id", "cache_salt", "skip_first_n_tokens", "records", "kv_caches", "prefetch",
-    "prefetch_id", "event_handle",
+    "prefetch_id", "event_handle", "ropes", "segments",
 ]  # fmt: skip
 
 #: a msgpack str whose bytes need not be UTF-8 (no honest client's encoder makes one)
