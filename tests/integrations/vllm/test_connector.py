@@ -435,7 +435,8 @@ def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str, layer
         worker.register(caches, BLOCK)
         assert worker.registered
         _wait_chunk_size(scheduler)
-        prompt = list(range(500, 500 + CHUNK + 3))
+        start = 500 + 1000 * layerwise  # each variant's own prompt: the server is shared
+        prompt = list(range(start, start + CHUNK + 3))
         first = _request("gpu-a", prompt)
         assert _match(scheduler, first) == (0, False)
         scheduler.update_state_after_alloc(first, _blocks([]), 0)
