@@ -11,7 +11,10 @@ rotary dims by the segment's position delta (kvflow.kernels.rope).
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,8 @@ from kvflow.core.tiers.base import HostTier, ObjectKey
 from kvflow.events import EventBus, EventType
 from kvflow.kernels.rope import LayerRopes, RerotateSegment, RopeParams, plan_rerotation, rerotate
 from kvflow.kernels.token_copy import scatter_chunk_tokens, token_slots
+
+log = logging.getLogger("kvflow.engine")
 
 #: segments copied to the GPU at once by a blend retrieve (their bytes staged together)
 STAGE_SEGMENTS = 8
@@ -59,8 +64,12 @@ def layer_ropes(ropes: Any, num_layers: int) -> LayerRopes | None:
 class Blender:
     """An engine's blend index, blend lookups and blend retrieve checks.
 
-    Lock rule: no lock and no mutable state of its own besides the index, which locks
-    itself; L1, the tiering and the bus are thread-safe.
+    Stores are indexed on a thread of its own (`record_store` returns at once: indexing a
+    new chunk costs ~18 us, 3 % of a 32 MiB chunk's store on an H200), and a blend lookup
+    first waits for the indexing already submitted, so it sees every store that returned.
+
+    Lock rule: `_lock` guards `_last` (the newest indexing job); the index locks itself;
+    L1, the tiering and the bus are thread-safe.
     """
 
     def __init__(
@@ -75,16 +84,41 @@ class Blender:
         self.prefix_lookup = prefix_lookup
         self.rank_nbytes = rank_nbytes
         self.index = BlendIndex(capacity_chunks)
+        self._indexer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-blend-index")
+        self._lock = threading.Lock()
+        self._last: Future[None] | None = None
 
     # -- the index --------------------------------------------------------------------------
 
     def record_store(
         self, inst: Instance, tokens: np.ndarray, hashes: Sequence[bytes], salt: str | None
     ) -> None:
-        """Index the chunks a store of `inst` holds now (`hashes`: chunks 0.. of `tokens`)."""
+        """Index, in the background, the chunks a store of `inst` holds now (`hashes`:
+        chunks 0.. of `tokens`, copied here: the caller may reuse its array)."""
         if hashes:
             owner = (inst.model_name, inst.world_size, salt)
-            self.index.add(owner, inst.rank, tokens, self.chunk_size, list(hashes))
+            job = (owner, inst.rank, tokens.copy(), self.chunk_size, list(hashes))
+            with self._lock:
+                self._last = self._indexer.submit(self._add, *job)
+
+    def _add(self, *job: Any) -> None:
+        """One store's indexing; a failure is logged (the chunks stay unfindable by blend,
+        the store itself went through), never raised into a later lookup."""
+        try:
+            self.index.add(*job)
+        except Exception:
+            log.exception("blend_index_failed: a store's chunks are not findable by blend")
+
+    def indexed(self) -> None:
+        """Wait until the stores submitted so far are in the index."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            last.result()
+
+    def close(self) -> None:
+        """Finish the indexing submitted and stop its thread."""
+        self._indexer.shutdown(wait=True)
 
     def forget(self, keys: Sequence[Any]) -> None:
         """Drop chunks whose objects left every tier from the index (`keys`: ObjectKeys,
@@ -108,6 +142,7 @@ class Blender:
             request_id=request_id, prefetch=prefetch, chunk_keys=None,
         )  # fmt: skip
         tokens = as_int32_array(token_ids, "token_ids")
+        self.indexed()
         attrs = {"model_name": model_name, "tokens": len(tokens), "prefix_tokens": prefix}
         op = Op(self.bus, EventType.BLEND_LOOKUP_START, request_id, attrs)
         try:
@@ -193,6 +228,7 @@ class Blender:
                     f" or its blocks ({reach} tokens)"
                 )
         owner = (inst.model_name, inst.world_size, salt)
+        self.indexed()
         known = []
         for s in checked:
             same = self.index.matches(owner, s.chunk_hash, tokens[s.offset : s.offset + s.length])

@@ -1193,6 +1193,7 @@ class CacheEngine:
         for inst in instances:
             with inst.lock:
                 inst.mover.close()
+        self._blend.close()
         if self._tiering is not None:  # pending L2 writes read L1: finish them first
             self._tiering.close(timeout)
         ok = self._obs.close(timeout)
