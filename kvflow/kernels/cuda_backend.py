@@ -117,8 +117,9 @@ def device_plan(
     return found
 
 
-def _check_device(layout: KVLayout, stream: TransferStream | None) -> int:
-    """The cache's CUDA device index, after checking the backend can run there."""
+def check_device(layout: KVLayout, stream: TransferStream | None) -> int:
+    """The cache's CUDA device index, after checking a kernel can run there (a CUDA
+    cache, pycuda importable, `stream` on the cache's device); the rotary kernel's too."""
     if layout.device.type != "cuda":
         raise ValueError(f"the cuda backend needs a CUDA cache; the layout is on {layout.device}")
     if not cuda_available():
@@ -153,7 +154,7 @@ class UploadedTransfer:
         max_vector_bytes: int = 16,
         tuning: KernelTuning = DEFAULT_TUNING,
     ) -> None:
-        self._index = _check_device(layout, stream)
+        self._index = check_device(layout, stream)
         self._context = primary_context(self._index)
         self.layout = layout
         self.num_chunks, self.per_chunk = (int(n) for n in block_ids.shape)

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from kvflow.cuda.context import CurrentContext, primary_context
+from kvflow.kernels.cuda_backend import check_device
 from kvflow.kernels.layout import KVLayout
-from kvflow.kernels.loader import cuda_available, get_function
+from kvflow.kernels.loader import get_function
 from kvflow.kernels.rope import RerotationPlan, RopeParams, rotation_table
 from kvflow.kernels.streams import TransferStream, default_transfer_stream
 
@@ -38,18 +39,6 @@ def _function(device_index: int, name: str) -> Any:
     return function
 
 
-def _device_index(layout: KVLayout, stream: TransferStream | None) -> int:
-    """The cache's CUDA device index, after checking the kernel can run there."""
-    if layout.device.type != "cuda":
-        raise ValueError(f"the cuda backend needs a CUDA cache; the layout is on {layout.device}")
-    if not cuda_available():
-        raise RuntimeError("the cuda backend needs pycuda (pip install 'kvflow[cuda]')")
-    if stream is not None and stream.device != layout.device:
-        raise ValueError(f"stream is on {stream.device} but the cache is on {layout.device}")
-    assert layout.device.index is not None
-    return layout.device.index
-
-
 def _host_buffer(plan: RerotationPlan) -> tuple[np.ndarray, dict[RopeParams, int], int]:
     """One byte buffer holding each distinct params' cos/sin table (8-byte aligned, for
     float2 loads) then the tokens; returns it, each table's offset and the tokens' offset."""
@@ -74,7 +63,7 @@ def launch_rerotation(
     allocated on the launch stream, so the caching allocator reuses it only for work
     queued after these launches.
     """
-    index = _device_index(layout, stream)
+    index = check_device(layout, stream)
     num_tokens = int(plan.tokens.shape[0])
     if num_tokens == 0 or not plan.layers:
         return
