@@ -2,8 +2,10 @@
 
 Durations come from op_id-paired START/END timestamps; counter increments are
 summed per delivered batch and added once per label set; bus self-metrics and
-L1 occupancy are observed through callbacks when a reader collects. The storage
-tier instruments (kvflow.l2/prefetch/write_back) live in `tiers.TierMetrics`.
+L1 occupancy are observed through callbacks when a reader collects. Blend lookups and
+retrieves (kvflow.blend.*) are counted as lookups and retrieves are, under names of
+their own. The storage tier instruments (kvflow.l2/prefetch/write_back) live in
+`tiers.TierMetrics`.
 """
 
 from __future__ import annotations
@@ -47,10 +49,38 @@ _OPERATION = {
     _ET.STORE_START: "store",
     _ET.RETRIEVE_START: "retrieve",
     _ET.LOOKUP_START: "lookup",
+    _ET.BLEND_LOOKUP_START: "blend_lookup",
+    _ET.BLEND_RETRIEVE_START: "blend_retrieve",
     **OPERATIONS,
 }
 #: operation -> the START attrs its inflight gauge is labelled by
-_INFLIGHT_LABEL = {"store": _IM, "retrieve": _IM, "lookup": _M, **INFLIGHT_LABEL}
+_INFLIGHT_LABEL = {"store": _IM, "retrieve": _IM, "lookup": _M, "blend_lookup": _M,
+                   "blend_retrieve": _IM, **INFLIGHT_LABEL}  # fmt: skip
+#: operations moving KV between L1 and an instance's blocks -> (metric prefix, its words);
+#: their ENDs carry `tokens` and `bytes`
+_TRANSFERS = {
+    "store": ("kvflow.store", "store"),
+    "retrieve": ("kvflow.retrieve", "retrieve"),
+    "blend_retrieve": ("kvflow.blend.retrieve", "blend retrieve"),
+}
+_TRANSFER_ENDS = {
+    _ET.STORE_END: "store",
+    _ET.RETRIEVE_END: "retrieve",
+    _ET.BLEND_RETRIEVE_END: "blend_retrieve",
+}
+#: lookup END -> (operation, metric prefix, END attrs of: tokens asked for, tokens found,
+#: tokens found per tier)
+_LOOKUPS = {
+    _ET.LOOKUP_END: (
+        "lookup", "kvflow.lookup", "requested_tokens", "hit_tokens", "hit_tokens_by_tier",
+    ),
+    _ET.BLEND_LOOKUP_END: (
+        "blend_lookup", "kvflow.blend.lookup", "tokens", "blend_hit_tokens",
+        "blend_hit_tokens_by_tier",
+    ),
+}  # fmt: skip
+_INFLIGHT_NAME = {"store": "stores", "retrieve": "retrieves", "lookup": "lookups",
+                  "blend_lookup": "blend_lookups", "blend_retrieve": "blend_retrieves"}  # fmt: skip
 
 #: Returns L1 occupancy: keys usage_bytes, capacity_bytes, objects.
 L1Stats = Callable[[], Mapping[str, int]]
@@ -67,10 +97,42 @@ class _Pending:
         self.labels = labels
 
 
-class MetricsSubscriber:
-    """Records kvflow.{store,retrieve,lookup,inflight,l1,l2,prefetch,write_back,instances,bus}.*
+class _Lookup:
+    """The instruments of one kind of lookup (prefix or blend) and the END attrs they count.
 
-    (the catalogue of docs/METRICS.md). `bus` enables the kvflow.bus.*
+    `requested_key`: tokens asked for; `hit_key`: tokens found; `by_tier_key`: those
+    split by the slowest tier each found chunk needed (absent: all counted as `l1`).
+    """
+
+    __slots__ = ("by_tier_key", "duration", "hit", "hit_key", "requested", "requested_key",
+                 "requests")  # fmt: skip
+
+    def __init__(self, meter: Any, end_type: EventType) -> None:
+        operation, prefix, self.requested_key, self.hit_key, self.by_tier_key = _LOOKUPS[end_type]
+        words = operation.replace("_", " ")
+        self.requests = meter.create_counter(
+            f"{prefix}.requests", unit="{request}", description=f"Finished {words}s"
+        )
+        self.requested = meter.create_counter(
+            f"{prefix}.requested_tokens", unit="{token}", description=f"Tokens {words}s asked for"
+        )
+        found = "Prefix tokens" if end_type is _ET.LOOKUP_END else "Tokens past the prefix"
+        self.hit = meter.create_counter(
+            f"{prefix}.hit_tokens",
+            unit="{token}",
+            description=f"{found} found, by the slowest tier each hit chunk needed",
+        )
+        self.duration = meter.create_histogram(
+            f"{prefix}.duration",
+            unit="s",
+            description=f"{words} latency, START to END",
+            explicit_bucket_boundaries_advisory=OP_SECONDS,
+        )
+
+
+class MetricsSubscriber:
+    """Records kvflow.{store,retrieve,lookup,blend,inflight,l1,l2,prefetch,write_back,instances,
+    bus}.* (the catalogue of docs/METRICS.md). `bus` enables the kvflow.bus.*
     self-metrics, `l1_stats` the L1 occupancy gauges, `tier_stats` the per-tier
     L2 occupancy gauges. A START whose END has not arrived within
     `pending_ttl_s` (event time) or beyond `max_pending` is given up: it leaves
@@ -127,79 +189,65 @@ class MetricsSubscriber:
     # -- instruments -----------------------------------------------------------------
 
     def _build_op_instruments(self, meter: Any) -> None:
-        counter, updown = meter.create_counter, meter.create_up_down_counter
-        hist = meter.create_histogram
-        self._requests = {}
-        self._tokens = {}
-        self._bytes = {}
-        self._duration = {}
-        self._throughput = {}
-        self._inflight = {}
-        for op in ("store", "retrieve"):
-            self._requests[op] = counter(
-                f"kvflow.{op}.requests", unit="{request}", description=f"Finished {op} operations"
-            )
-            self._tokens[op] = counter(
-                f"kvflow.{op}.tokens", unit="{token}", description=f"Tokens moved by {op}s"
-            )
-            self._bytes[op] = counter(
-                f"kvflow.{op}.bytes", unit="By", description=f"Bytes moved by {op}s"
-            )
-            self._duration[op] = hist(
-                f"kvflow.{op}.duration",
-                unit="s",
-                description=f"{op} latency, START to END",
-                explicit_bucket_boundaries_advisory=OP_SECONDS,
-            )
-            self._throughput[op] = hist(
-                f"kvflow.{op}.throughput",
-                unit="GBy/s",
-                description=f"{op} bytes / duration of successful {op}s, in 1e9 bytes/s",
-                explicit_bucket_boundaries_advisory=GB_PER_S,
-            )
-        self._requests["lookup"] = counter(
-            "kvflow.lookup.requests", unit="{request}", description="Finished lookups"
-        )
-        self._lookup_requested = counter(
-            "kvflow.lookup.requested_tokens", unit="{token}", description="Tokens asked for"
-        )
-        self._lookup_hit = counter(
-            "kvflow.lookup.hit_tokens",
-            unit="{token}",
-            description="Prefix tokens found, by the slowest tier each hit chunk needed",
-        )
-        self._duration["lookup"] = hist(
-            "kvflow.lookup.duration",
-            unit="s",
-            description="lookup latency, START to END",
-            explicit_bucket_boundaries_advisory=OP_SECONDS,
-        )
-        self._lookup_hit_hist = hist(
+        self._build_transfer_instruments(meter)
+        self._lookups = {end: _Lookup(meter, end) for end in _LOOKUPS}
+        self._lookup_hit_hist = meter.create_histogram(
             "kvflow.lookup.prefix_hit_tokens",
             unit="{token}",
             description="Hit prefix length per lookup",
             explicit_bucket_boundaries_advisory=TOKENS,
         )
-        for op, plural in (("store", "stores"), ("retrieve", "retrieves"), ("lookup", "lookups")):
-            self._inflight[op] = updown(
+        self._inflight = {
+            op: meter.create_up_down_counter(
                 f"kvflow.inflight.{plural}",
                 unit="{operation}",
-                description=f"{op}s started and not yet finished",
+                description=f"{op.replace('_', ' ')}s started and not yet finished",
             )
-        self._expired = counter(
+            for op, plural in _INFLIGHT_NAME.items()
+        }
+        self._expired = meter.create_counter(
             "kvflow.inflight.expired",
             unit="{operation}",
             description="STARTs given up without an END (TTL or pending bound)",
         )
-        self._instances = updown(
+        self._instances = meter.create_up_down_counter(
             "kvflow.instances.registered", unit="{instance}", description="Registered KV instances"
         )
-        self._layer_wait = hist(
+        self._layer_wait = meter.create_histogram(
             "kvflow.retrieve.layer_wait",
             unit="s",
             description="How long an engine waited for each layer of a layerwise retrieve",
             explicit_bucket_boundaries_advisory=OP_SECONDS,
         )
+
+    def _build_transfer_instruments(self, meter: Any) -> None:
+        """Requests, tokens, bytes, duration and throughput of stores, retrieves and blend
+        retrieves."""
+        counter, hist = meter.create_counter, meter.create_histogram
+        self._requests, self._tokens, self._bytes = {}, {}, {}
+        self._duration, self._throughput = {}, {}
+        for op, (prefix, words) in _TRANSFERS.items():
+            self._requests[op] = counter(
+                f"{prefix}.requests", unit="{request}", description=f"Finished {words} operations"
+            )
+            self._tokens[op] = counter(
+                f"{prefix}.tokens", unit="{token}", description=f"Tokens moved by {words}s"
+            )
+            self._bytes[op] = counter(
+                f"{prefix}.bytes", unit="By", description=f"Bytes moved by {words}s"
+            )
+            self._duration[op] = hist(
+                f"{prefix}.duration",
+                unit="s",
+                description=f"{words} latency, START to END",
+                explicit_bucket_boundaries_advisory=OP_SECONDS,
+            )
+            self._throughput[op] = hist(
+                f"{prefix}.throughput",
+                unit="GBy/s",
+                description=f"{words} bytes / duration of successful {words}s, in 1e9 bytes/s",
+                explicit_bucket_boundaries_advisory=GB_PER_S,
+            )
 
     def _build_l1_instruments(self, meter: Any) -> None:
         self._l1_counters = {
@@ -374,24 +422,11 @@ class MetricsSubscriber:
         if ev.type in TIER_ENDS:
             self._tiers.on_end(ev, None if pending is None else pending.ts, outcome, adds)
             return
-        if ev.type is _ET.LOOKUP_END:
-            model = attrs.get("model_name", "")
-            labels = self._labels.get(_M, model)
-            add(adds, self._requests["lookup"], self._labels.get(_MO, model, outcome), 1)
-            add(adds, self._lookup_requested, labels, attrs.get("requested_tokens") or 0)
-            hit = attrs.get("hit_tokens") or 0
-            by_tier = attrs.get("hit_tokens_by_tier")
-            if by_tier:
-                for tier, tokens in by_tier.items():
-                    add(adds, self._lookup_hit, self._labels.get(_MT, model, tier), tokens or 0)
-            else:  # producers before L2 tiers: every hit came from L1
-                add(adds, self._lookup_hit, self._labels.get(_MT, model, "l1"), hit)
-            if outcome == "ok":
-                self._lookup_hit_hist.record(hit, labels)
-            if pending is not None:
-                self._duration["lookup"].record(max(ev.ts_ns - pending.ts, 0) * _NS, labels)
+        lookup = self._lookups.get(ev.type)
+        if lookup is not None:
+            self._on_lookup_end(ev, lookup, pending, outcome, adds)
             return
-        operation = "store" if ev.type is _ET.STORE_END else "retrieve"
+        operation = _TRANSFER_ENDS[ev.type]
         instance, model = attrs.get("instance_id", ""), attrs.get("model_name", "")
         labels = self._labels.get(_IM, instance, model)
         with_outcome = self._labels.get(_IMO, instance, model, outcome)
@@ -405,6 +440,28 @@ class MetricsSubscriber:
         self._duration[operation].record(duration_ns * _NS, with_outcome)
         if outcome == "ok" and nbytes > 0 and duration_ns > 0:
             self._throughput[operation].record(nbytes / duration_ns, labels)
+
+    def _on_lookup_end(
+        self, ev: Event, lookup: _Lookup, pending: _Pending | None, outcome: str, adds: Adds
+    ) -> None:
+        """A LOOKUP_END or BLEND_LOOKUP_END: requests, tokens asked for, tokens found per
+        tier, duration (and, for a prefix lookup, its hit length)."""
+        attrs = ev.attrs
+        model = attrs.get("model_name", "")
+        labels = self._labels.get(_M, model)
+        add(adds, lookup.requests, self._labels.get(_MO, model, outcome), 1)
+        add(adds, lookup.requested, labels, attrs.get(lookup.requested_key) or 0)
+        hit = attrs.get(lookup.hit_key) or 0
+        by_tier = attrs.get(lookup.by_tier_key)
+        if by_tier:
+            for tier, tokens in by_tier.items():
+                add(adds, lookup.hit, self._labels.get(_MT, model, tier), tokens or 0)
+        else:  # producers before L2 tiers (or a failed END): every hit came from L1
+            add(adds, lookup.hit, self._labels.get(_MT, model, "l1"), hit)
+        if outcome == "ok" and ev.type is _ET.LOOKUP_END:
+            self._lookup_hit_hist.record(hit, labels)
+        if pending is not None:
+            lookup.duration.record(max(ev.ts_ns - pending.ts, 0) * _NS, labels)
 
     def _expire(self, latest_ns: int, adds: Adds) -> None:
         """Give up STARTs older than the TTL (event time) or beyond the pending bound."""

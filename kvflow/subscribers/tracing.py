@@ -26,6 +26,8 @@ _SPAN_NAME = {
     _ET.STORE_START: "kvflow.store",
     _ET.RETRIEVE_START: "kvflow.retrieve",
     _ET.LOOKUP_START: "kvflow.lookup",
+    _ET.BLEND_LOOKUP_START: "kvflow.blend_lookup",
+    _ET.BLEND_RETRIEVE_START: "kvflow.blend_retrieve",
     _ET.L2_STORE_START: "kvflow.l2_store",
     _ET.L2_LOAD_START: "kvflow.l2_load",
     _ET.PREFETCH_START: "kvflow.prefetch",
@@ -75,8 +77,8 @@ class _Ended:
 
 
 class TracingSubscriber:
-    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup,l2_store,
-    l2_load,prefetch}` children.
+    """Emits `kvflow.request` root spans with `kvflow.{store,retrieve,lookup,blend_lookup,
+    blend_retrieve,l2_store,l2_load,prefetch}` children.
 
     A START without its END for `ttl_s` of event time (or pushed out by
     `max_pending`) ends as an ERROR span with attribute `kvflow.expired`; a
@@ -300,8 +302,8 @@ def _span_attributes(
 ) -> dict[str, Any]:
     """`kvflow.<attr>` for every scalar attr; END values win, START tokens stay as requested.
 
-    A mapping attr (LOOKUP_END `hit_tokens_by_tier`) gives `kvflow.<attr>.<key>` per
-    scalar value.
+    A mapping attr (LOOKUP_END `hit_tokens_by_tier`, BLEND_LOOKUP_END
+    `blend_hit_tokens_by_tier`) gives `kvflow.<attr>.<key>` per scalar value.
     """
     attributes: dict[str, Any] = {}
     if start is not None:

@@ -200,8 +200,9 @@ def test_every_panel_query_returns_series(scraped: Scraped) -> None:
     assert not failures, "\n".join(failures)
     assert evaluated >= 60
     # the headline numbers are real, not just present
-    (hit,) = scraped.prometheus.query(_substitute(_panel_expr(dash, "Token hit rate"), values))
-    assert 0.0 < float(hit["value"][1]) <= 1.0
+    for title in ("Token hit rate", "Blend hit rate"):
+        (hit,) = scraped.prometheus.query(_substitute(_panel_expr(dash, title), values))
+        assert 0.0 < float(hit["value"][1]) <= 1.0, title
 
 
 def _panel_expr(dash: dict[str, Any], title: str) -> str:

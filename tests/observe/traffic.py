@@ -4,8 +4,8 @@ Shared by the dashboard, `kvflow top` and `kvflow report` tests. The server has 
 small L1 (L1_CHUNKS objects) and a small disk tier (DISK_CHUNKS objects), the
 metrics endpoint on a free port and every GPU block sampled, so one `drive` call
 gives stores, retrieves (from L1 and from disk), lookup hits per tier and misses,
-a failed store, L1 and L2 evictions, prefetches and write-backs, and L0 block
-lifetimes, idle times and reuse gaps.
+a blend lookup and retrieve, a failed store, L1 and L2 evictions, prefetches and
+write-backs, and L0 block lifetimes, idle times and reuse gaps.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import KVFlowError
 from kvflow.events import BlockAllocation
+from kvflow.kernels.rope import RopeParams
 from tests.e2e.server_proc import running_server
 from tests.support.collectors import free_port
 
@@ -82,7 +83,10 @@ class Workload:
         self.caches = [empty_shared(SHAPE, torch.bfloat16) for _ in range(LAYERS)]
         for i, layer in enumerate(self.caches):
             layer.fill_(float(i + 1))
-        client.register_kv_caches(INSTANCE, self.caches, model_name=MODEL, layerwise=True)
+        ropes = RopeParams(rotary_dim=SHAPE[-1], theta=10000.0)  # so that blend retrieves turn K
+        client.register_kv_caches(
+            INSTANCE, self.caches, model_name=MODEL, layerwise=True, ropes=ropes
+        )
         self.round = 0
         #: block allocation records reported, and the block lifetimes they end (every
         #: block is sampled): what the server's L0 totals reach once its events are in
@@ -96,7 +100,8 @@ class Workload:
 
     def drive(self) -> None:
         """One round: stores past L1 and disk capacity, hits in L1 and on disk, misses,
-        retrieves, one failed store, and block reports that evict, release and reuse."""
+        retrieves, a blend, one failed store, and block reports that evict, release and
+        reuse."""
         c, r = self.client, self.round
         self.round += 1
         base = 1_000_000 * (r + 1)
@@ -117,12 +122,22 @@ class Workload:
                 c.retrieve(INSTANCE, tokens, list(range(8, 16)), request_id=f"r{r}-{i}")
             _wait(self.settled)
         c.lookup(_tokens(base + 900_000, 4), model_name=MODEL)  # a miss
+        self._blend(r, _tokens(base + 950_000, 1), prompts[-1][: 4 * CHUNK])
         bad_blocks = [BLOCKS + 5] * 8  # block ids past the cache: a failed store and retrieve
         with contextlib.suppress(KVFlowError):
             c.store(INSTANCE, prompts[0], bad_blocks, request_id=f"bad{r}")
         with contextlib.suppress(KVFlowError):
             c.retrieve(INSTANCE, prompts[-1], bad_blocks, request_id=f"bad{r}")
         self._blocks(r)
+
+    def _blend(self, r: int, new: np.ndarray, stored: np.ndarray) -> None:
+        """A blend lookup of a prompt whose first chunk is new (no prefix hit) and whose
+        stored chunks follow it, and a blend retrieve of the segments it found."""
+        prompt = np.concatenate([new, stored])
+        hit = self.client.blend_lookup(prompt, model_name=MODEL, request_id=f"b{r}")
+        blocks = list(range(32, 32 + len(prompt) // CHUNK))
+        self.client.blend_retrieve(INSTANCE, prompt, blocks, hit.segments, request_id=f"b{r}")
+        _wait(self.settled)
 
     def _blocks(self, r: int) -> None:
         """Allocate blocks, release them, reuse their contents, then evict them."""

@@ -3,10 +3,11 @@
 The metric subscribers hand their data to OpenTelemetry readers only (a Prometheus
 scrape, an OTLP push), so a status request could not see operation counts, bytes,
 hit tokens or evictions. `ActivityTally` is a small non-blocking subscriber on the
-engine's bus that keeps those totals from the same events; clients turn two
-snapshots into rates. `l0_summary` reads the L0 lifecycle subscriber's
-pre-aggregated histograms (no reader of its own) into counts, buckets and
-percentiles. Both are exact totals since the engine started, as the metrics are.
+engine's bus that keeps those totals from the same events (blend lookups and
+retrieves included, once one has ended); clients turn two snapshots into rates.
+`l0_summary` reads the L0 lifecycle subscriber's pre-aggregated histograms (no
+reader of its own) into counts, buckets and percentiles. Both are exact totals
+since the engine started, as the metrics are.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _STARTS = {
     _ET.STORE_START: "store",
     _ET.RETRIEVE_START: "retrieve",
     _ET.LOOKUP_START: "lookup",
+    _ET.BLEND_LOOKUP_START: "blend_lookup",
+    _ET.BLEND_RETRIEVE_START: "blend_retrieve",
     _ET.L2_STORE_START: "l2_store",
     _ET.L2_LOAD_START: "l2_load",
     _ET.PREFETCH_START: "prefetch",
@@ -36,9 +39,19 @@ _ENDS = {
     _ET.STORE_END: "store",
     _ET.RETRIEVE_END: "retrieve",
     _ET.LOOKUP_END: "lookup",
+    _ET.BLEND_LOOKUP_END: "blend_lookup",
+    _ET.BLEND_RETRIEVE_END: "blend_retrieve",
     _ET.L2_STORE_END: "l2_store",
     _ET.L2_LOAD_END: "l2_load",
     _ET.PREFETCH_END: "prefetch",
+}
+#: operations whose requests, errors and tokens are totalled (`ops` of the snapshot); the
+#: blend ones appear once one has ended
+_TOTALLED = ("store", "retrieve", "lookup", "blend_lookup", "blend_retrieve")
+#: lookup operation -> its END attrs of the tokens asked for, found, and found per tier
+_LOOKUPS = {
+    "lookup": ("requested_tokens", "hit_tokens", "hit_tokens_by_tier"),
+    "blend_lookup": ("tokens", "blend_hit_tokens", "blend_hit_tokens_by_tier"),
 }
 _L1 = {_ET.L1_WRITE: "written", _ET.L1_READ: "read", _ET.L1_EVICT: "evicted"}
 #: the L0 histograms `l0_summary` reports, by their short name
@@ -74,12 +87,11 @@ class ActivityTally:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ops: dict[str, Counter[str]] = {
-            op: Counter() for op in ("store", "retrieve", "lookup")
-        }
+        self._ops: dict[str, Counter[str]] = {op: Counter() for op in _TOTALLED[:3]}
         self._started: Counter[str] = Counter()
         self._ended: Counter[str] = Counter()
-        self._hit_by_tier: Counter[str] = Counter()
+        #: lookup operation -> tokens found per tier (the slowest each hit chunk needed)
+        self._hit_by_tier: dict[str, Counter[str]] = {"lookup": Counter()}
         self._l1: Counter[str] = Counter()
         self._l2: dict[str, Counter[str]] = {}
         self._l0: Counter[str] = Counter()
@@ -126,20 +138,14 @@ class ActivityTally:
     def _add_end(self, op: str, attrs: Mapping[str, Any]) -> None:
         """An END: the operation's request, token and byte totals (L2 calls per tier)."""
         failed = _failed(attrs)
-        if op in self._ops:
-            totals = self._ops[op]
+        if op in _TOTALLED:
+            totals = self._ops.get(op)
+            if totals is None:
+                totals = self._ops[op] = Counter()
             totals["requests"] += 1
             totals["errors"] += failed
-            if op == "lookup":
-                totals["requested_tokens"] += _int(attrs.get("requested_tokens"))
-                hit = _int(attrs.get("hit_tokens"))
-                totals["hit_tokens"] += hit
-                by_tier = attrs.get("hit_tokens_by_tier")
-                if isinstance(by_tier, Mapping):
-                    for tier, n in by_tier.items():
-                        self._hit_by_tier[str(tier)] += _int(n)
-                elif hit:
-                    self._hit_by_tier["l1"] += hit
+            if op in _LOOKUPS:
+                self._add_hits(op, totals, attrs)
             else:
                 totals["tokens"] += _int(attrs.get("tokens"))
                 totals["bytes"] += _int(attrs.get("bytes"))
@@ -155,6 +161,23 @@ class ActivityTally:
             tier["load_errors"] += failed
             tier["loaded_bytes"] += _int(attrs.get("loaded_bytes"))
             tier["load_failed_chunks"] += _int(attrs.get("failed_chunks"))
+
+    def _add_hits(self, op: str, totals: Counter[str], attrs: Mapping[str, Any]) -> None:
+        """A lookup's or blend lookup's tokens asked for and found, and those per tier (a
+        producer that gives no split: all from L1)."""
+        requested_key, hit_key, by_tier_key = _LOOKUPS[op]
+        totals["requested_tokens"] += _int(attrs.get(requested_key))
+        hit = _int(attrs.get(hit_key))
+        totals["hit_tokens"] += hit
+        tiers = self._hit_by_tier.get(op)
+        if tiers is None:
+            tiers = self._hit_by_tier[op] = Counter()
+        by_tier = attrs.get(by_tier_key)
+        if isinstance(by_tier, Mapping):
+            for tier, n in by_tier.items():
+                tiers[str(tier)] += _int(n)
+        elif hit:
+            tiers["l1"] += hit
 
     def _add_waits(self, attrs: Mapping[str, Any]) -> None:
         waits = attrs.get("waits_s")
@@ -189,16 +212,19 @@ class ActivityTally:
         return tier
 
     def snapshot(self) -> dict[str, Any]:
-        """The totals as plain JSON-able dicts (in-flight = STARTs without their END yet)."""
+        """The totals as plain JSON-able dicts (in-flight = STARTs without their END yet).
+
+        `ops` has store, retrieve and lookup totals, and blend_lookup and blend_retrieve
+        ones once such an op has ended; each lookup kind has its `hit_tokens_by_tier`."""
         with self._lock:
             ops: dict[str, dict[str, Any]] = {op: dict(t) for op, t in self._ops.items()}
             inflight = {op: max(n - self._ended[op], 0) for op, n in self._started.items()}
-            hit_by_tier = dict(self._hit_by_tier)
+            for op, tiers in self._hit_by_tier.items():
+                ops[op]["hit_tokens_by_tier"] = dict(tiers)
             l1 = dict(self._l1)
             l2 = {name: dict(totals) for name, totals in self._l2.items()}
             l0 = dict(self._l0)
             layer_waits = self._layer_waits()
-        ops["lookup"]["hit_tokens_by_tier"] = hit_by_tier
         return {
             "ops": ops, "inflight": inflight, "l1": l1, "l2": l2, "l0": l0,
             "layer_waits": layer_waits,

@@ -2,8 +2,9 @@
 
 `lifecycle_figure` draws the three L0 block-age histograms as the server aggregated
 them (bucket counts over their explicit bounds, percentiles marked);
-`timeline_figure` draws throughput, request rates, hit rate and tier usage over
-the recorded interval, one point per pair of consecutive snapshots.
+`timeline_figure` draws throughput, request rates, hit rates (prefix, and blend once
+a blend lookup ran) and tier usage over the recorded interval, one point per pair of
+consecutive snapshots.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ matplotlib.use("Agg")  # before pyplot: files only, never a window
 import matplotlib.pyplot as plt
 
 from kvflow.core.observe import units
-from kvflow.core.observe.snapshot import Rates, Snapshot
+from kvflow.core.observe.snapshot import OPS, Rates, Snapshot
 
 L0_TITLES = {
     "lifetime": "Block lifetime (allocation to eviction)",
@@ -77,7 +78,8 @@ def _position(value: float, bounds: Sequence[float]) -> float:
 
 
 def timeline_figure(snaps: Sequence[Snapshot], path: Path) -> Path:
-    """GB/s per direction, requests/s, token hit rate and tier usage over the interval."""
+    """GB/s per direction, requests/s, token hit rates (prefix and blend) and tier usage
+    over the interval."""
     rates = [Rates.between(a, b) for a, b in pairwise(snaps)]
     t = [b.at_s - snaps[0].at_s for b in snaps[1:]]
     fig, (gb, req, hit, use) = plt.subplots(
@@ -86,53 +88,9 @@ def timeline_figure(snaps: Sequence[Snapshot], path: Path) -> Path:
     fig.suptitle(
         f"kvflow {snaps[-1].endpoint}: {len(snaps)} samples over {t[-1] if t else 0:.0f} s"
     )
-    gb.plot(t, [r.gb_s("store") for r in rates], label="store (GPU -> L1)", color="tab:blue")
-    gb.plot(t, [r.gb_s("retrieve") for r in rates], label="retrieve (L1 -> GPU)", color="tab:red")
-    for name in sorted({n for r in rates for n in r.tier_gb_s if n != "l1"}):
-        gb.plot(
-            t,
-            [r.tier_gb_s.get(name, (0.0, 0.0))[0] for r in rates],
-            linestyle=":",
-            label=f"{name} write",
-            color="tab:purple",
-        )
-        gb.plot(
-            t,
-            [r.tier_gb_s.get(name, (0.0, 0.0))[1] for r in rates],
-            linestyle=":",
-            label=f"{name} read",
-            color="tab:olive",
-        )
-    gb.set_ylabel("GB/s")
-    gb.set_title("Throughput", loc="left")
-    for op, colour in (("store", "tab:blue"), ("retrieve", "tab:red"), ("lookup", "tab:green")):
-        req.plot(t, [r.per_s[f"{op}.requests"] for r in rates], label=op, color=colour)
-    req.plot(
-        t,
-        [sum(r.per_s[f"{op}.errors"] for op in ("store", "retrieve", "lookup")) for r in rates],
-        label="errors",
-        color="black",
-        linestyle="--",
-    )
-    req.set_ylabel("requests/s")
-    req.set_title("Requests", loc="left")
-    hit.plot(
-        t,
-        [100 * r.hit_rate if r.hit_rate is not None else float("nan") for r in rates],
-        marker="o",
-        color="tab:orange",
-        label="interval",
-    )
-    hit.plot(
-        t,
-        [100 * (s.hit_rate() or 0.0) for s in snaps[1:]],
-        color="tab:gray",
-        linestyle="--",
-        label="since start",
-    )
-    hit.set_ylim(0, 105)
-    hit.set_ylabel("% of requested tokens")
-    hit.set_title("Token hit rate", loc="left")
+    _throughput(gb, t, rates)
+    _requests(req, t, rates)
+    _hit_rates(hit, t, rates, snaps[1:])
     for name in snaps[-1].tiers:
         use.plot(
             t,
@@ -149,3 +107,73 @@ def timeline_figure(snaps: Sequence[Snapshot], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _throughput(ax: Any, t: list[float], rates: list[Rates]) -> None:
+    """GB/s of stores and retrieves (blend retrieves once any moved bytes), and each L2
+    tier's writes and reads."""
+    ax.plot(t, [r.gb_s("store") for r in rates], label="store (GPU -> L1)", color="tab:blue")
+    ax.plot(t, [r.gb_s("retrieve") for r in rates], label="retrieve (L1 -> GPU)", color="tab:red")
+    blended = [r.gb_s("blend_retrieve") for r in rates]
+    if any(blended):
+        ax.plot(t, blended, label="blend retrieve (L1 -> GPU)", color="tab:brown")
+    for name in sorted({n for r in rates for n in r.tier_gb_s if n != "l1"}):
+        for i, (direction, colour) in enumerate((("write", "tab:purple"), ("read", "tab:olive"))):
+            ax.plot(
+                t,
+                [r.tier_gb_s.get(name, (0.0, 0.0))[i] for r in rates],
+                linestyle=":",
+                label=f"{name} {direction}",
+                color=colour,
+            )
+    ax.set_ylabel("GB/s")
+    ax.set_title("Throughput", loc="left")
+
+
+def _requests(ax: Any, t: list[float], rates: list[Rates]) -> None:
+    """Requests/s per operation (blend ones once any ran) and errors/s of all of them."""
+    colours = {"store": "tab:blue", "retrieve": "tab:red", "lookup": "tab:green",
+               "blend_lookup": "tab:cyan", "blend_retrieve": "tab:brown"}  # fmt: skip
+    for op, colour in colours.items():
+        values = [r.per_s[f"{op}.requests"] for r in rates]
+        if not op.startswith("blend") or any(values):
+            ax.plot(t, values, label=op, color=colour)
+    ax.plot(
+        t,
+        [sum(r.per_s[f"{op}.errors"] for op in OPS) for r in rates],
+        label="errors",
+        color="black",
+        linestyle="--",
+    )
+    ax.set_ylabel("requests/s")
+    ax.set_title("Requests", loc="left")
+
+
+def _hit_rates(ax: Any, t: list[float], rates: list[Rates], snaps: Sequence[Snapshot]) -> None:
+    """The prefix hit rate per interval and since start; the blend hit rate beside it
+    once a blend lookup ran."""
+    for op, label, colour in (
+        ("lookup", "prefix", "tab:orange"),
+        ("blend_lookup", "blend", "tab:cyan"),
+    ):
+        interval = [r.hit_rates[op] for r in rates]
+        if op != "lookup" and not any(s.hit_rate(op) is not None for s in snaps):
+            continue
+        ax.plot(
+            t,
+            [100 * v if v is not None else float("nan") for v in interval],
+            marker="o",
+            color=colour,
+            label=f"{label}, interval",
+        )
+        ax.plot(
+            t,
+            [100 * (s.hit_rate(op) or 0.0) for s in snaps],
+            color=colour,
+            linestyle="--",
+            alpha=0.6,
+            label=f"{label}, since start",
+        )
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("% of requested tokens")
+    ax.set_title("Token hit rate (blend: tokens found past the prefix)", loc="left")

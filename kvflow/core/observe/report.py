@@ -2,8 +2,8 @@
 
 It samples the status request every `--sample-s` for `--interval-s` seconds, then
 writes into `--out`: `l0_lifecycle.png` (the L0 block lifetime, idle-before-evict
-and reuse-gap histograms), `timeline.png` (GB/s, requests/s, hit rate and tier
-usage over the interval) and `summary.md` (the interval's measured totals, rates
+and reuse-gap histograms), `timeline.png` (GB/s, requests/s, prefix and blend hit
+rates and tier usage over the interval) and `summary.md` (the interval's measured totals, rates
 and percentiles, linking both figures). What an operator attaches to a ticket.
 Ctrl-C ends the recording early; the report covers the samples taken until then.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvflow.core.observe import units
 from kvflow.core.observe.connect import add_connection_args, connect, parse_args, seconds_in
-from kvflow.core.observe.snapshot import GB, Rates, Snapshot
+from kvflow.core.observe.snapshot import GB, LOOKUPS, OPS, Rates, Snapshot
 from kvflow.core.server.client import KVFlowClient
 
 LIFECYCLE_PNG = "l0_lifecycle.png"
@@ -59,7 +59,6 @@ def summary(snaps: Sequence[Snapshot]) -> str:
     """The markdown summary of a recording: what happened between its first and last sample."""
     first, last = snaps[0], snaps[-1]
     whole = Rates.between(first, last)
-    steps = [Rates.between(a, b) for a, b in pairwise(snaps)]
     delta = {k: last.totals[k] - first.totals.get(k, 0.0) for k in last.totals}
     lines = [
         "# kvflow report",
@@ -67,33 +66,66 @@ def summary(snaps: Sequence[Snapshot]) -> str:
         f"Server `{last.endpoint}`, up {units.uptime(last.uptime_s)}; "
         f"{len(snaps)} samples over {whole.seconds:.1f} s; "
         f"{last.instances} instances (models: {', '.join(last.models) or 'none'}).",
+        *_operations(snaps, whole, delta),
+        *_effectiveness(last, whole, delta),
+        *_capacity(first, last),
+        *_lifecycle(snaps, delta),
+        "",
+        f"![L0 lifecycle]({LIFECYCLE_PNG})",
+        "",
+        f"![timeline]({TIMELINE_PNG})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _operations(snaps: Sequence[Snapshot], whole: Rates, delta: dict[str, float]) -> list[str]:
+    """The operations table: requests, errors, tokens and GB moved over the interval."""
+    steps = [Rates.between(a, b) for a, b in pairwise(snaps)]
+    lines = [
         "",
         "## Operations over the interval",
         "",
         "| op | requests | errors | req/s | tokens | GB moved | mean GB/s | peak GB/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for op in ("store", "retrieve", "lookup"):
-        tokens = delta[f"{op}.requested_tokens" if op == "lookup" else f"{op}.tokens"]
-        moved = "" if op == "lookup" else f"{delta[f'{op}.bytes'] / GB:.4g}"
-        mean = "" if op == "lookup" else f"{whole.gb_s(op):.4g}"
-        peak = "" if op == "lookup" else f"{max((r.gb_s(op) for r in steps), default=0.0):.4g}"
+    for op in OPS:
+        looks = op in LOOKUPS
+        tokens = delta[f"{op}.requested_tokens" if looks else f"{op}.tokens"]
+        moved = "" if looks else f"{delta[f'{op}.bytes'] / GB:.4g}"
+        mean = "" if looks else f"{whole.gb_s(op):.4g}"
+        peak = "" if looks else f"{max((r.gb_s(op) for r in steps), default=0.0):.4g}"
         lines.append(
             f"| {op} | {delta[f'{op}.requests']:.0f} | {delta[f'{op}.errors']:.0f} | "
             f"{whole.per_s[f'{op}.requests']:.4g} | {tokens:.0f} | {moved} | {mean} | {peak} |"
         )
-    lines += ["", "## Cache effectiveness", ""]
-    lines.append(
-        f"- token hit rate over the interval: **{units.percent(whole.hit_rate)}** "
-        f"({delta['lookup.hit_tokens']:.0f} of {delta['lookup.requested_tokens']:.0f} tokens); "
-        f"since start: {units.percent(last.hit_rate())}"
-    )
-    asked = last.totals["lookup.requested_tokens"]
-    for tier_name, hits in sorted(last.hit_by_tier.items()):
+    return lines
+
+
+def _effectiveness(last: Snapshot, whole: Rates, delta: dict[str, float]) -> list[str]:
+    """The prefix hit rate and, next to it, the blend hit rate: over the interval, since
+    start, and per tier since start."""
+    lines = ["", "## Cache effectiveness", ""]
+    for op, label, tokens in (
+        ("lookup", "token hit rate (prefix)", "tokens"),
+        ("blend_lookup", "blend hit rate", "blend-lookup tokens found past the prefix"),
+    ):
         lines.append(
-            f"  - {tier_name} (since start): {units.percent(hits / asked if asked else None)}"
+            f"- {label} over the interval: **{units.percent(whole.hit_rates[op])}** "
+            f"({delta[f'{op}.hit_tokens']:.0f} of {delta[f'{op}.requested_tokens']:.0f} "
+            f"{tokens}); since start: {units.percent(last.hit_rate(op))}"
         )
-    lines += [
+        asked = last.totals[f"{op}.requested_tokens"]
+        for tier_name, hits in sorted(last.tier_hits(op).items()):
+            lines.append(
+                f"  - {tier_name} (since start): {units.percent(hits / asked if asked else None)}"
+            )
+    return lines
+
+
+def _capacity(first: Snapshot, last: Snapshot) -> list[str]:
+    """Each tier's fill at the end and its evictions over the interval."""
+    lines = [
         "",
         "## Capacity at the end",
         "",
@@ -108,8 +140,14 @@ def summary(snaps: Sequence[Snapshot]) -> str:
             f"| {name} | {units.size(tier.usage_bytes)} | {units.size(tier.capacity_bytes)} | "
             f"{units.percent(tier.fraction)} | {tier.objects:.0f} | {evicted:.0f} |"
         )
+    return lines
+
+
+def _lifecycle(snaps: Sequence[Snapshot], delta: dict[str, float]) -> list[str]:
+    """The event pipeline's drops and lag, and the L0 block-age percentiles."""
+    first, last = snaps[0], snaps[-1]
     dropped = last.bus["dropped"] - first.bus["dropped"]
-    lines += [
+    lines = [
         "",
         "## Event pipeline",
         "",
@@ -139,8 +177,7 @@ def summary(snaps: Sequence[Snapshot]) -> str:
         f"\nBlock reports in the interval: {delta['l0.allocation_records']:.0f} records, "
         f"{delta['l0.allocated_blocks']:.0f} blocks."
     )
-    lines += ["", f"![L0 lifecycle]({LIFECYCLE_PNG})", "", f"![timeline]({TIMELINE_PNG})", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(snaps: Sequence[Snapshot], out: Path) -> list[Path]:

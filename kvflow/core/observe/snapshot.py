@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GB = 1e9
+#: the operations whose totals a status carries (`activity.ops`)
+OPS = ("store", "retrieve", "lookup", "blend_lookup", "blend_retrieve")
+#: the lookup kinds whose hit rates the views show: prefix lookups, blend lookups
+LOOKUPS = ("lookup", "blend_lookup")
 
 
 def _num(mapping: Any, *path: str) -> float:
@@ -61,22 +65,14 @@ class Snapshot:
     l2_writes: dict[str, float] = field(default_factory=dict)
     #: engines' waits for the layers of layerwise retrieves (empty before the first report)
     layer_waits: dict[str, Any] = field(default_factory=dict)
+    #: blend lookups' tokens found past the prefix, by tier (empty before the first one)
+    blend_hit_by_tier: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, status: Mapping[str, Any]) -> Snapshot:
         """Read a `KVFlowClient.status()` reply (or `CacheEngine.status()`)."""
         activity = status.get("activity") or {}
         ops = activity.get("ops") or {}
-        totals = {
-            f"{op}.{key}": _num(ops, op, key)
-            for op in ("store", "retrieve", "lookup")
-            for key in ("requests", "errors", "tokens", "bytes", "requested_tokens", "hit_tokens")
-        }
-        for kind in ("written", "read", "evicted"):
-            totals[f"l1.{kind}_bytes"] = _num(activity, "l1", f"{kind}_bytes")
-            totals[f"l1.{kind}_chunks"] = _num(activity, "l1", f"{kind}_chunks")
-        totals["l0.allocation_records"] = _num(activity, "l0", "allocation_records")
-        totals["l0.allocated_blocks"] = _num(activity, "l0", "allocated_blocks")
         l2_activity = activity.get("l2") or {}
         l2_bytes = {
             name: {k: _num(t, k) for k in ("stored_bytes", "loaded_bytes", "evicted_chunks")}
@@ -89,7 +85,6 @@ class Snapshot:
         tiers = {"l1": _usage(status.get("l1"))}
         for name, tier in ((status.get("l2") or {}).get("tiers") or {}).items():
             tiers[name] = _usage(tier)
-        lookup = ops.get("lookup") or {}
         bus = status.get("bus") or {}
         server = status.get("server") or {}
         instances = status.get("instances") or {}
@@ -97,11 +92,8 @@ class Snapshot:
             at_s=_num(activity, "monotonic_s") or _num(server, "uptime_s"),
             uptime_s=_num(server, "uptime_s"),
             endpoint=str(server.get("endpoint", "")),
-            totals=totals,
-            hit_by_tier={
-                str(k): _num(lookup.get("hit_tokens_by_tier"), k)
-                for k in (lookup.get("hit_tokens_by_tier") or {})
-            },
+            totals=_totals(activity),
+            hit_by_tier=_by_tier(ops, "lookup"),
             l2_bytes=l2_bytes,
             inflight={
                 str(k): _num(activity.get("inflight"), k) for k in (activity.get("inflight") or {})
@@ -127,18 +119,48 @@ class Snapshot:
             ),
             l2_writes=l2_writes,
             layer_waits=dict(activity.get("layer_waits") or {}),
+            blend_hit_by_tier=_by_tier(ops, "blend_lookup"),
         )
 
-    def hit_rate(self) -> float | None:
-        """Hit tokens / requested tokens since start (None before any lookup)."""
-        asked = self.totals["lookup.requested_tokens"]
-        return self.totals["lookup.hit_tokens"] / asked if asked else None
+    def hit_rate(self, op: str = "lookup") -> float | None:
+        """Hit tokens / requested tokens since start of `op`: `lookup` (the prefix hit rate)
+        or `blend_lookup` (the blend hit rate: tokens found past the prefix / the blend
+        lookups' prompt tokens); None before any such lookup."""
+        asked = self.totals[f"{op}.requested_tokens"]
+        return self.totals[f"{op}.hit_tokens"] / asked if asked else None
+
+    def tier_hits(self, op: str = "lookup") -> dict[str, float]:
+        """Tokens `op` (`lookup` or `blend_lookup`) found per tier since start."""
+        return self.hit_by_tier if op == "lookup" else self.blend_hit_by_tier
 
     def l0_quantile(self, name: str, q: str) -> float | None:
         """`p50_s`, `p90_s` or `p99_s` of an L0 histogram (lifetime, idle_before_evict,
         reuse_gap); None before its first value or with metrics off."""
         value = (self.l0.get(name) or {}).get(q)
         return float(value) if isinstance(value, (int, float)) else None
+
+
+def _totals(activity: Mapping[str, Any]) -> dict[str, float]:
+    """The counts `Rates` differentiate: per operation (blend ones 0 before the first),
+    L1 traffic and L0 block reports."""
+    ops = activity.get("ops") or {}
+    totals = {
+        f"{op}.{key}": _num(ops, op, key)
+        for op in OPS
+        for key in ("requests", "errors", "tokens", "bytes", "requested_tokens", "hit_tokens")
+    }
+    for kind in ("written", "read", "evicted"):
+        totals[f"l1.{kind}_bytes"] = _num(activity, "l1", f"{kind}_bytes")
+        totals[f"l1.{kind}_chunks"] = _num(activity, "l1", f"{kind}_chunks")
+    totals["l0.allocation_records"] = _num(activity, "l0", "allocation_records")
+    totals["l0.allocated_blocks"] = _num(activity, "l0", "allocated_blocks")
+    return totals
+
+
+def _by_tier(ops: Mapping[str, Any], op: str) -> dict[str, float]:
+    """A lookup kind's tokens found per tier since start."""
+    tiers = (ops.get(op) or {}).get("hit_tokens_by_tier") or {}
+    return {str(k): _num(tiers, k) for k in tiers}
 
 
 def _usage(stats: Any) -> TierUsage:
@@ -152,13 +174,25 @@ def _usage(stats: Any) -> TierUsage:
 
 @dataclass
 class Rates:
-    """Per-second rates between two snapshots, and the hit rate over that interval."""
+    """Per-second rates between two snapshots, and the hit rates over that interval."""
 
     seconds: float
     per_s: dict[str, float]
     tier_gb_s: dict[str, tuple[float, float]]
     tier_evictions_s: dict[str, float]
-    hit_rate: float | None
+    #: lookup kind (LOOKUPS) -> its hit rate over the interval, as `Snapshot.hit_rate`
+    #: defines it (None: no such lookup in the interval)
+    hit_rates: dict[str, float | None]
+
+    @property
+    def hit_rate(self) -> float | None:
+        """The prefix hit rate over the interval."""
+        return self.hit_rates["lookup"]
+
+    @property
+    def blend_hit_rate(self) -> float | None:
+        """The blend hit rate over the interval."""
+        return self.hit_rates["blend_lookup"]
 
     @classmethod
     def between(cls, a: Snapshot, b: Snapshot) -> Rates:
@@ -179,16 +213,21 @@ class Rates:
             for name, u in b.tiers.items()
             if name in a.tiers
         }
-        asked = b.totals["lookup.requested_tokens"] - a.totals["lookup.requested_tokens"]
-        hits = b.totals["lookup.hit_tokens"] - a.totals["lookup.hit_tokens"]
         return cls(
             seconds=dt,
             per_s=per_s,
             tier_gb_s=tier_gb_s,
             tier_evictions_s=evictions,
-            hit_rate=hits / asked if asked > 0 else None,
+            hit_rates={op: _interval_hit_rate(a, b, op) for op in LOOKUPS},
         )
 
     def gb_s(self, op: str) -> float:
         """GB/s (1e9 bytes/s) moved by `store` (GPU -> L1) or `retrieve` (L1 -> GPU)."""
         return self.per_s[f"{op}.bytes"] / GB
+
+
+def _interval_hit_rate(a: Snapshot, b: Snapshot, op: str) -> float | None:
+    """Hit tokens / requested tokens of `op` (a lookup kind) between two snapshots."""
+    asked = b.totals[f"{op}.requested_tokens"] - a.totals.get(f"{op}.requested_tokens", 0.0)
+    hits = b.totals[f"{op}.hit_tokens"] - a.totals.get(f"{op}.hit_tokens", 0.0)
+    return hits / asked if asked > 0 else None

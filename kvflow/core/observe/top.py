@@ -1,10 +1,10 @@
 """`kvflow top`: a live terminal view of one server, refreshed every second; `q` quits.
 
 Each tick asks the server for its status (the existing request: no new port) and
-shows the rates since the previous tick: requests, token hit rate (overall and per
-tier), GB/s per direction and per tier, L1/L2 usage bars and evictions, in-flight
-operations, the event bus (queue depth, lag, drops) and the L0 block lifetime,
-idle-before-evict and reuse-gap percentiles. `render` is a pure function of two
+shows the rates since the previous tick: requests, token hit rates (prefix and blend,
+overall and per tier), GB/s per direction and per tier, L1/L2 usage bars and
+evictions, in-flight operations, the event bus (queue depth, lag, drops) and the L0
+block lifetime, idle-before-evict and reuse-gap percentiles. `render` is a pure function of two
 snapshots, so the view is testable without a terminal.
 """
 
@@ -28,10 +28,14 @@ from rich.text import Text
 
 from kvflow.core.observe import units
 from kvflow.core.observe.connect import add_connection_args, connect, parse_args, seconds_in
-from kvflow.core.observe.snapshot import Rates, Snapshot
+from kvflow.core.observe.snapshot import LOOKUPS, OPS, Rates, Snapshot
 
-_OPS = ("store", "retrieve", "lookup")
-_INFLIGHT = ("store", "retrieve", "lookup", "prefetch", "l2_store", "l2_load")
+_INFLIGHT = (
+    "store", "retrieve", "lookup", "blend_lookup", "blend_retrieve", "prefetch", "l2_store",
+    "l2_load",
+)  # fmt: skip
+#: the hit-rate table's sections: lookup kind -> its label
+_HIT_KINDS = {"lookup": "prefix", "blend_lookup": "blend"}
 _L0 = (
     ("lifetime", "block lifetime"),
     ("idle_before_evict", "idle before evict"),
@@ -56,12 +60,12 @@ def _requests(rates: Rates | None) -> Table:
     table = Table(title="Requests", box=box.SIMPLE, title_justify="left", expand=False)
     for column in ("op", "req/s", "errors/s", "tokens/s", "GB/s"):
         table.add_column(column, justify="left" if column == "op" else "right")
-    for op in _OPS:
+    for op in OPS:
         if rates is None:
             table.add_row(op, "…", "…", "…", "…")
             continue
-        tokens = rates.per_s[f"{op}.requested_tokens" if op == "lookup" else f"{op}.tokens"]
-        moved = "" if op == "lookup" else units.gb_s(rates.gb_s(op))
+        tokens = rates.per_s[f"{op}.requested_tokens" if op in LOOKUPS else f"{op}.tokens"]
+        moved = "" if op in LOOKUPS else units.gb_s(rates.gb_s(op))
         table.add_row(
             op,
             units.rate(rates.per_s[f"{op}.requests"]),
@@ -73,18 +77,23 @@ def _requests(rates: Rates | None) -> Table:
 
 
 def _hits(snap: Snapshot, rates: Rates | None) -> Table:
+    """Prefix hit rate (tokens found from token 0 / tokens looked up) and, next to it,
+    blend hit rate (tokens found past the prefix / blend lookups' tokens), each overall
+    and per tier (the slowest tier each hit chunk needed)."""
     table = Table(title="Token hit rate", box=box.SIMPLE, title_justify="left")
     table.add_column("", justify="left")
     table.add_column("last interval", justify="right")
     table.add_column("since start", justify="right")
-    table.add_row(
-        "all tiers",
-        units.percent(rates.hit_rate if rates else None),
-        units.percent(snap.hit_rate()),
-    )
-    asked = snap.totals["lookup.requested_tokens"]
-    for tier, hits in sorted(snap.hit_by_tier.items()):
-        table.add_row(f"  {tier}", "", units.percent(hits / asked if asked else None))
+    for op, label in _HIT_KINDS.items():
+        interval = rates.hit_rates[op] if rates is not None else None
+        table.add_row(
+            f"{label}, all tiers", units.percent(interval), units.percent(snap.hit_rate(op))
+        )
+        asked = snap.totals[f"{op}.requested_tokens"]
+        for tier, hits in sorted(snap.tier_hits(op).items()):
+            table.add_row(f"  {tier}", "", units.percent(hits / asked if asked else None))
+    table.caption = "blend: hits past the prefix / blend-lookup tokens"
+    table.caption_justify = "left"
     return table
 
 
