@@ -1054,6 +1054,7 @@ class CacheEngine:
                 "blended_tokens": blended, "segments": len(held), "l2_chunks": from_l2,
             }  # fmt: skip
             tx.op.end(**result)
+        self._publish_read({"chunks": len(held), "bytes": result["bytes"]}, request_id)
         return blended
 
     def _blend_objects(

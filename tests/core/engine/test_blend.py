@@ -57,6 +57,8 @@ def test_documents_blend_at_new_offsets_inside_blocks() -> None:
     events = events_of(recorder, engine)
     blend = [(s, e) for s, e in pairs(events) if s.type is EventType.BLEND_RETRIEVE_START]
     assert len(blend) == 1 and blend[0][1].attrs["blended_tokens"] == 3 * CHUNK
+    reads = [e for e in events if e.type is EventType.L1_READ and e.session_id == "q"]
+    assert [e.attrs["chunks"] for e in reads] == [3], "a blend's copies are L1 reads too"
     lookups = [(s, e) for s, e in pairs(events) if s.type is EventType.BLEND_LOOKUP_START]
     assert lookups[0][1].attrs["blend_hit_tokens"] == 3 * CHUNK
     assert lookups[0][1].attrs["blend_hit_tokens_by_tier"] == {"l1": 3 * CHUNK}
