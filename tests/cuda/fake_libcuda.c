@@ -77,6 +77,52 @@ int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t n, ptr stream) {
     memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return 0;
 }
+/* CUDA_MEMCPY2D (v2); only unified addresses (memory type 4) are taken, as kvflow passes */
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType;
+    const void *srcHost;
+    uint64_t srcDevice;
+    ptr srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    uint64_t dstDevice;
+    ptr dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} Memcpy2D;
+int cuMemcpy2DAsync_v2(const Memcpy2D *c, ptr stream) {
+    (void)stream;
+    if (!current) return 201;
+    if (c->srcMemoryType != 4 || c->dstMemoryType != 4 || c->srcPitch < c->WidthInBytes
+        || c->dstPitch < c->WidthInBytes || c->srcXInBytes || c->srcY || c->dstXInBytes || c->dstY)
+        return 1;
+    for (size_t row = 0; row < c->Height; row++)
+        memcpy((void *)(uintptr_t)(c->dstDevice + row * c->dstPitch),
+               (const void *)(uintptr_t)(c->srcDevice + row * c->srcPitch), c->WidthInBytes);
+    return 0;
+}
+static int priority[64];
+int cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    if (!current) return 201;
+    *least = 0;
+    *greatest = -5;
+    return 0;
+}
+int cuStreamSetAttribute(ptr stream, int attr, const int *value) {
+    int i = (int)((uintptr_t)stream - 0x5000);
+    if (attr != 8 || i < 0 || i >= streams) return 1;
+    priority[i] = value[0];
+    return 0;
+}
+int cuStreamGetPriority(ptr stream, int *value) {
+    int i = (int)((uintptr_t)stream - 0x5000);
+    if (i < 0 || i >= streams) return 1;
+    *value = priority[i];
+    return 0;
+}
 int cuLaunchHostFunc(ptr stream, ptr fn, ptr data) { (void)stream; (void)fn; (void)data; return 0; }
 int cuGetErrorName(int code, const char **name) {
     switch (code) {

@@ -16,7 +16,7 @@ import pytest
 from kvflow.cuda import context, driver
 from kvflow.cuda.context import CurrentContext, primary_context, stream_context
 from kvflow.cuda.driver import CU_EVENT_DISABLE_TIMING, Driver
-from kvflow.cuda.enqueue import DriverEvent, copy_async
+from kvflow.cuda.enqueue import DriverEvent, copy_2d_async, copy_async
 from tests.support.requirements import find
 
 CC = find("cc")
@@ -118,6 +118,29 @@ def test_copies_carry_addresses_and_sizes_unchanged(fake: ctypes.CDLL) -> None:
         ):
             copy_async(dst.ctypes.data, src.ctypes.data, 1 << 40, stream)
     assert np.array_equal(dst, src)
+
+
+def test_a_2d_copy_moves_rows_at_their_pitches(fake: ctypes.CDLL) -> None:
+    """copy_2d_async hands both addresses, both pitches, the width and the row count to
+    the driver unchanged: rows land at the destination pitch, the gaps stay untouched."""
+    with CurrentContext(CTX0):
+        stream = driver.libcuda().create_stream()
+    src = np.arange(4 * 48, dtype=np.uint8)  # 4 rows at a pitch of 48
+    dst = np.full(4 * 20, 255, dtype=np.uint8)  # 16 bytes of each row at a pitch of 20
+    with CurrentContext(CTX0):
+        copy_2d_async(dst.ctypes.data, 20, src.ctypes.data + 8, 48, 16, 4, stream)
+        with pytest.raises(RuntimeError, match=r"cuMemcpy2DAsync failed: CUDA_ERROR_INVALID_VALUE"):
+            copy_2d_async(dst.ctypes.data, 8, src.ctypes.data, 48, 16, 4, stream)  # pitch < width
+    rows = dst.reshape(4, 20)
+    assert np.array_equal(rows[:, :16], src.reshape(4, 48)[:, 8:24])
+    assert (rows[:, 16:] == 255).all()
+
+
+def test_raise_priority_gives_the_greatest_the_context_allows(fake: ctypes.CDLL) -> None:
+    with CurrentContext(CTX0):
+        lib = driver.libcuda()
+        stream = lib.create_stream()
+        assert lib.raise_priority(stream) == -5
 
 
 def test_a_thread_without_a_context_gets_the_streams(fake: ctypes.CDLL) -> None:
