@@ -149,6 +149,15 @@ class GroupPlan:
     tile_begin: int
     tile_end: int
 
+    @property
+    def mode(self) -> int:
+        """The packed record's `linear` field: the order or-ed with the group's flags."""
+        flags = (STAGED if self.staged else 0) | (TILED if self.span else 0)
+        flags |= (WARP_TILED if self.warp_tiled else 0) | (
+            PREFETCH_GAPS if self.prefetch_gaps else 0
+        )
+        return self.linear | flags
+
 
 @dataclass(frozen=True)
 class TransferPlan:
@@ -258,6 +267,190 @@ def _tile_span(
     return span if aligned and span <= min(TILE_SPAN_MAX, seg_bytes + seg_bytes // 4) else 0
 
 
+@dataclass(frozen=True)
+class _Request:
+    """What `build_plan` was asked for: the chunk and the tuning arguments, handed whole
+    to the per-group helpers."""
+
+    chunk_tokens: int
+    chunk_bytes: int
+    blocks_per_chunk: int
+    gather: bool
+    staging_alignment: int
+    max_vector_bytes: int
+    lane_bytes: int
+    iters: int
+    wide_iters: int
+    tiled: bool
+
+
+@dataclass(frozen=True)
+class _GroupShape:
+    """One group's runs and addresses in a chunk: what its vector width, staging and
+    tiling follow from."""
+
+    descs: list[StrideDesc]  # per (kv, layer), kv-major
+    linear: int
+    run_bytes: int
+    inner: int
+    stage_strides: tuple[int, int]
+    cache_strides: list[tuple[int, int]]  # per (kv, layer)
+    offset: int  # the group's offset in a chunk
+    layer_stage_bytes: int  # one (kv, layer) of the group in a chunk
+    seg_bytes: int
+    stage_terms: list[int]  # staging's address terms: alignment, chunk/group/layer/block offsets
+    cache_terms: list[int]  # the cache's: block bytes, each (kv, layer)'s base and block stride
+
+    @property
+    def entries(self) -> list[tuple[int, int, int, int]]:
+        """The group's (kv, layer) entries (ENTRY): cache base, block and run strides."""
+        pairs = zip(self.descs, self.cache_strides, strict=True)
+        return [(d.base_ptr, d.block, *strides) for d, strides in pairs]
+
+
+def _group_shape(layout: KVLayout, group: LayerGroup, offset: int, req: _Request) -> _GroupShape:
+    """The runs (see `_order`) and addresses of one group at `offset` in a chunk."""
+    descs = [layout.stride_desc(layer, kv) for kv in range(group.kv_size) for layer in group.layers]
+    linear, run_bytes, inner, stage_strides, cache_strides = _order(
+        group, descs, layout.block_size, req.gather
+    )
+    seg_bytes = layout.block_size * group.row_bytes
+    layer_stage_bytes = req.chunk_tokens * group.row_bytes
+    stage_terms = [req.staging_alignment, req.chunk_bytes, offset, layer_stage_bytes, seg_bytes]
+    cache_terms = [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
+    return _GroupShape(
+        descs, linear, run_bytes, inner, stage_strides, cache_strides, offset,
+        layer_stage_bytes, seg_bytes, stage_terms, cache_terms,
+    )  # fmt: skip
+
+
+def _vector_bytes(req: _Request, shape: _GroupShape) -> int:
+    """The widest vector (at most ``max_vector_bytes``) dividing the group's runs, both
+    sides' strides and every address term."""
+    terms = [shape.run_bytes, *shape.stage_strides, *shape.stage_terms, *shape.cache_terms]
+    terms += [s for pair in shape.cache_strides for s in pair]
+    return min([req.max_vector_bytes, *(pow2_alignment(term) for term in terms)])
+
+
+def _staged_span(req: _Request, shape: _GroupShape, vec: int) -> tuple[bool, int]:
+    """Whether a group of `vec`-byte vectors is staged (`_stageable`; never under a
+    vector cap) and, tiled, its source span (`_tile_span`; 0: not tiled)."""
+    dst_terms, src_terms = shape.stage_terms, shape.cache_terms  # a gather writes staging
+    if not req.gather:
+        dst_terms, src_terms = src_terms, dst_terms
+    staged = (
+        vec < GRANULE
+        and req.max_vector_bytes == GRANULE
+        and _stageable(
+            shape.linear,
+            shape.run_bytes,
+            shape.cache_strides,
+            shape.stage_strides,
+            gather=req.gather,
+            dst_terms=dst_terms,
+        )
+    )
+    if not (staged and req.tiled):
+        return staged, 0
+    src_strides = shape.cache_strides if req.gather else [shape.stage_strides]
+    return True, _tile_span(shape.seg_bytes, shape.run_bytes, shape.inner, src_strides, src_terms)
+
+
+def _plan_group(req: _Request, shape: _GroupShape, tile: int) -> GroupPlan:
+    """How one group moves (vector, staging, tiling, prefetch, steps) and its warp tiles,
+    from `tile` on (from the next CTA's first when it is tiled a CTA per segment)."""
+    vec = _vector_bytes(req, shape)
+    staged, span = _staged_span(req, shape, vec)
+    warp_tiled = bool(span) and shape.seg_bytes < TILE_MIN_BYTES
+    # a plain scatter whose (non-linear) cache side has holes between its runs
+    prefetch_gaps = (
+        not req.gather
+        and shape.linear == LINEAR_STAGE
+        and not staged
+        and max(_spans(shape.seg_bytes, shape.run_bytes, shape.inner, shape.cache_strides))
+        > shape.seg_bytes
+    )
+    iters = req.wide_iters if is_wide(vec, shape.linear, staged) else req.iters
+    seg_vecs = shape.seg_bytes // (GRANULE if staged else vec)
+    if seg_vecs >= MAX_NUMERATOR:
+        raise ValueError(f"a block of {shape.seg_bytes} bytes is too large for the kernel")
+    if warp_tiled:  # one warp per segment
+        tiles_per_seg = 1
+    elif span:  # one CTA per segment, its warps' tiles aligned to a CTA
+        tile = _cta_aligned(tile)
+        tiles_per_seg = WARPS_PER_CTA
+    else:
+        mode = shape.linear | (STAGED if staged else 0) | (PREFETCH_GAPS if prefetch_gaps else 0)
+        tiles_per_seg = math.ceil(seg_vecs / (WARP * unroll(vec, mode, req.lane_bytes) * iters))
+    tiles = len(shape.descs) * req.blocks_per_chunk * tiles_per_seg
+    return GroupPlan(
+        vec_bytes=vec,
+        linear=shape.linear,
+        staged=staged,
+        span=span,
+        warp_tiled=warp_tiled,
+        prefetch_gaps=prefetch_gaps,
+        iters=iters,
+        run_bytes=shape.run_bytes,
+        inner=shape.inner,
+        stage_strides=shape.stage_strides,
+        seg_bytes=shape.seg_bytes,
+        tiles_per_seg=tiles_per_seg,
+        tile_begin=tile,
+        tile_end=tile + tiles,
+    )
+
+
+def _group_record(g: GroupPlan, shape: _GroupShape, first_entry: int) -> tuple[object, ...]:
+    """A group's packed record (GROUP) as the kernel reads it."""
+    unit = GRANULE if g.staged else g.vec_bytes
+    return (
+        shape.offset,
+        shape.layer_stage_bytes,
+        g.seg_bytes,
+        *g.stage_strides,
+        g.tile_begin,
+        g.tile_end,
+        first_entry,
+        unit.bit_length() - 1,
+        g.seg_bytes // unit,
+        g.mode,
+        _pack_div(g.tiles_per_seg),
+        g.span,
+        g.iters,
+        (0, 0),
+        _pack_div(g.run_bytes if g.staged else g.run_bytes // g.vec_bytes),
+        _pack_div(g.inner),
+    )
+
+
+def _pack_table(
+    req: _Request,
+    records: list[tuple[object, ...]],
+    entries: list[tuple[int, int, int, int]],
+    tiles_per_chunk: int,
+) -> tuple[np.ndarray, int]:
+    """The descriptor table (header | group records | entries, as uint8) and where its
+    entries start."""
+    header = np.zeros(1, HEADER)
+    header[0] = (
+        len(records),
+        req.blocks_per_chunk,
+        _pack_div(max(tiles_per_chunk, 1)),
+        _pack_div(req.blocks_per_chunk),
+        req.chunk_bytes,
+        (0, 0),
+    )
+    groups_arr = np.array(records, dtype=GROUP)
+    entries_arr = np.array(entries, dtype=ENTRY)
+    entries_offset = HEADER_BYTES + groups_arr.nbytes
+    table = np.zeros(entries_offset + entries_arr.nbytes, np.uint8)
+    table[: HEADER.itemsize] = header.view(np.uint8)
+    table[HEADER_BYTES:entries_offset] = groups_arr.view(np.uint8)
+    table[entries_offset:] = entries_arr.view(np.uint8)
+    return table, entries_offset
+
+
 def build_plan(
     layout: KVLayout,
     chunk_tokens: int,
@@ -284,150 +477,36 @@ def build_plan(
     if max_vector_bytes not in VECTOR_WIDTHS:
         raise ValueError(f"max_vector_bytes must be one of {VECTOR_WIDTHS}; got {max_vector_bytes}")
     chunk_bytes = layout.chunk_nbytes(chunk_tokens)
-    bs = layout.block_size
-    per_chunk = chunk_tokens // bs
-    group_plans: list[GroupPlan] = []
-    group_rows: list[tuple[object, ...]] = []
+    req = _Request(
+        chunk_tokens, chunk_bytes, chunk_tokens // layout.block_size, gather,
+        staging_alignment, max_vector_bytes, lane_bytes, iters, wide_iters, tiled,
+    )  # fmt: skip
+    groups: list[GroupPlan] = []
+    records: list[tuple[object, ...]] = []
     entries: list[tuple[int, int, int, int]] = []
-    tile = 0
+    tile = 0  # the groups' warp tiles follow each other in a chunk
     for group, offset in zip(layout.groups, layout.group_offsets(chunk_tokens), strict=True):
-        descs = [
-            layout.stride_desc(layer, kv) for kv in range(group.kv_size) for layer in group.layers
-        ]
-        linear, run_bytes, inner, stage_strides, cache_strides = _order(group, descs, bs, gather)
-        seg_bytes = bs * group.row_bytes
-        terms = [run_bytes, chunk_bytes, offset, chunk_tokens * group.row_bytes, seg_bytes]
-        terms += stage_strides
-        for d, strides in zip(descs, cache_strides, strict=True):
-            terms += [d.base_ptr, d.block, *strides]
-        vec = min(max_vector_bytes, pow2_alignment(staging_alignment))
-        for term in terms:
-            vec = min(vec, pow2_alignment(term))
-        stage_terms = [
-            staging_alignment,
-            chunk_bytes,
-            offset,
-            chunk_tokens * group.row_bytes,
-            seg_bytes,
-        ]
-        cache_terms = [seg_bytes, *(t for d in descs for t in (d.base_ptr, d.block))]
-        staged = (
-            vec < GRANULE
-            and max_vector_bytes == GRANULE
-            and _stageable(
-                linear,
-                run_bytes,
-                cache_strides,
-                stage_strides,
-                gather=gather,
-                dst_terms=stage_terms if gather else cache_terms,
-            )
-        )
-        span = 0
-        if staged and tiled:
-            span = _tile_span(
-                seg_bytes,
-                run_bytes,
-                inner,
-                cache_strides if gather else [stage_strides],
-                cache_terms if gather else stage_terms,
-            )
-        unit = GRANULE if staged else vec
-        group_iters = wide_iters if is_wide(vec, linear, staged) else iters
-        warp_tiled = bool(span) and seg_bytes < TILE_MIN_BYTES
-        # a plain scatter whose (non-linear) cache side has holes between its runs
-        prefetch_gaps = (
-            not gather
-            and linear == LINEAR_STAGE
-            and not staged
-            and max(_spans(seg_bytes, run_bytes, inner, cache_strides)) > seg_bytes
-        )
-        mode = linear | (STAGED if staged else 0) | (TILED if span else 0)
-        mode |= (WARP_TILED if warp_tiled else 0) | (PREFETCH_GAPS if prefetch_gaps else 0)
-        seg_vecs = seg_bytes // unit
-        if seg_vecs >= MAX_NUMERATOR:
-            raise ValueError(f"a block of {seg_bytes} bytes is too large for the kernel")
-        if warp_tiled:  # one warp per segment
-            tiles_per_seg = 1
-        elif span:  # one CTA per segment, its warps' tiles aligned to a CTA
-            tile = _cta_aligned(tile)
-            tiles_per_seg = WARPS_PER_CTA
-        else:
-            per_tile = WARP * unroll(vec, mode, lane_bytes) * group_iters
-            tiles_per_seg = math.ceil(seg_vecs / per_tile)
-        tiles = group.kv_size * len(group.layers) * per_chunk * tiles_per_seg
-        group_plans.append(
-            GroupPlan(
-                vec,
-                linear,
-                staged,
-                span,
-                warp_tiled,
-                prefetch_gaps,
-                group_iters,
-                run_bytes,
-                inner,
-                stage_strides,
-                seg_bytes,
-                tiles_per_seg,
-                tile,
-                tile + tiles,
-            )
-        )
-        group_rows.append(
-            (
-                offset,
-                chunk_tokens * group.row_bytes,
-                seg_bytes,
-                *stage_strides,
-                tile,
-                tile + tiles,
-                len(entries),
-                unit.bit_length() - 1,
-                seg_vecs,
-                mode,
-                _pack_div(tiles_per_seg),
-                span,
-                group_iters,
-                (0, 0),
-                _pack_div(run_bytes if staged else run_bytes // vec),
-                _pack_div(inner),
-            )
-        )
-        entries += [
-            (d.base_ptr, d.block, *strides) for d, strides in zip(descs, cache_strides, strict=True)
-        ]
-        tile += tiles
-    if any(g.span and not g.warp_tiled for g in group_plans):  # next chunk's stay aligned
+        shape = _group_shape(layout, group, offset, req)
+        plan = _plan_group(req, shape, tile)
+        groups.append(plan)
+        records.append(_group_record(plan, shape, len(entries)))
+        entries += shape.entries
+        tile = plan.tile_end
+    if any(g.span and not g.warp_tiled for g in groups):  # next chunk's stay aligned
         tile = _cta_aligned(tile)
     if tile >= MAX_NUMERATOR:
         raise ValueError(f"a chunk of {chunk_bytes} bytes needs too many warp tiles ({tile})")
-    header = np.zeros(1, HEADER)
-    header[0] = (
-        len(group_rows),
-        per_chunk,
-        _pack_div(max(tile, 1)),
-        _pack_div(per_chunk),
-        chunk_bytes,
-        (0, 0),
-    )
-    groups_arr = np.array(group_rows, dtype=GROUP)
-    entries_arr = np.array(entries, dtype=ENTRY)
-    entries_offset = HEADER_BYTES + groups_arr.nbytes
-    table = np.zeros(entries_offset + entries_arr.nbytes, np.uint8)
-    table[: HEADER.itemsize] = header.view(np.uint8)
-    table[HEADER_BYTES:entries_offset] = groups_arr.view(np.uint8)
-    table[entries_offset:] = entries_arr.view(np.uint8)
+    table, entries_offset = _pack_table(req, records, entries, tile)
     return TransferPlan(
         chunk_tokens=chunk_tokens,
-        blocks_per_chunk=per_chunk,
+        blocks_per_chunk=req.blocks_per_chunk,
         chunk_bytes=chunk_bytes,
         tiles_per_chunk=tile,
-        groups=tuple(group_plans),
+        groups=tuple(groups),
         table=table,
         groups_offset=HEADER_BYTES,
         entries_offset=entries_offset,
         shared_bytes=max(
-            (g.span * (WARPS_PER_CTA if g.warp_tiled else 1) for g in group_plans), default=0
+            (g.span * (WARPS_PER_CTA if g.warp_tiled else 1) for g in groups), default=0
         ),
     )

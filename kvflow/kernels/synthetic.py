@@ -8,6 +8,7 @@ docs/KERNELS.md ("KV cache formats"). Nothing here is on a hot path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,65 @@ def _physical(
     return _fill_random(torch.empty(tuple(shape), dtype=dtype, device=device), generator)
 
 
+@dataclass(frozen=True)
+class _Maker:
+    """Random tensors of one cache's blocks, per format: contiguous, or (``noncontiguous``)
+    head-major permuted views (MHA) and row-padded views (MLA)."""
+
+    num_blocks: int
+    block_size: int
+    noncontiguous: bool
+    device: torch.device | str
+    generator: torch.Generator | None
+
+    def physical(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor of random bytes on the maker's device."""
+        return _physical(shape, dtype, self.device, self.generator)
+
+    def cross_layer(self, specs: list[LayerSpec]) -> torch.Tensor:
+        """One ``[blocks, layers, 2, block_size, heads, head_size]`` tensor."""
+        if len(set(specs)) != 1:
+            raise ValueError("vllm_cross_layer holds one (num_heads, head_size, dtype) only")
+        (nh, hs, dt), nl = specs[0], len(specs)
+        nb, bs = self.num_blocks, self.block_size
+        if self.noncontiguous:
+            return self.physical((nb, nl, 2, nh, bs, hs), dt).permute(0, 1, 2, 4, 3, 5)
+        return self.physical((nb, nl, 2, bs, nh, hs), dt)
+
+    def paged(self, specs: list[LayerSpec], kv_first: bool) -> list[torch.Tensor]:
+        """A ``[2, blocks, ...]`` (flash-attn, `kv_first`) or ``[blocks, 2, ...]``
+        (flashinfer) tensor per layer, each block ``[block_size, heads, head_size]``."""
+        lead = (2, self.num_blocks) if kv_first else (self.num_blocks, 2)
+        bs = self.block_size
+        if self.noncontiguous:
+            return [
+                self.physical((*lead, nh, bs, hs), dt).permute(0, 1, 3, 2, 4)
+                for nh, hs, dt in specs
+            ]
+        return [self.physical((*lead, bs, nh, hs), dt) for nh, hs, dt in specs]
+
+    def sglang_mha(self, specs: list[LayerSpec]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer ``[tokens, heads, head_size]`` keys, then values."""
+        keys = [self._tokens_heads(nh, hs, dt) for nh, hs, dt in specs]
+        values = [self._tokens_heads(nh, hs, dt) for nh, hs, dt in specs]
+        return keys, values
+
+    def _tokens_heads(self, nh: int, hs: int, dt: torch.dtype) -> torch.Tensor:
+        """One ``[tokens, heads, head_size]`` tensor (head-major underneath when permuted)."""
+        tokens = self.num_blocks * self.block_size
+        if self.noncontiguous:
+            return self.physical((nh, tokens, hs), dt).permute(1, 0, 2)
+        return self.physical((tokens, nh, hs), dt)
+
+    def mla(self, specs: list[LayerSpec], sglang: bool) -> list[torch.Tensor]:
+        """Per-layer latent rows: ``[tokens, 1, head_size]`` (SGLang) or ``[blocks,
+        block_size, head_size]`` (vLLM)."""
+        pad = 16 if self.noncontiguous else 0
+        nb, bs = self.num_blocks, self.block_size
+        lead = (nb * bs, 1) if sglang else (nb, bs)
+        return [self.physical((*lead, hs + pad), dt)[..., :hs] for _, hs, dt in specs]
+
+
 def make_kv_caches(
     fmt: KVFormat | str,
     *,
@@ -61,54 +121,17 @@ def make_kv_caches(
     """
     fmt = KVFormat(fmt)
     specs = list(layer_specs) if layer_specs else [(num_heads, head_size, dtype)] * num_layers
-    nb, bs = num_blocks, block_size
     kwargs: dict[str, Any] = {"kv_format": fmt}
     if fmt.is_sglang:
-        kwargs["block_size"] = bs
-
-    def mla(hs: int, dt: torch.dtype, sglang: bool) -> torch.Tensor:
-        pad = 16 if noncontiguous else 0
-        if sglang:
-            return _physical((nb * bs, 1, hs + pad), dt, device, generator)[..., :hs]
-        return _physical((nb, bs, hs + pad), dt, device, generator)[..., :hs]
-
-    def tokens_heads(nh: int, hs: int, dt: torch.dtype) -> torch.Tensor:
-        if noncontiguous:
-            return _physical((nh, nb * bs, hs), dt, device, generator).permute(1, 0, 2)
-        return _physical((nb * bs, nh, hs), dt, device, generator)
-
+        kwargs["block_size"] = block_size
+    make = _Maker(num_blocks, block_size, noncontiguous, device, generator)
     if fmt is KVFormat.VLLM_CROSS_LAYER:
-        if len(set(specs)) != 1:
-            raise ValueError("vllm_cross_layer holds one (num_heads, head_size, dtype) only")
-        nh, hs, dt = specs[0]
-        nl = len(specs)
-        if noncontiguous:
-            t = _physical((nb, nl, 2, nh, bs, hs), dt, device, generator)
-            return t.permute(0, 1, 2, 4, 3, 5), kwargs
-        return _physical((nb, nl, 2, bs, nh, hs), dt, device, generator), kwargs
-    if fmt is KVFormat.VLLM_FLASH_ATTN:
-        if noncontiguous:
-            return [
-                _physical((2, nb, nh, bs, hs), dt, device, generator).permute(0, 1, 3, 2, 4)
-                for nh, hs, dt in specs
-            ], kwargs
-        return [
-            _physical((2, nb, bs, nh, hs), dt, device, generator) for nh, hs, dt in specs
-        ], kwargs
-    if fmt is KVFormat.VLLM_FLASHINFER:
-        if noncontiguous:
-            return [
-                _physical((nb, 2, nh, bs, hs), dt, device, generator).permute(0, 1, 3, 2, 4)
-                for nh, hs, dt in specs
-            ], kwargs
-        return [
-            _physical((nb, 2, bs, nh, hs), dt, device, generator) for nh, hs, dt in specs
-        ], kwargs
+        return make.cross_layer(specs), kwargs
+    if fmt in (KVFormat.VLLM_FLASH_ATTN, KVFormat.VLLM_FLASHINFER):
+        return make.paged(specs, kv_first=fmt is KVFormat.VLLM_FLASH_ATTN), kwargs
     if fmt is KVFormat.SGLANG_MHA:
-        keys = [tokens_heads(nh, hs, dt) for nh, hs, dt in specs]
-        values = [tokens_heads(nh, hs, dt) for nh, hs, dt in specs]
-        return (keys, values), kwargs
-    return [mla(hs, dt, fmt is KVFormat.SGLANG_MLA) for _, hs, dt in specs], kwargs
+        return make.sglang_mha(specs), kwargs
+    return make.mla(specs, sglang=fmt is KVFormat.SGLANG_MLA), kwargs
 
 
 def block_bytes(kv_caches: Any, kwargs: dict[str, Any], block_ids: Sequence[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
-from opentelemetry.metrics import CallbackOptions, MeterProvider, NoOpMeter, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, NoOpMeter, Observation
 
 from kvflow.events import Event, EventType, Sampler
 from kvflow.subscribers.batch import FOLDED_VALUE, MAX_LABEL_VALUES, LabelSets
@@ -28,6 +28,8 @@ _IM = ("instance_id", "model_name")
 _NS = 1e-9
 #: records one histogram value for a label set (SDK instrument or pre-aggregated store)
 _Record = Callable[[float, Mapping[str, str]], None]
+#: adds to one counter for a label set
+_Add = Callable[[int, Mapping[str, str]], None]
 
 
 class _Block:
@@ -61,6 +63,69 @@ class _Alloc:
         self.labels = labels
         self.block_size = block_size
         self.records = records
+
+
+def _histogram_store(meter_provider: MeterProvider, meter: Meter) -> HistogramStore | None:
+    """A store for pre-aggregated histograms on kvflow's provider (an SDK record costs
+    ~10 us), registered as its producer; None for a plain provider (or a disabled SDK's
+    no-op meter), which gets SDK instruments."""
+    if isinstance(meter_provider, KvflowMeterProvider) and not isinstance(meter, NoOpMeter):
+        store = HistogramStore("kvflow.l0")
+        meter_provider.add_producer(store)
+        return store
+    return None
+
+
+def _block_age_histograms(
+    meter: Meter, store: HistogramStore | None
+) -> tuple[_Record, _Record, _Record]:
+    """The record functions of block lifetime, idle before evict and reuse gap (seconds),
+    in `store` when there is one, else SDK histograms of `meter`."""
+
+    def histogram(name: str, description: str) -> _Record:
+        """One histogram's record function."""
+        if store is not None:
+            return store.histogram(
+                name, unit="s", description=description, boundaries=BLOCK_SECONDS
+            ).record
+        return meter.create_histogram(
+            name,
+            unit="s",
+            description=description,
+            explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
+        ).record
+
+    return (
+        histogram("kvflow.l0.block_lifetime", "Sampled GPU block: allocation to eviction"),
+        histogram(
+            "kvflow.l0.block_idle_before_evict",
+            "Sampled GPU block: release by its last owner to eviction",
+        ),
+        histogram(
+            "kvflow.l0.block_reuse_gap", "Sampled GPU block: time between consecutive accesses"
+        ),
+    )
+
+
+def _record_counters(meter: Meter) -> tuple[_Add, _Add, _Add]:
+    """The add functions of the allocation record, allocated block and invalid record
+    counters."""
+    records = meter.create_counter(
+        "kvflow.l0.allocation_records",
+        unit="{record}",
+        description="BlockAllocation records reported by the engine",
+    )
+    blocks = meter.create_counter(
+        "kvflow.l0.allocated_blocks",
+        unit="{block}",
+        description="Blocks allocated by the engine (all of them, sampled or not)",
+    )
+    invalid = meter.create_counter(
+        "kvflow.l0.invalid_records",
+        unit="{record}",
+        description="Allocation records skipped as malformed",
+    )
+    return records.add, blocks.add, invalid.add
 
 
 class L0LifecycleSubscriber:
@@ -101,52 +166,9 @@ class L0LifecycleSubscriber:
         self._labels = LabelSets(max_label_values)
         self._instance_labels: dict[str, dict[str, str]] = {}
         meter = meter_provider.get_meter("kvflow.l0")
-        # kvflow's provider takes the histograms pre-aggregated (an SDK record costs ~10 us);
-        # a plain provider (or a disabled SDK's no-op meter) gets SDK instruments
-        store = None
-        if isinstance(meter_provider, KvflowMeterProvider) and not isinstance(meter, NoOpMeter):
-            store = HistogramStore("kvflow.l0")
-            meter_provider.add_producer(store)
-        self._store = store
-
-        def histogram(name: str, description: str) -> _Record:
-            """The record function of one block-age histogram, on the path chosen above."""
-            if store is not None:
-                return store.histogram(
-                    name, unit="s", description=description, boundaries=BLOCK_SECONDS
-                ).record
-            return meter.create_histogram(
-                name,
-                unit="s",
-                description=description,
-                explicit_bucket_boundaries_advisory=BLOCK_SECONDS,
-            ).record
-
-        self._lifetime = histogram(
-            "kvflow.l0.block_lifetime", "Sampled GPU block: allocation to eviction"
-        )
-        self._idle = histogram(
-            "kvflow.l0.block_idle_before_evict",
-            "Sampled GPU block: release by its last owner to eviction",
-        )
-        self._reuse_gap = histogram(
-            "kvflow.l0.block_reuse_gap", "Sampled GPU block: time between consecutive accesses"
-        )
-        self._records_counter = meter.create_counter(
-            "kvflow.l0.allocation_records",
-            unit="{record}",
-            description="BlockAllocation records reported by the engine",
-        ).add
-        self._blocks_counter = meter.create_counter(
-            "kvflow.l0.allocated_blocks",
-            unit="{block}",
-            description="Blocks allocated by the engine (all of them, sampled or not)",
-        ).add
-        self._invalid_counter = meter.create_counter(
-            "kvflow.l0.invalid_records",
-            unit="{record}",
-            description="Allocation records skipped as malformed",
-        ).add
+        self._store = _histogram_store(meter_provider, meter)
+        self._lifetime, self._idle, self._reuse_gap = _block_age_histograms(meter, self._store)
+        self._records_counter, self._blocks_counter, self._invalid_counter = _record_counters(meter)
         meter.create_observable_gauge(
             "kvflow.l0.tracked_blocks",
             callbacks=[self._observe_tracked],

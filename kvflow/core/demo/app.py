@@ -51,7 +51,17 @@ class DemoError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
+    """`kvflow demo`'s command line, its options in three groups (not argparse groups:
+    `--help` lists them as one)."""
     p = argparse.ArgumentParser(prog="kvflow demo", description=__doc__.splitlines()[0])
+    _engine_args(p)
+    _tier_args(p)
+    _observability_args(p)
+    return p
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The synthetic engine and its workload: format, device, chats and documents."""
     p.add_argument(
         "--format",
         default=KVFormat.VLLM_FLASH_ATTN.value,
@@ -70,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=5, help="questions per document")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=_DEFAULTS.chunk_size)
+
+
+def _tier_args(p: argparse.ArgumentParser) -> None:
+    """L1 and the L2 disk tier."""
     p.add_argument(
         "--l1-size-gb",
         type=float,
@@ -90,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.l2_disk_size_gb,
         help=f"L2 disk capacity in GiB (default {_DEFAULTS.l2_disk_size_gb:g})",
     )
+
+
+def _observability_args(p: argparse.ArgumentParser) -> None:
+    """Metrics endpoint, L0 sampling, logs, progress lines and the event log."""
     p.add_argument("--prometheus-host", default=_OBS.prometheus_host)
     p.add_argument(
         "--prometheus-port",
@@ -123,7 +141,6 @@ def _parser() -> argparse.ArgumentParser:
         " printed at the end, for kvflow replay and kvflow whatif)",
     )
     p.add_argument("--no-event-log", action="store_true", help="record no event log")
-    return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -200,49 +201,82 @@ def effective_capacity(capacity_bytes: int, object_bytes: int) -> int:
     return objects * size
 
 
+class _Ops(NamedTuple):
+    """The ops a simulation walks, as lists: kind, namespace id and world per op, and its
+    range [lo, hi) of `keys` (the keys simulated, in log order)."""
+
+    kinds: list[int]
+    spaces: list[int]
+    worlds: list[int]
+    los: list[int]
+    his: list[int]
+    keys: list[int]
+    touch_slots: int  # touches among them: the Fenwick tree's size
+
+
+def _exact_ops(trace: Trace, lengths: np.ndarray, is_lookup: np.ndarray) -> _Ops:
+    """Every op of the trace, every key."""
+    start = trace.start
+    return _Ops(
+        trace.kind.tolist(), trace.space.tolist(), trace.world.tolist(),
+        start[:-1].tolist(), start[1:].tolist(), trace.keys.tolist(),
+        int(lengths[~is_lookup].sum()),
+    )  # fmt: skip
+
+
+def _sampled_ops(trace: Trace, keep: np.ndarray, lookup_key: np.ndarray) -> _Ops:
+    """The ops that cover kept key positions (`keep`, a mask over the trace's keys;
+    `lookup_key`: which keys are a lookup's), each with its range of the kept keys."""
+    positions = np.flatnonzero(keep)
+    op_of = np.searchsorted(trace.start, positions, side="right") - 1
+    firsts = np.flatnonzero(np.diff(op_of, prepend=-1))
+    ops = op_of[firsts]
+    los = firsts.tolist()
+    return _Ops(
+        trace.kind[ops].tolist(), trace.space[ops].tolist(), trace.world[ops].tolist(),
+        los, [*los[1:], len(positions)], trace.keys[positions].tolist(),
+        int((~lookup_key[positions]).sum()),
+    )  # fmt: skip
+
+
 def simulate(
     trace: Trace, *, rate: float = 1.0, seed: int = 0, sampled: bool | None = None
 ) -> Distances:
     """Stack distances of the trace's lookup chunks; `rate` < 1 samples keys (SHARDS).
     `sampled=True` runs the sampled estimator even at rate 1 (where it equals exact)."""
-    keys = trace.keys
-    start = trace.start
-    lengths = np.diff(start)
+    lengths = np.diff(trace.start)
     is_lookup = trace.kind == LOOKUP
     lookup_chunks = int(lengths[is_lookup].sum())
     rate = min(rate, 1.0)
-    strata: Strata | None = None
     if not (sampled or rate < 1.0):
-        kinds, spaces, worlds = trace.kind.tolist(), trace.space.tolist(), trace.world.tolist()
-        los, his = start[:-1].tolist(), start[1:].tolist()
-        key_list = keys.tolist()
-        n_touch_slots = int(lengths[~is_lookup].sum())
-    else:
-        keep = keep_mask(Sampler(rate, seed), keys)
-        lookup_key = np.repeat(is_lookup, lengths)
-        strata = strata_of(keys[lookup_key], keep[lookup_key])
-        positions = np.flatnonzero(keep)
-        key_list = keys[positions].tolist()
-        # the ops that cover kept positions, and each one's range of them
-        op_of = np.searchsorted(start, positions, side="right") - 1
-        firsts = np.flatnonzero(np.diff(op_of, prepend=-1))
-        ops = op_of[firsts]
-        kinds, spaces = trace.kind[ops].tolist(), trace.space[ops].tolist()
-        worlds = trace.world[ops].tolist()
-        los = firsts.tolist()
-        his = [*los[1:], len(positions)]
-        n_touch_slots = int((~lookup_key[positions]).sum())
-    scale = 1.0 / rate
+        dist = _stack_distances(trace, _exact_ops(trace, lengths, is_lookup), 1.0 / rate)
+        return Distances(np.sort(dist), lookup_chunks, 1.0)
+    keep = keep_mask(Sampler(rate, seed), trace.keys)
+    lookup_key = np.repeat(is_lookup, lengths)
+    strata = strata_of(trace.keys[lookup_key], keep[lookup_key])
+    dist = _stack_distances(trace, _sampled_ops(trace, keep, lookup_key), 1.0 / rate)
+    return Distances(dist, lookup_chunks, rate, strata)
+
+
+def _stack_distances(trace: Trace, ops: _Ops, scale: float) -> np.ndarray:
+    """The stack distance of every lookup key of `ops`, in order: the largest over its
+    world's ranks of the bytes touched since its object's last touch (inf: never, or a
+    key before it in the lookup never). Objects weigh their aligned size times `scale`.
+
+    One piece: the loop over every op and key of the trace is the simulation's hot path;
+    the Fenwick tree's prefix sum and update are written out inline (a call per key
+    would cost measurable time over millions of keys).
+    """
     weight = {s: aligned(b) * scale for s, b in trace.space_bytes.items()}
     default_w = aligned(trace.object_bytes() or 1) * scale
-    tree = [0.0] * (n_touch_slots + 2)
+    tree = [0.0] * (ops.touch_slots + 2)
     size = len(tree) - 1
     last: list[dict[int, int]] = [{} for _ in range(max(trace.spaces.values(), default=-1) + 2)]
-    total = 0.0
-    clock = 0
+    key_list = ops.keys
+    total, clock = 0.0, 0
     out: list[float] = []
     append = out.append
-    for kind, base, world, lo, hi in zip(kinds, spaces, worlds, los, his, strict=True):
+    for kind, base, world, lo, hi in zip(*ops[:5], strict=True):  # kinds, spaces, ..., his
         if lo == hi:
             continue
         if kind == LOOKUP:
@@ -283,7 +317,4 @@ def simulate(
                 tree[x] += w
                 x += x & -x
             seen[k] = clock
-    dist = np.asarray(out, dtype=np.float64)
-    if strata is None:
-        return Distances(np.sort(dist), lookup_chunks, 1.0)
-    return Distances(dist, lookup_chunks, rate, strata)
+    return np.asarray(out, dtype=np.float64)

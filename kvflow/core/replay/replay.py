@@ -43,11 +43,13 @@ from kvflow.core.replay.usage import Parser, UsageError
 from kvflow.core.replay.window import parse_time
 from kvflow.events import Event, monotonic_to_epoch_ns
 from kvflow.subscribers import (
+    ObservabilityPipeline,
     PrometheusEndpoint,
     build_subscribers,
     make_meter_provider,
     otlp_metric_reader,
 )
+from kvflow.subscribers.eventlog_format import SegmentHeader
 from kvflow.subscribers.eventlog_read import EventLogError, LogReader
 from kvflow.subscribers.providers import OTLP_PROTOCOLS
 
@@ -90,13 +92,7 @@ def replay(
     providers are flushed; `tracer_provider` is flushed but not shut down.
     """
     header = reader.first_header
-    rate = l0_sample_rate
-    if rate is None:
-        rate = header.l0_sample_rate if header and header.l0_sample_rate is not None else None
-    rate = DEFAULT_L0_SAMPLE_RATE if rate is None else rate
-    seed = sample_seed
-    if seed is None:
-        seed = header.sample_seed if header and header.sample_seed is not None else 0
+    rate, seed = _sampling(header, l0_sample_rate, sample_seed)
     try:
         config = ObservabilityConfig(
             prometheus_port=0,
@@ -118,40 +114,70 @@ def replay(
         pipeline.add_tracing(tracer_provider, config.tracing_ttl_s)
     here = monotonic_to_epoch_ns(0)
     shift = (header.epoch_offset_ns - here) if header is not None else 0
-    count, first, last, traced = 0, None, None, 0
     try:
-        for batch in reader.batches_of_events():
-            events: Sequence[Event] = batch
-            if start_ns is not None or end_ns is not None:
-                lo = -1 if start_ns is None else start_ns
-                hi = 1 << 64 if end_ns is None else end_ns
-                events = [ev for ev in batch if lo <= ev.ts_ns < hi]
-            if not events:
-                continue
-            shifted: Sequence[Event] | None = None if shift else events
-            for sub in pipeline.subscribers:
-                given = events
-                if sub.name in _WALL_CLOCK_SUBSCRIBERS:
-                    if shifted is None:
-                        shifted = [_shifted(ev, shift) for ev in events]
-                    given = shifted
-                wanted = sub.event_types
-                mine = given if wanted is None else [e for e in given if e.type in wanted]
-                if mine:
-                    sub.on_events(mine)
-                    if sub.name == "tracing":
-                        traced += len(mine)
-            if tracer_provider is not None and traced >= FLUSH_EVERY_EVENTS:
-                tracer_provider.force_flush()
-                traced = 0
-            count += len(events)
-            first = events[0].ts_ns if first is None else first
-            last = events[-1].ts_ns
+        count, first, last = _feed(reader, pipeline, shift, start_ns, end_ns, tracer_provider)
     finally:
         for sub in pipeline.subscribers:
             sub.shutdown()
         pipeline.shutdown(timeout=30.0)
     return ReplayResult(reader, count, first, last, rate, seed)
+
+
+def _sampling(
+    header: SegmentHeader | None, l0_sample_rate: float | None, sample_seed: int | None
+) -> tuple[float, int]:
+    """The L0 sample rate and seed: as given, else as the log's header recorded them,
+    else the defaults."""
+    rate = l0_sample_rate
+    if rate is None:
+        rate = header.l0_sample_rate if header and header.l0_sample_rate is not None else None
+    rate = DEFAULT_L0_SAMPLE_RATE if rate is None else rate
+    seed = sample_seed
+    if seed is None:
+        seed = header.sample_seed if header and header.sample_seed is not None else 0
+    return rate, seed
+
+
+def _feed(
+    reader: LogReader,
+    pipeline: ObservabilityPipeline,
+    shift: int,
+    start_ns: int | None,
+    end_ns: int | None,
+    tracer_provider: TracerProvider | None,
+) -> tuple[int, int | None, int | None]:
+    """Each batch's events in [start_ns, end_ns) to every subscriber that wants them
+    (shifted by `shift` for those that make wall times), flushing spans every
+    FLUSH_EVERY_EVENTS; the events fed and the first and last one's time."""
+    count, first, last, traced = 0, None, None, 0
+    for batch in reader.batches_of_events():
+        events: Sequence[Event] = batch
+        if start_ns is not None or end_ns is not None:
+            lo = -1 if start_ns is None else start_ns
+            hi = 1 << 64 if end_ns is None else end_ns
+            events = [ev for ev in batch if lo <= ev.ts_ns < hi]
+        if not events:
+            continue
+        shifted: Sequence[Event] | None = None if shift else events
+        for sub in pipeline.subscribers:
+            given = events
+            if sub.name in _WALL_CLOCK_SUBSCRIBERS:
+                if shifted is None:
+                    shifted = [_shifted(ev, shift) for ev in events]
+                given = shifted
+            wanted = sub.event_types
+            mine = given if wanted is None else [e for e in given if e.type in wanted]
+            if mine:
+                sub.on_events(mine)
+                if sub.name == "tracing":
+                    traced += len(mine)
+        if tracer_provider is not None and traced >= FLUSH_EVERY_EVENTS:
+            tracer_provider.force_flush()
+            traced = 0
+        count += len(events)
+        first = events[0].ts_ns if first is None else first
+        last = events[-1].ts_ns
+    return count, first, last
 
 
 def _shifted(ev: Event, shift: int) -> Event:
@@ -245,29 +271,13 @@ def run(argv: list[str], out: IO[str]) -> int:
     except EventLogError as exc:
         print(f"kvflow replay: error: {exc}", file=sys.stderr)
         return 1
-    start = end = None
-    if args.start is not None or args.end is not None:
-        first = _first_ts(LogReader.open(args.directory))
-        offset = reader.first_header.epoch_offset_ns if reader.first_header else 0
-        try:
-            if args.start is not None:
-                start = parse_time(args.start, "--from", first_ts_ns=first, epoch_offset_ns=offset)
-            if args.end is not None:
-                end = parse_time(args.end, "--to", first_ts_ns=first, epoch_offset_ns=offset)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    start, end = _window(args, reader)
     if args.otlp_protocol is not None and args.otlp_endpoint is None:
         raise UsageError("--otlp-protocol needs --otlp-endpoint")
     protocol = args.otlp_protocol or "grpc"
     endpoint = PrometheusEndpoint(port=0)  # never started: its reader renders the text
     memory = InMemoryMetricReader()
-    readers: list[MetricReader] = [endpoint.reader, memory]
-    if args.otlp_endpoint is not None:
-        try:  # no periodic push: the one export is the flush at the end
-            readers.append(otlp_metric_reader(args.otlp_endpoint, protocol, math.inf))
-        except ValueError as exc:
-            raise UsageError(f"--otlp-endpoint: {exc}") from None
-    provider = make_meter_provider(readers)
+    provider = make_meter_provider(_metric_readers(args, protocol, endpoint, memory))
     log_file = open(args.logs, "w") if args.logs else None  # noqa: SIM115 - closed below
     trace_file = open(args.traces, "w") if args.traces else None  # noqa: SIM115 - closed below
     tracer_provider = None
@@ -279,15 +289,7 @@ def run(argv: list[str], out: IO[str]) -> int:
             start_ns=start, end_ns=end, log_stream=log_file, log_level=args.log_level,
             tracer_provider=tracer_provider,
         )  # fmt: skip
-        summary = _summary(result)
-        if result.events == 0 and not reader.problems:
-            summary.append("the log holds no events (an empty log: the run published none)")
-        if args.format == "json":
-            doc = {"summary": summary, "metrics": _points_json(memory)}
-            out.write(json.dumps(doc, indent=1, default=str) + "\n")
-        else:
-            out.write("".join(f"# {line}\n" for line in summary))
-            out.write(generate_latest(endpoint.registry).decode())
+        _print_result(result, args.format, endpoint, memory, out)
     finally:
         provider.shutdown()
         if tracer_provider is not None:
@@ -298,6 +300,57 @@ def run(argv: list[str], out: IO[str]) -> int:
     for problem in reader.problems:
         print(f"kvflow replay: skipped: {problem}", file=sys.stderr)
     return 0
+
+
+def _window(args: argparse.Namespace, reader: LogReader) -> tuple[int | None, int | None]:
+    """--from and --to as event times (None: not given)."""
+    start = end = None
+    if args.start is not None or args.end is not None:
+        first = _first_ts(LogReader.open(args.directory))
+        offset = reader.first_header.epoch_offset_ns if reader.first_header else 0
+        try:
+            if args.start is not None:
+                start = parse_time(args.start, "--from", first_ts_ns=first, epoch_offset_ns=offset)
+            if args.end is not None:
+                end = parse_time(args.end, "--to", first_ts_ns=first, epoch_offset_ns=offset)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return start, end
+
+
+def _metric_readers(
+    args: argparse.Namespace,
+    protocol: str,
+    endpoint: PrometheusEndpoint,
+    memory: InMemoryMetricReader,
+) -> list[MetricReader]:
+    """The Prometheus text reader, the in-memory one, and the OTLP one when asked."""
+    readers: list[MetricReader] = [endpoint.reader, memory]
+    if args.otlp_endpoint is not None:
+        try:  # no periodic push: the one export is the flush at the end
+            readers.append(otlp_metric_reader(args.otlp_endpoint, protocol, math.inf))
+        except ValueError as exc:
+            raise UsageError(f"--otlp-endpoint: {exc}") from None
+    return readers
+
+
+def _print_result(
+    result: ReplayResult,
+    fmt: str,
+    endpoint: PrometheusEndpoint,
+    memory: InMemoryMetricReader,
+    out: IO[str],
+) -> None:
+    """The summary and the metrics, as JSON or as comments and Prometheus text."""
+    summary = _summary(result)
+    if result.events == 0 and not result.reader.problems:
+        summary.append("the log holds no events (an empty log: the run published none)")
+    if fmt == "json":
+        doc = {"summary": summary, "metrics": _points_json(memory)}
+        out.write(json.dumps(doc, indent=1, default=str) + "\n")
+    else:
+        out.write("".join(f"# {line}\n" for line in summary))
+        out.write(generate_latest(endpoint.registry).decode())
 
 
 def main(command: str, argv: list[str]) -> int:

@@ -135,6 +135,125 @@ class TierHits:
         return self.l1_chunks + self.l2_chunks
 
 
+class _Tiers:
+    """L1 and L2 as the engine runs them (the module docstring's model) and the lookup
+    chunks that hit each: `simulate_tiers` feeds it the trace's ops in order."""
+
+    __slots__ = ("backlog", "default", "l1", "l1_hits", "l2", "l2_hits", "prefetch_budget", "raw")
+
+    def __init__(self, trace: Trace, l1_capacity: int, l2_capacity: int, configured: int) -> None:
+        self.backlog = int(configured * BACKLOG_SHARE)
+        self.prefetch_budget = int(configured * PREFETCH_SHARE)
+        self.default = trace.object_bytes() or 1
+        self.raw = trace.space_bytes
+        self.l1, self.l2 = _Lru(l1_capacity), _Lru(l2_capacity)
+        self.l1_hits = self.l2_hits = 0
+
+    def lookup(self, base: int, world: int, chunk_keys: list[int]) -> None:
+        """Count the hit prefix, each chunk for the slowest tier one of its ranks needed;
+        refresh in L1 the objects of its chunks before the first that needed L2, and
+        prefetch from that one on."""
+        l1, l2 = self.l1, self.l2
+        # from the first position that needed L2: each one's objects and which of them
+        # only L2 holds (the engine's prefetch rows)
+        rows: list[tuple[list[_Obj], list[_Obj]]] = []
+        in_l1: list[_Obj] = []  # objects of the chunks before the first that needed L2
+        l1_hits = l2_hits = 0
+        for k in chunk_keys:
+            objs = [(base + r, k) for r in range(world)]
+            from_l2: list[_Obj] = []
+            for obj in objs:
+                if obj in l1:
+                    continue
+                if obj not in l2:
+                    break
+                from_l2.append(obj)
+            else:
+                if from_l2:
+                    l2_hits += 1
+                else:
+                    l1_hits += 1
+                if from_l2 or rows:
+                    rows.append((objs, from_l2))
+                else:
+                    in_l1 += objs
+                continue
+            break
+        self.l1_hits += l1_hits
+        self.l2_hits += l2_hits
+        for obj in reversed(in_l1):  # L1 refreshes its lookup hits, head most recent
+            l1.refresh(obj)
+        if rows:
+            self._prefetch(base, world, rows)
+
+    def _prefetch(self, base: int, world: int, rows: list[tuple[list[_Obj], list[_Obj]]]) -> None:
+        """The lookup's prefetch, of the rows that fit in its share of L1: L1's objects
+        pinned, L2's loaded into room reserved in L1 (a row without room ends it)."""
+        l1, raw, default = self.l1, self.raw, self.default
+        row_bytes = sum(raw.get(base + r, default) for r in range(world))
+        fit = max(1, self.prefetch_budget // max(1, row_bytes))
+        pinned: set[_Obj] = set()
+        loads: list[_Obj] = []
+        kept = 0  # loads of the rows that found room in L1
+        for objs, from_l2 in rows[:fit]:
+            room = True
+            for obj in objs:  # in order: L1's objects pinned, L2's reserved in L1
+                if obj not in from_l2:
+                    l1.refresh(obj)
+                    pinned.add(obj)
+                elif l1.reserve(aligned(raw.get(obj[0], default)), pinned):
+                    loads.append(obj)
+                else:
+                    room = False
+                    break
+            if not room:  # no row after it is loaded; its own loads are discarded
+                for obj in loads[kept:]:
+                    l1.used -= aligned(raw.get(obj[0], default))
+                break
+            kept = len(loads)
+        l2 = self.l2
+        for obj in reversed(loads):  # one load: L2 refreshes them, head most recent
+            l2.refresh(obj)
+        for obj in loads[:kept]:  # write-back commits them in order: tail newest
+            l1.commit(obj, aligned(raw.get(obj[0], default)))
+
+    def retrieve(self, base: int, chunk_keys: list[int]) -> None:
+        """Touch the recorded chunks L1 or L2 holds, from chunk 0, tail first; one only
+        L2 holds is loaded (refreshed in L2) and written back into L1."""
+        l1, l2 = self.l1, self.l2
+        size = aligned(self.raw.get(base, self.default))
+        obj_keys = [(base, k) for k in chunk_keys]
+        got = 0  # the recorded chunks this L1 and L2 hold, from chunk 0
+        while got < len(obj_keys) and (obj_keys[got] in l1 or obj_keys[got] in l2):
+            got += 1
+        for obj in reversed(obj_keys[:got]):
+            if obj not in l1:
+                l2.refresh(obj)
+            l1.touch(obj, size)
+
+    def store(self, base: int, chunk_keys: list[int]) -> None:
+        """Touch the chunks in L1, tail first, and write the new ones it still holds
+        through to L2."""
+        l1, l2 = self.l1, self.l2
+        nbytes = self.raw.get(base, self.default)
+        size = aligned(nbytes)
+        obj_keys = [(base, k) for k in chunk_keys]
+        new = [obj for obj in reversed(obj_keys) if l1.touch(obj, size)]
+        if l2.capacity:
+            # write-through of the new chunks L1 still holds, head first, in batches of
+            # the backlog bound (the first waits for nothing; each next one waits for
+            # the one before to finish): each batch pins its chunks in L1, tail first (a
+            # pin refreshes: the batch's head ends most recent), then L2 stores them
+            written = [obj for obj in reversed(new) if obj in l1]
+            per = max(1, self.backlog // nbytes) if nbytes else len(written) or 1
+            for b in range(0, len(written), per):
+                batch = written[b : b + per]
+                for obj in reversed(batch):
+                    l1.refresh(obj)
+                for obj in batch:
+                    l2.insert(obj, nbytes)
+
+
 def simulate_tiers(
     trace: Trace, l1_capacity: int, l2_capacity: int, l1_configured: int | None = None
 ) -> TierHits:
@@ -143,98 +262,20 @@ def simulate_tiers(
     `l1_configured` is L1's configured bytes (default `l1_capacity`), which bounds
     the write-through backlog."""
     configured = l1_configured if l1_configured is not None else l1_capacity
-    backlog = int(configured * BACKLOG_SHARE)
-    prefetch_budget = int(configured * PREFETCH_SHARE)
-    default = trace.object_bytes() or 1
-    raw = trace.space_bytes
-    l1, l2 = _Lru(l1_capacity), _Lru(l2_capacity)
+    tiers = _Tiers(trace, l1_capacity, l2_capacity, configured)
+    lookup, retrieve, store = tiers.lookup, tiers.retrieve, tiers.store
     keys = trace.keys.tolist()
     start = trace.start.tolist()
     kinds, spaces, worlds = trace.kind.tolist(), trace.space.tolist(), trace.world.tolist()
     retrieves = trace.retrieve.tolist() if trace.retrieve is not None else [False] * len(kinds)
-    l1_hits = l2_hits = 0
     for i, (kind, base, world, is_retrieve) in enumerate(
         zip(kinds, spaces, worlds, retrieves, strict=True)
     ):
         chunk_keys = keys[start[i] : start[i + 1]]
         if kind == LOOKUP:
-            # the positions from the first that needed L2: each one's objects and which
-            # of them only L2 holds (the engine's prefetch rows)
-            rows: list[tuple[list[_Obj], list[_Obj]]] = []
-            in_l1: list[_Obj] = []  # objects of the chunks before the first that needed L2
-            for k in chunk_keys:
-                objs = [(base + r, k) for r in range(world)]
-                from_l2: list[_Obj] = []
-                for obj in objs:
-                    if obj in l1:
-                        continue
-                    if obj not in l2:
-                        break
-                    from_l2.append(obj)
-                else:
-                    if from_l2:
-                        l2_hits += 1
-                    else:
-                        l1_hits += 1
-                    if from_l2 or rows:
-                        rows.append((objs, from_l2))
-                    else:
-                        in_l1 += objs
-                    continue
-                break
-            for obj in reversed(in_l1):  # L1 refreshes its lookup hits, head most recent
-                l1.refresh(obj)
-            if rows:  # the prefetch, of the rows that fit in its share of L1
-                row_bytes = sum(raw.get(base + r, default) for r in range(world))
-                fit = max(1, prefetch_budget // max(1, row_bytes))
-                pinned: set[_Obj] = set()
-                loads: list[_Obj] = []
-                kept = 0  # loads of the rows that found room in L1
-                for objs, from_l2 in rows[:fit]:
-                    room = True
-                    for obj in objs:  # in order: L1's objects pinned, L2's reserved in L1
-                        if obj not in from_l2:
-                            l1.refresh(obj)
-                            pinned.add(obj)
-                        elif l1.reserve(aligned(raw.get(obj[0], default)), pinned):
-                            loads.append(obj)
-                        else:
-                            room = False
-                            break
-                    if not room:  # no row after it is loaded; its own loads are discarded
-                        for obj in loads[kept:]:
-                            l1.used -= aligned(raw.get(obj[0], default))
-                        break
-                    kept = len(loads)
-                for obj in reversed(loads):  # one load: L2 refreshes them, head most recent
-                    l2.refresh(obj)
-                for obj in loads[:kept]:  # write-back commits them in order: tail newest
-                    l1.commit(obj, aligned(raw.get(obj[0], default)))
-            continue
-        nbytes = raw.get(base, default)
-        size = aligned(nbytes)
-        obj_keys = [(base, k) for k in chunk_keys]
-        if is_retrieve:
-            got = 0  # the recorded chunks this L1 and L2 hold, from chunk 0
-            while got < len(obj_keys) and (obj_keys[got] in l1 or obj_keys[got] in l2):
-                got += 1
-            for obj in reversed(obj_keys[:got]):
-                if obj not in l1:
-                    l2.refresh(obj)
-                l1.touch(obj, size)
-            continue
-        new = [obj for obj in reversed(obj_keys) if l1.touch(obj, size)]
-        if l2.capacity:
-            # write-through of the new chunks L1 still holds, head first, in batches of
-            # the backlog bound (the first waits for nothing; each next one waits for
-            # the one before to finish): each batch pins its chunks in L1, tail first (a
-            # pin refreshes: the batch's head ends most recent), then L2 stores them
-            written = [obj for obj in reversed(new) if obj in l1]
-            per = max(1, backlog // nbytes) if nbytes else len(written) or 1
-            for b in range(0, len(written), per):
-                batch = written[b : b + per]
-                for obj in reversed(batch):
-                    l1.refresh(obj)
-                for obj in batch:
-                    l2.insert(obj, nbytes)
-    return TierHits(l1_hits, l2_hits)
+            lookup(base, world, chunk_keys)
+        elif is_retrieve:
+            retrieve(base, chunk_keys)
+        else:
+            store(base, chunk_keys)
+    return TierHits(tiers.l1_hits, tiers.l2_hits)

@@ -165,31 +165,75 @@ def trace_of(parts: list[BatchIndex]) -> Trace:
     """The trace of these batch indexes (numpy over the packed records)."""
     ops = np.frombuffer(b"".join([p.ops for p in parts]), OP_DTYPE)
     all_keys = np.frombuffer(b"".join([p.keys for p in parts]), "<u8")
-    # batch-local name indexes -> log-wide ones (most logs: the same names in every batch)
-    names: dict[str, int] = {}
-    if all(p.names == parts[0].names for p in parts):
-        names = {n: i for i, n in enumerate(parts[0].names)} if parts else {}
-        inst = ops["instance"].astype(np.int64)
-        model = ops["model"].astype(np.int64)
-    else:
-        maps = [[names.setdefault(n, len(names)) for n in p.names] for p in parts]
-        name_base = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum([len(m) for m in maps], out=name_base[1:])
-        name_map = np.asarray([i for m in maps for i in m], dtype=np.int64)
-        per_batch = [len(p.ops) // OP_DTYPE.itemsize for p in parts]
-        base = np.repeat(name_base[:-1], per_batch)
-        inst = name_map[base + ops["instance"]]
-        model = name_map[base + ops["model"]]
+    names, inst, model = _log_names(parts, ops)
     etype = ops["type"]
     ok = (ops["flags"] & FLAG_OK) != 0
-    world = ops["world"].astype(np.int64)
-    rank = ops["rank"].astype(np.int64)
     is_lookup = ok & (etype == int(EventType.LOOKUP_END))
     is_touch = ok & ((etype == int(EventType.STORE_END)) | (etype == int(EventType.RETRIEVE_END)))
-    # a touch's namespace: its instance's, from the latest REGISTER before it
+    # each op's namespace: a lookup's own (rank 0), a touch's from its instance's REGISTER
     touch_at = np.flatnonzero(is_touch)
+    t_model, t_world, t_rank, known = _registered(ops, inst, model, touch_at)
+    chosen = np.flatnonzero(is_lookup | is_touch)
+    op_world = ops["world"].astype(np.int64)[chosen]
+    op_model, op_rank = model[chosen], np.zeros(len(chosen), np.int64)
+    where = np.searchsorted(chosen, touch_at)
+    op_model[where], op_world[where], op_rank[where] = t_model, t_world, t_rank
+    lookup_sel = is_lookup[chosen]
+    space, spaces = _space_ids(names, op_model, op_world, op_rank)
+    chunk_bytes = ops["chunk_bytes"][chosen]
+    sized = np.flatnonzero(~lookup_sel & (chunk_bytes > 0))
+    nkeys = ops["nkeys"].astype(np.int64)
+    dropped = ~(is_lookup | is_touch)
+    keys = all_keys[np.repeat(~dropped, nkeys)] if nkeys[dropped].any() else all_keys
+    start = np.zeros(len(chosen) + 1, dtype=np.int64)
+    np.cumsum(nkeys[chosen], out=start[1:])
+    lookup_sizes = ops["chunk_size"][is_lookup]
+    sizes = lookup_sizes[lookup_sizes > 0]
+    return Trace(
+        kind=np.where(lookup_sel, LOOKUP, TOUCH).astype(np.int8),
+        space=space.astype(np.int32),
+        world=np.where(lookup_sel, op_world, 1).astype(np.int32),
+        start=start,
+        keys=keys,
+        requested_tokens=int(ops["requested"][is_lookup].sum()),
+        chunk_size=int(sizes[0]) if len(sizes) else 0,
+        live_l1_hit_tokens=int(ops["l1_hits"][is_lookup].sum()),
+        lookups=int(is_lookup.sum()),
+        space_bytes=_last_per_space(space[sized], chunk_bytes[sized]),
+        spaces=spaces,
+        unknown_instances=int(len(touch_at) - known.sum()),
+        retrieve=etype[chosen] == int(EventType.RETRIEVE_END),
+    )
+
+
+def _log_names(
+    parts: list[BatchIndex], ops: np.ndarray
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The log's names, and each record's instance and model as indexes into them (a
+    record's are its batch's own indexes; most logs have the same names in every batch)."""
+    if all(p.names == parts[0].names for p in parts):
+        names = list(dict.fromkeys(parts[0].names)) if parts else []
+        return names, ops["instance"].astype(np.int64), ops["model"].astype(np.int64)
+    found: dict[str, int] = {}
+    maps = [[found.setdefault(n, len(found)) for n in p.names] for p in parts]
+    name_base = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(m) for m in maps], out=name_base[1:])
+    name_map = np.asarray([i for m in maps for i in m], dtype=np.int64)
+    per_batch = [len(p.ops) // OP_DTYPE.itemsize for p in parts]
+    base = np.repeat(name_base[:-1], per_batch)
+    return list(found), name_map[base + ops["instance"]], name_map[base + ops["model"]]
+
+
+def _registered(
+    ops: np.ndarray, inst: np.ndarray, model: np.ndarray, touch_at: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per touch (record indexes `touch_at`): model, world size and rank from its
+    instance's latest REGISTER before it, and whether there was one (else: its own
+    model, world 1, rank 0)."""
+    world = ops["world"].astype(np.int64)
+    rank = ops["rank"].astype(np.int64)
     t_model, t_world, t_rank = model[touch_at], np.ones_like(touch_at), np.zeros_like(touch_at)
-    reg_at = np.flatnonzero(etype == int(EventType.REGISTER))
+    reg_at = np.flatnonzero(ops["type"] == int(EventType.REGISTER))
     known = np.zeros(len(touch_at), dtype=bool)
     if len(reg_at) and len(touch_at):
         n = len(ops) + 1
@@ -201,14 +245,15 @@ def trace_of(parts: list[BatchIndex]) -> Trace:
         known = (j >= 0) & (inst[reg_sorted[jc]] == inst[touch_at])
         src = reg_sorted[jc[known]]
         t_model[known], t_world[known], t_rank[known] = model[src], world[src], rank[src]
-    chosen = np.flatnonzero(is_lookup | is_touch)
-    op_model, op_world, op_rank = model[chosen], world[chosen], np.zeros(len(chosen), np.int64)
-    where = np.searchsorted(chosen, touch_at)
-    op_model[where], op_world[where], op_rank[where] = t_model, t_world, t_rank
-    lookup_sel = is_lookup[chosen]
-    # namespace ids in order of first appearance; a world's ranks adjacent (rank 0 first)
+    return t_model, t_world, t_rank, known
+
+
+def _space_ids(
+    names: list[str], op_model: np.ndarray, op_world: np.ndarray, op_rank: np.ndarray
+) -> tuple[np.ndarray, dict[tuple[str, int, int], int]]:
+    """Each op's namespace id, and the namespaces by (model, world size, rank): ids in
+    order of first appearance, a world's ranks adjacent (rank 0 first)."""
     spaces: dict[tuple[str, int, int], int] = {}
-    name_list = list(names)
 
     def space_of(model_name: str, world_size: int, r: int) -> int:
         found = spaces.get((model_name, world_size, r))
@@ -227,33 +272,11 @@ def trace_of(parts: list[BatchIndex]) -> Trace:
     ids = np.zeros(len(uniq), dtype=np.int32)
     for u in np.argsort(first, kind="stable").tolist():
         c = int(uniq[u])
-        ids[u] = space_of(name_list[c >> 32], (c >> 16) & 0xFFFF, c & 0xFFFF)
-    space = ids[inverse.reshape(-1)]
-    space_bytes: dict[int, int] = {}
-    sized = np.flatnonzero(~lookup_sel & (ops["chunk_bytes"][chosen] > 0))
-    if len(sized):
-        s_ids = space[sized]
-        for s in np.unique(s_ids).tolist():
-            space_bytes[int(s)] = int(ops["chunk_bytes"][chosen[sized[s_ids == s][-1]]])
-    nkeys = ops["nkeys"].astype(np.int64)
-    dropped = ~(is_lookup | is_touch)
-    keys = all_keys[np.repeat(~dropped, nkeys)] if nkeys[dropped].any() else all_keys
-    start = np.zeros(len(chosen) + 1, dtype=np.int64)
-    np.cumsum(nkeys[chosen], out=start[1:])
-    lookup_sizes = ops["chunk_size"][is_lookup]
-    sizes = lookup_sizes[lookup_sizes > 0]
-    return Trace(
-        kind=np.where(lookup_sel, LOOKUP, TOUCH).astype(np.int8),
-        space=space.astype(np.int32),
-        world=np.where(lookup_sel, op_world, 1).astype(np.int32),
-        start=start,
-        keys=keys,
-        requested_tokens=int(ops["requested"][is_lookup].sum()),
-        chunk_size=int(sizes[0]) if len(sizes) else 0,
-        live_l1_hit_tokens=int(ops["l1_hits"][is_lookup].sum()),
-        lookups=int(is_lookup.sum()),
-        space_bytes=space_bytes,
-        spaces=spaces,
-        unknown_instances=int(len(touch_at) - known.sum()),
-        retrieve=etype[chosen] == int(EventType.RETRIEVE_END),
-    )
+        ids[u] = space_of(names[c >> 32], (c >> 16) & 0xFFFF, c & 0xFFFF)
+    return ids[inverse.reshape(-1)], spaces
+
+
+def _last_per_space(space: np.ndarray, nbytes: np.ndarray) -> dict[int, int]:
+    """Per namespace id in `space`, the last of its `nbytes` (the object size a store
+    recorded last)."""
+    return {int(s): int(nbytes[space == s][-1]) for s in np.unique(space).tolist()}

@@ -99,6 +99,37 @@ def _make_dir(root: str) -> None:
         ) from e
 
 
+#: the failure and eviction counters `stats` reports
+_COUNTERS = (
+    "evicted_chunks",
+    "evicted_bytes",
+    "store_failures",
+    "load_failures",
+    "corrupt_objects",
+    "missing_objects",
+)
+
+
+def _checked_roots(
+    paths: Sequence[str], capacity_bytes: int, io_threads_per_path: int
+) -> list[str]:
+    """The tier's arguments checked, and its paths made absolute and created (one
+    directory listed twice, under any name, is refused)."""
+    if isinstance(paths, str) or not paths:
+        raise ValueError(f"--l2-disk needs a list of one or more directories, got {paths!r}")
+    if not capacity_bytes > 0:
+        raise ValueError(f"--l2-disk-size-gb must be > 0: the disk tier got {capacity_bytes} bytes")
+    if io_threads_per_path < 1:
+        raise ValueError(f"io_threads_per_path must be >= 1, got {io_threads_per_path}")
+    roots = [os.path.abspath(p) for p in paths]
+    for root in roots:
+        _make_dir(root)
+    real = [os.path.realpath(r) for r in roots]
+    if len(set(real)) != len(real):
+        raise ValueError(f"--l2-disk lists one directory twice: {', '.join(roots)}")
+    return roots
+
+
 class DiskTier:
     """The L2 disk tier (a `StorageTier`) over one or more directories.
 
@@ -118,21 +149,8 @@ class DiskTier:
         direct_io: bool = False,
         io_threads_per_path: int = 2,
     ) -> None:
-        if isinstance(paths, str) or not paths:
-            raise ValueError(f"--l2-disk needs a list of one or more directories, got {paths!r}")
-        if not capacity_bytes > 0:
-            raise ValueError(
-                f"--l2-disk-size-gb must be > 0: the disk tier got {capacity_bytes} bytes"
-            )
-        if io_threads_per_path < 1:
-            raise ValueError(f"io_threads_per_path must be >= 1, got {io_threads_per_path}")
+        roots = _checked_roots(paths, capacity_bytes, io_threads_per_path)
         self.io_threads_per_path = io_threads_per_path
-        roots = [os.path.abspath(p) for p in paths]
-        for root in roots:
-            _make_dir(root)
-        real = [os.path.realpath(r) for r in roots]
-        if len(set(real)) != len(real):
-            raise ValueError(f"--l2-disk lists one directory twice: {', '.join(roots)}")
         self._groups = assign_paths(roots, num_gpus)
         self.roots = roots
         self.capacity_bytes = int(capacity_bytes)
@@ -150,42 +168,38 @@ class DiskTier:
         self._last_error: list[str | None] = [None] * len(roots)
         self._writing = 0
         self._closed = False
-        self.counters = dict.fromkeys(
-            (
-                "evicted_chunks",
-                "evicted_bytes",
-                "store_failures",
-                "load_failures",
-                "corrupt_objects",
-                "missing_objects",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(_COUNTERS, 0)
         self._direct_requested = direct_io
         self._direct = [False] * len(roots)  # O_DIRECT in use, per path
         self._lock_fds: list[int] = []
         self._pools: list[ThreadPoolExecutor] = []
         try:
-            for root in roots:
-                self._lock_fds.append(_lock_path(root))
-            self._direct = [
-                direct_io and diskfile.probe_direct_io(os.path.join(root, diskfile.OBJECTS_DIR))
-                for root in roots
-            ]
-            self._pools = [
-                ThreadPoolExecutor(
-                    io_threads_per_path,
-                    thread_name_prefix=f"kvflow-disk{i}",
-                    initializer=_lower_priority,
-                )
-                for i in range(len(roots))
-            ]
-            self._rebuild()
+            self._start()
         except BaseException:
             self._release()
             raise
 
     # -- start-up ------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Lock every path, probe O_DIRECT where asked, start the I/O threads and index
+        the objects on disk."""
+        for root in self.roots:
+            self._lock_fds.append(_lock_path(root))
+        self._direct = [
+            self._direct_requested
+            and diskfile.probe_direct_io(os.path.join(root, diskfile.OBJECTS_DIR))
+            for root in self.roots
+        ]
+        self._pools = [
+            ThreadPoolExecutor(
+                self.io_threads_per_path,
+                thread_name_prefix=f"kvflow-disk{i}",
+                initializer=_lower_priority,
+            )
+            for i in range(len(self.roots))
+        ]
+        self._rebuild()
 
     def _rebuild(self) -> None:
         """Index the objects on disk (scanning the paths in parallel), oldest mtime first;
