@@ -124,6 +124,20 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server_events.py",
         "tests/core/server/test_server_gpu.py",
     ],
+    # split out of server.py (issue 40): the jobs run every request kind; the registry
+    # keeps the registered instances
+    "kvflow/core/server/jobs.py": [
+        "tests/core/server/test_jobs.py",
+        "tests/core/server/test_server.py",
+        "tests/core/server/test_server_hardening.py",
+        "tests/core/server/test_blend_server.py",
+        "tests/core/server/test_layerwise_server.py",
+    ],
+    "kvflow/core/server/registry.py": [
+        "tests/core/server/test_server.py",
+        "tests/core/server/test_server_hardening.py",
+        "tests/core/server/test_server_shutdown.py",
+    ],
     # CUDA IPC: only the gpu-marked tests reach it (make mutation GPU=1 on a GPU machine).
     "kvflow/core/server/ipc.py": [
         "tests/core/server/test_server_gpu.py",
@@ -182,6 +196,8 @@ MODULES = [
     "kvflow/core/server/sharing.py",
     "kvflow/core/server/client.py",
     "kvflow/core/server/server.py",
+    "kvflow/core/server/jobs.py",
+    "kvflow/core/server/registry.py",
     "kvflow/core/server/cli.py",
 ]
 
