@@ -152,7 +152,7 @@ class Bench:
         )
         _sync(device)  # the retrieved KV landed
         landed = time.perf_counter()
-        assert (prefix, blended) == (hit.prefix_tokens, hit.blended_tokens), (prefix, blended)
+        assert (prefix, blended) == (hit.prefix_tokens, (hit.blended_tokens, ())), (prefix, blended)
         kv = gather(self.cache, self.table, len(self.prompt))
         out = selective_prefill(
             self.model, self.ids, kv, prefix, hit.segments, fraction=fraction,

@@ -3,10 +3,10 @@
 The block kernels move whole blocks, which is all a prefix needs: a prefix chunk starts
 on a block boundary. A blend segment (a stored chunk reused elsewhere in a prompt) starts
 wherever the prompt put it, usually inside a block, so its tokens land in slots that
-straddle blocks. This copies a chunk's tokens (its object's bytes, laid out per group as
+straddle blocks. This copies chunks' tokens (their objects' bytes, laid out per group as
 [kv, layers, tokens, row]) into given slots with torch indexing, one indexed write per
-layer and K/V, on whichever device the cache lives (CUDA: queued on torch's current
-stream, the chunk's bytes already on that device).
+layer and K/V for a batch of chunks, on whichever device the cache lives (CUDA: queued
+on torch's current stream, the chunks' bytes already on that device).
 """
 
 from __future__ import annotations
@@ -39,45 +39,55 @@ def token_slots(
     return np.asarray(block_ids)[positions // block_size], positions % block_size
 
 
-def scatter_chunk_tokens(
+def scatter_tokens(
     layout: KVLayout,
-    chunk: torch.Tensor,
+    chunks: torch.Tensor,
     chunk_tokens: int,
     blocks: np.ndarray,
     offsets: np.ndarray,
     first_token: int = 0,
 ) -> None:
-    """Write tokens first_token.. of one chunk object (`chunk`: its uint8 bytes, on the
-    cache's device) into the cache slots (blocks[i], offsets[i]), every layer, K and V.
+    """Write tokens first_token.. of n chunk objects (`chunks`: [n, chunk bytes] uint8 on
+    the cache's device, a row per chunk) into the cache slots (blocks[j, i], offsets[j, i]):
+    one indexed write per layer and K/V for all n chunks, so few launches on CUDA, and the
+    slots go to the device from pinned memory without waiting for the stream.
 
-    ValueError when the chunk's size, device or the slots do not fit the layout."""
-    count = len(blocks)
-    if chunk.dtype != torch.uint8 or chunk.dim() != 1:
-        raise ValueError(f"chunk must be 1-D uint8 bytes, got {chunk.dtype} {tuple(chunk.shape)}")
-    if chunk.numel() != layout.chunk_nbytes(chunk_tokens):
+    ValueError when the chunks' size, device or the slots do not fit the layout."""
+    if chunks.dtype != torch.uint8 or chunks.dim() != 2:
         raise ValueError(
-            f"chunk holds {chunk.numel()} bytes; {chunk_tokens} tokens of this layout take"
+            f"chunks must be 2-D uint8 bytes (a row per chunk), got {chunks.dtype}"
+            f" {tuple(chunks.shape)}"
+        )
+    if chunks.shape[1] != layout.chunk_nbytes(chunk_tokens):
+        raise ValueError(
+            f"a chunk holds {chunks.shape[1]} bytes; {chunk_tokens} tokens of this layout take"
             f" {layout.chunk_nbytes(chunk_tokens)}"
         )
-    if chunk.device != layout.device:
-        raise ValueError(f"chunk is on {chunk.device}, the cache on {layout.device}")
-    if len(offsets) != count or not 0 <= first_token <= chunk_tokens - count:
+    if chunks.device != layout.device:
+        raise ValueError(f"chunks are on {chunks.device}, the cache on {layout.device}")
+    n, shapes = len(chunks), (np.shape(blocks), np.shape(offsets))
+    count = shapes[0][-1] if len(shapes[0]) == 2 else -1
+    if shapes != ((n, count),) * 2 or not 0 <= first_token <= chunk_tokens - count:
         raise ValueError(
-            f"{count} slots from token {first_token} do not fit a chunk of {chunk_tokens} tokens"
+            f"slots of shape {shapes[0]} and {shapes[1]} from token {first_token} do not fit"
+            f" {n} chunks of {chunk_tokens} tokens"
         )
-    if count and (int(np.min(blocks)) < 0 or int(np.max(blocks)) >= layout.num_blocks):
+    slots = np.stack([np.asarray(blocks), np.asarray(offsets)]).astype(np.int64)
+    if slots.size and (slots[0].min() < 0 or slots[0].max() >= layout.num_blocks):
         raise ValueError(f"a block id is outside the cache's {layout.num_blocks} blocks")
-    if count and (int(np.min(offsets)) < 0 or int(np.max(offsets)) >= layout.block_size):
+    if slots.size and (slots[1].min() < 0 or slots[1].max() >= layout.block_size):
         raise ValueError(f"an offset is outside a block of {layout.block_size} tokens")
-    index = (
-        torch.as_tensor(np.asarray(blocks, dtype=np.int64)).to(layout.device),
-        torch.as_tensor(np.asarray(offsets, dtype=np.int64)).to(layout.device),
-    )
+    host = torch.from_numpy(slots)
+    if layout.device.type == "cuda":
+        host = host.pin_memory()
+    index = host.to(layout.device, non_blocking=True)
+    where = (index[0], index[1])
     for group, start in zip(layout.groups, layout.group_offsets(chunk_tokens), strict=True):
         bits = _BITS[group.dtype.itemsize]
         shape = (group.kv_size, len(group.layers), chunk_tokens, group.num_heads, group.head_size)
-        part = chunk[start : start + group.chunk_nbytes(chunk_tokens)].view(bits).view(shape)
+        part = chunks[:, start : start + group.chunk_nbytes(chunk_tokens)].view(bits)
+        part = part.unflatten(1, shape)
         for i, layer in enumerate(group.layers):
             for kv in range(group.kv_size):
                 dst = layout.block_views[layer][kv].view(bits)
-                dst[index] = part[kv, i, first_token : first_token + count]
+                dst[where] = part[:, kv, i, first_token : first_token + count]

@@ -167,7 +167,7 @@ def blend_prompt(
     blended = client.blend_retrieve(
         worker.instance_id, prompt, table, hit.segments, request_id="blend-prompt"
     )
-    assert blended == hit.blended_tokens, f"blended {blended} of {hit.blended_tokens} tokens"
+    assert blended == (hit.blended_tokens, ()), f"blended {blended} of {hit.blended_tokens} tokens"
     client.end_session("blend-prompt")
     return (
         hit.prefix_tokens,

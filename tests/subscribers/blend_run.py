@@ -81,7 +81,7 @@ def blend_once(
     blocks = list(range(10, 10 + -(-len(prompt) // BLOCK)))
     blended = engine.blend_retrieve("dst", prompt, blocks, hit.segments, request_id=request_id)
     return Blended(
-        prompt, hit.prefix_tokens, list(hit.segments), hit.blended_tokens, blended, blocks
+        prompt, hit.prefix_tokens, list(hit.segments), hit.blended_tokens, blended.tokens, blocks
     )
 
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from kvflow.core.errors import InvalidRequestError
 from kvflow.core.tiers.base import HostTier, ObjectKey
 from kvflow.events import EventBus, EventType
 from kvflow.kernels.rope import LayerRopes, RerotateSegment, RopeParams, plan_rerotation, rerotate
-from kvflow.kernels.token_copy import scatter_chunk_tokens, token_slots
+from kvflow.kernels.token_copy import scatter_tokens, token_slots
 
 log = logging.getLogger("kvflow.engine")
 
@@ -50,6 +50,15 @@ class BlendHit:
     @property
     def blended_tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+
+class BlendRetrieved(NamedTuple):
+    """A blend retrieve's answer: the tokens copied, and the prompt offsets (ascending) of
+    the segments it skipped because no tier holds them any more or the index forgot them:
+    the engine recomputes those segments' tokens."""
+
+    tokens: int
+    skipped: tuple[int, ...]
 
 
 def layer_ropes(ropes: Any, num_layers: int) -> LayerRopes | None:
@@ -202,11 +211,11 @@ class Blender:
 
     def plan_retrieve(
         self, inst: Instance, token_ids: Any, block_ids: Any, segments: Any, salt: str | None
-    ) -> tuple[list[BlendSegment], np.ndarray]:
+    ) -> tuple[list[BlendSegment], list[int], np.ndarray]:
         """A blend retrieve's segments, checked (InvalidRequestError naming the segment):
         inside the prompt and its blocks, none overlapping, each one's tokens those of its
         stored chunk (when the index still knows it; one it forgot is skipped). Returns
-        (the segments to copy, the block ids as int64)."""
+        (the segments to copy, the prompt offsets of those skipped, the block ids as int64)."""
         if inst.ropes is None:
             raise InvalidRequestError(
                 f"instance {inst.instance_id!r} registered no rotary parameters (ropes): a blend"
@@ -229,7 +238,8 @@ class Blender:
                 )
         owner = (inst.model_name, inst.world_size, salt)
         self.indexed()
-        known = []
+        known: list[BlendSegment] = []
+        forgotten: list[BlendSegment] = []
         for s in checked:
             same = self.index.matches(owner, s.chunk_hash, tokens[s.offset : s.offset + s.length])
             if same is False:
@@ -237,9 +247,8 @@ class Blender:
                     f"blend segment at prompt offset {s.offset}: the prompt's tokens there are"
                     f" not those of stored chunk {s.chunk_hash.hex()[:16]}"
                 )
-            if same:
-                known.append(s)
-        return known, blocks
+            (known if same else forgotten).append(s)
+        return known, [s.offset for s in forgotten], blocks
 
 
 def _listed(segments: Any) -> list[Any]:
@@ -291,16 +300,25 @@ def copy_segments(
     plan_rerotation(layout, inst.ropes, turns)  # every check before the first write
     cuda = layout.device.type == "cuda"
     stream = getattr(inst.mover, "kernel_stream", None) if cuda else None
-    for start in range(0, len(segments), STAGE_SEGMENTS):
-        part = range(start, min(start + STAGE_SEGMENTS, len(segments)))
+    # CUDA: STAGE_SEGMENTS objects at a time into one staging tensor, written by one
+    # batched scatter; CPU: each object in place (staging would only add a copy)
+    batch = STAGE_SEGMENTS if cuda else 1
+    for start in range(0, len(segments), batch):
+        part = range(start, min(start + batch, len(segments)))
+        slots = [
+            token_slots(np.asarray(turns[i].block_ids), turns[i].start, segments[i].length, bs)
+            for i in part
+        ]
+        blocks_at, offsets = (np.stack([s[k] for s in slots]) for k in (0, 1))
         with torch.cuda.stream(stream.torch) if stream is not None else contextlib.nullcontext():
-            staged = [
-                objs[i].to(layout.device, non_blocking=True) if cuda else objs[i] for i in part
-            ]
-            for i, chunk in zip(part, staged, strict=True):
-                s, turn = segments[i], turns[i]
-                slots = token_slots(np.asarray(turn.block_ids), turn.start, s.length, bs)
-                scatter_chunk_tokens(layout, chunk, chunk_size, *slots)
+            if cuda:
+                chunks = torch.empty((len(part), objs[start].numel()), dtype=torch.uint8,
+                                     device=layout.device)  # fmt: skip
+                for row, i in enumerate(part):
+                    chunks[row].copy_(objs[i], non_blocking=True)
+            else:
+                chunks = objs[start][None]
+            scatter_tokens(layout, chunks, chunk_size, blocks_at, offsets)
     rerotate(layout, inst.ropes, turns, stream=stream)
     if stream is not None:
         stream.synchronize()

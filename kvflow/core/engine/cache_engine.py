@@ -25,7 +25,7 @@ from typing import Any, cast
 import numpy as np
 
 from kvflow.core.config import ServerConfig
-from kvflow.core.engine.blend import Blender, BlendHit, copy_segments, layer_ropes
+from kvflow.core.engine.blend import Blender, BlendHit, BlendRetrieved, copy_segments, layer_ropes
 from kvflow.core.engine.bus_status import bus_status
 from kvflow.core.engine.instances import Instance, LayoutDesc, ModelRank
 from kvflow.core.engine.keys import KeyCache
@@ -1028,10 +1028,11 @@ class CacheEngine:
         *,
         request_id: str,
         cache_salt: str | None = None,
-    ) -> int:
+    ) -> BlendRetrieved:
         """Copy blend segments (from `blend_lookup`: (offset, chunk_hash, original_start)
         each) into the prompt's blocks at their offsets, K turned by offset -
-        original_start with the instance's registered ropes; returns the tokens blended.
+        original_start with the instance's registered ropes; returns the tokens blended
+        and the offsets of the segments skipped.
 
         `block_ids` cover the prompt from token 0, as for `retrieve` (which copies the
         prefix). A segment may start inside a block. One no tier holds any more, or that
@@ -1043,19 +1044,20 @@ class CacheEngine:
         with self._transfer(inst, start, request_id, token_ids, **failed) as tx:
             check_str("request_id", request_id)
             tx.cache_salt = check_salt(cache_salt)
-            segments, blocks = self._blend.plan_retrieve(
+            segments, forgotten, blocks = self._blend.plan_retrieve(
                 inst, token_ids, block_ids, segments, tx.cache_salt
             )
             held, objs, from_l2 = self._blend_objects(tx, segments)
             copy_segments(inst, held, objs, blocks, self.chunk_size)
             blended = sum(s.length for s in held)
+            gone = [s.offset for s in segments if s not in held]
             result = {
                 "tokens": blended, "bytes": len(held) * inst.chunk_nbytes,
                 "blended_tokens": blended, "segments": len(held), "l2_chunks": from_l2,
             }  # fmt: skip
             tx.op.end(**result)
         self._publish_read({"chunks": len(held), "bytes": result["bytes"]}, request_id)
-        return blended
+        return BlendRetrieved(blended, tuple(sorted(forgotten + gone)))
 
     def _blend_objects(
         self, tx: Transfer, segments: Sequence[Any]

@@ -26,7 +26,7 @@ import zmq
 import zmq.utils.monitor
 
 from kvflow.core.arrays import as_int32_array
-from kvflow.core.engine.blend import BlendHit
+from kvflow.core.engine.blend import BlendHit, BlendRetrieved
 from kvflow.core.engine.blend_index import BlendSegment
 from kvflow.core.engine.chunk_keys import KEY_BYTES, keys_to_wire
 from kvflow.core.errors import (
@@ -43,6 +43,7 @@ from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, LayerwiseSave
 from kvflow.core.server.protocol import (
     AdminRequest,
     AllocationRecord,
+    Blended,
     BlendFound,
     BlendLookup,
     BlendRetrieve,
@@ -726,10 +727,11 @@ class KVFlowClient:
         *,
         request_id: str,
         cache_salt: str | None = None,
-    ) -> int:
+    ) -> BlendRetrieved:
         """Copy blend segments (`blend_lookup`'s BlendSegments, or (offset, chunk_hash,
         original_start) triples) into the prompt's blocks, K turned to their new positions
-        with the instance's registered ropes; returns the tokens blended. `block_ids`
+        with the instance's registered ropes; returns the tokens blended and the offsets
+        of the segments skipped (no tier held them any more: recompute those). `block_ids`
         cover the prompt from token 0, as for `retrieve`. The server replies once the
         copies landed, CUDA caches too: the blocks are ready when this returns."""
         refs = _segment_refs(segments)
@@ -738,7 +740,10 @@ class KVFlowClient:
         request = BlendRetrieve(
             instance_id=instance_id, request_id=request_id, segments=refs, cache_salt=cache_salt
         )
-        return self._count(request, (tokens, blocks))
+        reply = self._call(request, (tokens, blocks))
+        if not isinstance(reply, Blended):
+            raise ProtocolError(f"unexpected {type(reply).__name__} reply to a BlendRetrieve")
+        return BlendRetrieved(reply.tokens, tuple(reply.skipped))
 
     def _layers_of(self, instance_id: str) -> ClientLayers:
         """The completion points of an instance this client registered layerwise."""

@@ -28,6 +28,7 @@ from kvflow.core.server.admin import AdminOps, DrainState
 from kvflow.core.server.layers import ServerLayers, open_server_layers
 from kvflow.core.server.protocol import (
     AdminRequest,
+    Blended,
     BlendFound,
     BlendLookup,
     BlendRetrieve,
@@ -295,7 +296,7 @@ class BlendRetrieveJob(Job):
 
     def run(self) -> Reply:
         request = self._request
-        value = self._engine.blend_retrieve(
+        done = self._engine.blend_retrieve(
             self._reg.instance_id,
             self._tokens,
             self._blocks,
@@ -303,7 +304,10 @@ class BlendRetrieveJob(Job):
             request_id=request.request_id,
             cache_salt=request.cache_salt,
         )
-        return Done(id=request.id, value=value, server_ns=since(self.started))
+        return Blended(
+            id=request.id, tokens=done.tokens, skipped=list(done.skipped),
+            server_ns=since(self.started),
+        )  # fmt: skip
 
 
 class _Transfer(Job, Generic[_Transferred]):

@@ -495,6 +495,14 @@ class BlendFound(Reply, tag="blend"):
     segments: list[SegmentFound]
 
 
+class Blended(Reply, tag="blended"):
+    """A blend retrieve's answer: the tokens copied, and the prompt offsets of the segments
+    it skipped (no tier holds them any more): the engine recomputes those."""
+
+    tokens: int
+    skipped: list[int]
+
+
 class Failed(Reply, tag="failed"):
     """The request failed; `code` is a kvflow error code (kvflow.core.errors)."""
 
@@ -522,6 +530,7 @@ AnyReply = (
     | StatusResult
     | PrefetchStarted
     | BlendFound
+    | Blended
     | Failed
     | KVSubscribed
     | KVEvents

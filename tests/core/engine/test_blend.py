@@ -51,7 +51,7 @@ def test_documents_blend_at_new_offsets_inside_blocks() -> None:
     dst_blocks = list(range(10, 10 + -(-len(prompt) // BLOCK)))
     engine.register_kv_caches("dst", dst, model_name="m", block_size=BLOCK, ropes=ROPE)
     blended = engine.blend_retrieve("dst", prompt, dst_blocks, hit.segments, request_id="q")
-    assert blended == hit.blended_tokens == 3 * CHUNK
+    assert blended.tokens == hit.blended_tokens == 3 * CHUNK and blended.skipped == ()
     written = model.check_blended(dst, prompt, dst_blocks, hit.segments)
     assert untouched(dst, before, written), "a slot outside the segments was written"
     events = events_of(recorder, engine)
@@ -86,3 +86,23 @@ def test_isolation_missing_ropes_lies_and_forgotten_chunks() -> None:
     with pytest.raises(InvalidRequestError, match="past the prompt"):
         engine.blend_retrieve("dst", prompt, blocks[:2], hit.segments, request_id="r")
     assert all(torch.count_nonzero(c) == 0 for c in dst), "a refused blend wrote something"
+
+
+def test_a_segment_no_tier_holds_any_more_is_skipped_and_named() -> None:
+    """Objects dropped between the lookup and the retrieve: their segments are reported
+    by prompt offset (the engine recomputes them), the rest are copied, and the skipped
+    slots are left as they were."""
+    engine, _, model, system, doc_a, doc_b = _setup()
+    prompt = np.concatenate([system, doc_b, doc_a])
+    hit = engine.blend_lookup(prompt, model_name="m")
+    assert len(hit.segments) == 3
+    gone = hit.segments[1]
+    assert engine.l1.drop_where(lambda key: key.chunk_hash == gone.chunk_hash) == 1
+    dst = model.caches()
+    engine.register_kv_caches("dst", dst, model_name="m", block_size=BLOCK, ropes=ROPE)
+    blocks = list(range(10, 10 + -(-len(prompt) // BLOCK)))
+    got = engine.blend_retrieve("dst", prompt, blocks, hit.segments, request_id="q")
+    assert got == (2 * CHUNK, (gone.offset,))
+    kept = [s for s in hit.segments if s is not gone]
+    written = model.check_blended(dst, prompt, blocks, kept)
+    assert untouched(dst, [torch.zeros_like(c) for c in dst], written)

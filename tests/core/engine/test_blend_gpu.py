@@ -38,7 +38,8 @@ def test_documents_blend_into_cuda_caches(cuda_device: torch.device) -> None:
     before = [c.cpu() for c in dst]
     blocks = list(range(8, 8 + -(-len(prompt) // BLOCK)))
     engine.register_kv_caches("dst", dst, model_name="m", block_size=BLOCK, ropes=ROPE)
-    assert engine.blend_retrieve("dst", prompt, blocks, hit.segments, request_id="q") == 5 * CHUNK
+    blended = engine.blend_retrieve("dst", prompt, blocks, hit.segments, request_id="q")
+    assert blended == (5 * CHUNK, ())
     after = [c.cpu() for c in dst]
     written = model.check_blended(after, prompt, blocks, hit.segments)
     assert untouched(after, before, written)

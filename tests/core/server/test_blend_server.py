@@ -117,11 +117,12 @@ def test_documents_stored_in_one_order_blend_in_another(client: KVFlowClient) ->
     before = [c.clone() for c in docs.dst]
     blocks = docs.blocks(prompt)
     blended = client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="q")
-    assert blended == hit.blended_tokens == 3 * CHUNK
+    assert blended.tokens == hit.blended_tokens == 3 * CHUNK and blended.skipped == ()
     written = docs.model.check_blended(docs.dst, prompt, blocks, hit.segments)
     assert untouched(docs.dst, before, written), "a slot outside the segments was written"
     as_triples = [(s.offset, s.chunk_hash, s.original_start) for s in hit.segments[:1]]
-    assert client.blend_retrieve(docs.dst_id, prompt, blocks, as_triples, request_id="t") == CHUNK
+    got = client.blend_retrieve(docs.dst_id, prompt, blocks, as_triples, request_id="t")
+    assert got == (CHUNK, ())
     docs.close()
 
 
@@ -132,7 +133,7 @@ def test_layer_ropes_turn_rope_layers_and_copy_nope_ones(client: KVFlowClient) -
     prompt = docs.prompt()
     hit = client.blend_lookup(prompt, model_name=docs.model_name)
     blocks = docs.blocks(prompt)
-    assert client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="l") > 0
+    assert client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="l").tokens
     docs.model.check_blended(docs.dst, prompt, blocks, hit.segments, turned=(0,))
     docs.close()
 
@@ -168,7 +169,7 @@ def test_bad_segments_and_instances_get_errors_naming_them(
     with pytest.raises(InvalidRequestError, match="registered no rotary parameters"):
         client.blend_retrieve(plain, prompt, blocks, hit.segments, request_id="p")
     assert all(torch.count_nonzero(c) == 0 for c in docs.dst), "a refused blend wrote something"
-    assert client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="ok") > 0
+    assert client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="ok").tokens
     client.unregister(plain)
     docs.close()
 
@@ -254,18 +255,21 @@ def test_models_and_salts_stay_apart(client: KVFlowClient) -> None:
     hit = client.blend_lookup(prompt, model_name=docs.model_name, cache_salt="tenant-a")
     assert len(hit.segments) == 3 and hit.prefix_tokens == CHUNK
     blocks = docs.blocks(prompt)
-    assert client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="n") == 0
+    # the index knows these chunks only under their salt: every segment is skipped, by offset
+    offsets = tuple(s.offset for s in hit.segments)
+    got = client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="n")
+    assert got == (0, offsets)
     other = f"other-{next(_ids)}"
     kv = docs.model.caches()
     client.register_kv_caches(other, kv, model_name="x", block_size=BLOCK, ropes=ROPE)
     got = client.blend_retrieve(
         other, prompt, blocks, hit.segments, request_id="x", cache_salt="tenant-a"
     )
-    assert got == 0 and all(torch.count_nonzero(c) == 0 for c in docs.dst + kv)
+    assert got == (0, offsets) and all(torch.count_nonzero(c) == 0 for c in docs.dst + kv)
     got = client.blend_retrieve(
         docs.dst_id, prompt, blocks, hit.segments, request_id="y", cache_salt="tenant-a"
     )
-    assert got == 3 * CHUNK
+    assert got == (3 * CHUNK, ())
     client.unregister(other)
     docs.close()
 
@@ -286,7 +290,7 @@ def test_index_bound_and_lookups_on_the_query_worker(tmp_path: Path) -> None:
             assert [s.original_start for s in hit.segments] == [3 * CHUNK, 2 * CHUNK]
             blocks = docs.blocks(prompt)
             got = client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="q")
-            assert got == 2 * CHUNK
+            assert got == (2 * CHUNK, ())
             docs.close()
     finally:
         assert srv.stop() == 0, srv.log()
