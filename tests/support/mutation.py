@@ -79,6 +79,9 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     ],
     "kvflow/core/tiers/l1.py": [
         "tests/core/tiers/test_l1.py",
+        "tests/core/tiers/test_l1_resize.py",
+        "tests/core/tiers/test_quota.py",
+        "tests/core/tiers/test_pinahead.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
     "kvflow/core/tiers/base.py": [
@@ -116,6 +119,10 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_client.py",
         "tests/core/server/test_server.py",
         "tests/core/server/test_server_events.py",
+        "tests/core/server/test_blend_server.py",
+        "tests/core/server/test_layerwise_server.py",
+        "tests/core/server/test_kv_events.py",
+        "tests/core/server/test_admin.py",
     ],
     "kvflow/core/server/server.py": [
         "tests/core/server/test_server.py",
@@ -151,6 +158,15 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/engine/keys.py": ["tests/core/engine/test_keys.py"],
     "kvflow/core/engine/request.py": ["tests/core/engine/test_request.py"],
     "kvflow/core/engine/observability.py": ["tests/core/engine/test_observability.py"],
+    # the engine's layer-wait report and its check: only the server's layerwise tests call them
+    "kvflow/core/engine/cache_engine.py": [
+        "tests/core/engine",
+        "tests/core/server/test_layerwise_server.py",
+    ],
+    "kvflow/core/engine/validation.py": [
+        "tests/core/engine",
+        "tests/core/server/test_layerwise_server.py",
+    ],
     # the planner: its CPU tests emulate the kernel's addressing from the packed table
     "kvflow/kernels/plan.py": ["tests/kernels/test_kernel_plan.py"],
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -131,6 +132,28 @@ def _digest(tokens: np.ndarray) -> bytes:
     )
 
 
+@dataclass(frozen=True)
+class StoredChunks:
+    """Stored chunks' hashing, done apart from `BlendIndex.insert` (on the indexing thread
+    while the store's copies run): each chunk's fingerprint, digest and first token."""
+
+    prints: list[int]
+    digests: list[bytes]
+    starts: list[int]
+
+
+def stored_chunks(
+    tokens: np.ndarray, chunk_size: int, count: int, first_chunk: int = 0
+) -> StoredChunks:
+    """The hashing of `count` chunks of a stored sequence (`tokens`, int32 from token 0)
+    from chunk `first_chunk` on."""
+    first = first_chunk * chunk_size
+    prints = chunk_fingerprints(tokens[first : first + count * chunk_size], chunk_size)
+    starts = list(range(first, first + count * chunk_size, chunk_size))
+    digests = [_digest(tokens[s : s + chunk_size]) for s in starts]
+    return StoredChunks(prints.tolist(), digests, starts)
+
+
 class BlendIndex:
     """Stored chunks by fingerprint, per owner, bounded to `capacity_chunks` entries.
 
@@ -159,18 +182,21 @@ class BlendIndex:
     ) -> None:  # fmt: skip
         """Index chunks first_chunk.. of a stored sequence (`tokens`, int32 from token 0;
         `chunk_hashes[i]` the key of chunk first_chunk + i) as stored by `rank`."""
-        first = first_chunk * chunk_size
-        prints = chunk_fingerprints(
-            tokens[first : first + len(chunk_hashes) * chunk_size], chunk_size
-        )
+        chunks = stored_chunks(tokens, chunk_size, len(chunk_hashes), first_chunk)
+        self.insert(owner, rank, chunk_hashes, chunks)
+
+    def insert(
+        self, owner: Owner, rank: int, chunk_hashes: Sequence[bytes], chunks: StoredChunks
+    ) -> None:
+        """Index hashed stored chunks (`chunk_hashes[i]` the key of the chunk `chunks`
+        describes i-th) as stored by `rank`: `add` with its hashing done beforehand."""
         with self._lock:
             table = self._by_owner.setdefault(owner, {})
-            for i, chunk_hash in enumerate(chunk_hashes):
-                start = first + i * chunk_size
-                fp = int(prints[i])
+            for chunk_hash, fp, digest, start in zip(
+                chunk_hashes, chunks.prints, chunks.digests, chunks.starts, strict=True
+            ):
                 entry = self._entry(table, fp, chunk_hash)
                 if entry is None:
-                    digest = _digest(tokens[start : start + chunk_size])
                     entry = _Entry(digest, chunk_hash, start, 0)
                     table.setdefault(fp, []).append(entry)
                     self._count(owner, fp, +1)

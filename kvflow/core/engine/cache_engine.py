@@ -539,22 +539,22 @@ class CacheEngine:
                 plan = self._store_waves(tx)
                 if self._tiering is not None and plan.covered < tx.ids.n_chunks:
                     held = self._stream_store(tx, plan)
-                    self._index_store(tx, held // self.chunk_size)
+                    self._blend.record_store(tx.indexing)
                     return held
                 inst.mover.flush()
                 self._end_store(tx, plan)
         # once the lock is free: the write-through may wait for backlog room
         self._publish_written(inst, plan, request_id)
-        self._index_store(tx, plan.covered)
+        self._blend.record_store(tx.indexing)
         return plan.covered * self.chunk_size
 
-    def _index_store(self, tx: Transfer, chunks: int) -> None:
-        """Make a store's held chunks findable by blend lookups (chunks named by their
-        tokens only: a store by chunk keys has no tokens to find them by)."""
-        if tx.ids.hashes is None and chunks:
-            tokens = tx.ids.tokens[: chunks * self.chunk_size]
-            hashes = self._keys.hashes(tokens, tx.request_id)[:chunks]
-            self._blend.record_store(tx.inst, tokens, hashes, tx.cache_salt)
+    def _prepare_index(self, tx: Transfer, hashes: Sequence[bytes]) -> None:
+        """Start indexing the chunks a store holds (`hashes`: chunks 0..) for blend lookups,
+        before it waits for its copies; a store by chunk keys has no tokens to find them by.
+        The store records them (`Blender.record_store`) once it succeeded."""
+        if tx.ids.hashes is None:
+            tokens = tx.ids.tokens[: len(hashes) * self.chunk_size]
+            tx.indexing = self._blend.prepare_store(tx.inst, tokens, hashes, tx.cache_salt)
 
     def _plan(self, tx: Transfer, keys: Sequence[ObjectKey]) -> WritePlan:
         """Reserve L1 objects for the keys L1 lacks (the transfer's plan, aborted on failure);
@@ -600,12 +600,14 @@ class CacheEngine:
             tx.inst.mover.store(rows_of(tx.ids.table, rows), self.l1.views([o for _, o in new]))
 
     def _end_store(self, tx: Transfer, plan: WritePlan, **extra: Any) -> None:
-        """A store's end once its copies are queued: its evictions and END published while
-        they run, then the wait for them, then the plan committed (visible at once)."""
+        """A store's end once its copies are queued: its evictions and END published and its
+        blend indexing begun while they run, then the wait for them, then the plan committed
+        (visible at once)."""
         mover = tx.inst.mover
         result = {**self._store_result(tx.inst, plan), **extra}
         self._tell_evictions(tx)
         tx.op.end(mover.store_stream, **result)
+        self._prepare_index(tx, result["chunk_hashes"])
         mover.wait()
         self.l1.commit(plan)
         tx.plan = None
@@ -701,6 +703,7 @@ class CacheEngine:
         self._tiering.count_streamed("stores", len(done))
         result = self._held(inst, done, new, receipt)
         tx.op.end(None, **result)
+        self._prepare_index(tx, result["chunk_hashes"])
         return int(result["held_tokens"])
 
     def _store_window(

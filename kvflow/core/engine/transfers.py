@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.core.engine.blend import PreparedStore
 from kvflow.core.engine.instances import Instance
 from kvflow.core.engine.layerwise import LayerSignal
 from kvflow.core.engine.loads import Slot
@@ -53,6 +54,8 @@ class Transfer:
     staged: list[Slot] = field(default_factory=list)
     #: further steps of a failure, after the drain (a layerwise retrieve's signal)
     on_failure: list[Callable[[], None]] = field(default_factory=list)
+    #: a store's chunks being hashed for the blend index, recorded once it succeeded
+    indexing: PreparedStore | None = None
 
     def hold(self, fetched: Fetched) -> Fetched:
         """Keep a fetch's pinned objects and staged loads until the end of the transfer (or
