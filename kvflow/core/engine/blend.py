@@ -83,8 +83,10 @@ def _logged(fn: Callable[..., T], *args: Any) -> T | None:
     try:
         return fn(*args)
     except Exception:
-        log.exception("blend_index_failed: an index change was lost (a store's chunks are"
-                      " not findable by blend, or forgotten chunks stay listed)")
+        log.exception(
+            "blend_index_failed: an index change was lost (a store's chunks are not"
+            " findable by blend, or forgotten chunks stay listed)"
+        )
         return None
 
 
@@ -110,10 +112,10 @@ class Blender:
     was 1-4 % of it on an H200). A blend lookup first submits what is left and waits for
     it, so it sees every store that returned.
 
-    Lock rule: `_lock` guards `_last` (the newest indexing job) and `_deferred` (committed
-    stores whose insertion is not submitted yet), and is held while submitting, so the
-    thread gets the jobs in the engine's order; the index locks itself; L1, the tiering
-    and the bus are thread-safe.
+    Lock rule: `_lock` guards `_last` (the newest indexing job), `_deferred` (committed
+    stores whose insertion is not submitted yet) and `_closed`, and is held while
+    submitting, so the thread gets the jobs in the engine's order; the index locks itself;
+    L1, the tiering and the bus are thread-safe.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class Blender:
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
         self._deferred: list[PreparedStore] = []
+        self._closed = False
 
     # -- the index --------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class Blender:
         if not hashes:
             return None
         chunks = self._submit(stored_chunks, tokens.copy(), self.chunk_size, len(hashes))
+        if chunks is None:
+            return None
         owner = (inst.model_name, inst.world_size, salt)
         return PreparedStore(owner, inst.rank, list(hashes), chunks)
 
@@ -152,11 +157,15 @@ class Blender:
         ahead of its next job, or of the next lookup's wait (`indexed`)."""
         if prepared is not None:
             with self._lock:
-                self._deferred.append(prepared)
+                if not self._closed:
+                    self._deferred.append(prepared)
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T | None]:
-        """Queue the deferred insertions, then `fn(*args)`, on the indexing thread."""
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T | None] | None:
+        """Queue the deferred insertions, then `fn(*args)`, on the indexing thread; None
+        once closed (the index goes with the engine)."""
         with self._lock:
+            if self._closed:
+                return None
             self._submit_deferred()
             job = self._indexer.submit(_logged, fn, *args)
             self._last = job
@@ -183,7 +192,10 @@ class Blender:
             last.result()
 
     def close(self) -> None:
-        """Finish the indexing submitted and stop its thread."""
+        """Finish the indexing submitted and stop its thread; later changes are dropped."""
+        with self._lock:
+            self._closed = True
+            self._deferred.clear()
         self._indexer.shutdown(wait=True)
 
     def forget(self, keys: Sequence[Any]) -> None:

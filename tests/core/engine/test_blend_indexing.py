@@ -1,0 +1,102 @@
+"""The blend index follows the stores: a store's chunks are hashed while its copies run
+and inserted once it succeeded, ahead of any later index change, never on its return path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvflow.core.engine.blend_index import BlendIndex
+from kvflow.core.errors import TransferError
+from kvflow.core.tiers.base import ObjectKey
+from tests.support.blend import VOCAB, Model
+from tests.support.engine import BLOCK, CHUNK, small_engine
+
+
+def _stored(chunks_in_l1: int) -> tuple[Any, np.random.Generator]:
+    """An engine whose L1 holds `chunks_in_l1` chunks, instance "i" of model "m" registered."""
+    model = Model()
+    caches = model.caches()
+    chunk_nbytes = sum(c[:, :1].nbytes for c in caches) * CHUNK // BLOCK
+    engine, _ = small_engine(l1_bytes=chunks_in_l1 * chunk_nbytes)
+    engine.register_kv_caches("i", caches, model_name="m", block_size=BLOCK)
+    return engine, np.random.default_rng(3)
+
+
+def _tokens(rng: np.random.Generator, chunks: int) -> np.ndarray:
+    return rng.integers(0, VOCAB, chunks * CHUNK).astype(np.int32)
+
+
+def _found(engine: Any, rng: np.random.Generator, stored: np.ndarray) -> list[int]:
+    """Original starts of the chunks a blend lookup finds of `stored`, placed after an
+    unrelated chunk (so the prefix lookup takes none of them)."""
+    prompt = np.concatenate([_tokens(rng, 1), stored])
+    return [s.original_start for s in engine.blend_lookup(prompt, model_name="m").segments]
+
+
+def _blocks(chunks: int, first: int = 0) -> list[int]:
+    return list(range(first, first + chunks * CHUNK // BLOCK))
+
+
+def test_a_stores_chunks_are_inserted_with_the_next_index_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a store returns, nothing of it is left for the indexing thread to insert until
+    the index is used next (here a lookup, which then finds the chunks)."""
+    inserted: list[int] = []
+    insert = BlendIndex.insert
+
+    def counted(self: BlendIndex, *args: Any) -> None:
+        inserted.append(len(args[2]))
+        insert(self, *args)
+
+    monkeypatch.setattr(BlendIndex, "insert", counted)
+    engine, rng = _stored(8)
+    stored = _tokens(rng, 2)
+    assert engine.store("i", stored, _blocks(2), request_id="s") == 2 * CHUNK
+    last = engine._blend._last
+    assert last is not None
+    last.result()  # the store's hashing, begun before it waited for its copies
+    assert inserted == []
+    assert _found(engine, rng, stored) == [0, CHUNK]
+    assert inserted == [2]
+    engine.close()
+
+
+def test_chunks_evicted_by_the_next_store_leave_the_index() -> None:
+    """A store's insertion runs before the forgetting of the chunks a later store evicted."""
+    engine, rng = _stored(2)
+    first, second = _tokens(rng, 2), _tokens(rng, 2)
+    engine.store("i", first, _blocks(2), request_id="a")
+    engine.store("i", second, _blocks(2, 4), request_id="b")  # evicts both of `first`
+    assert _found(engine, rng, first) == []
+    assert _found(engine, rng, second) == [0, CHUNK]
+    assert len(engine._blend.index) == 2
+    engine.close()
+
+
+def test_a_failed_store_indexes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, rng = _stored(8)
+    mover = engine._instances["i"].mover
+
+    def failing() -> None:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(mover, "wait", failing)
+    stored = _tokens(rng, 2)
+    with pytest.raises(TransferError, match="copy failed"):
+        engine.store("i", stored, _blocks(2), request_id="s")
+    monkeypatch.undo()
+    assert _found(engine, rng, stored) == []
+    assert len(engine._blend.index) == 0
+    engine.close()
+
+
+def test_index_changes_after_close_are_dropped() -> None:
+    engine, rng = _stored(8)
+    engine.store("i", _tokens(rng, 1), _blocks(1), request_id="s")
+    engine.close()
+    engine._blend.forget([ObjectKey(b"k" * 32, "m", 1, 0, None)])  # a lookup racing close
+    engine._blend.indexed()
