@@ -40,6 +40,7 @@ from kvflow.core.server.protocol import (
     Register,
     Registered,
     Reply,
+    Request,
     Retrieve,
     SegmentFound,
     StatusResult,
@@ -53,7 +54,8 @@ from kvflow.kernels.rope import LayerRopes, RopeParams
 #: the server's logger: these lines are the server's
 log = logging.getLogger("kvflow.server")
 
-_Transferred = TypeVar("_Transferred", Store, Retrieve)
+_Transferred = TypeVar("_Transferred", bound=Store | Retrieve)
+_OnInstance = TypeVar("_OnInstance", bound=Request)
 
 
 def since(started_ns: int) -> int:
@@ -264,7 +266,20 @@ class BlendLookupJob(Job):
         )  # fmt: skip
 
 
-class BlendRetrieveJob(Job):
+class _InstanceJob(Job, Generic[_OnInstance]):
+    """A request that moves KV of one registered instance: the engine, the registration
+    and the request (its arrays decoded on the main loop when the job is made)."""
+
+    def __init__(
+        self, engine: CacheEngine, reg: Registration, request: _OnInstance, started: int
+    ) -> None:
+        super().__init__(request.id, started)
+        self._engine = engine
+        self._reg = reg
+        self._request: _OnInstance = request
+
+
+class BlendRetrieveJob(_InstanceJob[BlendRetrieve]):
     """Copy blend segments into an instance's blocks, K turned, on the instance's worker.
     The engine returns once the copies landed (CUDA too), so the reply comes after them."""
 
@@ -276,10 +291,7 @@ class BlendRetrieveJob(Job):
         arrays: tuple[np.ndarray, ...],
         started: int,
     ) -> None:
-        super().__init__(request.id, started)
-        self._engine = engine
-        self._reg = reg
-        self._request = request
+        super().__init__(engine, reg, request, started)
         self._tokens, self._blocks = arrays
         # non-overlapping whole chunks inside the prompt: more cannot be valid, and the
         # bound keeps a huge list from reaching the worker
@@ -310,9 +322,9 @@ class BlendRetrieveJob(Job):
         )  # fmt: skip
 
 
-class _Transfer(Job, Generic[_Transferred]):
-    """What a store and a retrieve share: the instance, and the tokens (or chunk keys,
-    chunk_keys.py) and blocks, decoded on the main loop when the job is made."""
+class _Transfer(_InstanceJob[_Transferred]):
+    """What a store and a retrieve share: the tokens (or chunk keys, chunk_keys.py) and
+    blocks."""
 
     def __init__(
         self,
@@ -322,10 +334,7 @@ class _Transfer(Job, Generic[_Transferred]):
         arrays: tuple[np.ndarray, ...],
         started: int,
     ) -> None:
-        super().__init__(request.id, started)
-        self._engine = engine
-        self._reg = reg
-        self._request: _Transferred = request
+        super().__init__(engine, reg, request, started)
         tokens, self._blocks = arrays
         self._keys = keys_from_wire(tokens) if request.keyed else None
         self._tokens = None if self._keys is not None else tokens
