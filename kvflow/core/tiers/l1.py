@@ -13,6 +13,7 @@ prefix's tail is evicted before its head (a lost head makes the tail useless).
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -30,6 +31,10 @@ ALIGN = 256
 DEFAULT_SEGMENT_BYTES = 1 << 30
 #: the first segment pinned ahead is at most this big, so L1 holds memory within ~0.1 s
 FIRST_PIN_BYTES = 256 << 20
+#: the longest close() waits for a segment being pinned ahead (a GiB pins in ~0.3 s)
+CLOSE_PIN_WAIT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 def _align(n: int) -> int:
@@ -539,8 +544,10 @@ class L1Cache:
             }
 
     def close(self) -> None:
-        """Forget every object and release the host memory; segments still being pinned
-        ahead are released by their threads when they finish."""
+        """Forget every object and release the host memory, then wait (up to
+        CLOSE_PIN_WAIT_S) for the threads pinning ahead to finish the segment they are
+        making, which they give back: a thread still inside the driver's registration when
+        the process exits aborts the process (its GIL wait ends in a C++ terminate)."""
         with self._lock:
             self._closed = True
             self._grown.notify_all()
@@ -549,6 +556,13 @@ class L1Cache:
             self._free.clear()
             self._reserved = self._usage = self._writing = 0
             self.pool.release()
+        if self._pinner is not None:
+            self._pinner.join(CLOSE_PIN_WAIT_S)
+            if not self._pinner.done:
+                log.warning(
+                    "L1 closed while a segment was still being pinned after %.0f s",
+                    CLOSE_PIN_WAIT_S,
+                )
 
 
 class ObjectViews:

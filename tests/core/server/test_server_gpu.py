@@ -62,3 +62,17 @@ def test_cuda_ipc_mappings_close_when_their_last_instance_goes() -> None:
             assert mappings() == 0
     finally:
         assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_a_server_stopped_while_l1_is_pinned_ahead_exits_cleanly() -> None:
+    """Stopped while its L1 is still being pinned (4 GiB: about a second), the server
+    waits for the segment in flight and exits 0: a pinning thread left inside the
+    driver's registration aborted the process at exit ("terminate called without an
+    active exception", exit -6)."""
+    from tests.core.server.test_server import ServerProcess
+
+    srv = ServerProcess("--l1-size-gb", "4", "--disable-observability")
+    assert srv.stop() == 0, "".join(srv.lines)
+    assert not any("terminate called" in line for line in srv.lines), "".join(srv.lines)

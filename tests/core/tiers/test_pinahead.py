@@ -22,10 +22,12 @@ class GatedPool(HostPool):
     def __init__(self) -> None:
         super().__init__(pinned=False)
         self.permits = threading.Semaphore(0)
+        self.making = threading.Event()  # a thread waits in make_segment
         self.fail = False
         self.made = 0
 
     def make_segment(self, nbytes: int) -> torch.Tensor:
+        self.making.set()
         assert self.permits.acquire(timeout=30), "a test forgot to release a segment"
         if self.fail:
             raise MemoryError("cudaHostRegister of 4096 bytes failed: 2")
@@ -109,15 +111,23 @@ def test_a_failed_pin_stops_growth_ahead_and_l1_grows_on_demand() -> None:
     l1.close()
 
 
-def test_close_while_pinning_drops_the_segment_in_flight() -> None:
-    """A segment that finishes pinning after close() is given back, not adopted."""
+def test_close_waits_for_the_segment_in_flight_and_drops_it() -> None:
+    """close() returns only once no thread is pinning (one still inside the driver when
+    the process exits aborts it), and the segment finished after close() is given back,
+    not adopted."""
     l1, pool = _gated_l1()
-    l1.close()
+    assert pool.making.wait(10), "the pinning thread never started a segment"
+    closer = threading.Thread(target=l1.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() returned while a segment was being pinned"
     pool.permits.release(3)
-    assert l1._pinner is not None
-    l1._pinner.join(10)
+    closer.join(10)
+    assert not closer.is_alive(), "close() did not return once the segment was made"
+    state = l1.pin_state()
+    assert state is not None and not state["pinning"]
     assert l1.stats()["reserved_bytes"] == 0
-    assert pool.made <= 1  # the thread claimed at most the segment it was making
+    assert pool.made == 1  # the thread made the segment it was making, and no other
 
 
 def test_pin_threads_must_be_positive() -> None:
