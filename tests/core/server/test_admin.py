@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvflow import cli
 from kvflow.core import KVFlowClient
 from kvflow.core.errors import DrainingError, InvalidRequestError, PermissionDeniedError
 from kvflow.core.server.curve import generate
@@ -216,6 +217,18 @@ def _admin_cli(srv: ServerProcess, *args: str) -> subprocess.CompletedProcess[st
     )  # fmt: skip
 
 
+def _admin_main(
+    srv: ServerProcess, capsys: pytest.CaptureFixture[str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    """`kvflow admin` through the console script's entry point (`kvflow.cli.main`) in this
+    process: a fresh Python importing torch is 2.5 s of CPU a call, and the drain and
+    disk-tier tests run the command itself (`_admin_cli`)."""
+    capsys.readouterr()
+    status = cli.main(["admin", "--endpoint", srv.endpoint, *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out, err)
+
+
 def test_drain_refuses_stores_and_registrations_and_undrain_takes_them_again(
     server: ServerProcess,
 ) -> None:
@@ -245,7 +258,9 @@ def test_drain_refuses_stores_and_registrations_and_undrain_takes_them_again(
         client.unregister("drain-a")
 
 
-def test_admin_cli_clear_quota_and_resize(server: ServerProcess) -> None:
+def test_admin_cli_clear_quota_and_resize(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`kvflow admin clear --model` drops that model's objects only; `quota` and
     `resize` print what they did; bad arguments exit 2 naming the flag."""
     kv = shared_kv(3)
@@ -255,21 +270,21 @@ def test_admin_cli_clear_quota_and_resize(server: ServerProcess) -> None:
         client.register_kv_caches("clear-drop", shared_kv(4), model_name="drop")
         assert client.store("clear-keep", keep, list(range(16)), request_id="k") == CHUNK
         assert client.store("clear-drop", drop, list(range(16)), request_id="d") == CHUNK
-        cleared = _admin_cli(server, "clear", "--model", "drop")
+        cleared = _admin_main(server, capsys, "clear", "--model", "drop")
         assert cleared.returncode == 0, cleared.stderr
         assert json.loads(cleared.stdout) == {"dropped": {"l1": 1}}
         assert client.lookup(drop, model_name="drop") == 0
         assert client.lookup(keep, model_name="keep") == CHUNK
-        quota = _admin_cli(server, "quota", "--model", "keep", "--limit-gb", "0.5")
+        quota = _admin_main(server, capsys, "quota", "--model", "keep", "--limit-gb", "0.5")
         assert json.loads(quota.stdout)["limit_bytes"] == 1 << 29
-        resized = _admin_cli(server, "resize", "--l1-size-gb", "0.1")
+        resized = _admin_main(server, capsys, "resize", "--l1-size-gb", "0.1")
         assert json.loads(resized.stdout)["capacity_bytes"] == int(0.1 * (1 << 30))
         for args, flag in (
             (("clear",), "--model, --salt or --all"),
             (("resize", "--l1-size-gb", "-1"), "--l1-size-gb"),
             (("quota", "--salt", "x", "--limit-gb", "nan"), "--limit-gb"),
         ):
-            bad = _admin_cli(server, *args)
+            bad = _admin_main(server, capsys, *args)
             assert bad.returncode == 2 and flag in bad.stderr, bad.stderr
         with pytest.raises(InvalidRequestError, match="unknown tier"):
             client.admin(AdminClear(model_name="keep", tiers=["l9"]))

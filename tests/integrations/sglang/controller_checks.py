@@ -1,9 +1,8 @@
 """SGLang's own HiCache controller driving KVFlowHiCacheStorage on CPU, run inside .venv-sglang.
 
-`python tests/integrations/sglang/controller_checks.py OUT.json [NAME ...]` runs every
-check (or the named ones) in this one process and writes {name: null | failure text} to
-OUT.json; tests/integrations/sglang/test_sglang_controller.py runs it. Every check starts
-its own real `kvflow server` subprocess.
+tests/integrations/sglang/checks.py runs them (after sglang_checks.py's) in one process;
+tests/integrations/sglang/test_sglang_controller.py reports each as a test. Every check
+starts its own real `kvflow server` subprocess.
 
 Each engine is what SGLang 0.5.23's scheduler builds for an MHA or MLA model with
 `--enable-hierarchical-cache --hicache-storage-backend dynamic`: `ServerArgs` published
@@ -16,7 +15,8 @@ resolved from the extra-config JSON: `shm`), its `HostPoolGroup` and the
 radix tree's part only: it hands the controller device rows and page hashes, and
 allocates host rows for a storage hit, as `UnifiedRadixCache` does.
 
-Two GPU-only pieces get CPU stand-ins (`use_cpu_stand_ins`), nothing else is patched:
+Two GPU-only pieces get CPU stand-ins (`use_cpu_stand_ins`, installed by `build_engine`;
+the storage checks never reach them), nothing else is patched:
 `cudaHostRegister` of the host pool (pinning for DMA) and sgl-kernel's
 `transfer_kv_direct` (the device <-> host page copy of `--hicache-io-backend direct`).
 """
@@ -26,21 +26,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import sys
 import tempfile
 import threading
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-
-from kvflow.integrations.sglang import synthetic  # noqa: E402
+from kvflow.integrations.sglang import synthetic
+from tests.integrations.sglang.checks import check, kvflow_server
 
 synthetic.allow_torchvision_without_its_operators()  # before SGLang imports torchvision
 
@@ -63,7 +58,6 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool 
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, publish  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
-from tests.e2e.server_proc import running_server  # noqa: E402
 
 PAGE = 4
 LAYERS = 2
@@ -83,14 +77,6 @@ STORAGE_THREADS = (
     "prefetch_sync_thread",
     "backup_thread",
 )
-
-CHECKS: dict[str, Callable[[], None]] = {}
-
-
-def check(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register `fn` as a check (run by `main`, named in the pytest report)."""
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 # -- CPU stand-ins for the GPU-only pieces ----------------------------------------------------
@@ -147,7 +133,8 @@ class Engine:
 
 def build_engine(endpoint: str, model_dir: Path, *, mla: bool, seed: int) -> Engine:
     """Publish an engine's ServerArgs and build its device pool (random bits) and the
-    HiCache stack over it, as SGLang's scheduler does at start."""
+    HiCache stack over it, as SGLang's scheduler does at start (the CPU stand-ins first)."""
+    use_cpu_stand_ins()
     extra = synthetic.extra_config(endpoint, timeout_s=1)
     args = ServerArgs(
         model_path=str(model_dir), device="cpu", page_size=PAGE,
@@ -300,11 +287,7 @@ def round_trip(*, mla: bool) -> None:
     pages = 130
     tokens = tokens_of(pages, first=1000)
     engines: list[Engine] = []
-    with (
-        model_dir() as config,
-        tempfile.TemporaryDirectory() as tmp,
-        running_server(PAGE, Path(tmp) / "server.log") as ep,
-    ):
+    with model_dir() as config, kvflow_server(PAGE) as ep:
         with nothing_raises_in_threads(engines):
             a = build_engine(ep, config, mla=mla, seed=1)
             engines.append(a)
@@ -344,15 +327,13 @@ def a_server_that_is_down_fails_the_controllers_operations_without_raising() -> 
     """The server stopped: a prefetch whose hit query succeeded gets 0 tokens and
     completes, a backup reports 0 tokens stored, a new query hits nothing; a controller
     started while no server runs attaches kvflow and does the same. No thread raises,
-    none ends, and each controller detaches cleanly."""
+    none ends, and each controller detaches cleanly. The server asks for a heartbeat a
+    second (a 4 s timeout): closing a client waits out the heartbeat call in flight to
+    the stopped server, 7.5 s at the default 30 s."""
     stored_tokens = tokens_of(3, first=2000)
     engines: list[Engine] = []
-    with (
-        model_dir() as config,
-        nothing_raises_in_threads(engines),
-        tempfile.TemporaryDirectory() as tmp,
-    ):
-        with running_server(PAGE, Path(tmp) / "server.log") as ep:
+    with model_dir() as config, nothing_raises_in_threads(engines):
+        with kvflow_server(PAGE, "--heartbeat-timeout-s", "4") as ep:
             a = build_engine(ep, config, mla=False, seed=1)
             engines.append(a)
             assert back_up(a, stored_tokens)[1] == len(stored_tokens)
@@ -370,22 +351,3 @@ def a_server_that_is_down_fails_the_controllers_operations_without_raising() -> 
         assert query(c, stored_tokens, "r-never").storage_hit_count == 0
         assert back_up(c, tokens_of(2, first=4000))[1] == 0
     detach(engines)
-
-
-def main() -> None:
-    use_cpu_stand_ins()
-    out = Path(sys.argv[1])
-    names = sys.argv[2:] or list(CHECKS)
-    results: dict[str, str | None] = {}
-    for name in names:
-        try:
-            CHECKS[name]()
-            results[name] = None
-        except BaseException:
-            results[name] = traceback.format_exc()
-        out.write_text(json.dumps(results))
-    os._exit(0)  # SGLang's import leaves threads behind
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,9 @@
 """Checks of KVFlowHiCacheStorage against SGLang's own classes, run inside .venv-sglang.
 
-`python tests/integrations/sglang/sglang_checks.py OUT.json [NAME ...]` runs every
-check (or the named ones) in this one process (SGLang's import takes seconds) and
-writes {name: null | failure text} to OUT.json; tests/integrations/sglang/
-test_sglang_storage.py runs it and fails each check that failed. Every check starts
-its own real `kvflow server` subprocess. SGLang's pools are built on CPU the way its
-HiCache builds them (device buffer facts -> `MHATokenToKVPoolHost` /
+tests/integrations/sglang/checks.py runs them (with controller_checks.py's) in one
+process; tests/integrations/sglang/test_sglang_storage.py reports each as a test. Every
+check starts its own real `kvflow server` subprocess. SGLang's pools are built on CPU the
+way its HiCache builds them (device buffer facts -> `MHATokenToKVPoolHost` /
 `MLATokenToKVPoolHost` with the `shm` allocator), and the backend comes from SGLang's
 `StorageBackendFactory` with the extra-config JSON a user passes: both made by
 `kvflow.integrations.sglang.synthetic`, which the benchmark uses too.
@@ -13,24 +11,19 @@ HiCache builds them (device buffer facts -> `MHATokenToKVPoolHost` /
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-
-from kvflow.integrations.sglang import synthetic  # noqa: E402
+from kvflow.integrations.sglang import synthetic
+from tests.integrations.sglang.checks import check, kvflow_server
 
 synthetic.allow_torchvision_without_its_operators()  # before SGLang imports torchvision
 
@@ -48,18 +41,10 @@ from kvflow.integrations.sglang.synthetic import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics  # noqa: E402
-from tests.e2e.server_proc import running_server  # noqa: E402
 
 PAGE = 4  # synthetic's pools: pages of 4 tokens, 2 layers, 64 device tokens
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")
-
-CHECKS: dict[str, Callable[[], None]] = {}
-
-
-def check(fn: Callable[[], None]) -> Callable[[], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
 
 
 # -- reading pages back -----------------------------------------------------------------------
@@ -79,15 +64,6 @@ def page_bytes(pool: Any, index: int) -> bytes:
     return (
         pool.get_data_page(int(index), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
     )
-
-
-@contextlib.contextmanager
-def server(*args: str) -> Iterator[str]:
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        running_server(PAGE, Path(tmp) / "server.log", args) as ep,
-    ):
-        yield ep
 
 
 def pages_of(pool: Any, host: torch.Tensor) -> list[int]:
@@ -147,7 +123,7 @@ def canonical(pool: Any, index: int) -> torch.Tensor:
 def a_server_with_chunks_other_than_pages_is_refused_at_attach() -> None:
     """A server started with another chunk size: attaching the pool fails, naming the
     --chunk-size to use; its batches are False."""
-    with tempfile.TemporaryDirectory() as tmp, running_server(2 * PAGE, Path(tmp) / "s.log") as ep:
+    with kvflow_server(2 * PAGE) as ep:
         pool = mha_pool("layer_first")
         config = storage_config(extra_config(ep))
         made = StorageBackendFactory.create_backend("dynamic", config, pool)
@@ -162,7 +138,7 @@ def a_server_with_chunks_other_than_pages_is_refused_at_attach() -> None:
 
 
 def _round_trip(make: Callable[[str], Any], layouts: tuple[str, ...], mla: bool) -> None:
-    with server() as ep:
+    with kvflow_server(PAGE) as ep:
         for layout in layouts:
             src, dst, ref = make(layout), make(layout), make("layer_first")
             fill(src, seed=len(layout))
@@ -209,7 +185,7 @@ def mla_pages_round_trip_bit_exact_in_every_layout() -> None:
 @check
 def a_page_written_in_one_layout_reads_back_in_another() -> None:
     """kvflow's chunk layout is its own: layer_first pages load into a page_first pool."""
-    with server() as ep:
+    with kvflow_server(PAGE) as ep:
         src, dst = mha_pool("layer_first"), mha_pool("page_first")
         fill(src, seed=7)
         a, b = build_backend(src, ep), build_backend(dst, ep)
@@ -229,7 +205,7 @@ def a_page_written_in_one_layout_reads_back_in_another() -> None:
 def a_missing_page_ends_the_prefix() -> None:
     """Pages 0-2 and 4-5 stored, page 3 not: exists says 3, a get of all six lands 3 and
     leaves the pool's pages for 3-5 untouched."""
-    with server() as ep:
+    with kvflow_server(PAGE) as ep:
         src, dst = mha_pool("page_first"), mha_pool("page_first")
         fill(src, seed=3)
         a, b = build_backend(src, ep), build_backend(dst, ep)
@@ -254,7 +230,7 @@ def tensor_parallel_ranks_model_and_salt_keep_kv_apart() -> None:
     """MHA: a prefix counts once every TP rank stored it, and a TP=1 engine never sees a
     TP=2 engine's shards; another model name or salt sees nothing. MLA: rank 0 writes,
     rank 1 of the same engine reads the same pages."""
-    with server() as ep:
+    with kvflow_server(PAGE) as ep:
         names = page_keys(3, "tp")
         pools = [mha_pool("layer_first", heads=1) for _ in range(2)]
         ranks = [build_backend(p, ep, tp_size=2, tp_rank=r) for r, p in enumerate(pools)]
@@ -297,7 +273,7 @@ def pipeline_stages_keep_kv_apart() -> None:
     """MHA PP=2 (each stage its own layers): a prefix counts once both stages stored it;
     stage 0 never loads stage 1's pages; a second PP=2 engine loads each stage's own pages
     byte for byte into the same stage; a PP=1 engine, or a stage of TP=2, sees nothing."""
-    with server() as ep:
+    with kvflow_server(PAGE) as ep:
         names = page_keys(3, "pp")
         pools = [mha_pool("page_first") for _ in range(2)]
         for stage, pool in enumerate(pools):
@@ -435,7 +411,8 @@ def a_server_killed_mid_set_never_serves_a_partial_page() -> None:
             _wait_serving(ep)
             src = mha_pool("page_first", **shape)
             fill(src, seed=13)
-            writer = build_backend(src, ep, timeout_s=10)
+            # the killed server never answers the set in flight: it fails when this runs out
+            writer = build_backend(src, ep, timeout_s=3)
             names, host = page_keys(n, "killed"), src.alloc(n * page)
             answers: list[list[bool]] = []
             setter = threading.Thread(
@@ -483,10 +460,7 @@ def an_evicted_page_is_a_miss() -> None:
     """An L1 of a few pages: storing more evicts the oldest, which exists no more and
     loads as False (never as a hit), while the newest still load."""
     heads, dim, page = 8, 128, 16  # 128 KiB pages
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        running_server(page, Path(tmp) / "server.log", ("--l1-size-gb", "0.001")) as ep,
-    ):
+    with kvflow_server(page, "--l1-size-gb", "0.001") as ep:
         src = mha_pool(
             "layer_first", heads=heads, head_dim=dim, page_size=page, device_tokens=8 * page
         )
@@ -515,7 +489,7 @@ def an_evicted_page_is_a_miss() -> None:
 @check
 def malformed_host_indices_are_refused_as_false() -> None:
     """Indices that are not whole pages, or too few for the keys: False, nothing moved."""
-    with server() as ep:
+    with kvflow_server(PAGE) as ep:
         pool = mha_pool("layer_first")
         b = build_backend(pool, ep)
         host = pool.alloc(2 * PAGE)
@@ -523,21 +497,3 @@ def malformed_host_indices_are_refused_as_false() -> None:
         assert b.batch_set_v1(page_keys(3, "bad"), host) == [False, False, False]
         assert b.batch_exists(page_keys(2, "bad")) == 0
         b.close()
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    names = sys.argv[2:] or list(CHECKS)
-    results: dict[str, str | None] = {}
-    for name in names:
-        try:
-            CHECKS[name]()
-            results[name] = None
-        except BaseException:
-            results[name] = traceback.format_exc()
-        out.write_text(json.dumps(results))
-    os._exit(0)  # SGLang's import leaves threads behind
-
-
-if __name__ == "__main__":
-    main()

