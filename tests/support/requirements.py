@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,25 @@ def missing(what: str, why: str, install: str) -> NoReturn:
             pytrace=False,
         )
     pytest.skip(message)
+
+
+def venv_run_failed(
+    python: str, part: str, probe: str, what: str, log: str, env: dict[str, str]
+) -> NoReturn:
+    """Fail a run in an engine venv (`part`, its python `python`) with its log; when the
+    venv cannot run `probe` (the imports the run needs) at all, report the venv as the
+    missing part instead (a failure under CI, a skip elsewhere). The probe runs only after
+    a failure: an engine's import costs seconds of CPU."""
+    proc = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, timeout=120, env=env
+    )
+    if proc.returncode != 0:
+        missing(
+            f"{PARTS[part].what} with a working python ({python})",
+            f"the venv cannot run {probe!r} ({proc.stderr.strip().splitlines()[-1:]})",
+            PARTS[part].install,
+        )
+    pytest.fail(f"{what} failed:\n{log[-6000:]}")
 
 
 def require_or_skip(part: str, why: str) -> str:

@@ -19,9 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.support.requirements import PARTS, missing, require_or_skip
+from tests.support.requirements import require_or_skip, venv_run_failed
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).parent
@@ -59,17 +57,7 @@ def run_checks(out: Path, names: Sequence[str]) -> dict[str, Any]:
     )  # fmt: skip
     log = (proc.stdout + proc.stderr)[-6000:]
     if not out.exists():
-        probe = subprocess.run(
-            [python, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
-        )
-        if probe.returncode != 0:
-            missing(
-                f"SGLang in {python}",
-                "the venv cannot import sglang and kvflow"
-                f" ({probe.stderr.strip().splitlines()[-1:]})",
-                PARTS["sglang-venv"].install,
-            )
-        pytest.fail(f"{RUNNER.name} wrote no results:\n{log}")
+        venv_run_failed(python, "sglang-venv", PROBE, f"{RUNNER.name} (no results)", log, env)
     return dict(json.loads(out.read_text()), _log=log[-4000:])
 
 

@@ -17,11 +17,9 @@ import subprocess
 from pathlib import Path
 from typing import Any, NoReturn
 
-import pytest
-
 from tests.e2e.server_proc import running_server
 from tests.integrations.vllm.tiny_model import write_tiny_llama_config
-from tests.support.requirements import PARTS, missing, require_or_skip
+from tests.support.requirements import missing, require_or_skip, venv_run_failed
 
 ROOT = Path(__file__).resolve().parents[3]
 OFFICIAL = ROOT / ".venv-vllm-official" / "site"
@@ -54,22 +52,10 @@ def engine_env(*, official: bool = False) -> dict[str, str]:
 
 
 def run_failed(python: str, what: str, log: str, env: dict[str, str] | None = None) -> NoReturn:
-    """Fail a vLLM run with its log; when the venv cannot import vLLM and kvflow at all,
-    report the venv as a missing part instead (a failure under CI, a skip elsewhere)."""
-    probe = subprocess.run(
-        [python, "-c", "import vllm, kvflow.integrations.vllm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env or engine_env(),
-    )
-    if probe.returncode != 0:
-        missing(
-            f"vLLM in {python}",
-            f"the venv cannot import vllm and kvflow ({probe.stderr.strip().splitlines()[-1:]})",
-            PARTS["vllm-venv"].install,
-        )
-    pytest.fail(f"{what} failed:\n{log[-6000:]}")
+    """Fail a vLLM run with its log, or report the venv missing when it cannot import
+    vLLM and kvflow at all (`venv_run_failed`)."""
+    probe = "import vllm, kvflow.integrations.vllm"
+    venv_run_failed(python, "vllm-venv", probe, what, log, env or engine_env())
 
 
 def run_under_official_vllm(runner: Path, tmp: Path, chunk: int) -> dict[str, Any]:
