@@ -1,8 +1,8 @@
 """Blend on a CPU engine, for the observability tests of blend (metrics, logs, spans,
 `kvflow top` / `kvflow report`, the event log and its replay).
 
-`stored_docs` stores a system prompt and two documents (tests/core/engine/test_blend.py's
-set-up, ropes registered); `blend_once` asks for them in another order behind the system
+`stored_docs` stores a system prompt and two documents (`tests.support.blend.store_docs`,
+as the engine's blend tests do) and registers `dst`; `blend_once` asks for them in another order behind the system
 prompt and a question, so a blend lookup finds the system prompt as its prefix and both
 documents past it, at offsets inside blocks, and a blend retrieve copies them.
 """
@@ -17,7 +17,7 @@ import pytest
 from kvflow.core.engine.blend_index import BlendSegment
 from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.core.errors import InvalidRequestError
-from tests.support.blend import ROPE, VOCAB, Model
+from tests.support.blend import ROPE, Model, store_docs
 from tests.support.engine import BLOCK, CHUNK
 
 #: bytes of one chunk object of Model's caches: layers x K|V x tokens x heads x head x f32
@@ -56,18 +56,9 @@ def stored_docs(engine: CacheEngine) -> Docs:
     """Store a system prompt (one chunk), document A (two) and B (one) from a `src`
     instance of model MODEL, and register a `dst` instance to blend into."""
     model = Model()
-    rng = np.random.default_rng(1)
-    system, doc_a, doc_b = (
-        rng.integers(0, VOCAB, n).astype(np.int32) for n in (CHUNK, 2 * CHUNK, CHUNK)
-    )
-    stored = np.concatenate([system, doc_a, doc_b])
-    src = model.caches()
-    src_blocks = list(range(len(stored) // BLOCK))
-    model.write(src, stored, src_blocks)
-    for instance, kv in (("src", src), ("dst", model.caches())):
-        engine.register_kv_caches(instance, kv, model_name=MODEL, block_size=BLOCK, ropes=ROPE)
-    assert engine.store("src", stored, src_blocks, request_id="s") == len(stored)
-    return Docs(system, doc_a, doc_b)
+    docs = Docs(*store_docs(engine, model, MODEL))
+    engine.register_kv_caches("dst", model.caches(), model_name=MODEL, block_size=BLOCK, ropes=ROPE)
+    return docs
 
 
 def blend_once(

@@ -4,7 +4,7 @@
 writes caches as a forward pass would at given positions; `check_blended` compares
 blended blocks with K computed directly at the new positions (float32 caches: within
 float32 rounding of one rotation) and V bit for bit. The engine and server blend tests
-share them.
+share them; `store_docs` stores the documents they blend.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from kvflow.core.engine.blend_index import BlendSegment
+from kvflow.core.engine.cache_engine import CacheEngine
 from kvflow.kernels.rope import RopeParams
-from tests.support.engine import BLOCK
+from tests.support.engine import BLOCK, CHUNK
 
 LAYERS, HEADS, HEAD = 2, 2, 8
 VOCAB = 1000
@@ -109,3 +110,21 @@ def untouched(
         if not torch.equal(layer[:, keep], old[:, keep]):
             return False
     return True
+
+
+def store_docs(
+    engine: CacheEngine, model: Model, model_name: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Store a system prompt (one chunk), document A (two) and B (one), in that order,
+    from a `src` instance of `model_name` with ropes registered; returns the three."""
+    rng = np.random.default_rng(1)
+    system, doc_a, doc_b = (
+        rng.integers(0, VOCAB, n).astype(np.int32) for n in (CHUNK, 2 * CHUNK, CHUNK)
+    )
+    stored = np.concatenate([system, doc_a, doc_b])
+    src = model.caches()
+    src_blocks = list(range(len(stored) // BLOCK))
+    model.write(src, stored, src_blocks)
+    engine.register_kv_caches("src", src, model_name=model_name, block_size=BLOCK, ropes=ROPE)
+    assert engine.store("src", stored, src_blocks, request_id="s") == len(stored)
+    return system, doc_a, doc_b

@@ -16,24 +16,14 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.events import EventType
-from tests.support.blend import ROPE, VOCAB, Model, untouched
+from tests.support.blend import ROPE, Model, store_docs, untouched
 from tests.support.engine import BLOCK, CHUNK, events_of, pairs, small_engine
 
 
 def _setup(**engine_kw: Any) -> tuple[Any, Any, Model, np.ndarray, np.ndarray, np.ndarray]:
     engine, recorder = small_engine(**engine_kw)
     model = Model()
-    rng = np.random.default_rng(1)
-    system, doc_a, doc_b = (
-        rng.integers(0, VOCAB, n).astype(np.int32) for n in (CHUNK, 2 * CHUNK, CHUNK)
-    )
-    stored = np.concatenate([system, doc_a, doc_b])
-    src = model.caches()
-    src_blocks = list(range(len(stored) // BLOCK))
-    model.write(src, stored, src_blocks)
-    engine.register_kv_caches("src", src, model_name="m", block_size=BLOCK, ropes=ROPE)
-    assert engine.store("src", stored, src_blocks, request_id="s") == len(stored)
-    return engine, recorder, model, system, doc_a, doc_b
+    return engine, recorder, model, *store_docs(engine, model, "m")
 
 
 def test_documents_blend_at_new_offsets_inside_blocks() -> None:
