@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics.export import HistogramDataPoint
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import GIB, CacheEngine
@@ -28,6 +27,7 @@ from kvflow.subscribers.eventlog_read import LogReader
 from kvflow.subscribers.testing import MetricsCapture
 from tests.subscribers.blend_run import MODEL, Blended, blend_once, refused_blend, stored_docs
 from tests.support.engine import CHUNK
+from tests.support.metric_points import metric_points
 
 BLEND_TYPES = (
     EventType.BLEND_LOOKUP_START, EventType.BLEND_LOOKUP_END,
@@ -83,19 +83,10 @@ def test_the_log_reads_back_every_blend_event_as_published(run: BlendRun) -> Non
 
 
 def _blend_points(capture: MetricsCapture) -> dict[tuple[Any, ...], Any]:
-    """Every kvflow.blend.* and kvflow.inflight.blend_* point: value, or (count, sum)."""
-    out: dict[tuple[Any, ...], Any] = {}
-    data = capture.reader.get_metrics_data()
-    assert data is not None
-    for rm in data.resource_metrics:
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                if m.name.startswith(("kvflow.blend.", "kvflow.inflight.blend_")):
-                    for p in m.data.data_points:
-                        key = (m.name, tuple(sorted((p.attributes or {}).items())))
-                        hist = isinstance(p, HistogramDataPoint)
-                        out[key] = (p.count, p.sum) if hist else p.value  # type: ignore[union-attr]
-    return out
+    """Every kvflow.blend.* and kvflow.inflight.blend_* point."""
+    return metric_points(
+        capture, lambda name: name.startswith(("kvflow.blend.", "kvflow.inflight.blend_"))
+    )
 
 
 def test_replay_gives_the_live_blend_metrics(run: BlendRun) -> None:

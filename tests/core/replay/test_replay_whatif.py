@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from opentelemetry.sdk.metrics.export import HistogramDataPoint
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.demo.sim import ModelShape, SimEngine, kv_bytes_per_token
@@ -33,6 +32,7 @@ from kvflow.subscribers import build_subscribers
 from kvflow.subscribers.eventlog_format import segment_name
 from kvflow.subscribers.eventlog_read import LogReader
 from kvflow.subscribers.testing import MetricsCapture
+from tests.support.metric_points import metric_points
 
 CHUNK = 256
 FORMAT = "vllm_flash_attn"
@@ -78,24 +78,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> LiveRun:
 
 
 def _points(capture: MetricsCapture, *, skip_l0: bool = False) -> dict[tuple[Any, ...], Any]:
-    """Every metric point keyed by (name, labels): value, or (count, sum, buckets)."""
-    out: dict[tuple[Any, ...], Any] = {}
-    data = capture.reader.get_metrics_data()
-    assert data is not None
-    for rm in data.resource_metrics:
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                if m.name.startswith(NOT_FROM_EVENTS) or (
-                    skip_l0 and m.name.startswith("kvflow.l0")
-                ):
-                    continue
-                for p in m.data.data_points:
-                    key = (m.name, tuple(sorted((p.attributes or {}).items())))
-                    if isinstance(p, HistogramDataPoint):
-                        out[key] = (p.count, p.sum, tuple(p.bucket_counts))
-                    else:
-                        out[key] = p.value  # type: ignore[union-attr]
-    return out
+    """Every metric point that events make (without kvflow.l0.* when `skip_l0`)."""
+    return metric_points(
+        capture,
+        lambda name: (
+            not name.startswith(NOT_FROM_EVENTS) and not (skip_l0 and name.startswith("kvflow.l0"))
+        ),
+    )
 
 
 def test_replay_gives_the_live_metric_values(run: LiveRun) -> None:
