@@ -377,7 +377,21 @@ def rerotate(
     """
     if backend not in ("auto", "cuda", "cpu"):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu'; got {backend!r}")
-    plan = plan_rerotation(layout, ropes, segments, layers=layers)
+    apply_rerotation(
+        layout, plan_rerotation(layout, ropes, segments, layers=layers), backend=backend,
+        stream=stream,
+    )  # fmt: skip
+
+
+def apply_rerotation(
+    layout: KVLayout,
+    plan: RerotationPlan,
+    *,
+    backend: Backend = "auto",
+    stream: TransferStream | None = None,
+) -> None:
+    """Carry out a checked plan (`plan_rerotation`) as `rerotate` does: for a caller that
+    planned first, to check everything before its own writes, without planning twice."""
     if backend == "cuda" or (backend == "auto" and layout.device.type == "cuda"):
         from kvflow.kernels.rope_cuda import launch_rerotation
 

@@ -36,7 +36,13 @@ from kvflow.core.engine.validation import check_salt
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.tiers.base import HostTier, ObjectKey
 from kvflow.events import EventBus, EventType
-from kvflow.kernels.rope import LayerRopes, RerotateSegment, RopeParams, plan_rerotation, rerotate
+from kvflow.kernels.rope import (
+    LayerRopes,
+    RerotateSegment,
+    RopeParams,
+    apply_rerotation,
+    plan_rerotation,
+)
 from kvflow.kernels.token_copy import scatter_tokens, token_slots
 
 log = logging.getLogger("kvflow.engine")
@@ -371,7 +377,7 @@ def copy_segments(
             )
         )
     assert inst.ropes is not None
-    plan_rerotation(layout, inst.ropes, turns)  # every check before the first write
+    plan = plan_rerotation(layout, inst.ropes, turns)  # every check before the first write
     cuda = layout.device.type == "cuda"
     stream = getattr(inst.mover, "kernel_stream", None) if cuda else None
     # CUDA: STAGE_SEGMENTS objects at a time into one staging tensor, written by one
@@ -393,6 +399,6 @@ def copy_segments(
             else:
                 chunks = objs[start][None]
             scatter_tokens(layout, chunks, chunk_size, blocks_at, offsets)
-    rerotate(layout, inst.ropes, turns, stream=stream)
+    apply_rerotation(layout, plan, stream=stream)
     if stream is not None:
         stream.synchronize()
