@@ -37,7 +37,8 @@ class ServerProcess:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.endpoint = ""
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
         if not self._ready.wait(start_timeout_s) or not self.endpoint:
             self.proc.kill()
             raise RuntimeError("server did not start:\n" + "".join(self.lines))
@@ -55,10 +56,22 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
+    def wait_log(self, text: str, timeout_s: float = 15.0) -> bool:
+        """Whether `text` shows in the log within `timeout_s`: the server logs from its
+        own threads, so a line may follow the reply that caused it."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                return text in self.log()
+            time.sleep(0.02)
+        return True
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(30)
+        code = self.proc.wait(30)
+        self._reader.join(10)  # the log's last lines, read from the pipe after the exit
+        return code
 
 
 def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, Any]]:

@@ -183,7 +183,7 @@ def test_without_curve_only_loopback_peers_are_admins() -> None:
         with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as local:
             assert local.admin(AdminDrain())["draining"] is True
             assert local.admin(AdminDrain(undrain=True))["draining"] is False
-        assert f"at {external}" in srv.log() and "at 127.0.0.1" in srv.log()
+        assert srv.wait_log(f"at {external}") and srv.wait_log("at 127.0.0.1"), srv.log()
     finally:
         assert srv.stop() == 0, srv.log()
 
