@@ -80,6 +80,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/tiers/l1.py": [
         "tests/core/tiers/test_l1.py",
         "tests/core/tiers/test_l1_resize.py",
+        "tests/core/tiers/test_l1_mutants.py",
         "tests/core/tiers/test_quota.py",
         "tests/core/tiers/test_pinahead.py",
         "tests/core/tiers/test_tier_contract.py",
@@ -158,10 +159,12 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     "kvflow/core/engine/keys.py": ["tests/core/engine/test_keys.py"],
     "kvflow/core/engine/request.py": ["tests/core/engine/test_request.py"],
     "kvflow/core/engine/observability.py": ["tests/core/engine/test_observability.py"],
-    # the engine's layer-wait report and its check: only the server's layerwise tests call them
+    # the engine's layer-wait report and its check: the engine's tests and the server's
+    # layerwise tests call them
     "kvflow/core/engine/cache_engine.py": [
         "tests/core/engine",
         "tests/core/server/test_layerwise_server.py",
+        "tests/observe/test_top_layer_waits.py",
     ],
     "kvflow/core/engine/validation.py": [
         "tests/core/engine",

@@ -275,6 +275,8 @@ class L1Cache:
         the result is the same plan as one `prepare_write` of all keys. Nothing is
         added once a key found no room.
         """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"an L1 object holds at least one byte, got {nbytes!r}")
         start = len(plan.keys)
         # chunk keys are chained, so the last planned key standing for the prefix suffices
         if len(keys) < start or (start and keys[start - 1] != plan.keys[start - 1]):
