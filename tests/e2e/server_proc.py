@@ -1,16 +1,17 @@
-"""A `kvflow server` subprocess for the end-to-end scenario, started and stopped cleanly."""
+"""A `kvflow server` process for the end-to-end scenario (tests.support.launcher), started
+and stopped cleanly."""
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvflow.core import KVFlowClient
 from tests.support.collectors import free_port
+from tests.support.launcher import LaunchedProcess, kvflow_process
 
 START_TIMEOUT_S = 60.0
 
@@ -26,10 +27,7 @@ def running_server(
     """Run `kvflow server` (metrics endpoint off) until the block exits; yields its endpoint.
     `port` (default: a free one) lets a test restart a server where clients expect it."""
     port = free_port() if port is None else port
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvflow.cli",
+    args = [
         "server",
         "--port",
         str(port),
@@ -44,7 +42,7 @@ def running_server(
         *extra_args,
     ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = kvflow_process(args, stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"tcp://127.0.0.1:{port}"
     try:
         _wait_until_serving(proc, endpoint, log_path)
@@ -58,7 +56,9 @@ def running_server(
             proc.wait()
 
 
-def _wait_until_serving(proc: subprocess.Popen[bytes], endpoint: str, log_path: Path) -> None:
+def _wait_until_serving(
+    proc: LaunchedProcess | subprocess.Popen[bytes], endpoint: str, log_path: Path
+) -> None:
     """Poll `status` until the server answers; raise with its log if it dies or hangs."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +23,7 @@ import torch
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.engine.keys import chain_hashes
 from tests.e2e.server_proc import running_server
+from tests.support.launcher import kvflow_run
 
 CHUNK = 16  # tokens per chunk = one block
 BLOCKS = 32
@@ -184,11 +183,9 @@ def test_a_second_server_on_the_same_disk_path_is_refused(tmp_path: Path) -> Non
     disk = tmp_path / "disk"
     with _server(tmp_path, disk, "holder") as (client, _):
         holder = client.status()["server"]["pid"]
-        second = subprocess.run(
-            [sys.executable, "-m", "kvflow.cli", "server", "--port", "0",
-             "--prometheus-port", "0", "--l2-disk", str(disk)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        second = kvflow_run(
+            ["server", "--port", "0", "--prometheus-port", "0", "--l2-disk", str(disk)]
+        )
         assert second.returncode == 2
         assert "--l2-disk" in second.stderr and str(holder) in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -40,6 +38,7 @@ from tests.e2e.test_server_l2 import (
     _caches,
 )
 from tests.support.collectors import free_port
+from tests.support.launcher import kvflow_run
 from tests.support.redis_servers import RedisServer
 
 PREFIX = "kvflow-e2e:"
@@ -168,10 +167,7 @@ def test_password_from_the_environment_works_and_never_shows(
             assert client.retrieve("dst", T, DST_IDS, request_id="q") == N * CHUNK
             assert torch.equal(_blocks(dst, DST_IDS), _blocks(src, SRC_IDS))
             assert redis_status(client)["loaded"] == 6 and our_keys(rs) == 2 * N + 6
-            status_cli = subprocess.run(
-                [sys.executable, "-m", "kvflow.cli", "status", "--endpoint", endpoint],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+            status_cli = kvflow_run(["status", "--endpoint", endpoint])
             assert status_cli.returncode == 0, status_cli.stderr
             assert '"redis"' in status_cli.stdout
             shown = [status_cli.stdout, status_cli.stderr, repr(client.status())]
@@ -180,10 +176,9 @@ def test_password_from_the_environment_works_and_never_shows(
             assert SECRET not in text
 
         wrong = "not-the-Pa55word-e2e"
-        refused = subprocess.run(
-            [sys.executable, "-m", "kvflow.cli", "server", "--port", str(free_port()),
-             "--prometheus-port", "0", "--l2-redis", rs.url()],
-            capture_output=True, text=True, timeout=60,
+        refused = kvflow_run(
+            ["server", "--port", str(free_port()), "--prometheus-port", "0", "--l2-redis",
+             rs.url()],
             env={**os.environ, "KVFLOW_REDIS_PASSWORD": wrong},
         )  # fmt: skip
         assert refused.returncode == 2, refused.stderr

@@ -9,7 +9,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from kvflow.core import empty_shared
+from tests.support.launcher import kvflow_process
 
 #: vllm_flash_attn caches: NL x [2, NB, BS, NH, HS] bfloat16; a 256-token chunk is 32 KiB
 NL, NB, BS, NH, HS = 2, 64, 16, 2, 8
@@ -28,12 +28,12 @@ BLOCKS_PER_CHUNK = CHUNK // BS
 
 
 class ServerProcess:
-    """`python -m kvflow.cli server --port 0 ...`; waits until it listens, keeps its log."""
+    """`kvflow server --port 0 ...` (tests.support.launcher); waits until it listens,
+    keeps its log."""
 
     def __init__(self, *flags: str, start_timeout_s: float = 60.0) -> None:
-        cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--log-format"]
-        cmd += ["console", "--prometheus-port", "0", *flags]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        args = ["server", "--port", "0", "--log-format", "console", "--prometheus-port", "0"]
+        self.proc = kvflow_process([*args, *flags], stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.endpoint = ""

@@ -13,7 +13,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from kvflow.core.config import ServerConfig
 from kvflow.core.errors import AlreadyRegisteredError, AuthenticationError, PermissionDeniedError
 from kvflow.core.server.curve import AuthorizedKeys, generate, load_key_pair, load_public_key
 from tests.core.server.test_server import ServerProcess
+from tests.support.launcher import kvflow_run
 from tests.support.relay import TcpRelay
 
 NB, BS, NH, HS = 32, 16, 2, 8
@@ -36,12 +36,7 @@ CHUNK = 256
 
 def _keygen(directory: Path, name: str) -> Path:
     """`kvflow keygen NAME --dir DIR`; returns the secret key file."""
-    done = subprocess.run(
-        [sys.executable, "-m", "kvflow.cli", "keygen", name, "--dir", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = kvflow_run(["keygen", name, "--dir", str(directory)])
     assert done.returncode == 0, done.stderr
     return directory / f"{name}.key_secret"
 
@@ -108,12 +103,7 @@ def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(keys: dict[str,
     pair = load_key_pair(secret)
     assert load_public_key(public) == pair.public and len(pair.public) == 40
     assert load_public_key(pair.public.decode()) == pair.public  # the key itself, as text
-    again = subprocess.run(
-        [sys.executable, "-m", "kvflow.cli", "keygen", "alice", "--dir", str(secret.parent)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = kvflow_run(["keygen", "alice", "--dir", str(secret.parent)])
     assert again.returncode == 1 and "already exists" in again.stderr
     assert load_key_pair(secret) == pair  # untouched
     with pytest.raises(ValueError, match="holds no secret key"):
@@ -220,12 +210,7 @@ def test_a_curve_client_of_a_plain_server_is_told_so(keys: dict[str, Path]) -> N
 
 def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
     """A server that must refuse to start: its exit status and output."""
-    return subprocess.run(
-        [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return kvflow_run(["server", "--port", "0", *flags])
 
 
 def test_non_loopback_listening_needs_curve_or_insecure_listen(keys: dict[str, Path]) -> None:
@@ -281,14 +266,14 @@ def test_status_and_top_take_the_curve_keys(
 ) -> None:
     # A roomy --timeout-s (default 5 s): under load (make mutation runs many suites at once)
     # the keyed command's reply may take longer, and the refusal comes at once anyway.
-    base = [sys.executable, "-m", "kvflow.cli", *command, "--endpoint", server.endpoint]
+    base = [*command, "--endpoint", server.endpoint]
     base += ["--timeout-s", "60"]
     with_keys = [*base, "--curve-server-key", str(keys["server_public"])]
     with_keys += ["--curve-key", str(keys["alice"])]
-    done = subprocess.run(with_keys, capture_output=True, text=True, timeout=120)
+    done = kvflow_run(with_keys, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
-    refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    refused = kvflow_run(base, timeout=120)
     assert refused.returncode == 1 and "requires CURVE" in refused.stderr
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import glob
 import os
 import random
-import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -46,40 +44,18 @@ from kvflow.core.server.protocol import (
     encode_request,
 )
 from kvflow.core.server.shm import shared_memory_of
+from tests.support import ops
 
 NL, NB, BS, NH, HS = 2, 64, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
 CHUNK = 256
 HEARTBEAT_TIMEOUT_S = 2.0
 
 
-class ServerProcess:
-    """`python -m kvflow.cli server` on a free port; collects its log lines."""
+class ServerProcess(ops.ServerProcess):
+    """A `kvflow server` with a 0.25 GiB L1 (later flags may say otherwise)."""
 
     def __init__(self, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--log-format"]
-        cmd += ["console", "--l1-size-gb", "0.25", *flags]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.endpoint = ""
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self._ready.wait(60):
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.lines))
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            match = re.search(r"listening on (tcp://\S+)", line)
-            if match:
-                self.endpoint = match.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(30)
+        super().__init__("--l1-size-gb", "0.25", *flags)
 
 
 @pytest.fixture(scope="module")
