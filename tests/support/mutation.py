@@ -125,12 +125,16 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_kv_events.py",
         "tests/core/server/test_admin.py",
     ],
+    # the server's admin calls, KV-event publisher and probes have test files of their own
     "kvflow/core/server/server.py": [
         "tests/core/server/test_server.py",
         "tests/core/server/test_server_hardening.py",
         "tests/core/server/test_server_shutdown.py",
         "tests/core/server/test_server_events.py",
         "tests/core/server/test_server_gpu.py",
+        "tests/core/server/test_admin.py",
+        "tests/core/server/test_kv_events.py",
+        "tests/core/server/test_probes.py",
     ],
     # split out of server.py (issue 40): the jobs run every request kind; the registry
     # keeps the registered instances
