@@ -24,6 +24,7 @@ from typing import Any
 
 from kvflow.integrations.sglang import synthetic
 from tests.integrations.sglang.checks import check, kvflow_server
+from tests.support.launcher import kvflow_process
 
 synthetic.allow_torchvision_without_its_operators()  # before SGLang imports torchvision
 
@@ -333,10 +334,10 @@ def a_hung_server_times_out_and_a_restarted_one_is_used_again() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
-        cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", str(port),
+        cmd = ["server", "--port", str(port),
                "--prometheus-port", "0", "--chunk-size", str(PAGE), "--l1-size-gb", "0.05",
                "--log-level", "warning"]  # fmt: skip
-        first = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        first = kvflow_process(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
         ep = f"tcp://127.0.0.1:{port}"
         try:
             _wait_serving(ep)
@@ -353,7 +354,7 @@ def a_hung_server_times_out_and_a_restarted_one_is_used_again() -> None:
             assert time.monotonic() - started < 6
             first.kill()
             first.wait()
-            second = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+            second = kvflow_process(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
             try:
                 _wait_serving(ep)
                 assert b.batch_exists(names) == 0  # a new server knows nothing
@@ -402,11 +403,11 @@ def a_server_killed_mid_set_never_serves_a_partial_page() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         l2, log = Path(tmp) / "l2", Path(tmp) / "server.log"
-        cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", str(port),
+        cmd = ["server", "--port", str(port),
                "--prometheus-port", "0", "--chunk-size", str(page), "--l1-size-gb", "0.1",
                "--l2-disk", str(l2), "--l2-disk-size-gb", "0.1", "--log-level", "warning"]  # fmt: skip
         ep = f"tcp://127.0.0.1:{port}"
-        first = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        first = kvflow_process(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
         try:
             _wait_serving(ep)
             src = mha_pool("page_first", **shape)
@@ -430,7 +431,7 @@ def a_server_killed_mid_set_never_serves_a_partial_page() -> None:
         assert not setter.is_alive() and len(answers) == 1
         stored = answers[0].count(True)
         assert answers[0] == [True] * stored + [False] * (n - stored), answers[0]
-        second = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        second = kvflow_process(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         try:
             _wait_serving(ep)
             dst = mha_pool("page_first", **shape)
