@@ -56,6 +56,7 @@ REDIS_TESTS = [
     "tests/core/tiers/test_redis_info.py",
     "tests/core/tiers/test_redis_io.py",
     "tests/core/tiers/test_redis_recorded_errors.py",
+    "tests/core/tiers/test_redis_mutants.py",
     "tests/core/tiers/test_tier_contract.py",
 ]
 
