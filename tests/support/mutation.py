@@ -136,6 +136,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_admin.py",
         "tests/core/server/test_kv_events.py",
         "tests/core/server/test_probes.py",
+        "tests/core/server/test_server_mutants.py",
     ],
     # split out of server.py (issue 40): the jobs run every request kind; the registry
     # keeps the registered instances

@@ -1,0 +1,284 @@
+"""Server behaviours mutation testing left untested: KV-event filters, admin callers, stop lines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from kvflow.core import KVFlowClient
+from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.errors import (
+    InvalidRequestError,
+    RequestTimeoutError,
+    UnknownSubscriptionError,
+)
+from kvflow.core.server import server as server_module
+from kvflow.core.server.kv_streams import KVPoll
+from kvflow.core.server.protocol import (
+    AdminClear,
+    KVSubscribed,
+    ShmMemory,
+    StatusResult,
+    decode_reply,
+    encode_request,
+)
+from kvflow.core.server.server import KVFlowServer
+from kvflow.core.server.shm import shared_memory_of
+from kvflow.subscribers.kv_events import KVRecord
+from tests.core.server.test_server_shutdown import _serve_gated
+from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
+
+STOPPING = "kvflow server stopping: finishing in-flight work"
+STOPPED = "kvflow server stopped (event pipeline clean)"
+
+
+class _Records(logging.Handler):
+    """Keeps every record it handles."""
+
+    def __init__(self, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, prefix: str = "kvflow server") -> list[str]:
+        return [m for r in self.records if (m := r.getMessage()).startswith(prefix)]
+
+
+@pytest.fixture
+def server_log() -> Iterator[logging.Logger]:
+    """The "kvflow.server" logger, its level, propagation and handlers restored after."""
+    logger = logging.getLogger("kvflow.server")
+    level, propagate, handlers = logger.level, logger.propagate, list(logger.handlers)
+    yield logger
+    logger.setLevel(level)
+    logger.propagate = propagate
+    logger.handlers[:] = handlers
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess("--disable-metrics", "--l1-size-gb", "0.05")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _config() -> ServerConfig:
+    return ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
+
+
+# -- KV events -------------------------------------------------------------------------------
+
+
+def _read(client: KVFlowClient, sub: KVSubscribed, count: int) -> list[KVRecord]:
+    """The subscription's records from its start, once there are `count` of them."""
+
+    def records() -> list[KVRecord]:
+        poll = client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+        return poll.records if len(poll.records) >= count else []
+
+    found: list[KVRecord] = wait_for(records, timeout_s=20, what=f"{count} KV records")
+    return found
+
+
+def test_each_subscription_filter_field_selects_its_owners(server: ServerProcess) -> None:
+    """World size, rank and the salt (matched only with match_salt) each narrow what a
+    subscription of one model gets; other models never show."""
+    with KVFlowClient(server.endpoint, timeout_s=5) as client:
+        every = client.subscribe_kv_events(model_name="filters")
+        wide = client.subscribe_kv_events(model_name="filters", world_size=2)
+        salted = client.subscribe_kv_events(model_name="filters", cache_salt="s", match_salt=True)
+        unsalted = client.subscribe_kv_events(model_name="filters", match_salt=True)
+        ranked = client.subscribe_kv_events(model_name="filters", world_size=2, rank=1)
+        salt_ignored = client.subscribe_kv_events(model_name="filters", cache_salt="s")
+        owners = {"a": (1, 0, None), "b": (2, 1, "s"), "c": (2, 0, None)}
+        kvs = {name: shared_kv(seed) for seed, name in enumerate(owners)}
+        for seed, (name, (world, rank, salt)) in enumerate(owners.items()):
+            iid = f"filters-{name}-{os.getpid()}"
+            client.register_kv_caches(
+                iid, kvs[name], model_name="filters", world_size=world, rank=rank
+            )
+            stored = client.store(
+                iid, tokens(CHUNK, seed=100 + seed), list(range(16)), request_id=name,
+                cache_salt=salt,
+            )  # fmt: skip
+            assert stored == CHUNK
+
+        def owned(sub: KVSubscribed, count: int) -> list[tuple[int, int, str | None]]:
+            return [(r.world_size, r.rank, r.cache_salt) for r in _read(client, sub, count)]
+
+        assert owned(every, 3) == list(owners.values())
+        assert owned(wide, 2) == [owners["b"], owners["c"]]
+        assert owned(salted, 1) == [owners["b"]]
+        assert owned(unsalted, 2) == [owners["a"], owners["c"]]
+        assert owned(ranked, 1) == [owners["b"]]
+        assert owned(salt_ignored, 3) == list(owners.values())
+
+
+def test_subscribe_poll_and_unsubscribe_replies(server: ServerProcess) -> None:
+    """Subscribe, poll and unsubscribe each answer with the server's handling time; after
+    unsubscribing, the subscription is unknown to its own client."""
+    with KVFlowClient(server.endpoint, timeout_s=5) as client:
+        sub = client.subscribe_kv_events(model_name="replies")
+        assert client.last_server_time_s > 0
+        poll = client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+        assert isinstance(poll, KVPoll) and poll.records == []
+        assert client.last_server_time_s > 0
+        client.unsubscribe_kv_events(sub.subscription)
+        assert client.last_server_time_s > 0
+        with pytest.raises(UnknownSubscriptionError, match="subscribe again"):
+            client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+
+
+def test_kv_events_off_says_so_exactly() -> None:
+    """With --kv-events-chunks 0 a subscription is refused with the exact reason."""
+    srv = ServerProcess(
+        "--disable-observability", "--l1-size-gb", "0.05", "--kv-events-chunks", "0"
+    )
+    try:
+        with (
+            KVFlowClient(srv.endpoint, timeout_s=5) as client,
+            pytest.raises(InvalidRequestError) as refused,
+        ):
+            client.subscribe_kv_events()
+        assert str(refused.value) == "KV events are off on this server (--kv-events-chunks 0)"
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+# -- admin callers ---------------------------------------------------------------------------
+
+
+def test_an_admin_client_named_like_none_is_served(server: ServerProcess) -> None:
+    """Without CURVE a client id starting "None " is no owner form: the call runs and the
+    log names the caller by its whole id."""
+    with KVFlowClient(server.endpoint, timeout_s=5, client_id="None of them") as client:
+        done = client.admin(AdminClear(model_name="mutants-none"))
+    assert isinstance(done, dict)
+    assert server.wait_log(" by None of them at 127.0.0.1: ")
+
+
+def test_an_admin_call_without_a_client_id_names_the_caller_question_mark(
+    server: ServerProcess,
+) -> None:
+    """A raw admin request with an empty client id is logged as "? at <peer>"."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart(encode_request(AdminClear(id=7, model_name="mutants-anon")))
+        assert sock.poll(10_000), "no reply"
+        reply = decode_reply(sock.recv())
+    finally:
+        sock.close()
+        ctx.term()
+    assert isinstance(reply, StatusResult) and reply.id == 7, reply
+    line = re.escape("admin clear {'model_name': 'mutants-anon'} by ? at 127.0.0.1: ")
+    assert wait_for(lambda: re.search(line, server.log()), timeout_s=10, what="the admin line")
+
+
+# -- shutdown lines (in-process: the log records themselves) ---------------------------------
+
+
+def test_stop_logs_each_line_once_through_the_server_loggers_handlers(
+    server_log: logging.Logger,
+) -> None:
+    """Closing twice logs "stopping" and "stopped" once; the stopped record is the server
+    logger's INFO record, reaches a handler at INFO, and stops where propagation does."""
+    own, parent = _Records(logging.INFO), _Records()
+    server_log.setLevel(logging.INFO)
+    server_log.propagate = False
+    server_log.addHandler(own)
+    kvflow_log = logging.getLogger("kvflow")
+    kvflow_log.addHandler(parent)
+    try:
+        srv = KVFlowServer(_config())
+        srv.close()
+        srv.close()
+    finally:
+        kvflow_log.removeHandler(parent)
+    assert own.messages() == [STOPPING, STOPPED]
+    assert parent.messages() == []
+    (stopped,) = [r for r in own.records if r.getMessage() == STOPPED]
+    assert (stopped.name, stopped.levelno) == ("kvflow.server", logging.INFO)
+    assert (stopped.pathname, stopped.lineno) == (server_module.__file__, 0)
+
+
+def test_no_stopped_line_when_the_server_logger_is_above_info(server_log: logging.Logger) -> None:
+    """With the server's logger at WARNING, neither the stopping nor the stopped line is
+    handled, even by a handler that takes every level."""
+    own = _Records()
+    server_log.setLevel(logging.WARNING)
+    server_log.addHandler(own)
+    KVFlowServer(_config()).close()
+    assert own.messages() == []
+
+
+def test_a_second_stop_with_a_stuck_store_warns_it_does_not_wait(
+    server_log: logging.Logger,
+) -> None:
+    """A second stop request while a store is stuck logs how many workers it leaves busy."""
+    own = _Records()
+    server_log.setLevel(logging.INFO)
+    server_log.addHandler(own)
+    engine, srv, serving, kv = _serve_gated()
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=3) as client:
+            client.register_kv_caches("stuck", kv, model_name="m")
+            errors: list[BaseException] = []
+
+            def store() -> None:
+                try:
+                    client.store("stuck", list(range(CHUNK)), list(range(16)), request_id="r")
+                except RequestTimeoutError as exc:
+                    errors.append(exc)
+
+            storing = threading.Thread(target=store)
+            storing.start()
+            assert engine.entered.wait(20)
+            srv.request_stop()
+            srv.request_stop()
+            serving.join(10)
+            assert not serving.is_alive()
+            storing.join(10)
+        assert len(errors) == 1
+    finally:
+        engine.gate.set()
+    busy = re.compile(r"kvflow server: not waiting for [1-9]\d* busy instance worker\(s\)")
+    assert any(busy.fullmatch(m) for m in own.messages())
+
+
+def test_a_clean_stop_unmaps_the_instances_shared_memory() -> None:
+    """After a stop with no busy worker, the server holds no mapping of a registered
+    instance's shared memory that stored and retrieved (only the client's own remains)."""
+    kv = shared_kv(7)
+    names = {m.name for t in kv if isinstance(m := shared_memory_of(t), ShmMemory)}
+    assert len(names) == len(kv)
+
+    def maps() -> int:
+        with open("/proc/self/maps") as lines:
+            return sum(any(n in line for n in names) for line in lines)
+
+    srv = KVFlowServer(_config())
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
+            client.register_kv_caches("mapped", kv, model_name="m")
+            prompt = tokens(CHUNK, seed=7)
+            assert client.store("mapped", prompt, list(range(16)), request_id="s") == CHUNK
+            assert client.retrieve("mapped", prompt, list(range(16, 32)), request_id="r") == CHUNK
+            assert maps() == 2 * len(kv)
+    finally:
+        srv.request_stop()
+        serving.join(20)
+    assert not serving.is_alive()
+    assert maps() == len(kv)
