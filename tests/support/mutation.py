@@ -125,6 +125,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_layerwise_server.py",
         "tests/core/server/test_kv_events.py",
         "tests/core/server/test_admin.py",
+        "tests/core/server/test_client_mutants.py",
     ],
     # the server's admin calls, KV-event publisher and probes have test files of their own
     "kvflow/core/server/server.py": [

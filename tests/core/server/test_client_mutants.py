@@ -1,0 +1,333 @@
+"""KVFlowClient's blend, layerwise, layout and KV-event edges against a real `kvflow server`."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.engine.blend_index import BlendSegment
+from kvflow.core.errors import InvalidRequestError, ProtocolError, UnknownSubscriptionError
+from kvflow.core.server.protocol import AdminClear, Done, decode_request, encode_reply
+from kvflow.events import EventType
+from kvflow.kernels.rope import RopeParams
+from kvflow.subscribers.eventlog_read import LogReader
+from tests.support.engine import BLOCK, CHUNK
+from tests.support.ops import ServerProcess, wait_for
+
+_ids = itertools.count()
+#: vllm_flash_attn caches: LAYERS x [2, NUM_BLOCKS, BLOCK, HEADS, HEAD] float32
+LAYERS, NUM_BLOCKS, HEADS, HEAD = 2, 40, 2, 8
+ROPE = RopeParams(rotary_dim=HEAD, theta=10000.0)
+#: what as_int32_array says of a string given for ids, after the argument's name
+STRING = " must be a sequence of integers, got a string"
+TOKENS = np.arange(100, 100 + 3 * CHUNK, dtype=np.int32)  # three full chunks
+BLOCKS = list(range(3 * CHUNK // BLOCK))
+
+
+def _shared(shape: tuple[int, ...]) -> torch.Tensor:
+    return empty_shared(shape, torch.float32)
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    """Random caches in shared memory (a server maps them)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, NUM_BLOCKS, BLOCK, HEADS, HEAD)
+    return [_shared(shape).copy_(torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    """One server with an L2 disk tier and an event log (its directory), for every test."""
+    root = tmp_path_factory.mktemp("client-mutants")
+    events = root / "events"
+    srv = ServerProcess(
+        "--disable-metrics", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25",
+        "--event-log", str(events), "--l2-disk", str(root / "l2"), "--l2-disk-size-gb", "0.01",
+    )  # fmt: skip
+    yield srv, events
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture
+def client(served: tuple[ServerProcess, Path]) -> Iterator[KVFlowClient]:
+    with KVFlowClient(served[0].endpoint, timeout_s=20) as c:
+        yield c
+
+
+def _stored_docs(
+    client: KVFlowClient, model_name: str
+) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Store three chunks of `model_name` from a `src` instance with ropes; returns a
+    prompt holding the last two behind a 3-token question, and the segments expected."""
+    seed = next(_ids)
+    stored = np.random.default_rng(seed).integers(0, 1000, 3 * CHUNK).astype(np.int32)
+    src = _caches(seed)
+    src_id = _name("src")
+    client.register_kv_caches(src_id, src, model_name=model_name, block_size=BLOCK, ropes=ROPE)
+    assert client.store(src_id, stored, BLOCKS, request_id=_name("s")) == 3 * CHUNK
+    prompt = np.concatenate([np.array([1, 2, 3], dtype=np.int32), stored[CHUNK:]])
+    return prompt, [(3, CHUNK, CHUNK), (3 + CHUNK, CHUNK, 2 * CHUNK)]
+
+
+def _triples(segments: list[BlendSegment]) -> list[tuple[int, int, int]]:
+    return [(s.offset, s.length, s.original_start) for s in segments]
+
+
+def _layerwise(client: KVFlowClient, model_name: str) -> str:
+    """A layerwise instance of `model_name` (CPU caches in shared memory); its id."""
+    iid = _name("lw")
+    client.register_kv_caches(
+        iid, _caches(0), model_name=model_name, block_size=BLOCK, layerwise=True
+    )
+    return iid
+
+
+def _full(message: str) -> str:
+    """A pattern matching exactly `message`."""
+    return "^" + re.escape(message) + "$"
+
+
+# -- blend ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("segments, kind", [(5, "int"), ("abc", "str"), (b"ab", "bytes")])
+def test_blend_segments_that_are_no_sequence_are_refused_naming_their_type(
+    client: KVFlowClient, segments: Any, kind: str
+) -> None:
+    """A non-sequence, a string or bytes as `segments` is an InvalidRequestError naming
+    what segments must be and the type given."""
+    want = (
+        "segments must be a sequence of BlendSegment or (offset, chunk_hash, original_start),"
+        f" got {kind}"
+    )
+    with pytest.raises(InvalidRequestError, match=_full(want)):
+        client.blend_retrieve("nobody", [1, 2], [0], segments, request_id="r")
+
+
+def test_a_blend_segment_with_a_non_integer_offset_is_refused_naming_it(
+    client: KVFlowClient,
+) -> None:
+    """A triple whose offset is a float is refused by index, showing the triple."""
+    bad = (1.5, b"h" * 32, 0)
+    good = (0, b"g" * 32, 0)
+    want = f"segments[1]: offset and original_start must be integers, got {bad!r}"
+    with pytest.raises(InvalidRequestError, match=_full(want)):
+        client.blend_retrieve("nobody", [1, 2], [0], [good, bad], request_id="r")
+
+
+def test_blend_calls_refuse_string_ids_naming_the_argument(client: KVFlowClient) -> None:
+    """token_ids or block_ids given as a string: an InvalidRequestError naming which."""
+    with pytest.raises(InvalidRequestError, match=_full("token_ids" + STRING)):
+        client.blend_lookup("1 2 3", model_name="m")
+    with pytest.raises(InvalidRequestError, match=_full("token_ids" + STRING)):
+        client.blend_retrieve("nobody", "1 2 3", [0], [], request_id="r")
+    with pytest.raises(InvalidRequestError, match=_full("block_ids" + STRING)):
+        client.blend_retrieve("nobody", [1, 2, 3], "0", [], request_id="r")
+
+
+def test_blend_lookup_asks_for_its_world_size(client: KVFlowClient) -> None:
+    """Chunks stored by a world of one are found for world_size=1 and not for 2."""
+    model_name = _name("ws")
+    prompt, want = _stored_docs(client, model_name)
+    hit = client.blend_lookup(prompt, model_name=model_name, world_size=1)
+    assert (hit.prefix_tokens, _triples(hit.segments)) == (0, want)
+    two = client.blend_lookup(prompt, model_name=model_name, world_size=2)
+    assert (two.prefix_tokens, two.segments) == (0, [])
+
+
+def _disk_stored(client: KVFlowClient) -> int:
+    return int(client.status()["l2"]["tiers"]["disk"]["stored"])
+
+
+def _prefetches(client: KVFlowClient) -> int:
+    return int(client.status()["l2"]["prefetch"]["requests"])
+
+
+def test_blend_lookup_prefetches_l2_segments_unless_told_not_to(client: KVFlowClient) -> None:
+    """With the chunks only in L2, blend_lookup(prefetch=False) starts no prefetch and
+    a default blend_lookup starts one."""
+    model_name = _name("pf")
+    on_disk = _disk_stored(client)
+    prompt, want = _stored_docs(client, model_name)
+
+    def written_through() -> bool:
+        l2 = client.status()["l2"]
+        idle = l2["in_flight"]["write_through"]["calls"] == 0
+        return bool(idle and l2["tiers"]["disk"]["stored"] >= on_disk + 3)
+
+    wait_for(written_through, what="the store's L2 writes")
+    assert client.admin(AdminClear(model_name=model_name, tiers=["l1"])) == {"dropped": {"l1": 3}}
+    before = _prefetches(client)
+    hit = client.blend_lookup(prompt, model_name=model_name, prefetch=False)
+    assert _triples(hit.segments) == want
+    assert _prefetches(client) == before
+    hit = client.blend_lookup(prompt, model_name=model_name)
+    assert _triples(hit.segments) == want
+    assert _prefetches(client) == before + 1
+
+
+def test_blend_lookup_events_carry_its_request_id(
+    served: tuple[ServerProcess, Path], client: KVFlowClient
+) -> None:
+    """The BLEND_LOOKUP event the server logs for a blend_lookup has its request_id as
+    the session."""
+    model_name = _name("rid")
+    client.blend_lookup(TOKENS, model_name=model_name, request_id="blend-rid-7")
+
+    def logged() -> list[Any]:
+        return [
+            ev
+            for ev in LogReader.open(served[1])
+            if ev.type == EventType.BLEND_LOOKUP_END and ev.attrs["model_name"] == model_name
+        ]
+
+    (event,) = wait_for(logged, what="the BLEND_LOOKUP_END event")
+    assert event.session_id == "blend-rid-7"
+
+
+def _answering_done(router: zmq.Socket[Any], n: int) -> Callable[[], None]:
+    def answer() -> None:
+        for _ in range(n):
+            if not router.poll(20_000):
+                return
+            identity, *frames = router.recv_multipart()
+            request, _ = decode_request(frames)
+            router.send_multipart([identity, encode_reply(Done(id=request.id))])
+
+    return answer
+
+
+def test_a_blend_reply_of_the_wrong_type_is_a_protocol_error_naming_it() -> None:
+    """A peer answering BlendLookup or BlendRetrieve with a plain Done gets a
+    ProtocolError naming the reply and the request."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    answering = threading.Thread(target=_answering_done(router, 2))
+    answering.start()
+    try:
+        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
+            with pytest.raises(ProtocolError, match=r"^unexpected Done reply to a BlendLookup$"):
+                c.blend_lookup([1, 2], model_name="m")
+            with pytest.raises(ProtocolError, match=r"^unexpected Done reply to a BlendRetrieve$"):
+                c.blend_retrieve("i", [1, 2], [0], [], request_id="r")
+    finally:
+        answering.join(20)
+        router.close(0)
+        ctx.term()
+
+
+# -- layerwise --------------------------------------------------------------------------------
+
+
+def test_layerwise_stores_and_retrieves_keep_salt_and_chunk_keys(client: KVFlowClient) -> None:
+    """A layerwise store under a salt is found only with it, and a layerwise retrieve
+    with it hits; one named by chunk keys is found and retrieved by those keys."""
+    model_name = _name("lws")
+    iid = _layerwise(client, model_name)
+    save = client.store_layerwise(iid, TOKENS, BLOCKS, request_id="a", cache_salt="salt-a")
+    assert save.wait(30) == 3 * CHUNK
+    assert client.lookup(TOKENS, model_name=model_name, cache_salt="salt-a") == 3 * CHUNK
+    assert client.lookup(TOKENS, model_name=model_name) == 0
+    load = client.retrieve_layerwise(iid, TOKENS, BLOCKS, request_id="b", cache_salt="salt-a")
+    load.wait()
+    assert load.hit_tokens == 3 * CHUNK
+    keys = [bytes([k]) * 32 for k in (7, 8)]
+    save = client.store_layerwise(iid, None, BLOCKS[:4], request_id="c", chunk_keys=keys)
+    assert save.wait(30) == 2 * CHUNK
+    assert client.lookup(None, model_name=model_name, chunk_keys=keys) == 2 * CHUNK
+    load = client.retrieve_layerwise(iid, None, BLOCKS[:4], request_id="d", chunk_keys=keys)
+    load.wait()
+    assert load.hit_tokens == 2 * CHUNK
+    client.unregister(iid)
+
+
+def test_store_layerwise_refuses_string_block_ids_naming_them(client: KVFlowClient) -> None:
+    """block_ids given as a string: an InvalidRequestError naming block_ids."""
+    iid = _layerwise(client, _name("lwb"))
+    with pytest.raises(InvalidRequestError, match=_full("block_ids" + STRING)):
+        client.store_layerwise(iid, TOKENS, "0 1", request_id="x")
+    client.unregister(iid)
+
+
+def test_layerwise_stores_go_one_at_a_time_from_one_named_thread(client: KVFlowClient) -> None:
+    """Two layerwise stores in flight share the client's one sender thread,
+    `kvflow-store_0`: the second waits for the first's reply."""
+    iid = _layerwise(client, _name("lwt"))
+    before = set(threading.enumerate())
+    first = client.store_layerwise(iid, TOKENS, BLOCKS, request_id="1")
+    second = client.store_layerwise(iid, TOKENS + 1000, BLOCKS, request_id="2")
+    started = [t.name for t in threading.enumerate() if t not in before]
+    assert started == ["kvflow-store_0"]
+    assert first.wait(30) == 3 * CHUNK and second.wait(30) == 3 * CHUNK
+    client.unregister(iid)
+
+
+def test_a_closed_client_refuses_a_layerwise_store(served: tuple[ServerProcess, Path]) -> None:
+    """store_layerwise on a closed client is a ProtocolError saying it is closed."""
+    c = KVFlowClient(served[0].endpoint, timeout_s=20)
+    iid = _layerwise(c, _name("lwc"))
+    c.close()
+    with pytest.raises(ProtocolError, match=r"^the client is closed$"):
+        c.store_layerwise(iid, TOKENS, BLOCKS, request_id="late")
+
+
+def test_layerwise_registration_reads_the_layout_with_block_size_and_format(
+    client: KVFlowClient,
+) -> None:
+    """layerwise=True reads the caches with the given block_size (sglang_mha needs it)
+    and kv_format (two-block flash-attn caches need it); a layout that disagrees is an
+    InvalidRequestError with the layout's message."""
+    sglang_id, two_id = _name("sg"), _name("two")
+    k = [_shared((8 * BLOCK, HEADS, HEAD)) for _ in range(LAYERS)]
+    v = [_shared((8 * BLOCK, HEADS, HEAD)) for _ in range(LAYERS)]
+    client.register_kv_caches(sglang_id, (k, v), model_name="sg", block_size=BLOCK, layerwise=True)
+    two = [_shared((2, 2, BLOCK, HEADS, HEAD)) for _ in range(LAYERS)]
+    client.register_kv_caches(
+        two_id, two, model_name="two", kv_format="vllm_flash_attn", layerwise=True
+    )
+    instances = client.status()["instances"]
+    assert (instances[sglang_id]["kv_format"], instances[sglang_id]["num_layers"]) == (
+        "sglang_mha", LAYERS,
+    )  # fmt: skip
+    assert (instances[two_id]["kv_format"], instances[two_id]["num_blocks"]) == (
+        "vllm_flash_attn", 2,
+    )  # fmt: skip
+    load = client.retrieve_layerwise(sglang_id, TOKENS, BLOCKS, request_id="sg")
+    load.wait()
+    assert load.hit_tokens == 0
+    want = f"vllm_flash_attn: block_size=3 disagrees with the tensors' {BLOCK}"
+    with pytest.raises(InvalidRequestError, match=_full(want)):
+        client.register_kv_caches(
+            _name("bad"), _caches(1), model_name="m", block_size=3,
+            layerwise=True,
+        )  # fmt: skip
+    client.unregister(sglang_id)
+    client.unregister(two_id)
+
+
+# -- KV events --------------------------------------------------------------------------------
+
+
+def test_an_unsubscribed_kv_event_subscription_is_gone(client: KVFlowClient) -> None:
+    """After unsubscribe_kv_events, polling the subscription is UnknownSubscriptionError."""
+    sub = client.subscribe_kv_events()
+    client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+    client.unsubscribe_kv_events(sub.subscription)
+    with pytest.raises(UnknownSubscriptionError, match=re.escape(f"{sub.subscription!r} is not")):
+        client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
