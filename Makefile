@@ -80,7 +80,8 @@ vllm-venv:
 		exit 1; else echo "the vLLM venv could not be made: the vLLM end-to-end test will be skipped"; fi
 
 # The suite runs on PYTEST_WORKERS parallel pytest-xdist workers; tests that share a fixture
-# wider than a test (a server, a Redis cluster) stay on one worker (tests/support/parallel.py).
+# wider than a test (a server, a Redis cluster) stay on one worker, and the long tests go out
+# first, in the order given (--no-loadscope-reorder; tests/support/parallel.py).
 # More workers than cores: most of a test's time is spent waiting on subprocesses and sockets.
 # The ten slowest tests are listed at the end (docs/TESTING.md, "Suite time").
 PYTEST_WORKERS ?= 4
@@ -112,7 +113,7 @@ sglang-venv:
 		exit 1; else echo "the SGLang venv could not be made: the SGLang integration tests will be skipped"; fi
 
 pytest: $(STAMP) prometheus redis vllm-venv sglang-venv
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=10
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10
 
 test: lint typecheck pytest
 

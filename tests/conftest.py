@@ -9,6 +9,8 @@ from tests.support.gpus import DEVICE_PARAMS, device_under_test
 from tests.support.parallel import group_by_shared_fixtures
 from tests.support.requirements import PARTS, require_or_skip
 
+pytest_plugins = ["tests.support.parallel"]  # its hook orders the long tests first
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(

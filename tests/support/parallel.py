@@ -68,3 +68,16 @@ def group_by_shared_fixtures(items: list[pytest.Item]) -> None:
                 parent[root(key)] = root(keys[0])
     for item, keys in uses.items():
         item.add_marker(pytest.mark.xdist_group(root(keys[0])))
+
+
+#: where the long tests live (engines in their venvs, end-to-end scripts, benchmark runs,
+#: `kvflow report`): tens of seconds to minutes each, against well under a second for most
+LONG_FIRST = ("tests/integrations/", "tests/e2e/", "tests/benchmarks/", "tests/observe/")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which it keeps otherwise
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Hand the long tests to the workers first (`--no-loadscope-reorder` keeps this
+    order): a long test started last keeps one worker busy while the others are idle."""
+    if config.pluginmanager.hasplugin("xdist"):
+        items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))
