@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from tests.support.gpus import DEVICE_PARAMS, device_under_test
-from tests.support.parallel import group_by_shared_fixtures
+from tests.support.parallel import group_by_shared_fixtures, long_first
 from tests.support.requirements import PARTS, require_or_skip
-
-pytest_plugins = ["tests.support.parallel"]  # its hook orders the long tests first
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,8 +20,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (tests/support/parallel.py)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pytest-randomly shuffles in a wrapper, before this runs
     if config.pluginmanager.hasplugin("xdist"):  # its mark is unknown without it
         group_by_shared_fixtures(items)
+        long_first(items)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

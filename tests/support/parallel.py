@@ -75,9 +75,8 @@ def group_by_shared_fixtures(items: list[pytest.Item]) -> None:
 LONG_FIRST = ("tests/integrations/", "tests/e2e/", "tests/benchmarks/", "tests/observe/")
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which it keeps otherwise
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Hand the long tests to the workers first (`--no-loadscope-reorder` keeps this
-    order): a long test started last keeps one worker busy while the others are idle."""
-    if config.pluginmanager.hasplugin("xdist"):
-        items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))
+def long_first(items: list[pytest.Item]) -> None:
+    """Put the long tests first, keeping the order otherwise (pytest-randomly's shuffle):
+    with `--no-loadscope-reorder` xdist hands them out first, so none starts last and keeps
+    one worker busy while the others are idle."""
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))
