@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -115,15 +116,8 @@ def test_a_timed_out_call_closes_its_sockets(client: KVFlowClient) -> None:
     assert [w.message for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
-def test_a_reply_of_the_wrong_type_is_a_protocol_error() -> None:
-    """A server that answers Prefetch or PrefetchQuery with the wrong reply type (a plain
-    Done) gets a ProtocolError naming both, not a wrong value."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-
-    def answer_with_done(n: int) -> None:
+def _answering_done(router: zmq.Socket[Any], n: int) -> Callable[[], None]:
+    def answer() -> None:
         for _ in range(n):
             if not router.poll(20_000):
                 return
@@ -131,14 +125,36 @@ def test_a_reply_of_the_wrong_type_is_a_protocol_error() -> None:
             request, _ = decode_request(frames)
             router.send_multipart([identity, encode_reply(Done(id=request.id))])
 
-    answering = threading.Thread(target=answer_with_done, args=(2,))
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("calls", "requests"),
+    [
+        ((lambda c: c.prefetch([1, 2], model_name="m"), lambda c: c.prefetch_state("pf-1")),
+         ("Prefetch", "PrefetchQuery")),
+        ((lambda c: c.blend_lookup([1, 2], model_name="m"),
+          lambda c: c.blend_retrieve("i", [1, 2], [0], [], request_id="r")),
+         ("BlendLookup", "BlendRetrieve")),
+    ],
+    ids=["prefetch", "blend"],
+)  # fmt: skip
+def test_a_reply_of_the_wrong_type_is_a_protocol_error(
+    calls: tuple[Callable[[KVFlowClient], object], ...], requests: tuple[str, ...]
+) -> None:
+    """A server that answers with the wrong reply type (a plain Done) gets a ProtocolError
+    naming the reply and the request, not a wrong value."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    answering = threading.Thread(target=_answering_done(router, len(calls)))
     answering.start()
     try:
         with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
-            with pytest.raises(ProtocolError, match=r"unexpected Done reply to a Prefetch$"):
-                c.prefetch([1, 2], model_name="m")
-            with pytest.raises(ProtocolError, match=r"unexpected Done reply to a PrefetchQuery$"):
-                c.prefetch_state("pf-1")
+            for call, request in zip(calls, requests, strict=True):
+                with pytest.raises(ProtocolError, match=rf"^unexpected Done reply to a {request}$"):
+                    call(c)
     finally:
         answering.join(20)
         router.close(0)

@@ -5,19 +5,18 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.engine.blend_index import BlendSegment
 from kvflow.core.errors import InvalidRequestError, ProtocolError, UnknownSubscriptionError
-from kvflow.core.server.protocol import AdminClear, Done, decode_request, encode_reply
+from kvflow.core.server.protocol import AdminClear
 from kvflow.events import EventType
 from kvflow.kernels.rope import RopeParams
 from kvflow.subscribers.eventlog_read import LogReader
@@ -197,42 +196,6 @@ def test_blend_lookup_events_carry_its_request_id(
 
     (event,) = wait_for(logged, what="the BLEND_LOOKUP_END event")
     assert event.session_id == "blend-rid-7"
-
-
-def _answering_done(router: zmq.Socket[Any], n: int) -> Callable[[], None]:
-    def answer() -> None:
-        for _ in range(n):
-            if not router.poll(20_000):
-                return
-            identity, *frames = router.recv_multipart()
-            request, _ = decode_request(frames)
-            router.send_multipart([identity, encode_reply(Done(id=request.id))])
-
-    return answer
-
-
-def test_a_blend_reply_of_the_wrong_type_is_a_protocol_error_naming_it() -> None:
-    """A peer answering BlendLookup or BlendRetrieve with a plain Done gets a
-    ProtocolError naming the reply and the request."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    answering = threading.Thread(target=_answering_done(router, 2))
-    answering.start()
-    try:
-        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
-            with pytest.raises(ProtocolError, match=r"^unexpected Done reply to a BlendLookup$"):
-                c.blend_lookup([1, 2], model_name="m")
-            with pytest.raises(ProtocolError, match=r"^unexpected Done reply to a BlendRetrieve$"):
-                c.blend_retrieve("i", [1, 2], [0], [], request_id="r")
-    finally:
-        answering.join(20)
-        router.close(0)
-        ctx.term()
-
-
-# -- layerwise --------------------------------------------------------------------------------
 
 
 def test_layerwise_stores_and_retrieves_keep_salt_and_chunk_keys(client: KVFlowClient) -> None:

@@ -15,7 +15,6 @@ from kvflow.core import KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import (
     InvalidRequestError,
-    RequestTimeoutError,
     UnknownSubscriptionError,
 )
 from kvflow.core.server import server as server_module
@@ -31,7 +30,6 @@ from kvflow.core.server.protocol import (
 from kvflow.core.server.server import KVFlowServer
 from kvflow.core.server.shm import shared_memory_of
 from kvflow.subscribers.kv_events import KVRecord
-from tests.core.server.test_server_shutdown import _serve_gated
 from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
 
 STOPPING = "kvflow server stopping: finishing in-flight work"
@@ -220,40 +218,6 @@ def test_no_stopped_line_when_the_server_logger_is_above_info(server_log: loggin
     server_log.addHandler(own)
     KVFlowServer(_config()).close()
     assert own.messages() == []
-
-
-def test_a_second_stop_with_a_stuck_store_warns_it_does_not_wait(
-    server_log: logging.Logger,
-) -> None:
-    """A second stop request while a store is stuck logs how many workers it leaves busy."""
-    own = _Records()
-    server_log.setLevel(logging.INFO)
-    server_log.addHandler(own)
-    engine, srv, serving, kv = _serve_gated()
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=3) as client:
-            client.register_kv_caches("stuck", kv, model_name="m")
-            errors: list[BaseException] = []
-
-            def store() -> None:
-                try:
-                    client.store("stuck", list(range(CHUNK)), list(range(16)), request_id="r")
-                except RequestTimeoutError as exc:
-                    errors.append(exc)
-
-            storing = threading.Thread(target=store)
-            storing.start()
-            assert engine.entered.wait(20)
-            srv.request_stop()
-            srv.request_stop()
-            serving.join(10)
-            assert not serving.is_alive()
-            storing.join(10)
-        assert len(errors) == 1
-    finally:
-        engine.gate.set()
-    busy = re.compile(r"kvflow server: not waiting for [1-9]\d* busy instance worker\(s\)")
-    assert any(busy.fullmatch(m) for m in own.messages())
 
 
 def test_a_clean_stop_unmaps_the_instances_shared_memory() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 from typing import Any
 
@@ -75,8 +77,14 @@ def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
     assert engine.status()["closed"] is True
 
 
-def test_second_stop_request_stops_waiting_for_a_stuck_transfer() -> None:
-    """A second request_stop (a second SIGINT) ends the loop although a store never finishes."""
+def test_second_stop_request_stops_waiting_for_a_stuck_transfer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A second request_stop (a second SIGINT) ends the loop although a store never
+    finishes, and logs how many busy workers it does not wait for."""
+    server_log = logging.getLogger("kvflow.server")
+    server_log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="kvflow.server")
     engine, server, serving, kv = _serve_gated()
     errors: list[BaseException] = []
     with KVFlowClient(server.endpoint, timeout_s=3) as client:
@@ -97,4 +105,7 @@ def test_second_stop_request_stops_waiting_for_a_stuck_transfer() -> None:
         assert not serving.is_alive()
         storing.join(10)
         engine.gate.set()  # let the abandoned worker thread end
+    server_log.removeHandler(caplog.handler)
     assert len(errors) == 1 and isinstance(errors[0], RequestTimeoutError)
+    busy = re.compile(r"kvflow server: not waiting for [1-9]\d* busy instance worker\(s\)")
+    assert any(busy.fullmatch(m) for m in caplog.messages), caplog.messages
