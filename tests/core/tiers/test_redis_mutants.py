@@ -123,7 +123,9 @@ class FakePort:
         finally:
             with self._lock:
                 self._gone.add(index)
-            if up is not None:
+            if up is not None:  # shutdown first: it wakes _back's recv, and Redis sees the end
+                with contextlib.suppress(OSError):
+                    up.shutdown(socket.SHUT_RDWR)
                 up.close()
 
     def _back(self, up: socket.socket, conn: socket.socket) -> None:
