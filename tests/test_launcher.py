@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.core import KVFlowClient
+from tests.support import launcher
 from tests.support.launcher import LaunchedProcess, kvflow_process
 
 
@@ -78,5 +79,17 @@ def test_kvflow_test_exec_runs_the_real_command(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVFLOW_TEST_EXEC", "1")
     proc = kvflow_process(["--help"], stdout=subprocess.PIPE, text=True)
     assert isinstance(proc, subprocess.Popen)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "usage: kvflow" in out
+
+
+def test_the_launcher_starts_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test that changed directory before its first server still gets one: the launcher
+    runs from the checkout's root, its children from the directory asked for."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "_instance", None)  # a fresh launcher, started from here
+    proc = LaunchedProcess(["--help"], stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "usage: kvflow" in out

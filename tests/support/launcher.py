@@ -29,11 +29,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, Any
 
 #: preloaded by the launcher: what `kvflow server` imports before it serves
 PRELOAD = ("kvflow.cli", "kvflow.core.server.cli", "kvflow.core.server.server")
 _STATUS = struct.Struct("!i")
+ROOT = Path(__file__).resolve().parents[2]
 _MAX_REQUEST = 1 << 20
 
 
@@ -168,9 +170,9 @@ class _Launcher:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
-        self._proc = subprocess.Popen(
+        self._proc = subprocess.Popen(  # from the checkout's root, where `tests` is found
             [sys.executable, "-m", "tests.support.launcher", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=ROOT,
         )  # fmt: skip
         theirs.close()
         self._sock = ours
@@ -185,10 +187,14 @@ class _Launcher:
             with self._lock:
                 socket.send_fds(self._sock, [request], [*fds, status_theirs.fileno()])
                 reply = self._sock.recv(64)
+        except OSError as exc:
+            raise RuntimeError(
+                f"the test launcher is not running ({exc}); see its output"
+            ) from None
         finally:
             status_theirs.close()
         if not reply:
-            raise RuntimeError("the test launcher went away (see its output above)")
+            raise RuntimeError("the test launcher went away; see its output")
         return int(reply), status_ours
 
 
