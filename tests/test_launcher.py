@@ -50,19 +50,21 @@ def test_a_server_is_signalled_and_its_environment_and_directory_are_the_callers
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.stderr is not None
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if "listening on" in line:
-            break
-    assert proc.poll() is None
-    assert (tmp_path / "relative-log").is_dir(), "".join(lines)
-    assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
-    endpoint = re.search(r"listening on (tcp://\S+)", lines[-1])
-    assert endpoint, lines[-1]
-    with KVFlowClient(endpoint.group(1), timeout_s=20) as client:
-        assert client.status()["config"]["chunk_size"] == 128
-    proc.terminate()
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert proc.poll() is None
+        assert (tmp_path / "relative-log").is_dir(), "".join(lines)
+        assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
+        endpoint = re.search(r"listening on (tcp://\S+)", lines[-1])
+        assert endpoint, lines[-1]
+        with KVFlowClient(endpoint.group(1), timeout_s=20) as client:
+            assert client.status()["config"]["chunk_size"] == 128
+    finally:  # a failed check must not leave the server running
+        proc.terminate()
     assert proc.wait(60) == 0
     assert "kvflow server stopped" in proc.stderr.read()
     killed = LaunchedProcess(args, stderr=subprocess.DEVNULL)
