@@ -55,11 +55,10 @@ class LaunchedProcess:
     ) -> None:
         self.args = list(args)
         self.returncode: int | None = None
-        self.stdin: IO[Any] | None = None
         self.stdout: IO[Any] | None = None
         self.stderr: IO[Any] | None = None
         theirs: list[int] = []  # fds the child gets, closed here once it has them
-        in_fd = self._source(stdin, theirs)
+        in_fd = self._fd(stdin, 0, os.O_RDONLY, theirs)
         out_fd, self.stdout = self._sink(stdout, 1, text, theirs)
         if stderr == subprocess.STDOUT:
             err_fd = out_fd
@@ -75,34 +74,27 @@ class LaunchedProcess:
                 os.close(fd)
 
     @staticmethod
-    def _source(spec: int | IO[Any] | None, theirs: list[int]) -> int:
+    def _fd(spec: int | IO[Any] | None, default: int, flags: int, theirs: list[int]) -> int:
+        """The descriptor the child gets for `spec`: this process's own stream `default`
+        for None, /dev/null opened with `flags` for DEVNULL, else the descriptor given."""
         if spec is None:
-            return 0
+            return default
         if spec == subprocess.DEVNULL:
-            fd = os.open(os.devnull, os.O_RDONLY)
+            fd = os.open(os.devnull, flags)
             theirs.append(fd)
             return fd
-        if isinstance(spec, int):
-            return spec
-        return spec.fileno()
+        return spec if isinstance(spec, int) else spec.fileno()
 
-    @staticmethod
+    @classmethod
     def _sink(
-        spec: int | IO[Any] | None, default: int, text: bool, theirs: list[int]
+        cls, spec: int | IO[Any] | None, default: int, text: bool, theirs: list[int]
     ) -> tuple[int, IO[Any] | None]:
-        if spec is None:
-            return default, None
+        """An output's descriptor for the child, and the stream this side reads (PIPE)."""
         if spec == subprocess.PIPE:
             read, write = os.pipe()
             theirs.append(write)
             return write, open(read, "r" if text else "rb")
-        if spec == subprocess.DEVNULL:
-            fd = os.open(os.devnull, os.O_WRONLY)
-            theirs.append(fd)
-            return fd, None
-        if isinstance(spec, int):
-            return spec, None
-        return spec.fileno(), None
+        return cls._fd(spec, default, os.O_WRONLY, theirs), None
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._status], [], [], 0)[0]:

@@ -56,16 +56,6 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def wait_log(self, text: str, timeout_s: float = 15.0) -> bool:
-        """Whether `text` shows in the log within `timeout_s`: the server logs from its
-        own threads, so a line may follow the reply that caused it."""
-        deadline = time.monotonic() + timeout_s
-        while text not in self.log():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                return text in self.log()
-            time.sleep(0.02)
-        return True
-
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

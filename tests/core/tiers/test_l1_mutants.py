@@ -3,7 +3,6 @@ counters, retiring segments given back, the pinning a resize starts (or does not
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +12,7 @@ from kvflow.core.tiers.base import ObjectKey
 from kvflow.core.tiers.hostmem import HostPool
 from kvflow.core.tiers.l1 import ALIGN, L1Cache
 from kvflow.core.tiers.quota import TenantQuotas, salt_label
+from tests.support.ops import wait_for
 
 KIB = 1024
 SEGMENT = 16 * KIB  # 16 objects of 1 KiB
@@ -67,13 +67,8 @@ def _pinning_done(l1: L1Cache) -> bool:
 
 
 def _wait_for(done: Callable[[], bool]) -> None:
-    """Poll `done` (the pinning threads run on their own) for at most 10 s."""
-    tick = threading.Event()
-    for _ in range(1000):
-        if done():
-            return
-        tick.wait(0.01)
-    raise AssertionError("the background pinning never settled")
+    """Wait for `done` (the pinning threads run on their own) for at most 10 s."""
+    wait_for(done, timeout_s=10, interval_s=0.01, what="the background pinning to settle")
 
 
 # -- evictions and removals -------------------------------------------------------------

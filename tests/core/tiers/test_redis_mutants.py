@@ -159,10 +159,11 @@ def shared() -> RedisServer:
     return shared_server()
 
 
-@pytest.fixture
-def slowlog(shared: RedisServer) -> Iterator[redis.Redis]:
-    """An admin client of the shared server, which logs every command until the test ends."""
-    with shared.admin() as admin:
+@contextlib.contextmanager
+def commands_logged(server: RedisServer) -> Iterator[redis.Redis]:
+    """An admin client of `server`, which logs every command (its SLOWLOG) until the block
+    ends, then goes back to Redis's defaults."""
+    with server.admin() as admin:
         admin.config_set("slowlog-log-slower-than", 0)
         admin.config_set("slowlog-max-len", 100000)
         admin.slowlog_reset()
@@ -171,6 +172,13 @@ def slowlog(shared: RedisServer) -> Iterator[redis.Redis]:
         finally:
             admin.config_set("slowlog-log-slower-than", 10000)
             admin.config_set("slowlog-max-len", 128)
+
+
+@pytest.fixture
+def slowlog(shared: RedisServer) -> Iterator[redis.Redis]:
+    """The shared server, logging every command until the test ends."""
+    with commands_logged(shared) as admin:
+        yield admin
 
 
 def tier_on(server: RedisServer, prefix: str, **kwargs: Any) -> RedisTier:
@@ -456,21 +464,14 @@ def test_a_cluster_asks_its_primaries_for_the_memory_section_only(
     cluster_node: RedisServer,
 ) -> None:
     """The usage and capacity refresh sends `INFO memory` to a cluster's primaries."""
-    with cluster_node.admin() as admin:
-        admin.config_set("slowlog-log-slower-than", 0)
-        admin.config_set("slowlog-max-len", 100000)
-        admin.slowlog_reset()
+    with commands_logged(cluster_node) as admin:
+        tier = tier_on(cluster_node, "mut-cinfo:", cluster=True)
         try:
-            tier = tier_on(cluster_node, "mut-cinfo:", cluster=True)
-            try:
-                wait_for(lambda: tier.stats()["usage_bytes"] > 0)
-            finally:
-                tier.close()
-            infos = logged(admin, b"INFO")
-            assert infos and set(infos) == {b"INFO memory"}
+            wait_for(lambda: tier.stats()["usage_bytes"] > 0)
         finally:
-            admin.config_set("slowlog-log-slower-than", 10000)
-            admin.config_set("slowlog-max-len", 128)
+            tier.close()
+        infos = logged(admin, b"INFO")
+        assert infos and set(infos) == {b"INFO memory"}
 
 
 # -- RedisTier: pin's bounded lookup ---------------------------------------------------------
