@@ -449,29 +449,21 @@ def test_a_cluster_drop_where_scans_every_master(tmp_path: Path) -> None:
 # -- RedisTier: INFO -------------------------------------------------------------------------
 
 
-def test_info_asks_for_the_memory_section_only(shared: RedisServer, slowlog: redis.Redis) -> None:
-    """The usage and capacity refresh sends `INFO memory` to a single server."""
-    tier = tier_on(shared, "mut-info:")
-    try:
-        wait_for(lambda: tier.stats()["usage_bytes"] > 0)
-    finally:
-        tier.close()
-    infos = logged(slowlog, b"INFO")
-    assert infos and set(infos) == {b"INFO memory"}
-
-
-def test_a_cluster_asks_its_primaries_for_the_memory_section_only(
-    cluster_node: RedisServer,
+@pytest.mark.parametrize(("server_fixture", "cluster"), [("shared", False), ("cluster_node", True)])
+def test_info_asks_for_the_memory_section_only(
+    request: pytest.FixtureRequest, server_fixture: str, cluster: bool
 ) -> None:
-    """The usage and capacity refresh sends `INFO memory` to a cluster's primaries."""
-    with commands_logged(cluster_node) as admin:
-        tier = tier_on(cluster_node, "mut-cinfo:", cluster=True)
+    """The usage and capacity refresh sends `INFO memory` to a single server and to a
+    cluster's primaries."""
+    server: RedisServer = request.getfixturevalue(server_fixture)
+    with commands_logged(server) as admin:
+        tier = tier_on(server, f"mut-info-{server_fixture}:", cluster=cluster)
         try:
             wait_for(lambda: tier.stats()["usage_bytes"] > 0)
         finally:
             tier.close()
         infos = logged(admin, b"INFO")
-        assert infos and set(infos) == {b"INFO memory"}
+    assert infos and set(infos) == {b"INFO memory"}
 
 
 # -- RedisTier: pin's bounded lookup ---------------------------------------------------------
