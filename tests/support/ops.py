@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
 import torch
 
 from kvflow.core import empty_shared
@@ -85,6 +86,12 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def lines_from(caplog: pytest.LogCaptureFixture, module: str) -> list[tuple[int, str]]:
+    """(level, message) of the lines `module` logged: loggers such as "kvflow.server" are
+    shared, and a server an earlier test stopped may still log to them from its threads."""
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.module == module]
 
 
 def shared_kv(seed: int) -> list[torch.Tensor]:

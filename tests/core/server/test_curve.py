@@ -27,6 +27,7 @@ from kvflow.core.errors import AlreadyRegisteredError, AuthenticationError, Perm
 from kvflow.core.server.curve import AuthorizedKeys, generate, load_key_pair, load_public_key
 from tests.core.server.test_server import ServerProcess
 from tests.support.launcher import kvflow_run
+from tests.support.ops import lines_from
 from tests.support.relay import TcpRelay
 
 NB, BS, NH, HS = 32, 16, 2, 8
@@ -307,9 +308,9 @@ def test_the_key_check_logs_each_refusal_and_keeps_its_keys_when_the_folder_vani
     caplog.set_level(logging.INFO, logger="kvflow.server")
     caplog.clear()
     assert keys.callback("global", alice)
-    assert [r.getMessage() for r in caplog.records] == []
+    assert lines_from(caplog, "curve") == []
     assert not keys.callback("global", stranger)
-    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+    assert lines_from(caplog, "curve") == [
         (
             logging.WARNING,
             f"CURVE: refused a client whose public key is not authorised: {stranger.decode()}",
@@ -318,7 +319,7 @@ def test_the_key_check_logs_each_refusal_and_keeps_its_keys_when_the_folder_vani
     caplog.clear()
     shutil.rmtree(folder)
     assert keys.callback("global", alice)
-    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    messages = lines_from(caplog, "curve")
     assert len(messages) == 1 and messages[0][0] == logging.WARNING
     assert messages[0][1].startswith(f"cannot re-read {folder} (")
     assert messages[0][1].endswith("): using the last keys")

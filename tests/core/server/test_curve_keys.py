@@ -24,6 +24,7 @@ from kvflow.core.server.curve import (
     load_key_pair,
     load_public_key,
 )
+from tests.support.ops import lines_from
 
 
 def test_without_curve_support_keygen_and_the_server_refuse_saying_why(
@@ -96,7 +97,7 @@ def test_reading_the_authorised_keys_skips_a_junk_file_with_a_warning_and_keeps_
         zmq.auth.load_certificate(str(junk))
     caplog.set_level(logging.INFO, logger="kvflow.server")
     keys = AuthorizedKeys(folder)
-    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+    assert lines_from(caplog, "curve") == [
         (logging.WARNING, f"ignoring {junk}: not a CURVE public key file ({why.value})"),
         (logging.INFO, f"CURVE: 1 authorised client key(s) in {folder}"),
     ]
