@@ -7,31 +7,37 @@ cuda:r) with one `kvflow server` subprocess. In the same run it times:
   rank r alone  each rank by itself stores, then retrieves, --tokens fresh tokens
   all ranks     every rank at once (one thread and client each, started together)
   ceilings      plain pinned copies (torch, the same bytes, one thread and stream per
-                GPU) device-to-host and host-to-device, each GPU alone and all at once
+                GPU) device-to-host and host-to-device, each GPU alone and all at once;
+                and all at once in L1's pattern (chunk-sized copies, registered memory)
 and reports GB/s per phase, all/one (targets: >= 1.8 for two ranks), all ranks against
 the all-GPU ceiling and each rank against its own GPU's ceiling (targets >= 0.9). It
 also checks SPEC section 3: a lookup finds a prefix only once every rank stored it,
 and every retrieved block equals the stored one. `--device cpu` runs the same flow
 over shared memory (the "ranks" in host memory), for CI. `--same-gpu` puts every rank
 on cuda:0: the multi-rank CUDA IPC flow on a one-GPU machine, where the ranks share
-one GPU's host link (all/one near 1.0 is expected).
+one GPU's host link (all/one near 1.0 is expected). `--in-process` drives one
+`CacheEngine` in the benchmark's process instead of a server (same calls, no RPC, no
+server loop): its scaling against the server's, in the same kind of run, says how much
+of a shortfall is the server's and how much the engine's and the copies'.
 
     python benchmarks/bench_two_gpus.py                 # needs two GPUs
     python benchmarks/bench_two_gpus.py --ranks 4       # needs four
     python benchmarks/bench_two_gpus.py --same-gpu      # one GPU: the flow, not the scaling
+    python benchmarks/bench_two_gpus.py --in-process    # the engine without a server
     python benchmarks/bench_two_gpus.py --device cpu --tokens 4096 --repeat 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,10 +53,11 @@ CEILING_REPS = 5
 
 
 class Rank:
-    """One rank: its device, paged caches (vLLM flash-attention layout) and client."""
+    """One rank: its device, paged caches (vLLM flash-attention layout) and its client, or
+    the benchmark's in-process engine, which takes the same calls."""
 
     def __init__(
-        self, rank: int, world: int, device: torch.device, blocks: int, endpoint: str
+        self, rank: int, world: int, device: torch.device, blocks: int, endpoint: str | Any
     ) -> None:
         from kvflow.core import KVFlowClient, empty_shared
 
@@ -65,7 +72,8 @@ class Rank:
             self.layers = [
                 torch.randn(shape, generator=gen, device=device).bfloat16() for _ in range(LAYERS)
             ]
-        self.client = KVFlowClient(endpoint, timeout_s=600)
+        self._own_client = isinstance(endpoint, str)
+        self.client = KVFlowClient(endpoint, timeout_s=600) if self._own_client else endpoint
         self.instance = f"tp{rank}"
         self.sessions: list[str] = []
         self.client.register_kv_caches(
@@ -97,7 +105,8 @@ class Rank:
 
     def close(self) -> None:
         self.client.unregister(self.instance)
-        self.client.close()
+        if self._own_client:  # not the benchmark's shared engine
+            self.client.close()
 
 
 def _together(jobs: list[Callable[[], None]]) -> float:
@@ -132,22 +141,35 @@ def _round(ranks: list[Rank], op: str, toks: torch.Tensor, table: torch.Tensor, 
     return took
 
 
-def pinned_copy_gbps(devices: list[torch.device], nbytes: int) -> dict[str, float]:
+def pinned_copy_gbps(
+    devices: list[torch.device], nbytes: int, piece: int | None = None
+) -> dict[str, float]:
     """GB/s of plain pinned copies of `nbytes` per device, one thread and stream per
     device, all devices at once (aggregate), device-to-host and host-to-device; the
-    median of CEILING_REPS rounds."""
-    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in devices]
+    median of CEILING_REPS rounds. With `piece`, the copies go as L1's do: in pieces of
+    `piece` bytes, into and out of memory registered with cudaHostRegister as L1's
+    segments are (one per device), rather than one copy of memory cudaHostAlloc made."""
+    from kvflow.core.tiers.hostmem import HostPool
+
+    pools = [HostPool(pinned=True) for _ in devices] if piece else []
+    if pools:
+        hosts = [pool.view(pool.add_segment(nbytes), 0, nbytes) for pool in pools]
+    else:
+        hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in devices]
     gpus = [torch.empty(nbytes, dtype=torch.uint8, device=d) for d in devices]
     streams = [torch.cuda.Stream(device=d) for d in devices]
+    step = piece or nbytes
     out = {}
     for name in ("d2h", "h2d"):
 
         def copy(i: int, name: str = name) -> None:
             with torch.cuda.stream(streams[i]):
-                if name == "d2h":
-                    hosts[i].copy_(gpus[i], non_blocking=True)
-                else:
-                    gpus[i].copy_(hosts[i], non_blocking=True)
+                for at in range(0, nbytes, step):
+                    host, gpu = hosts[i][at : at + step], gpus[i][at : at + step]
+                    if name == "d2h":
+                        host.copy_(gpu, non_blocking=True)
+                    else:
+                        gpu.copy_(host, non_blocking=True)
             streams[i].synchronize()
 
         for i in range(len(devices)):
@@ -155,7 +177,34 @@ def pinned_copy_gbps(devices: list[torch.device], nbytes: int) -> dict[str, floa
         took = [_together([partial(copy, i) for i in range(len(devices))])
                 for _ in range(CEILING_REPS)]  # fmt: skip
         out[name] = len(devices) * nbytes / statistics.median(took) / 1e9
+    for pool in pools:
+        pool.release()
     return out
+
+
+@contextlib.contextmanager
+def _backend(args: argparse.Namespace, l1_gib: float, log: Path) -> Iterator[str | Any]:
+    """What the ranks talk to: a `kvflow server` subprocess's endpoint, or with
+    --in-process an engine in this process (the server's defaults otherwise, its event
+    lines in `log`)."""
+    if not args.in_process:
+        with kvflow_server(l1_gib, log, *args.server_flag) as endpoint:
+            yield endpoint
+        return
+    from kvflow.core.config import ObservabilityConfig, ServerConfig
+    from kvflow.core.engine.cache_engine import CacheEngine
+
+    # the server's observability as kvflow_server starts it; the engine's log handler
+    # writes to the stderr it finds when built: the log file, as a server's would
+    observe = ObservabilityConfig(prometheus_port=0, log_format="console")
+    config = ServerConfig(chunk_size=CHUNK, l1_size_gb=l1_gib, observability=observe)
+    with log.open("w") as out:
+        with contextlib.redirect_stderr(out):
+            engine = CacheEngine(config)
+        try:
+            yield engine
+        finally:
+            engine.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -177,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     }
     with (
         tempfile.TemporaryDirectory() as tmp,
-        kvflow_server(max(1.0, l1_gib), Path(tmp) / "server.log", *args.server_flag) as endpoint,
+        _backend(args, max(1.0, l1_gib), Path(tmp) / "server.log") as endpoint,
     ):
         ranks = [Rank(r, world, devices[r], blocks, endpoint) for r in range(world)]
         try:
@@ -225,6 +274,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             out[f"rank{r}_retrieve_ceiling_gbps"] = alone["h2d"]
         every = pinned_copy_gbps(devices, nbytes)
         out["all_store_ceiling_gbps"], out["all_retrieve_ceiling_gbps"] = every["d2h"], every["h2d"]
+        # L1's copies: chunk-sized pieces, registered memory (is the pattern what scales less?)
+        pieces = pinned_copy_gbps(devices, nbytes, piece=CHUNK * per_token)
+        out["all_store_pieces_gbps"], out["all_retrieve_pieces_gbps"] = pieces["d2h"], pieces["h2d"]
         for phase in phases:
             for op in ("store", "retrieve"):
                 ceiling = out[f"{phase}_{op}_ceiling_gbps"]
@@ -240,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2, help="ranks (GPUs): 2, 4 or 8")
     parser.add_argument("--same-gpu", action="store_true",
                         help="every rank on cuda:0 (checks the flow on a one-GPU machine)")  # fmt: skip
+    parser.add_argument("--in-process", action="store_true",
+                        help="drive a CacheEngine in this process instead of a server")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--server-flag", action="append", default=[],
                         help="a further `kvflow server` flag (repeatable), e.g."
@@ -251,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be 2, 4 or 8 (the 8 KV heads split evenly)")
     if args.same_gpu and args.device != "cuda":
         parser.error("--same-gpu needs --device cuda")
+    if args.in_process and args.server_flag:
+        parser.error("--server-flag needs a server (not --in-process)")
     need = 1 if args.same_gpu else args.ranks
     if args.device == "cuda" and torch.cuda.device_count() < need:
         gpus = "a GPU" if need == 1 else f"{need} GPUs"
@@ -270,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
     gib = out["bytes_per_rank"] / (1 << 30)
     where = "every rank on cuda:0 (one shared link)" if args.same_gpu else args.device
+    where += ", one engine in this process" if args.in_process else ", through one server"
     print(f"{args.tokens} tokens = {gib:.3f} GiB per rank per op, {args.ranks} ranks, {where}")
     ceilings = "all_store_ceiling_gbps" in out
     head = f"{'phase':<7} {'op':<9} {'GB/s':>8}"
@@ -283,6 +340,10 @@ def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
             print(line)
     for op in ("store", "retrieve"):
         print(f"{op} all/rank0: {out[f'{op}_scaling']:.2f}")
+    if ceilings:
+        print("all GPUs, L1's copy pattern (chunk-sized pieces, registered memory):"
+              f" {out['all_store_pieces_gbps']:.2f} GB/s device-to-host,"
+              f" {out['all_retrieve_pieces_gbps']:.2f} host-to-device")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,19 +11,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_two_gpus.py"
 
 
-def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(tmp_path: Path) -> None:
-    """Each rank alone and both at once, both ops, with all/rank0 ratios."""
+@pytest.mark.parametrize(
+    ("flags", "through"),
+    [([], "through one server"), (["--in-process"], "one engine in this process")],
+)
+def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
+    tmp_path: Path, flags: list[str], through: str
+) -> None:
+    """Each rank alone and both at once, both ops, with all/rank0 ratios, through a server
+    or (--in-process) one engine in the benchmark's process, whose event lines stay out of
+    the table."""
     out = tmp_path / "figures.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--tokens", "512", "--repeat", "1",
-         "--json", str(out)],
+         "--json", str(out), *flags],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    assert f"2 ranks, cpu, {through}" in done.stdout
+    assert "kvflow.events" not in done.stdout + done.stderr
     for phase in ("rank0", "rank1", "all"):
         for op in ("store", "retrieve"):
             row = re.search(rf"^{phase}\s+{op}\s+([\d.]+)$", done.stdout, re.M)
@@ -41,6 +53,15 @@ def test_rank_counts_that_do_not_split_the_heads_are_refused() -> None:
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and "--ranks must be 2, 4 or 8" in done.stderr
+
+
+def test_in_process_takes_no_server_flags() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--in-process",
+         "--server-flag=--disable-observability"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--server-flag needs a server" in done.stderr
 
 
 def test_too_few_gpus_is_a_clear_failure() -> None:
