@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 
+from kvflow.core.tiers import redisnodes
 from kvflow.core.tiers.redis import RedisTier
 from kvflow.core.tiers.redis_target import resolve_target
 from kvflow.core.tiers.redislink import _Down
@@ -170,3 +172,39 @@ def test_a_slot_map_not_re_read_is_recorded_and_logged_once_and_the_node_still_t
         "L2 Redis cluster: re-reading the slot map failed (cluster slot map: "
         f"RedisClusterException: no seed answers){LATER}",
     ]
+
+
+def test_a_down_nodes_backoff_doubles_to_its_cap_and_starts_over_once_it_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node that fails is skipped (its keys fail fast, no pipeline) until exactly its
+    backoff has passed: 1, 2, 4 s, then the 5 s cap; once it answers, the next outage
+    backs off from 1 s again."""
+    now = [100.0]
+    monkeypatch.setattr(redisnodes, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    client = _Cluster()
+    nodes = ClusterNodes(backoff_s=(1.0, 5.0), stats=RedisStats(), scrub=str)
+    names = [b"a"]
+
+    def tried() -> bool:
+        """Whether a call reached the node (rather than failing fast in its backoff)."""
+        return not isinstance(nodes.execute(client, names, _exists(names))[0], _Down)
+
+    client.fail = redis.ConnectionError("n1 is gone")
+    assert tried()
+    for delay in (1.0, 2.0, 4.0, 5.0, 5.0):
+        failed_at = now[0]
+        now[0] = failed_at + delay - 0.001
+        assert not tried(), delay
+        now[0] = failed_at + delay
+        assert tried(), delay  # and fails again: the next delay
+    client.fail = None
+    now[0] += 5.0
+    assert tried() and nodes.rejoins() == 1
+    client.fail = redis.ConnectionError("n1 is gone again")
+    failed_at = now[0]
+    assert tried()
+    now[0] = failed_at + 0.999
+    assert not tried()
+    now[0] = failed_at + 1.0
+    assert tried()
