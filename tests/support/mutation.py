@@ -140,6 +140,8 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server_mutants.py",
         # an unregister gives up the instance's layerwise store waiting for its layers
         "tests/core/server/test_layerwise_server.py",
+        # --host: IPv6, host names, every interface
+        "tests/core/server/test_server_hosts.py",
     ],
     # split out of server.py (issue 40): the jobs run every request kind; the registry
     # keeps the registered instances

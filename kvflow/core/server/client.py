@@ -329,6 +329,7 @@ class KVFlowClient:
         # closes the connection (a graceful stop) is dropped unread. A request
         # queued for a server that is down dies with its socket on timeout.
         sock.sndtimeo = int(self.timeout_s * 1000)
+        sock.ipv6 = True  # a server on an IPv6 address (tcp://[::1]:5555); IPv4 works as before
         if self._curve is not None:
             secure_client(sock, *self._curve)
         conn = _Connection(sock, sock.get_monitor_socket(_HANDSHAKE_EVENTS))

@@ -137,12 +137,27 @@ def _check_host(host: str) -> None:
         ) from None
 
 
+def _bare_host(host: str) -> str:
+    """--host without the brackets an IPv6 address may come in ("[::1]" is "::1")."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _bind_address(host: str) -> tuple[str, bool]:
+    """How ZMQ binds `host` (bare), and whether that needs its IPv6 option: an IPv6
+    address goes in brackets, on a socket with IPv6 on."""
+    try:
+        ipv6 = ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return host, False
+    return (f"[{host}]", True) if ipv6 else (host, False)
+
+
 def _loopback_only(host: str) -> bool:
-    """Whether every address `host` names is a loopback one ("*" is every interface)."""
+    """Whether every address `host` (bare) names is a loopback one ("*" is every interface)."""
     if host == "*":
         return False
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
     infos = socket.getaddrinfo(host, None)
@@ -151,7 +166,7 @@ def _loopback_only(host: str) -> bool:
 
 def _check_exposure(config: ServerConfig) -> None:
     """ValueError unless the server listens on loopback only, uses CURVE, or is told not to care."""
-    if config.curve or config.insecure_listen or _loopback_only(config.host):
+    if config.curve or config.insecure_listen or _loopback_only(_bare_host(config.host)):
         return
     raise ValueError(
         f"--host {config.host} accepts connections from other machines, and without"
@@ -239,8 +254,9 @@ class KVFlowServer:
         port = "*" if self.config.port == 0 else str(self.config.port)
         #: CURVE keys and the authenticator, when clients must authenticate
         self._curve: CurveServer | None = None
+        host = _bare_host(self.config.host)
         try:
-            _check_host(self.config.host)
+            _check_host(host)
             _check_exposure(self.config)
             if self.config.curve_secret_key and self.config.curve_authorized_keys:
                 self._curve = CurveServer(
@@ -249,7 +265,8 @@ class KVFlowServer:
                 self._curve.secure(self._router)
             #: who may call admin operations (docs/OPERATIONS.md)
             self._admin_auth = AdminAuth(self.config)
-            self._router.bind(f"tcp://{self.config.host}:{port}")
+            address, self._router.ipv6 = _bind_address(host)
+            self._router.bind(f"tcp://{address}:{port}")
         except BaseException as exc:
             self._close_sockets()
             if isinstance(exc, (zmq.ZMQError, OSError)):
