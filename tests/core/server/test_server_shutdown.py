@@ -33,10 +33,24 @@ class GatedEngine(CacheEngine):
         return super().store(*args, **kwargs)
 
 
-def _serve_gated() -> tuple[GatedEngine, KVFlowServer, threading.Thread, list[torch.Tensor]]:
+class StuckCloseEngine(GatedEngine):
+    """A GatedEngine whose close also waits, for `close_gate` (say, an L2 tier that hangs)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        super().__init__(config)
+        self.close_gate = threading.Event()
+
+    def close(self, timeout: float = 5.0) -> bool:
+        assert self.close_gate.wait(60)
+        return super().close(timeout)
+
+
+def _serve_gated(
+    engine_type: type[GatedEngine] = GatedEngine,
+) -> tuple[GatedEngine, KVFlowServer, threading.Thread, list[torch.Tensor]]:
     """A server over a GatedEngine, serving on a thread, and a shared-memory KV cache."""
     config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
-    engine = GatedEngine(config)
+    engine = engine_type(config)
     server = KVFlowServer(config, engine=engine)
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
@@ -111,3 +125,41 @@ def test_second_stop_request_stops_waiting_for_a_stuck_transfer(
     busy = re.compile(r"kvflow server: not waiting for [1-9]\d* busy instance worker\(s\)")
     assert any(busy.fullmatch(m) for m in caplog.messages), caplog.messages
     assert "kvflow server stopped (event pipeline clean)" in caplog.messages, caplog.messages
+
+
+def test_an_engine_that_does_not_close_in_time_is_left_behind_not_clean(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a second stop request (a worker stuck in a store) the engine gets 5 s to
+    close, not for ever: the loop ends once they have passed and the stopped line says
+    NOT clean."""
+    server_log = logging.getLogger("kvflow.server")
+    server_log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="kvflow.server")
+    engine, server, serving, kv = _serve_gated(StuckCloseEngine)
+    assert isinstance(engine, StuckCloseEngine)
+    errors: list[BaseException] = []
+    try:
+        with KVFlowClient(server.endpoint, timeout_s=1) as client:
+            client.register_kv_caches("stuck", kv, model_name="m")
+
+            def store() -> None:
+                try:
+                    client.store("stuck", list(range(CHUNK)), list(range(16)), request_id="r")
+                except BaseException as exc:
+                    errors.append(exc)
+
+            storing = threading.Thread(target=store, daemon=True)
+            storing.start()
+            assert engine.entered.wait(20)
+            server.request_stop()
+            server.request_stop()
+            serving.join(20)  # the engine's 5 s, and time to spare
+            assert not serving.is_alive()
+            storing.join(10)
+    finally:
+        engine.close_gate.set()  # the abandoned close and store end
+        engine.gate.set()
+        server_log.removeHandler(caplog.handler)
+    assert "kvflow server stopped (event pipeline NOT clean)" in caplog.messages, caplog.messages
+    assert len(errors) == 1 and isinstance(errors[0], RequestTimeoutError)
