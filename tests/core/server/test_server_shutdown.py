@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -91,18 +93,27 @@ def test_stop_finishes_in_flight_store_then_closes_the_engine() -> None:
     assert engine.status()["closed"] is True
 
 
-def test_second_stop_request_stops_waiting_for_a_stuck_transfer(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A second request_stop (a second SIGINT) ends the loop although a store never
-    finishes, and logs how many busy workers it does not wait for; the engine (the store
-    waits outside it) still closes in time, so the stopped line says clean."""
+@contextlib.contextmanager
+def _server_lines(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """caplog sees kvflow.server's lines at INFO, through a handler on that logger itself
+    (the stopped line goes to that logger's handlers only)."""
     server_log = logging.getLogger("kvflow.server")
     server_log.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="kvflow.server")
-    engine, server, serving, kv = _serve_gated()
+    try:
+        yield
+    finally:
+        server_log.removeHandler(caplog.handler)
+
+
+def _stop_twice_during_a_store(
+    engine: GatedEngine, server: KVFlowServer, serving: threading.Thread,
+    kv: list[torch.Tensor], *, client_timeout_s: float, loop_s: float,
+) -> list[BaseException]:  # fmt: skip
+    """Register, start a store the gated engine holds, ask the server to stop twice and
+    check its loop ends within `loop_s`; what the store raised."""
     errors: list[BaseException] = []
-    with KVFlowClient(server.endpoint, timeout_s=3) as client:
+    with KVFlowClient(server.endpoint, timeout_s=client_timeout_s) as client:
         client.register_kv_caches("stuck", kv, model_name="m")
 
         def store() -> None:
@@ -111,16 +122,31 @@ def test_second_stop_request_stops_waiting_for_a_stuck_transfer(
             except BaseException as exc:
                 errors.append(exc)
 
-        storing = threading.Thread(target=store)
+        storing = threading.Thread(target=store, daemon=True)
         storing.start()
         assert engine.entered.wait(20)
         server.request_stop()
         server.request_stop()
-        serving.join(10)
+        serving.join(loop_s)
         assert not serving.is_alive()
         storing.join(10)
+    return errors
+
+
+def test_second_stop_request_stops_waiting_for_a_stuck_transfer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A second request_stop (a second SIGINT) ends the loop although a store never
+    finishes, and logs how many busy workers it does not wait for; the engine (the store
+    waits outside it) still closes in time, so the stopped line says clean."""
+    engine, server, serving, kv = _serve_gated()
+    try:
+        with _server_lines(caplog):
+            errors = _stop_twice_during_a_store(
+                engine, server, serving, kv, client_timeout_s=3, loop_s=10
+            )
+    finally:
         engine.gate.set()  # let the abandoned worker thread end
-    server_log.removeHandler(caplog.handler)
     assert len(errors) == 1 and isinstance(errors[0], RequestTimeoutError)
     busy = re.compile(r"kvflow server: not waiting for [1-9]\d* busy instance worker\(s\)")
     assert any(busy.fullmatch(m) for m in caplog.messages), caplog.messages
@@ -133,33 +159,15 @@ def test_an_engine_that_does_not_close_in_time_is_left_behind_not_clean(
     """After a second stop request (a worker stuck in a store) the engine gets 5 s to
     close, not for ever: the loop ends once they have passed and the stopped line says
     NOT clean."""
-    server_log = logging.getLogger("kvflow.server")
-    server_log.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="kvflow.server")
     engine, server, serving, kv = _serve_gated(StuckCloseEngine)
     assert isinstance(engine, StuckCloseEngine)
-    errors: list[BaseException] = []
     try:
-        with KVFlowClient(server.endpoint, timeout_s=1) as client:
-            client.register_kv_caches("stuck", kv, model_name="m")
-
-            def store() -> None:
-                try:
-                    client.store("stuck", list(range(CHUNK)), list(range(16)), request_id="r")
-                except BaseException as exc:
-                    errors.append(exc)
-
-            storing = threading.Thread(target=store, daemon=True)
-            storing.start()
-            assert engine.entered.wait(20)
-            server.request_stop()
-            server.request_stop()
-            serving.join(20)  # the engine's 5 s, and time to spare
-            assert not serving.is_alive()
-            storing.join(10)
+        with _server_lines(caplog):
+            errors = _stop_twice_during_a_store(
+                engine, server, serving, kv, client_timeout_s=1, loop_s=20
+            )  # the engine's 5 s, and time to spare
     finally:
         engine.close_gate.set()  # the abandoned close and store end
         engine.gate.set()
-        server_log.removeHandler(caplog.handler)
     assert "kvflow server stopped (event pipeline NOT clean)" in caplog.messages, caplog.messages
     assert len(errors) == 1 and isinstance(errors[0], RequestTimeoutError)
