@@ -246,6 +246,14 @@ def _client_layers(kv_caches: Any, block_size: int | None, kv_format: str | None
     return ClientLayers(layout.num_layers, cuda)
 
 
+def _names_ipv6_address(endpoint: str) -> bool:
+    """Whether a tcp:// endpoint's host is an IPv6 address in brackets (tcp://[::1]:5555,
+    or with a source: tcp://SOURCE;[::1]:5555)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    return endpoint[len("tcp://") :].rpartition(";")[2].startswith("[")
+
+
 class KVFlowClient:
     """A connection to `kvflow server` at `endpoint` (e.g. "tcp://127.0.0.1:5555").
 
@@ -329,7 +337,10 @@ class KVFlowClient:
         # closes the connection (a graceful stop) is dropped unread. A request
         # queued for a server that is down dies with its socket on timeout.
         sock.sndtimeo = int(self.timeout_s * 1000)
-        sock.ipv6 = True  # a server on an IPv6 address (tcp://[::1]:5555); IPv4 works as before
+        # a server on an IPv6 address (tcp://[::1]:5555) needs it; only then, for with it
+        # on ZMQ resolves a name such as localhost to its first address, maybe ::1, where
+        # a server on 127.0.0.1 does not listen
+        sock.ipv6 = _names_ipv6_address(self.endpoint)
         if self._curve is not None:
             secure_client(sock, *self._curve)
         conn = _Connection(sock, sock.get_monitor_socket(_HANDSHAKE_EVENTS))

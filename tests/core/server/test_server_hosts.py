@@ -1,7 +1,7 @@
 """Where `kvflow server --host` listens: an IPv6 address, bare or in brackets, serves
 clients; a host name whose addresses are all loopback needs no CURVE; every interface
 ("*", or IPv6's "::") is refused without CURVE or --insecure-listen, as 0.0.0.0 is
-(test_curve.py)."""
+(test_curve.py); a client reaches a server on 127.0.0.1 through the name localhost."""
 
 from __future__ import annotations
 
@@ -49,3 +49,15 @@ def test_every_interface_is_refused_without_curve_or_insecure_listen(host: str) 
     refused = kvflow_run(["server", "--port", "0", "--host", host, "--disable-observability"])
     assert refused.returncode == 2, refused.stderr
     assert f"--host {host} accepts connections from other machines" in refused.stderr
+
+
+def test_a_client_reaches_a_server_on_127_0_0_1_through_localhost() -> None:
+    """A client names the server's machine rather than its address: wherever localhost
+    also resolves to ::1 (first), the client must still reach the IPv4 listener."""
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "0.05")
+    try:
+        port = srv.endpoint.rpartition(":")[2]
+        with KVFlowClient(f"tcp://localhost:{port}", timeout_s=5) as client:
+            assert client.status()["server"]["endpoint"] == srv.endpoint
+    finally:
+        assert srv.stop() == 0, srv.log()
