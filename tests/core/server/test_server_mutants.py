@@ -14,13 +14,16 @@ import zmq
 from kvflow.core import KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import (
+    DrainingError,
     InvalidRequestError,
+    PermissionDeniedError,
     UnknownSubscriptionError,
 )
 from kvflow.core.server import server as server_module
 from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.protocol import (
     AdminClear,
+    AdminDrain,
     KVSubscribed,
     ShmMemory,
     StatusResult,
@@ -249,3 +252,57 @@ def test_a_clean_stop_unmaps_the_instances_shared_memory() -> None:
         serving.join(20)
     assert not serving.is_alive()
     assert maps() == len(kv)
+
+
+# -- ownership, draining, re-registration -----------------------------------------------------
+
+
+def test_a_store_on_anothers_instance_and_a_registration_while_draining_say_why_exactly(
+    server: ServerProcess,
+) -> None:
+    """The two refusals name the refused operation and the reason, word for word."""
+    kv = shared_kv(11)
+    with (
+        KVFlowClient(server.endpoint, timeout_s=5, client_id="owner") as owner,
+        KVFlowClient(server.endpoint, timeout_s=5, client_id="other") as other,
+    ):
+        owner.register_kv_caches("owned", kv, model_name="refusals")
+        with pytest.raises(PermissionDeniedError) as refused:
+            other.store("owned", tokens(CHUNK, 11), list(range(16)), request_id="not-mine")
+        assert str(refused.value) == (
+            "Store refused: instance 'owned' belongs to another client (only the client that"
+            " registered it may store, retrieve, report or unregister)"
+        )
+        owner.admin(AdminDrain())
+        try:
+            with pytest.raises(DrainingError) as draining:
+                other.register_kv_caches("late", kv, model_name="refusals")
+        finally:
+            owner.admin(AdminDrain(undrain=True))
+        assert str(draining.value) == (
+            "register refused: this server is draining for a restart (it finishes the work in"
+            " flight and takes no new stores or registrations); use another server or retry"
+            " after it is back"
+        )
+        owner.unregister("owned")
+
+
+def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
+    server: ServerProcess,
+) -> None:
+    """Registering an id again releases the old registration, logged with the client that
+    registered it again, and "(takeover)" when that is another client."""
+    kv = shared_kv(12)
+    with (
+        KVFlowClient(server.endpoint, timeout_s=5, client_id="first") as first,
+        KVFlowClient(server.endpoint, timeout_s=5, client_id="second") as second,
+    ):
+        first.register_kv_caches("again", kv, model_name="again")
+        first.register_kv_caches("again", kv, model_name="again")
+        second.register_kv_caches("again", kv, model_name="again", takeover=True)
+        second.unregister("again")
+    same = "instance 'again' re-registered by client first: releasing the old registration"
+    taken = (
+        "instance 'again' re-registered by client second (takeover): releasing the old registration"
+    )
+    wait_for(lambda: same in server.log() and taken in server.log(), timeout_s=10)
