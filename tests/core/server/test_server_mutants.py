@@ -7,6 +7,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -17,6 +18,7 @@ from kvflow.core.errors import (
     DrainingError,
     InvalidRequestError,
     PermissionDeniedError,
+    UnknownInstanceError,
     UnknownSubscriptionError,
 )
 from kvflow.core.server import server as server_module
@@ -306,3 +308,35 @@ def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
         "instance 'again' re-registered by client second (takeover): releasing the old registration"
     )
     wait_for(lambda: same in server.log() and taken in server.log(), timeout_s=10)
+
+
+def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_request() -> None:
+    """A store for an id never registered names it (no reaping mentioned); a new server's
+    first status counts one request served: that status."""
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "0.05")
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
+            assert client.status()["server"]["requests"] == 1
+            with pytest.raises(UnknownInstanceError) as unknown:
+                client.store("ghost", tokens(CHUNK, 13), list(range(16)), request_id="g")
+            assert str(unknown.value) == "instance 'ghost' is not registered"
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_the_server_threads_are_named_for_their_work(tmp_path: Path) -> None:
+    """With --max-instances 1 one instance worker, and beside it the admin worker and (an
+    L2 tier: lookups may wait on it) the query worker, each named for what it runs."""
+    config = ServerConfig(
+        port=0, l1_size_gb=0.05, max_instances=1, l2_disk_paths=(str(tmp_path),),
+        l2_disk_size_gb=0.01, observability=ObservabilityConfig(enabled=False),
+    )  # fmt: skip
+    before = set(threading.enumerate())
+    server = KVFlowServer(config)
+    try:
+        names = {t.name for t in threading.enumerate() if t not in before}
+    finally:
+        server.close()
+    kvflow = {name for name in names if name.startswith("kvflow-") and "worker" in name}
+    assert kvflow == {"kvflow-worker-0"}, names
+    assert {"kvflow-queries", "kvflow-admin"} <= names, names
