@@ -15,6 +15,8 @@ import zmq
 from kvflow.core import KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import (
+    AlreadyRegisteredError,
+    CapacityError,
     DrainingError,
     InvalidRequestError,
     PermissionDeniedError,
@@ -340,3 +342,57 @@ def test_the_server_threads_are_named_for_their_work(tmp_path: Path) -> None:
     kvflow = {name for name in names if name.startswith("kvflow-") and "worker" in name}
     assert kvflow == {"kvflow-worker-0"}, names
     assert {"kvflow-queries", "kvflow-admin"} <= names, names
+
+
+def test_each_registration_goes_to_the_least_loaded_worker_ties_taken_in_turn() -> None:
+    """Eight workers (--max-instances 11): instances go one per worker in turn, then to the
+    least loaded, equals taken in turn after the last one picked; a worker freed by an
+    unregister is picked only as the least loaded."""
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "0.05", "--max-instances", "11")
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
+
+            def worker_of(name: str) -> str:
+                client.register_kv_caches(name, shared_kv(20), model_name="spread")
+                worker: str = client.status()["server"]["instances"][name]["worker"]
+                return worker
+
+            assert [worker_of(f"i{k}") for k in range(1, 9)] == [f"worker-{k}" for k in range(8)]
+            assert [worker_of("i9"), worker_of("i10")] == ["worker-0", "worker-1"]
+            client.unregister("i8")  # worker-7 holds nothing now
+            assert worker_of("i11") == "worker-7"
+            # worker-0 and worker-1 hold two each, the rest one: the turn starts at
+            # worker-0 again, and the first with one is worker-2
+            assert worker_of("i12") == "worker-2"
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_taken_id_and_a_full_server_refuse_a_registration_saying_what_to_do() -> None:
+    """Another client's id is refused with how to get it (wait for the reap, or take it
+    over), and a registration past --max-instances with how to make room."""
+    srv = ServerProcess(
+        "--disable-observability", "--l1-size-gb", "0.05", "--max-instances", "1",
+        "--heartbeat-timeout-s", "7",
+    )  # fmt: skip
+    try:
+        with (
+            KVFlowClient(srv.endpoint, timeout_s=5, client_id="holder") as holder,
+            KVFlowClient(srv.endpoint, timeout_s=5, client_id="late") as late,
+        ):
+            holder.register_kv_caches("taken", shared_kv(21), model_name="full")
+            with pytest.raises(AlreadyRegisteredError) as taken:
+                late.register_kv_caches("taken", shared_kv(21), model_name="full")
+            assert str(taken.value) == (
+                "instance 'taken' is already registered by another client; if that client is"
+                " gone, the server reaps the instance after --heartbeat-timeout-s (7 s) of its"
+                " silence, or register with takeover=True to take it over now"
+            )
+            with pytest.raises(CapacityError) as full:
+                late.register_kv_caches("second", shared_kv(22), model_name="full")
+            assert str(full.value) == (
+                "the server already serves 1 instances, its limit (--max-instances): unregister"
+                " one or raise the limit"
+            )
+    finally:
+        assert srv.stop() == 0, srv.log()
