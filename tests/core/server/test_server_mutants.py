@@ -309,7 +309,8 @@ def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
     taken = (
         "instance 'again' re-registered by client second (takeover): releasing the old registration"
     )
-    wait_for(lambda: same in server.log() and taken in server.log(), timeout_s=10)
+    lines = [f"] {same} [kvflow.server]", f"] {taken} [kvflow.server]"]  # whole messages
+    wait_for(lambda: all(line in server.log() for line in lines), timeout_s=10)
 
 
 def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_request() -> None:
