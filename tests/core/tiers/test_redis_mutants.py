@@ -514,3 +514,26 @@ def test_pin_gives_up_after_2_timeouts_plus_1_s_and_cancels_its_lookup(
         assert 2 * timeout_s + 1 - 0.05 <= took < 2 * timeout_s + 1 + 0.6, took
     finally:
         tier.close()
+
+
+def _link(port: int) -> Link:
+    return Link(
+        RedisTarget(host="127.0.0.1", port=port), cluster=False, timeout_s=1.0, pool_size=1,
+        backoff_s=(0.05, 1.0), stats=RedisStats(), rejoined=lambda: None,
+    )  # fmt: skip
+
+
+def test_a_link_is_up_only_once_its_start_up_ping_was_answered(shared: RedisServer) -> None:
+    """Before `connect` a link is down; `connect` says whether Redis answered, and the link
+    is up (its client handed out) only then."""
+    for port, answered in ((shared.port, True), (free_port(), False)):
+        link = _link(port)
+        try:
+            assert link.connected() is False
+            assert link.connect() is answered
+            assert link.connected() is answered
+            if answered:
+                assert link.client() is not None
+        finally:
+            link.stop()
+            link.close()
