@@ -537,3 +537,25 @@ def test_a_link_is_up_only_once_its_start_up_ping_was_answered(shared: RedisServ
         finally:
             link.stop()
             link.close()
+
+
+def test_a_link_that_comes_back_tells_its_owner_once(shared: RedisServer) -> None:
+    """A link whose start-up PING went unanswered reconnects in the background and, once
+    Redis answers, calls its `rejoined` callback (the tier re-reads INFO there) once."""
+    fake = FakePort(upstream=shared.port)  # holds every connection until `open` is set
+    calls: list[float] = []
+    link = Link(
+        RedisTarget(host="127.0.0.1", port=fake.port), cluster=False, timeout_s=0.3,
+        pool_size=1, backoff_s=(0.05, 0.2), stats=RedisStats(),
+        rejoined=lambda: calls.append(time.monotonic()),
+    )  # fmt: skip
+    try:
+        assert link.connect() is False
+        fake.open.set()
+        wait_for(link.connected)
+        wait_for(lambda: calls)
+    finally:
+        link.stop()
+        link.close()  # joins the reconnecting thread: no call can follow
+        fake.stop()
+    assert len(calls) == 1
