@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from kvflow.core.config import SECRET_FIELDS, ObservabilityConfig, ServerConfig
+from kvflow.core.server.addresses import bare_host, endpoint_host
 from kvflow.subscribers import LoggingSetup, configure_logging
 
 ENV_PREFIX = "KVFLOW_"
@@ -560,13 +561,10 @@ def _unresolvable_host(endpoint: str) -> str | None:
     ZeroMQ resolves a connect's host in the background and retries for ever, so a
     typo in the host would otherwise only show as a timeout ("is it running?").
     """
-    if not endpoint.startswith("tcp://"):
-        return None
-    address = endpoint[len("tcp://") :].rpartition(";")[2]  # tcp://SOURCE;HOST:PORT
-    host, sep, _ = address.rpartition(":")
-    if not sep or not host:
-        return None  # malformed: the client reports it
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    written = endpoint_host(endpoint)
+    if written is None:
+        return None  # not tcp, or malformed: the client reports it
+    host = bare_host(written)
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:

@@ -37,6 +37,7 @@ from kvflow.core.errors import (
     ProtocolError,
     RequestTimeoutError,
 )
+from kvflow.core.server.addresses import endpoint_host
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, LayerwiseSave
@@ -246,14 +247,6 @@ def _client_layers(kv_caches: Any, block_size: int | None, kv_format: str | None
     return ClientLayers(layout.num_layers, cuda)
 
 
-def _names_ipv6_address(endpoint: str) -> bool:
-    """Whether a tcp:// endpoint's host is an IPv6 address in brackets (tcp://[::1]:5555,
-    or with a source: tcp://SOURCE;[::1]:5555)."""
-    if not endpoint.startswith("tcp://"):
-        return False
-    return endpoint[len("tcp://") :].rpartition(";")[2].startswith("[")
-
-
 class KVFlowClient:
     """A connection to `kvflow server` at `endpoint` (e.g. "tcp://127.0.0.1:5555").
 
@@ -340,7 +333,7 @@ class KVFlowClient:
         # a server on an IPv6 address (tcp://[::1]:5555) needs it; only then, for with it
         # on ZMQ resolves a name such as localhost to its first address, maybe ::1, where
         # a server on 127.0.0.1 does not listen
-        sock.ipv6 = _names_ipv6_address(self.endpoint)
+        sock.ipv6 = (endpoint_host(self.endpoint) or "").startswith("[")
         if self._curve is not None:
             secure_client(sock, *self._curve)
         conn = _Connection(sock, sock.get_monitor_socket(_HANDSHAKE_EVENTS))

@@ -39,6 +39,7 @@ from kvflow.core.errors import (
     ProtocolError,
     UnknownInstanceError,
 )
+from kvflow.core.server.addresses import bare_host
 from kvflow.core.server.admin import AdminAuth, AdminOps, DrainState
 from kvflow.core.server.curve import CurveServer
 from kvflow.core.server.jobs import (
@@ -137,11 +138,6 @@ def _check_host(host: str) -> None:
         ) from None
 
 
-def _bare_host(host: str) -> str:
-    """--host without the brackets an IPv6 address may come in ("[::1]" is "::1")."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
 def _bind_address(host: str) -> tuple[str, bool]:
     """How ZMQ binds `host` (bare), and whether that needs its IPv6 option: an IPv6
     address goes in brackets, on a socket with IPv6 on."""
@@ -164,9 +160,10 @@ def _loopback_only(host: str) -> bool:
     return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
-def _check_exposure(config: ServerConfig) -> None:
-    """ValueError unless the server listens on loopback only, uses CURVE, or is told not to care."""
-    if config.curve or config.insecure_listen or _loopback_only(_bare_host(config.host)):
+def _check_exposure(config: ServerConfig, host: str) -> None:
+    """ValueError unless the server listens on loopback only (`host`: --host, bare), uses
+    CURVE, or is told not to care."""
+    if config.curve or config.insecure_listen or _loopback_only(host):
         return
     raise ValueError(
         f"--host {config.host} accepts connections from other machines, and without"
@@ -254,10 +251,10 @@ class KVFlowServer:
         port = "*" if self.config.port == 0 else str(self.config.port)
         #: CURVE keys and the authenticator, when clients must authenticate
         self._curve: CurveServer | None = None
-        host = _bare_host(self.config.host)
+        host = bare_host(self.config.host)
         try:
             _check_host(host)
-            _check_exposure(self.config)
+            _check_exposure(self.config, host)
             if self.config.curve_secret_key and self.config.curve_authorized_keys:
                 self._curve = CurveServer(
                     self._ctx, self.config.curve_secret_key, self.config.curve_authorized_keys
