@@ -30,7 +30,8 @@ BLOCKS_PER_CHUNK = CHUNK // BS
 
 class ServerProcess:
     """`kvflow server --port 0 ...` (tests.support.launcher); waits until it listens,
-    keeps its log."""
+    keeps its log. As a context manager it is stopped at the end of the block, which
+    checks that it exited 0 (unless the block raised)."""
 
     def __init__(self, *flags: str, start_timeout_s: float = 60.0) -> None:
         args = ["server", "--port", "0", "--log-format", "console", "--prometheus-port", "0"]
@@ -63,6 +64,14 @@ class ServerProcess:
         code = self.proc.wait(30)
         self._reader.join(10)  # the log's last lines, read from the pipe after the exit
         return code
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        code = self.stop()
+        if exc_type is None:
+            assert code == 0, self.log()
 
 
 def get_json(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, Any]]:

@@ -25,12 +25,11 @@ def _has_ipv6_loopback() -> bool:
 
 def _serves(host: str) -> str:
     """Start a server on `host`, check a client gets its status, stop it; its endpoint."""
-    srv = ServerProcess("--host", host, "--disable-observability", "--l1-size-gb", "0.05")
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
-            assert client.status()["server"]["endpoint"] == srv.endpoint
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with (
+        ServerProcess("--host", host, "--disable-observability", "--l1-size-gb", "0.05") as srv,
+        KVFlowClient(srv.endpoint, timeout_s=5) as client,
+    ):
+        assert client.status()["server"]["endpoint"] == srv.endpoint
     return srv.endpoint
 
 
@@ -54,10 +53,7 @@ def test_every_interface_is_refused_without_curve_or_insecure_listen(host: str) 
 def test_a_client_reaches_a_server_on_127_0_0_1_through_localhost() -> None:
     """A client names the server's machine rather than its address: wherever localhost
     also resolves to ::1 (first), the client must still reach the IPv4 listener."""
-    srv = ServerProcess("--disable-observability", "--l1-size-gb", "0.05")
-    try:
+    with ServerProcess("--disable-observability", "--l1-size-gb", "0.05") as srv:
         port = srv.endpoint.rpartition(":")[2]
         with KVFlowClient(f"tcp://localhost:{port}", timeout_s=5) as client:
             assert client.status()["server"]["endpoint"] == srv.endpoint
-    finally:
-        assert srv.stop() == 0, srv.log()

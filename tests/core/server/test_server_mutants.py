@@ -144,18 +144,15 @@ def test_subscribe_poll_and_unsubscribe_replies(server: ServerProcess) -> None:
 
 def test_kv_events_off_says_so_exactly() -> None:
     """With --kv-events-chunks 0 a subscription is refused with the exact reason."""
-    srv = ServerProcess(
+    with ServerProcess(
         "--disable-observability", "--l1-size-gb", "0.05", "--kv-events-chunks", "0"
-    )
-    try:
+    ) as srv:
         with (
             KVFlowClient(srv.endpoint, timeout_s=5) as client,
             pytest.raises(InvalidRequestError) as refused,
         ):
             client.subscribe_kv_events()
         assert str(refused.value) == "KV events are off on this server (--kv-events-chunks 0)"
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 # -- admin callers ---------------------------------------------------------------------------
@@ -316,15 +313,14 @@ def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
 def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_request() -> None:
     """A store for an id never registered names it (no reaping mentioned); a new server's
     first status counts one request served: that status."""
-    srv = ServerProcess("--disable-observability", "--l1-size-gb", "0.05")
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
-            assert client.status()["server"]["requests"] == 1
-            with pytest.raises(UnknownInstanceError) as unknown:
-                client.store("ghost", tokens(CHUNK, 13), list(range(16)), request_id="g")
-            assert str(unknown.value) == "instance 'ghost' is not registered"
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with (
+        ServerProcess("--disable-observability", "--l1-size-gb", "0.05") as srv,
+        KVFlowClient(srv.endpoint, timeout_s=5) as client,
+    ):
+        assert client.status()["server"]["requests"] == 1
+        with pytest.raises(UnknownInstanceError) as unknown:
+            client.store("ghost", tokens(CHUNK, 13), list(range(16)), request_id="g")
+        assert str(unknown.value) == "instance 'ghost' is not registered"
 
 
 def test_the_server_threads_are_named_for_their_work(tmp_path: Path) -> None:
@@ -349,51 +345,49 @@ def test_each_registration_goes_to_the_least_loaded_worker_ties_taken_in_turn() 
     """Eight workers (--max-instances 11): instances go one per worker in turn, then to the
     least loaded, equals taken in turn after the last one picked; a worker freed by an
     unregister is picked only as the least loaded."""
-    srv = ServerProcess("--disable-observability", "--l1-size-gb", "0.05", "--max-instances", "11")
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
+    with (
+        ServerProcess(
+            "--disable-observability", "--l1-size-gb", "0.05", "--max-instances", "11"
+        ) as srv,
+        KVFlowClient(srv.endpoint, timeout_s=5) as client,
+    ):
 
-            def worker_of(name: str) -> str:
-                client.register_kv_caches(name, shared_kv(20), model_name="spread")
-                worker: str = client.status()["server"]["instances"][name]["worker"]
-                return worker
+        def worker_of(name: str) -> str:
+            client.register_kv_caches(name, shared_kv(20), model_name="spread")
+            worker: str = client.status()["server"]["instances"][name]["worker"]
+            return worker
 
-            assert [worker_of(f"i{k}") for k in range(1, 9)] == [f"worker-{k}" for k in range(8)]
-            assert [worker_of("i9"), worker_of("i10")] == ["worker-0", "worker-1"]
-            client.unregister("i8")  # worker-7 holds nothing now
-            assert worker_of("i11") == "worker-7"
-            # worker-0 and worker-1 hold two each, the rest one: the turn starts at
-            # worker-0 again, and the first with one is worker-2
-            assert worker_of("i12") == "worker-2"
-    finally:
-        assert srv.stop() == 0, srv.log()
+        assert [worker_of(f"i{k}") for k in range(1, 9)] == [f"worker-{k}" for k in range(8)]
+        assert [worker_of("i9"), worker_of("i10")] == ["worker-0", "worker-1"]
+        client.unregister("i8")  # worker-7 holds nothing now
+        assert worker_of("i11") == "worker-7"
+        # worker-0 and worker-1 hold two each, the rest one: the turn starts at
+        # worker-0 again, and the first with one is worker-2
+        assert worker_of("i12") == "worker-2"
 
 
 def test_a_taken_id_and_a_full_server_refuse_a_registration_saying_what_to_do() -> None:
     """Another client's id is refused with how to get it (wait for the reap, or take it
     over), and a registration past --max-instances with how to make room."""
-    srv = ServerProcess(
-        "--disable-observability", "--l1-size-gb", "0.05", "--max-instances", "1",
-        "--heartbeat-timeout-s", "7",
-    )  # fmt: skip
-    try:
-        with (
-            KVFlowClient(srv.endpoint, timeout_s=5, client_id="holder") as holder,
-            KVFlowClient(srv.endpoint, timeout_s=5, client_id="late") as late,
-        ):
-            holder.register_kv_caches("taken", shared_kv(21), model_name="full")
-            with pytest.raises(AlreadyRegisteredError) as taken:
-                late.register_kv_caches("taken", shared_kv(21), model_name="full")
-            assert str(taken.value) == (
-                "instance 'taken' is already registered by another client; if that client is"
-                " gone, the server reaps the instance after --heartbeat-timeout-s (7 s) of its"
-                " silence, or register with takeover=True to take it over now"
-            )
-            with pytest.raises(CapacityError) as full:
-                late.register_kv_caches("second", shared_kv(22), model_name="full")
-            assert str(full.value) == (
-                "the server already serves 1 instances, its limit (--max-instances): unregister"
-                " one or raise the limit"
-            )
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with (
+        ServerProcess(
+            "--disable-observability", "--l1-size-gb", "0.05", "--max-instances", "1",
+            "--heartbeat-timeout-s", "7",
+        ) as srv,
+        KVFlowClient(srv.endpoint, timeout_s=5, client_id="holder") as holder,
+        KVFlowClient(srv.endpoint, timeout_s=5, client_id="late") as late,
+    ):  # fmt: skip
+        holder.register_kv_caches("taken", shared_kv(21), model_name="full")
+        with pytest.raises(AlreadyRegisteredError) as taken:
+            late.register_kv_caches("taken", shared_kv(21), model_name="full")
+        assert str(taken.value) == (
+            "instance 'taken' is already registered by another client; if that client is"
+            " gone, the server reaps the instance after --heartbeat-timeout-s (7 s) of its"
+            " silence, or register with takeover=True to take it over now"
+        )
+        with pytest.raises(CapacityError) as full:
+            late.register_kv_caches("second", shared_kv(22), model_name="full")
+        assert str(full.value) == (
+            "the server already serves 1 instances, its limit (--max-instances): unregister"
+            " one or raise the limit"
+        )
