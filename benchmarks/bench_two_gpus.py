@@ -40,10 +40,13 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from bench_ttft import kvflow_server  # this folder is on sys.path when run as a script
+
+if TYPE_CHECKING:
+    from kvflow.core.engine.cache_engine import CacheEngine
 
 CHUNK = 256
 BLOCK = 16
@@ -57,7 +60,12 @@ class Rank:
     the benchmark's in-process engine, which takes the same calls."""
 
     def __init__(
-        self, rank: int, world: int, device: torch.device, blocks: int, endpoint: str | Any
+        self,
+        rank: int,
+        world: int,
+        device: torch.device,
+        blocks: int,
+        endpoint: str | CacheEngine,
     ) -> None:
         from kvflow.core import KVFlowClient, empty_shared
 
@@ -183,7 +191,7 @@ def pinned_copy_gbps(
 
 
 @contextlib.contextmanager
-def _backend(args: argparse.Namespace, l1_gib: float, log: Path) -> Iterator[str | Any]:
+def _backend(args: argparse.Namespace, l1_gib: float, log: Path) -> Iterator[str | CacheEngine]:
     """What the ranks talk to: a `kvflow server` subprocess's endpoint, or with
     --in-process an engine in this process (the server's defaults otherwise, its event
     lines in `log`)."""
