@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -255,17 +255,23 @@ def test_a_refused_login_is_named_an_auth_error_through_a_real_server(
 # -- Link ------------------------------------------------------------------------------------
 
 
+def _link(
+    target: RedisTarget,
+    *,
+    timeout_s: float = 1.0,
+    backoff_s: tuple[float, float] = (0.05, 1.0),
+    rejoined: Callable[[], None] = lambda: None,
+) -> Link:
+    """A single-server link of one pooled connection to `target`."""
+    return Link(
+        target, cluster=False, timeout_s=timeout_s, pool_size=1, backoff_s=backoff_s,
+        stats=RedisStats(), rejoined=rejoined,
+    )  # fmt: skip
+
+
 def test_scrub_keeps_a_text_as_it_is_but_masks_secrets_and_joins_lines() -> None:
     """A text (not an exception) is scrubbed without a type name: secrets masked, one line."""
-    link = Link(
-        RedisTarget(host="127.0.0.1", port=1, password=SECRET),
-        cluster=False,
-        timeout_s=1.0,
-        pool_size=1,
-        backoff_s=(0.05, 1.0),
-        stats=RedisStats(),
-        rejoined=lambda: None,
-    )
+    link = _link(RedisTarget(host="127.0.0.1", port=1, password=SECRET))
     assert link.scrub(f"login {SECRET} failed\n  twice") == "login *** failed twice"
     assert link.scrub(ValueError(f"bad {SECRET}")) == "ValueError: bad ***"
 
@@ -516,18 +522,11 @@ def test_pin_gives_up_after_2_timeouts_plus_1_s_and_cancels_its_lookup(
         tier.close()
 
 
-def _link(port: int) -> Link:
-    return Link(
-        RedisTarget(host="127.0.0.1", port=port), cluster=False, timeout_s=1.0, pool_size=1,
-        backoff_s=(0.05, 1.0), stats=RedisStats(), rejoined=lambda: None,
-    )  # fmt: skip
-
-
 def test_a_link_is_up_only_once_its_start_up_ping_was_answered(shared: RedisServer) -> None:
     """Before `connect` a link is down; `connect` says whether Redis answered, and the link
     is up (its client handed out) only then."""
     for port, answered in ((shared.port, True), (free_port(), False)):
-        link = _link(port)
+        link = _link(RedisTarget(host="127.0.0.1", port=port))
         try:
             assert link.connected() is False
             assert link.connect() is answered
@@ -544,11 +543,12 @@ def test_a_link_that_comes_back_tells_its_owner_once(shared: RedisServer) -> Non
     Redis answers, calls its `rejoined` callback (the tier re-reads INFO there) once."""
     fake = FakePort(upstream=shared.port)  # holds every connection until `open` is set
     calls: list[float] = []
-    link = Link(
-        RedisTarget(host="127.0.0.1", port=fake.port), cluster=False, timeout_s=0.3,
-        pool_size=1, backoff_s=(0.05, 0.2), stats=RedisStats(),
+    link = _link(
+        RedisTarget(host="127.0.0.1", port=fake.port),
+        timeout_s=0.3,
+        backoff_s=(0.05, 0.2),
         rejoined=lambda: calls.append(time.monotonic()),
-    )  # fmt: skip
+    )
     try:
         assert link.connect() is False
         fake.open.set()
