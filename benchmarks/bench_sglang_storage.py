@@ -6,7 +6,7 @@ Runs in the SGLang venv (`make sglang-venv`), against SGLang's own MHA host pool
 
     .venv-sglang/bin/python benchmarks/bench_sglang_storage.py [--layout page_first]
         [--pages 128] [--reps 10] [--layers 8] [--heads 8] [--head-dim 128] [--page-size 16]
-        [--warm-l1] [--mover] [--json FILE]
+        [--warm-l1 | --l1-prefault] [--mover] [--json FILE]
 
 Each round stores a batch of pages (SGLang's STORAGE_BATCH_SIZE, 128, by default) from
 the pool under fresh keys, loads it back into other pages of the pool and times the
@@ -15,7 +15,10 @@ process (torch's threads: every core), and one core's memcpy (`copy1`, numpy); a
 them see the same load. By default L1 holds every batch, so each set writes pages L1
 never touched (the first-touch page faults of a server's first L1-full of stores);
 `--warm-l1` sizes L1 to a few batches and fills it in untimed rounds, so the timed sets
-reuse the memory of the batches they evict (a running server's steady state). A batch
+reuse the memory of the batches they evict (a running server's steady state);
+`--l1-prefault` starts the server with `--l1-prefault` and waits until it has faulted
+its L1 in, so the timed sets write fresh keys into memory that is already resident
+(a server whose L1 was made resident at start-up, before its first L1-full). A batch
 moves its bytes once, by the server (pool -> L1 on a set, L1 -> pool on a get), so the
 ratio is what the RPC, the lookup of keys and the copies cost on top of the bytes
 (docs/SGLANG.md, "Cost of the extra hop").
@@ -45,6 +48,7 @@ synthetic.allow_torchvision_without_its_operators()  # before SGLang imports tor
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvflow.core import KVFlowClient  # noqa: E402
 from kvflow.core.engine.movers import CpuMover  # noqa: E402
 from kvflow.integrations.sglang.layout import MHA_LAYOUTS, host_pool_views, page_ids  # noqa: E402
 from kvflow.integrations.sglang.synthetic import build_backend, fill, mha_pool, page_keys  # noqa: E402
@@ -105,6 +109,27 @@ def mover_steps(
     }
 
 
+def wait_resident(endpoint: str, timeout_s: float = 600.0) -> None:
+    """Wait until the server at `endpoint` has faulted all of its L1 in (--l1-prefault)."""
+    client = KVFlowClient(endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (state := client.status()["l1_pinning"]) is None or state["pinning"]:
+            if state is None:
+                raise SystemExit("the server does not grow L1 ahead (no --l1-prefault?)")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"L1 not resident after {timeout_s:.0f} s: {state}")
+            time.sleep(0.1)
+    finally:
+        client.close()
+    print(f"L1 resident: {state['pinned_bytes'] / 2**30:.2f} GiB in {state['seconds']} s")
+
+
+def l1_kind(args: argparse.Namespace) -> str:
+    """How the timed sets find L1's memory, in the table's words."""
+    return "warm" if args.warm_l1 else "prefaulted" if args.l1_prefault else "fresh"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,9 +147,15 @@ def main() -> None:
         help="an L1 of a few batches, filled before the timed sets: they reuse the memory of"
         " the batches they evict (a running server) instead of touching fresh pages",
     )  # fmt: skip
+    add(
+        "--l1-prefault", action="store_true",
+        help="start the server with --l1-prefault and wait until its L1 is resident",
+    )  # fmt: skip
     add("--mover", action="store_true", help="also time CpuMover in this process")
     add("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
+    if args.warm_l1 and args.l1_prefault:
+        raise SystemExit("--warm-l1 and --l1-prefault are two ways to warm L1: pick one")
     if min(args.pages, args.reps, args.layers, args.heads, args.head_dim, args.page_size) < 1:
         raise SystemExit(
             "--pages, --reps, --layers, --heads, --head-dim and --page-size must be >= 1"
@@ -145,12 +176,13 @@ def main() -> None:
     l1_gb = l1_batches * batch_bytes / 2**30
     src = torch.empty(batch_bytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
+    flags = ("--disable-observability", *(("--l1-prefault",) if args.l1_prefault else ()))
     with (
         tempfile.TemporaryDirectory() as tmp,
-        kvflow_server(
-            l1_gb, Path(tmp) / "server.log", "--disable-observability", chunk_size=page
-        ) as ep,
+        kvflow_server(l1_gb, Path(tmp) / "server.log", *flags, chunk_size=page) as ep,
     ):
+        if args.l1_prefault:
+            wait_resident(ep)
         b = build_backend(pool, ep, timeout_s=60)
         src_host, dst_host = pool.alloc(n * page), pool.alloc(n * page)
         batches = iter([page_keys(n, f"set{r}") for r in range(warm + args.reps)])
@@ -176,7 +208,7 @@ def main() -> None:
     result = {
         "machine": platform.node(), "cpus": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"), "layout": args.layout, "pages": n,
-        "warm_l1": args.warm_l1,
+        "warm_l1": args.warm_l1, "l1_prefault": args.l1_prefault,
         "page_bytes": page_bytes, "batch_mib": batch_bytes / 2**20,
         **{f"{k}_pages_per_s": n / s for k, s in med.items()},
         **{f"{k}_gb_per_s": batch_bytes / s / 1e9 for k, s in med.items()},
@@ -184,7 +216,7 @@ def main() -> None:
     }  # fmt: skip
     print(
         f"{args.layout}: {n} pages of {page_bytes / 2**10:.0f} KiB ({batch_bytes / 2**20:.0f} MiB)"
-        f" per batch, median of {args.reps}, {'warm' if args.warm_l1 else 'fresh'} L1"
+        f" per batch, median of {args.reps}, {l1_kind(args)} L1"
     )
     for k in med:
         over = "" if k.startswith("copy") else f"  {result[f'{k}_over_copy']:.2f} of the copy"

@@ -73,6 +73,7 @@ from kvflow.core.errors import (
     UnknownInstanceError,
 )
 from kvflow.core.tiers.base import HostTier, ObjectKey, PlacedTier, StorageTier, WritePlan
+from kvflow.core.tiers.hostmem import HostPool
 from kvflow.core.tiers.l1 import L1Cache
 from kvflow.core.tiers.quota import TenantQuotas, parse_quotas
 from kvflow.events import BlockAllocation, Event, EventBus, EventType
@@ -136,8 +137,9 @@ class CacheEngine:
         pin_threads = self.config.l1_pin_threads
         self.l1: HostTier = L1Cache(
             int(self.config.l1_size_gb * GIB),
+            pool=HostPool(prefault=self.config.l1_prefault),
             tenants=self.tenants,
-            pin_ahead=None if pin_threads else False,  # pin ahead wherever memory is pinned
+            pin_ahead=None if pin_threads else False,  # ahead wherever memory is pinned/faulted in
             pin_threads=max(1, pin_threads),
         )
         self._keys = KeyCache(self.chunk_size)

@@ -75,6 +75,14 @@ OPTIONS = (
         " to pin; 0 pins on demand inside stores (default 2)",
     ),
     _Option(
+        "--l1-prefault",
+        "l1_prefault",
+        _S,
+        bool,
+        "without CUDA, fault L1's memory in on the --l1-pin-threads threads from start-up,"
+        " so no store pays the first touch of fresh memory (L1 is then resident at once)",
+    ),
+    _Option(
         "--heartbeat-timeout-s",
         "heartbeat_timeout_s",
         _S,

@@ -26,12 +26,18 @@ STALL_S = 10.0
 Verdict = tuple[bool, dict[str, Any]]
 
 
+#: how a readiness reason names L1's growth ahead, by its mode (kvflow.core.tiers.pinahead)
+_L1_WORDS = {"pin": ("pinning", "pinned"), "prefault": ("faulting in", "faulted in")}
+
+
 def l1_reasons(pin_state: Mapping[str, Any] | None) -> list[str]:
-    """Why L1 is not ready: pinning ahead still runs (None: L1 grows on demand)."""
+    """Why L1 is not ready: pinning (or faulting in) ahead still runs (None: L1 grows on
+    demand)."""
     if pin_state is None or not pin_state.get("pinning"):
         return []
     pinned, target = pin_state.get("pinned_bytes", 0), pin_state.get("target_bytes", 0)
-    return [f"l1 pinning: {pinned / (1 << 30):.2f} of {target / (1 << 30):.2f} GiB pinned"]
+    doing, done = _L1_WORDS[pin_state.get("mode", "pin")]
+    return [f"l1 {doing}: {pinned / (1 << 30):.2f} of {target / (1 << 30):.2f} GiB {done}"]
 
 
 def tier_reasons(tier_stats: Mapping[str, Mapping[str, int]]) -> list[str]:

@@ -6,10 +6,13 @@ Segments are ordinary host allocations page-locked with `cudaHostRegister`, not
 torch's pinned-memory allocator: torch records a CUDA event for every asynchronous
 copy touching memory of that allocator and polls them all at its next allocation,
 which cost each store or retrieve up to 0.3 ms of host time (docs/perf-journal.md).
+Without CUDA a pool may instead fault its segments in when it makes them
+(`prefault`), so that no store pays the first touch of L1 memory (docs/SERVER.md).
 """
 
 from __future__ import annotations
 
+import mmap
 import weakref
 
 import torch
@@ -33,6 +36,14 @@ def _pin(segment: torch.Tensor) -> None:
         raise MemoryError(f"cudaHostRegister of {segment.numel()} bytes failed: {rc}")
 
 
+def _resident_segment(nbytes: int) -> torch.Tensor:
+    """`nbytes` of anonymous memory whose pages the kernel faults in before this returns
+    (MAP_POPULATE: one call instead of a fault per page at first touch; the mapping
+    lives as long as the tensor does)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=torch.uint8)
+
+
 def _unpin_all(pointers: list[int]) -> None:
     """Undo `_pin` for every registered segment start in `pointers`, and forget them."""
     while pointers:
@@ -42,22 +53,33 @@ def _unpin_all(pointers: list[int]) -> None:
 class HostPool:
     """Byte segments of host memory; views into them are L1 objects' storage."""
 
-    def __init__(self, *, pinned: bool | None = None) -> None:
+    def __init__(self, *, pinned: bool | None = None, prefault: bool = False) -> None:
+        """`pinned` (default: when CUDA is present) page-locks every segment; `prefault`
+        faults an unpinned pool's segments in as they are made (pinning already does)."""
         self.pinned = cuda_present() if pinned is None else pinned
+        self.prefault = prefault and not self.pinned
         self._segments: list[torch.Tensor] = []
         self._bases: list[int] = []  # each segment's address, for copies by address
         self._registered: list[int] = []
         # unpin when the pool goes without release(), while its segments are still alive
         weakref.finalize(self, _unpin_all, self._registered)
 
+    @property
+    def slow_to_make(self) -> bool:
+        """Whether making a segment costs real time (pinning or faulting it in), so L1
+        should make its segments ahead of demand, in the background."""
+        return self.pinned or self.prefault
+
     def add_segment(self, nbytes: int) -> int:
         """Allocate a new segment of `nbytes`; returns its index."""
         return self.adopt(self.make_segment(nbytes))
 
     def make_segment(self, nbytes: int) -> torch.Tensor:
-        """Allocate (and pin, for a pinned pool) `nbytes` of host memory, not yet part of
-        the pool: the slow half of `add_segment` (~0.27 s per GiB pinned), safe to run on
-        any thread, with no lock held."""
+        """Allocate (and pin or fault in, as the pool does) `nbytes` of host memory, not
+        yet part of the pool: the slow half of `add_segment` (~0.27 s per GiB pinned),
+        safe to run on any thread, with no lock held."""
+        if self.prefault:
+            return _resident_segment(nbytes)
         seg = torch.empty(nbytes, dtype=torch.uint8)
         if self.pinned:
             _pin(seg)

@@ -103,8 +103,9 @@ class L1Cache:
         pin_ahead: bool | None = None,
         pin_threads: int = DEFAULT_THREADS,
     ) -> None:
-        """`pin_ahead` (default: when the pool pins) grows L1 to its capacity in the
-        background from now on (`kvflow.core.tiers.pinahead`), so no store pins memory."""
+        """`pin_ahead` (default: when making the pool's segments is slow: pinned or
+        faulted in) grows L1 to its capacity in the background from now on
+        (`kvflow.core.tiers.pinahead`), so no store pins or first-touches memory."""
         if capacity_bytes < ALIGN:
             raise ValueError(f"L1 capacity must be at least {ALIGN} bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -127,13 +128,10 @@ class L1Cache:
         self._writing = 0
         self.evicted_chunks = 0
         self.evicted_bytes = 0
-        want_ahead = self.pool.pinned if pin_ahead is None else pin_ahead
+        want_ahead = self.pool.slow_to_make if pin_ahead is None else pin_ahead
         self._pinner: PinAhead | None = None
         if want_ahead:
-            self._pinner = PinAhead(
-                capacity_bytes, segment_bytes, claim=self._claim_segment,
-                make=self.pool.make_segment, settle=self._settle_segment, threads=pin_threads,
-            )  # fmt: skip
+            self._pinner = self._grow_ahead(capacity_bytes, pin_threads)
 
     # -- allocation ---------------------------------------------------------------
 
@@ -503,12 +501,17 @@ class L1Cache:
             room = self.capacity_bytes - self._reserved - self._growing
         pinner = self._pinner
         if grew and pinner is not None and pinner.done and room >= ALIGN:  # pin the growth ahead
-            self._pinner = PinAhead(
-                room, self.segment_bytes, claim=self._claim_segment,
-                make=self.pool.make_segment, settle=self._settle_segment,
-                threads=DEFAULT_THREADS,
-            )  # fmt: skip
+            self._pinner = self._grow_ahead(room, DEFAULT_THREADS)
         return outcome
+
+    def _grow_ahead(self, nbytes: int, threads: int) -> PinAhead:
+        """Start making `nbytes` more of segments in the background (pinned, or faulted
+        in for a prefaulting pool)."""
+        return PinAhead(
+            nbytes, self.segment_bytes, claim=self._claim_segment,
+            make=self.pool.make_segment, settle=self._settle_segment, threads=threads,
+            mode="prefault" if self.pool.prefault else "pin",
+        )  # fmt: skip
 
     def set_quota(self, tenant: Tenant, nbytes: int | None) -> dict[str, int]:
         """Give a tenant a byte limit (None: none) and evict its own LRU objects now

@@ -85,8 +85,8 @@ def _any() -> object:
 class _HeldBackPool(HostPool):
     """Host memory whose pinning-ahead step waits until the test lets it go."""
 
-    def __init__(self, release: threading.Event) -> None:
-        super().__init__(pinned=False)
+    def __init__(self, release: threading.Event, *, prefault: bool) -> None:
+        super().__init__(pinned=False, prefault=prefault)
         self._release = release
 
     def make_segment(self, nbytes: int) -> torch.Tensor:
@@ -94,8 +94,10 @@ class _HeldBackPool(HostPool):
         return super().make_segment(nbytes)
 
 
-@pytest.fixture
-def held_back_server() -> Iterator[tuple[KVFlowServer, threading.Event]]:
+@pytest.fixture(params=["pin", "prefault"])
+def held_back_server(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[KVFlowServer, threading.Event]]:
     release = threading.Event()
     config = ServerConfig(
         port=0, l1_size_gb=0.01, probe_port=free_port(),
@@ -104,7 +106,7 @@ def held_back_server() -> Iterator[tuple[KVFlowServer, threading.Event]]:
     engine = CacheEngine(config)
     engine.l1.close()
     engine.l1 = L1Cache(
-        int(0.01 * (1 << 30)), pool=_HeldBackPool(release), pin_ahead=True,
+        int(0.01 * (1 << 30)), pool=_HeldBackPool(release, prefault=request.param == "prefault"), pin_ahead=True,
         tenants=engine.tenants,
     )  # fmt: skip
     server = KVFlowServer(config, engine=engine)
@@ -120,14 +122,20 @@ def test_not_ready_until_l1_is_pinned(
     held_back_server: tuple[KVFlowServer, threading.Event],
 ) -> None:
     """While L1's memory is still being pinned ahead the server is live but not ready
-    (the reason says how far pinning got); once pinned, ready, and a later live grow
+    (the reason says how far pinning, or faulting in without CUDA, got); once done, ready, and a later live grow
     that pins more does not take readiness away."""
     server, release = held_back_server
     port = server.probe_port
     assert port is not None
     wait_for(lambda: _probe(port, "/healthz") is not None, what="the probe endpoint")
     code, body = _probe(port, "/readyz") or (0, {})
-    assert code == 503 and body["reasons"] == ["l1 pinning: 0.00 of 0.01 GiB pinned"]
+    state = server.engine.l1.pin_state()
+    assert state is not None
+    reason = {
+        "pin": "l1 pinning: 0.00 of 0.01 GiB pinned",
+        "prefault": "l1 faulting in: 0.00 of 0.01 GiB faulted in",
+    }[state["mode"]]
+    assert code == 503 and body["reasons"] == [reason]
     release.set()
     wait_for(lambda: _probe(port, "/readyz") == (200, {"status": "ready"}), what="L1 pinned")
     with KVFlowClient(server.endpoint, timeout_s=20) as client:

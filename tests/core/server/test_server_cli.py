@@ -23,6 +23,7 @@ from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import KVFlowError
 from kvflow.core.server.cli import OPTIONS, UsageError, _configure_logging, main, resolve
 from kvflow.core.tiers.quota import salt_label
+from tests.support.ops import ServerProcess, wait_for
 
 
 def _toml(tmp_path: Path, text: str) -> str:
@@ -95,6 +96,29 @@ def test_flags_beat_the_file_and_the_file_beats_the_environment(tmp_path: Path) 
     assert resolve(["--config", path], env).port == 7000
     assert resolve([], env).port == 6000
     assert resolve([], {"KVFLOW_CONFIG": path}).port == 7000
+
+
+def test_l1_prefault_from_flag_file_and_environment(tmp_path: Path) -> None:
+    """--l1-prefault is off by default and turned on by the flag, the file or KVFLOW_L1_PREFAULT."""
+    assert ServerConfig().l1_prefault is False
+    assert resolve(["--l1-prefault"], {}).l1_prefault is True
+    assert resolve(["--config", _toml(tmp_path, "l1-prefault = true\n")], {}).l1_prefault is True
+    assert resolve([], {"KVFLOW_L1_PREFAULT": "yes"}).l1_prefault is True
+    with pytest.raises(ValueError, match=r"^--l1-prefault must be true or false, got 1$"):
+        ServerConfig(l1_prefault=1)  # type: ignore[arg-type]
+
+
+def test_a_prefaulting_server_faults_l1_in_at_start_and_reports_it() -> None:
+    """A real server without CUDA started with --l1-prefault makes all of L1 resident in
+    the background, reports it in status (mode "prefault") and logs when it is done."""
+    with ServerProcess("--l1-size-gb", "0.25", "--l1-prefault") as srv:
+        client = KVFlowClient(srv.endpoint)
+        wait_for(lambda: not client.status()["l1_pinning"]["pinning"], what="L1 faulted in")
+        state = client.status()["l1_pinning"]
+        assert (state["mode"], state["failed"]) == ("prefault", None)
+        assert state["pinned_bytes"] == state["target_bytes"] == 1 << 28
+        client.close()
+    assert "L1 faulted in: 0.2 GiB in " in srv.log()
 
 
 def test_environment_switches_read_yes_and_no() -> None:

@@ -8,7 +8,9 @@ itself is the real one. tests/core/tiers/test_hostmem_gpu.py checks the same on 
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 from collections.abc import Iterator
 
 import pytest
@@ -150,4 +152,48 @@ def test_a_segment_index_names_that_segment_for_the_pool_s_life() -> None:
     pool.view(first, 0, 64).fill_(1)
     pool.view(second, 0, 128).fill_(2)
     assert int(first_view.sum()) == 64
+    pool.release()
+
+
+def _resident_pages(view: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) pages of the whole pages inside `view`'s bytes, as the kernel's
+    mincore(2) reports them: what a first touch would not have to fault in."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = -(-view.data_ptr() // page) * page
+    pages = (view.data_ptr() + view.numel() - start) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, pages * page, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec), pages
+
+
+def test_a_prefaulting_pool_makes_segments_resident_and_a_plain_one_does_not(
+    cudart: FakeCudaRuntime,
+) -> None:
+    """Without CUDA a prefaulting pool's segment is in memory before anything touches it
+    (so a store copying into it pays no page faults); a plain pool's is not."""
+    nbytes = 32 << 20
+    plain = HostPool(pinned=False)
+    cold = plain.view(plain.add_segment(nbytes), 0, nbytes)
+    resident, pages = _resident_pages(cold)
+    assert resident < pages // 10
+    prefaulting = HostPool(pinned=False, prefault=True)
+    assert prefaulting.prefault and prefaulting.slow_to_make and not plain.slow_to_make
+    warm = prefaulting.view(prefaulting.add_segment(nbytes), 0, nbytes)
+    resident, pages = _resident_pages(warm)
+    assert resident == pages > 0
+    warm.fill_(5)  # the memory is ordinary, writable host memory
+    assert int(warm[-1]) == 5
+    assert cudart.register_calls == []
+    prefaulting.release()
+    plain.release()
+
+
+def test_a_pinned_pool_ignores_prefault(cudart: FakeCudaRuntime) -> None:
+    """Pinning faults memory in already: a pinned pool pins, and says it does not prefault."""
+    pool = HostPool(pinned=True, prefault=True)
+    assert (pool.pinned, pool.prefault, pool.slow_to_make) == (True, False, True)
+    pool.add_segment(4096)
+    assert len(cudart.registered) == 1
     pool.release()

@@ -10,6 +10,7 @@ import torch
 
 from kvflow.core.tiers.hostmem import HostPool
 from kvflow.core.tiers.l1 import L1Cache
+from kvflow.core.tiers.pinahead import PinAhead
 
 SEG = 4096  # bytes per segment: four objects of 1 KiB
 OBJ = 1024
@@ -140,3 +141,45 @@ def test_an_unpinned_pool_grows_on_demand_by_default() -> None:
     assert l1.pin_state() is None
     assert l1.store([_item(0)]).result().stored == 1
     l1.close()
+
+
+def test_a_prefaulting_pool_grows_ahead_by_default_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without CUDA, a pool that faults its memory in is grown to capacity in the
+    background like a pinned one; its state and log lines say "prefault", not pinning."""
+    caplog.set_level("INFO", logger="kvflow.core.tiers.pinahead")
+    l1 = L1Cache(3 * SEG, pool=HostPool(pinned=False, prefault=True), segment_bytes=SEG)
+    _wait_pinned(l1, 3 * SEG)
+    for _ in range(3000):
+        state = l1.pin_state()
+        assert state is not None
+        if not state["pinning"]:
+            break
+        threading.Event().wait(0.01)
+    assert (state["mode"], state["failed"], state["pinning"]) == ("prefault", None, False)
+    assert l1.stats()["reserved_bytes"] == 3 * SEG
+    for _ in range(3000):  # the last line is logged just after the state says done
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvflow.core.tiers.pinahead"]
+        if len(lines) > 1:
+            break
+        threading.Event().wait(0.01)
+    assert len(lines) == 2
+    assert lines[0] == "faulting in L1 ahead of demand: 0.0 GiB in 0-MiB segments on 3 threads"
+    assert lines[-1].startswith("L1 faulted in: 0.0 GiB in ")
+    assert l1.store([_item(0)]).result().stored == 1
+    l1.close()
+
+
+def test_a_pinned_pool_s_growth_reports_mode_pin() -> None:
+    l1, pool = _gated_l1(segments=1)
+    state = l1.pin_state()
+    assert state is not None and state["mode"] == "pin"
+    pool.permits.release()
+    _wait_pinned(l1, SEG)
+    l1.close()
+
+
+def test_growth_ahead_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match=r"^mode must be one of \['pin', 'prefault'\], got 'x'$"):
+        PinAhead(SEG, SEG, claim=lambda: 0, make=torch.empty, settle=lambda *_: True, mode="x")
