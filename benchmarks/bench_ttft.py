@@ -319,6 +319,7 @@ def measure(
     repeat: int,
     device: torch.device,
     layerwise: bool = False,
+    in_order: bool = False,
 ) -> Row:
     """One row: (a)-(d) for a prompt of `length` tokens, checks included (AssertionError)."""
     gen = torch.Generator().manual_seed(length)
@@ -326,7 +327,13 @@ def measure(
     ids = tokens.to(device)
     prefix = (length - 1) // CHUNK * CHUNK
     n_blocks = prefix // BLOCK
-    order = torch.randperm(cache.num_blocks, generator=gen)
+    # shuffled: blocks anywhere in the cache (a long-running engine); in order: a fresh
+    # engine's allocation, which a layerwise retrieve copies straight into (no kernel)
+    order = (
+        torch.arange(cache.num_blocks)
+        if in_order
+        else torch.randperm(cache.num_blocks, generator=gen)
+    )
     stored_at, retrieved_at = order[:n_blocks], order[n_blocks : 2 * n_blocks]
     # the block table on the device, as an engine keeps it: uploading it inside the timed
     # prefill (a pageable copy, ordered on the stream) would hold the host until the
@@ -473,7 +480,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 _last_logits(model, torch.zeros(CHUNK, dtype=torch.long, device=device))  # warm
                 for length in lengths:
                     rows.append(measure(client, name, model, cache, shape, length, args.repeat,
-                                        device, args.layerwise))  # fmt: skip
+                                        device, args.layerwise, args.blocks == "in-order"))  # fmt: skip
                     print(_format([rows[-1]], header=len(rows) == 1), flush=True)
             finally:
                 client.unregister(f"ttft-{name}")
@@ -553,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layerwise", action="store_true", help="add (e): a layerwise retrieve + the suffix"
     )
+    parser.add_argument(
+        "--blocks", choices=("shuffled", "in-order"), default="shuffled",
+        help="where the prompt's blocks are in the cache: shuffled (default; a busy engine)"
+        " or in order (a fresh engine's allocation)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, metavar="ROWS.json", help="only draw these rows")
     parser.add_argument("--png", type=Path, help="with --plot (or a run): the PNG to write")

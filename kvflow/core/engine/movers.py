@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from kvflow.core.engine.direct import DirectLayers
 from kvflow.core.tiers.base import HostChunks
 from kvflow.cuda import (
     MAX_PITCH,
@@ -219,6 +220,7 @@ class CudaMover:
         self._landed = [[DriverEvent(ks) for _ in range(self.group)] for _ in range(self.stages)]
         self._drained = [DriverEvent(ks) for _ in range(self.stages)]
         self._caller_ready = DriverEvent(ks)
+        self._direct_done = DriverEvent(ks)  # a layerwise retrieve's copies into blocks
         self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
         # retrieve groups whose scatter is held back: (group, call, stage, start, stop)
         self._held: deque[tuple[int, _RetrieveCall, int, int, int]] = deque()
@@ -344,7 +346,10 @@ class CudaMover:
     ) -> None:
         """Enqueue a retrieve layer by layer: per layer, its runs of every chunk are
         copied into a stage and scattered by one launch (or one per stage-full of
-        chunks), then `ready(layer, kernel_stream)` marks the layer's end on the stream.
+        chunks), then `ready(layer, kernel_stream)` marks the layer's end on the stream;
+        a layer whose blocks take its bytes in order goes straight into them by a few
+        2-D copies instead (`kvflow.core.engine.direct`), marked with `ready(layer,
+        copy_stream)`: no kernel, so no wait for a time slice of the engine's GPU.
         `table` holds checked block ids (row c: chunk c's blocks)."""
         with CurrentContext(self._context):
             self._retrieve_layers(srcs, table, skip_blocks, chunk_tokens, ready)
@@ -360,7 +365,19 @@ class CudaMover:
         cs, ks = self.copy_stream, self.kernel_stream
         addresses = [srcs.address(c, self.chunk_nbytes) for c in range(len(srcs))]
         self._after_caller(cs)
+        direct = DirectLayers(self.layout, table, skip_blocks, addresses, chunk_tokens)
+        any_direct = False
         for layer in range(self.layout.num_layers):
+            copies = direct.copies(layer)
+            if copies is not None:  # the copy engine alone: no kernel to wait for a slice
+                for c in copies:
+                    copy_2d_async(
+                        c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
+                        self._copy_handle,
+                    )  # fmt: skip
+                ready(layer, cs)
+                any_direct = True
+                continue
             moves = PreparedTransfer.trusted(
                 self.layout.layer_layout(layer), table, skip_blocks, gather=False,
                 backend="cuda", stream=ks, id_buffer=self._ids,
@@ -374,6 +391,9 @@ class CudaMover:
                 moves.launch_trusted(rows, start, stop - start)
                 self._drained[s].record(ks.handle)
             ready(layer, ks)
+        if any_direct:  # the op ends on the kernel stream: after the direct copies too
+            self._direct_done.record(cs.handle)
+            self._direct_done.wait_on(ks.handle)
 
     def _layer_pieces(
         self, layer: int, count: int, chunk_tokens: int, reuse: TransferStream

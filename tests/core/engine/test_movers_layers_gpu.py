@@ -58,12 +58,19 @@ class ScatteredChunks:
         return int(self.buffer.data_ptr()) + SLOTS[index] * self.slot
 
 
+@pytest.mark.parametrize("order", ["shuffled", "in-order"])
 @pytest.mark.parametrize("specs", SPECS.values(), ids=SPECS.keys())
 def test_layerwise_store_and_retrieve_through_scattered_objects(
-    specs: Any, cuda_device: torch.device
+    specs: Any, order: str, cuda_device: torch.device
 ) -> None:
+    """Shuffled blocks go through the staging ring and the block kernel; blocks in
+    order go straight from L1 into the cache by 2-D copies (kvflow.core.engine.direct)."""
     chunks = len(SLOTS)
-    ids = np.random.default_rng(3).permutation(NUM_BLOCKS)[: chunks * PER_CHUNK]
+    ids = (
+        np.random.default_rng(3).permutation(NUM_BLOCKS)[: chunks * PER_CHUNK]
+        if order == "shuffled"
+        else np.arange(3, 3 + chunks * PER_CHUNK)
+    )
     table = ids.reshape(chunks, PER_CHUNK).astype(np.int64)
     chunk_tokens = PER_CHUNK * BLOCK
 

@@ -13,10 +13,15 @@ PREFIX_BLOCKS = 512
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-def test_each_layer_is_read_only_after_its_copy() -> None:
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
+def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
     """Reads queued after `wait_layer(i)` see layer i whole (0.5 GiB in flight, so the last
     layers land tens of ms after the reply); the same reads queued without the waits,
-    right after the call returns, catch copies still in flight: the waits do the ordering."""
+    right after the call returns, catch copies still in flight: the waits do the ordering.
+    Destination blocks in order take the direct copies (each layer marked on the copy
+    stream), shuffled ones the staging ring and the block kernel (the kernel stream)."""
+    import random
+
     import torch
 
     from kvflow.core import KVFlowClient
@@ -31,6 +36,8 @@ def test_each_layer_is_read_only_after_its_copy() -> None:
         ]
         src = list(range(PREFIX_BLOCKS))
         dst = list(range(PREFIX_BLOCKS, 2 * PREFIX_BLOCKS))
+        if order == "shuffled":
+            dst = random.Random(0).sample(range(PREFIX_BLOCKS, NB), PREFIX_BLOCKS)
         tokens = list(range(PREFIX_BLOCKS * BS))
         with KVFlowClient(srv.endpoint, timeout_s=120) as client:
             client.register_kv_caches("lw", caches, model_name="m", layerwise=True)

@@ -1,0 +1,139 @@
+"""Copies straight into KV blocks (`DirectLayers`): run on CPU memory row by row, as the
+copy engine runs a 2-D copy, they put every byte where the reference scatter does, and
+they are few where the blocks are in order; layouts whose blocks do not hold a layer's
+bytes in order, and tables too fragmented, are left to the staged path (None)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core.engine.direct import Copy2D, DirectLayers
+from kvflow.kernels import KVLayout
+from kvflow.kernels.formats import KVFormat
+from kvflow.kernels.reference import transfer_reference
+from kvflow.kernels.synthetic import make_kv_caches
+from tests.support.kernel_reference import same_bytes
+
+BLOCK, PER_CHUNK, CHUNKS, NUM_BLOCKS = 4, 3, 5, 40
+SKIPS = [0, 1, 0, 2, 3]  # the fourth chunk keeps its first two blocks, the last all three
+GAP = 64  # bytes between L1 objects in the host buffer
+
+
+def _run(copies: list[Copy2D]) -> None:
+    """Do each 2-D copy the way the copy engine does: row by row, at the pitches."""
+    for c in copies:
+        for row in range(c.height):
+            ctypes.memmove(c.dst + row * c.dst_pitch, c.src + row * c.src_pitch, c.width)
+
+
+def _setup(fmt: KVFormat, noncontiguous: bool, table: np.ndarray) -> dict[str, Any]:
+    """Source objects gathered from one cache, a target cache, and what the reference
+    scatter makes of the target."""
+    chunk_tokens = PER_CHUNK * BLOCK
+
+    def caches(seed: int) -> tuple[Any, dict[str, Any]]:
+        return make_kv_caches(
+            fmt, num_layers=3, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_heads=2,
+            head_size=8, noncontiguous=noncontiguous, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+    src, kw = caches(1)
+    layout = KVLayout.from_kv_caches(src, **kw)
+    nbytes = layout.chunk_nbytes(chunk_tokens)
+    objects = torch.empty((CHUNKS, nbytes + GAP), dtype=torch.uint8)
+    chunks = objects[:, :nbytes]
+    transfer_reference(
+        layout, chunks, torch.from_numpy(table), torch.zeros(CHUNKS, dtype=torch.int64),
+        gather=True,
+    )  # fmt: skip
+    target, _ = caches(2)
+    expected, _ = caches(2)
+    transfer_reference(
+        KVLayout.from_kv_caches(expected, **kw), chunks, torch.from_numpy(table),
+        torch.tensor(SKIPS), gather=False,
+    )  # fmt: skip
+    hosts = [int(objects[c].data_ptr()) for c in range(CHUNKS)]
+    return {
+        "layout": KVLayout.from_kv_caches(target, **kw), "target": target,
+        "expected": expected, "hosts": hosts, "chunk_tokens": chunk_tokens,
+        "objects": objects,  # the memory at `hosts`: alive as long as the test needs it
+    }  # fmt: skip
+
+
+def _in_order() -> np.ndarray:
+    """Blocks allocated one after another (a fresh request), starting at block 7."""
+    return np.arange(7, 7 + CHUNKS * PER_CHUNK, dtype=np.int64).reshape(CHUNKS, PER_CHUNK)
+
+
+def _shuffled() -> np.ndarray:
+    ids = np.random.default_rng(5).permutation(NUM_BLOCKS)[: CHUNKS * PER_CHUNK]
+    return ids.reshape(CHUNKS, PER_CHUNK).astype(np.int64)
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=[f.value for f in KVFormat])
+@pytest.mark.parametrize("table", [_in_order, _shuffled], ids=["in-order", "shuffled"])
+def test_direct_copies_land_every_byte_where_the_scatter_does(fmt: KVFormat, table: Any) -> None:
+    s = _setup(fmt, False, table())
+    direct = DirectLayers(
+        s["layout"], table(), SKIPS, s["hosts"], s["chunk_tokens"], max_copies=10_000
+    )
+    for layer in range(s["layout"].num_layers):
+        copies = direct.copies(layer)
+        assert copies is not None, f"layer {layer} of {fmt.value} was not planned"
+        _run(copies)
+    assert same_bytes(s["target"], s["expected"])
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=[f.value for f in KVFormat])
+def test_blocks_in_order_take_one_copy_per_chunk_part_and_layer(fmt: KVFormat) -> None:
+    """In-order blocks with skips: one copy per part (K, V) per chunk that keeps blocks
+    (its blocks as one row where they are contiguous, as rows where blocks are spaced out,
+    K and V interleaved), exactly the kept blocks' bytes."""
+    s = _setup(fmt, False, _in_order())
+    direct = DirectLayers(s["layout"], _in_order(), SKIPS, s["hosts"], s["chunk_tokens"])
+    kv_size = 1 if fmt.is_mla else 2
+    kept = sum(PER_CHUNK - skip for skip in SKIPS)  # 3 + 2 + 3 + 1 + 0 blocks
+    group = s["layout"].groups[0]
+    for layer in range(s["layout"].num_layers):
+        copies = direct.copies(layer)
+        assert copies is not None
+        assert len(copies) == 4 * kv_size  # four chunks keep blocks
+        moved = sum(c.height * c.width for c in copies)
+        assert moved == kv_size * kept * BLOCK * group.row_bytes
+
+
+def test_no_skips_and_in_order_blocks_make_one_copy_per_part() -> None:
+    s = _setup(KVFormat.VLLM_FLASH_ATTN, False, _in_order())
+    direct = DirectLayers(s["layout"], _in_order(), [0] * CHUNKS, s["hosts"], s["chunk_tokens"])
+    copies = direct.copies(0)
+    assert copies is not None and len(copies) == 2
+    block_bytes = BLOCK * 2 * 8 * 2  # tokens x heads x head size x bf16
+    for copy in copies:
+        assert (copy.height, copy.width) == (CHUNKS, PER_CHUNK * block_bytes)
+        assert copy.src_pitch == s["hosts"][1] - s["hosts"][0]
+        assert copy.dst_pitch == PER_CHUNK * block_bytes
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=[f.value for f in KVFormat])
+def test_layouts_whose_blocks_are_out_of_order_are_left_to_the_scatter(fmt: KVFormat) -> None:
+    """Head-major (HND) views and padded MLA rows do not hold a layer's bytes in block
+    order: no layer is planned."""
+    s = _setup(fmt, True, _in_order())
+    direct = DirectLayers(s["layout"], _in_order(), SKIPS, s["hosts"], s["chunk_tokens"])
+    planned = [direct.copies(layer) for layer in range(s["layout"].num_layers)]
+    assert planned == [None] * s["layout"].num_layers
+
+
+def test_a_fragmented_table_past_the_copy_limit_is_left_to_the_scatter() -> None:
+    s = _setup(KVFormat.VLLM_FLASH_ATTN, False, _shuffled())
+    direct = DirectLayers(s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"])
+    assert direct.copies(0) is not None  # 10 blocks kept, 20 copies: within the limit
+    tight = DirectLayers(
+        s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"], max_copies=8
+    )
+    assert tight.copies(0) is None
