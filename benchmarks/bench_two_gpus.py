@@ -19,11 +19,17 @@ one GPU's host link (all/one near 1.0 is expected). `--in-process` drives one
 `CacheEngine` in the benchmark's process instead of a server (same calls, no RPC, no
 server loop): its scaling against the server's, in the same kind of run, says how much
 of a shortfall is the server's and how much the engine's and the copies'.
+`--server-per-rank` starts one server per rank (each with its share of L1) and gives
+rank r its own: a tensor-parallel rank only ever reads its own shard of the KV, so
+separate servers lose no hits between the ranks of one engine (SPEC section 3's
+all-ranks lookup then has no single server to ask, and is not checked); against one
+server it says what a process per GPU would buy.
 
     python benchmarks/bench_two_gpus.py                 # needs two GPUs
     python benchmarks/bench_two_gpus.py --ranks 4       # needs four
     python benchmarks/bench_two_gpus.py --same-gpu      # one GPU: the flow, not the scaling
     python benchmarks/bench_two_gpus.py --in-process    # the engine without a server
+    python benchmarks/bench_two_gpus.py --server-per-rank  # a server process per GPU
     python benchmarks/bench_two_gpus.py --device cpu --tokens 4096 --repeat 1
 """
 
@@ -191,13 +197,24 @@ def pinned_copy_gbps(
 
 
 @contextlib.contextmanager
-def _backend(args: argparse.Namespace, l1_gib: float, log: Path) -> Iterator[str | CacheEngine]:
-    """What the ranks talk to: a `kvflow server` subprocess's endpoint, or with
-    --in-process an engine in this process (the server's defaults otherwise, its event
-    lines in `log`)."""
+def _backends(
+    args: argparse.Namespace, l1_gib: float, log: Path
+) -> Iterator[list[str | CacheEngine]]:
+    """What each rank talks to: one `kvflow server` subprocess's endpoint, with
+    --server-per-rank one server each (L1 split between them), or with --in-process an
+    engine in this process (the server's defaults otherwise, its event lines in `log`)."""
+    if args.server_per_rank:
+        with contextlib.ExitStack() as stack:
+            yield [
+                stack.enter_context(
+                    kvflow_server(l1_gib / args.ranks, log.with_suffix(f".{r}"), *args.server_flag)
+                )
+                for r in range(args.ranks)
+            ]
+        return
     if not args.in_process:
         with kvflow_server(l1_gib, log, *args.server_flag) as endpoint:
-            yield endpoint
+            yield [endpoint] * args.ranks
         return
     from kvflow.core.config import ObservabilityConfig, ServerConfig
     from kvflow.core.engine.cache_engine import CacheEngine
@@ -210,7 +227,7 @@ def _backend(args: argparse.Namespace, l1_gib: float, log: Path) -> Iterator[str
         with contextlib.redirect_stderr(out):
             engine = CacheEngine(config)
         try:
-            yield engine
+            yield [engine] * args.ranks
         finally:
             engine.close()
 
@@ -234,9 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     }
     with (
         tempfile.TemporaryDirectory() as tmp,
-        _backend(args, max(1.0, l1_gib), Path(tmp) / "server.log") as endpoint,
+        _backends(args, max(1.0, l1_gib), Path(tmp) / "server.log") as endpoints,
     ):
-        ranks = [Rank(r, world, devices[r], blocks, endpoint) for r in range(world)]
+        ranks = [Rank(r, world, devices[r], blocks, endpoints[r]) for r in range(world)]
         try:
             order = torch.randperm(blocks, generator=gen)
             src, dst = order[:n_blocks], order[n_blocks : 2 * n_blocks]
@@ -244,14 +261,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             def tokens() -> torch.Tensor:
                 return torch.randint(0, 1 << 20, (args.tokens,), generator=gen)
 
-            # SPEC 3: a prefix is a hit only once every rank stored it
+            # SPEC 3: a prefix is a hit only once every rank stored it (in one server)
             check = tokens()
             for r in ranks:
-                hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
-                assert hit == 0, f"lookup before rank {r.rank} stored: {hit}"
+                if not args.server_per_rank:
+                    hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
+                    assert hit == 0, f"lookup before rank {r.rank} stored: {hit}"
                 r.store(check, src, f"check-{r.rank}")
-            hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
-            assert hit == args.tokens, f"lookup after every rank stored: {hit}"
+            if not args.server_per_rank:
+                hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
+                assert hit == args.tokens, f"lookup after every rank stored: {hit}"
             _round(ranks, "retrieve", check, dst, "check-r")
             for r in ranks:
                 assert r.same_blocks(src, dst), f"rank {r.rank}: retrieved blocks differ"
@@ -302,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="every rank on cuda:0 (checks the flow on a one-GPU machine)")  # fmt: skip
     parser.add_argument("--in-process", action="store_true",
                         help="drive a CacheEngine in this process instead of a server")  # fmt: skip
+    parser.add_argument("--server-per-rank", action="store_true",
+                        help="one server per rank, each with its share of L1")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--server-flag", action="append", default=[],
                         help="a further `kvflow server` flag (repeatable), e.g."
@@ -313,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be 2, 4 or 8 (the 8 KV heads split evenly)")
     if args.same_gpu and args.device != "cuda":
         parser.error("--same-gpu needs --device cuda")
+    if args.in_process and args.server_per_rank:
+        parser.error("--server-per-rank and --in-process exclude each other")
     if args.in_process and args.server_flag:
         parser.error("--server-flag needs a server (not --in-process)")
     need = 1 if args.same_gpu else args.ranks
@@ -334,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
     gib = out["bytes_per_rank"] / (1 << 30)
     where = "every rank on cuda:0 (one shared link)" if args.same_gpu else args.device
-    where += ", one engine in this process" if args.in_process else ", through one server"
+    where += (
+        ", one engine in this process" if args.in_process
+        else ", a server per rank" if args.server_per_rank
+        else ", through one server"
+    )  # fmt: skip
     print(f"{args.tokens} tokens = {gib:.3f} GiB per rank per op, {args.ranks} ranks, {where}")
     ceilings = "all_store_ceiling_gbps" in out
     head = f"{'phase':<7} {'op':<9} {'GB/s':>8}"

@@ -19,14 +19,18 @@ SCRIPT = ROOT / "benchmarks" / "bench_two_gpus.py"
 
 @pytest.mark.parametrize(
     ("flags", "through"),
-    [([], "through one server"), (["--in-process"], "one engine in this process")],
+    [
+        ([], "through one server"),
+        (["--in-process"], "one engine in this process"),
+        (["--server-per-rank"], "a server per rank"),
+    ],
 )
 def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
     tmp_path: Path, flags: list[str], through: str
 ) -> None:
-    """Each rank alone and both at once, both ops, with all/rank0 ratios, through a server
-    or (--in-process) one engine in the benchmark's process, whose event lines stay out of
-    the table."""
+    """Each rank alone and both at once, both ops, with all/rank0 ratios, through a server,
+    a server per rank, or (--in-process) one engine in the benchmark's process, whose
+    event lines stay out of the table."""
     out = tmp_path / "figures.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--tokens", "512", "--repeat", "1",
@@ -62,6 +66,14 @@ def test_in_process_takes_no_server_flags() -> None:
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and "--server-flag needs a server" in done.stderr
+
+
+def test_a_server_per_rank_and_in_process_exclude_each_other() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--in-process", "--server-per-rank"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "exclude each other" in done.stderr
 
 
 def test_too_few_gpus_is_a_clear_failure() -> None:
