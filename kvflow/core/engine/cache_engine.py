@@ -351,8 +351,10 @@ class CacheEngine:
         request_id: str | None = None,
         prefetch: bool = True,
         chunk_keys: Sequence[bytes] | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> int:
-        """Tokens of the longest prefix of full chunks every rank has in some tier.
+        """Tokens of the longest prefix of full chunks every rank has in some tier; with
+        `ranks`, every one of those ranks only (a server that holds one rank of an engine).
 
         With `chunk_keys` (and no token_ids) the chunks are named by those keys
         (kvflow.core.engine.chunk_keys) instead of by hashes of their tokens.
@@ -363,7 +365,7 @@ class CacheEngine:
         """
         return self._queries.lookup(
             token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
-            request_id=request_id, prefetch=prefetch, chunk_keys=chunk_keys,
+            request_id=request_id, prefetch=prefetch, chunk_keys=chunk_keys, ranks=ranks,
         )  # fmt: skip
 
     def prefetch(

@@ -5,7 +5,9 @@ Neither touches an instance's KV: a lookup keys the request (`keys.KeyCache`, or
 request's own chunk keys), finds the longest prefix every rank of the model holds in L1,
 then in the L2 tiers, and may start a prefetch of the L2 part; a prefetch loads that
 part into L1 objects sized from the layout descs recorded at registration. The work
-follows the ranks that hold chunks, not world_size (`rank_groups`).
+follows the ranks that hold chunks, not world_size (`rank_groups`). A lookup may count
+only some ranks (`ranks`): a server that serves one rank of an engine whose other ranks
+have servers of their own answers for that rank.
 """
 
 from __future__ import annotations
@@ -38,17 +40,36 @@ from kvflow.events import EventBus, EventType
 RankLayouts = Callable[[str, int], list[LayoutDesc | None]]
 
 
-def rank_groups(world_size: int) -> Iterator[range]:
-    """Ranks in groups of doubling size: [0], [1], [2, 3], [4..7], ...
+def rank_groups(ranks: Sequence[int]) -> Iterator[Sequence[int]]:
+    """The ranks in groups of doubling size: [0], [1], [2, 3], [4..7], ... of `ranks`.
 
     A prefix is narrowed group by group, so ranks that hold nothing cost at most
     about as much as the ranks before them that do, whatever the world_size.
     """
     start = 0
-    while start < world_size:
-        stop = min(world_size, max(start + 1, 2 * start))
-        yield range(start, stop)
+    while start < len(ranks):
+        stop = min(len(ranks), max(start + 1, 2 * start))
+        yield ranks[start:stop]
         start = stop
+
+
+def check_ranks(ranks: Any, world_size: int) -> Sequence[int]:
+    """The ranks a lookup counts: all of the world's (None), or a non-empty list of
+    distinct ranks in [0, world_size), in ascending order."""
+    if ranks is None:
+        return range(world_size)
+    if (
+        not isinstance(ranks, (list, tuple))
+        or not ranks
+        or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks)
+        or len(set(ranks)) != len(ranks)
+        or not all(0 <= r < world_size for r in ranks)
+    ):
+        raise InvalidRequestError(
+            f"ranks must be a non-empty list of distinct ranks in [0, {world_size})"
+            f" (world_size {world_size}), got {ranks!r}"
+        )
+    return sorted(ranks)
 
 
 def desc_nbytes(desc: LayoutDesc) -> int:
@@ -90,18 +111,22 @@ class Queries:
     def lookup(
         self, token_ids: Any, *, model_name: str, world_size: int, cache_salt: str | None,
         request_id: str | None, prefetch: bool, chunk_keys: Sequence[bytes] | None,
+        ranks: Sequence[int] | None = None,
     ) -> int:  # fmt: skip
-        """Tokens of the longest prefix of full chunks every rank has in some tier
-        (`CacheEngine.lookup`); one LOOKUP_START/END pair."""
+        """Tokens of the longest prefix of full chunks every rank (of `ranks`, default
+        all) has in some tier (`CacheEngine.lookup`); one LOOKUP_START/END pair."""
         token_ids, named = keyed(token_ids, chunk_keys, self.chunk_size)
         n_req = requested_tokens(token_ids)
         op = Op(self.bus, EventType.LOOKUP_START, request_id,
                 {"model_name": model_name, "tokens": n_req})  # fmt: skip
         try:
             salt = self._check(token_ids, model_name, world_size, cache_salt, request_id)
+            counted = check_ranks(ranks, world_size)
             check_bool("prefetch", prefetch)
             hashes = named if named is not None else self._hashes(token_ids, request_id)
-            hit, by_tier = self._hits(hashes, model_name, world_size, salt, request_id, prefetch)
+            hit, by_tier = self._hits(
+                hashes, model_name, world_size, counted, salt, request_id, prefetch
+            )
         except BaseException as exc:
             op.fail(exc, requested_tokens=n_req, hit_tokens=0)
             raise
@@ -132,7 +157,8 @@ class Queries:
                 f"model {model_name!r} world_size {world_size} rank(s) {missing} never registered "
                 "KV caches: prefetch needs their layout"
             )
-        rows = self._tier_rows(self._hashes(token_ids, request_id), model_name, world_size, salt)
+        hashes = self._hashes(token_ids, request_id)
+        rows = self._tier_rows(hashes, model_name, world_size, range(world_size), salt)
         hit, _, where = tiering.hit_rows(rows)
         return tiering.prefetch(
             rows[:hit], nbytes, model_name=model_name, trigger="api", session_id=request_id,
@@ -167,22 +193,23 @@ class Queries:
         return self.keys.hashes(as_int32_array(token_ids, "token_ids"), request_id)
 
     def _hits(
-        self, hashes: Sequence[bytes], model_name: str, world_size: int, salt: str | None,
-        session_id: str | None, prefetch: bool,
+        self, hashes: Sequence[bytes], model_name: str, world_size: int, ranks: Sequence[int],
+        salt: str | None, session_id: str | None, prefetch: bool,
     ) -> tuple[int, dict[str, int]]:  # fmt: skip
-        """(chunks hit from 0, hit tokens per tier): L1's prefix, then the tiers' past it,
-        starting a prefetch of an L2 part when `prefetch` and every rank's layout is known."""
-        in_l1 = self._l1_prefix(hashes, model_name, world_size, salt)
+        """(chunks hit from 0, hit tokens per tier) for `ranks`: L1's prefix, then the
+        tiers' past it, starting a prefetch of an L2 part when `prefetch` and every counted
+        rank's layout is known."""
+        in_l1 = self._l1_prefix(hashes, model_name, world_size, ranks, salt)
         by_tier = {"l1": in_l1 * self.chunk_size}
         tiering = self.tiering
         if tiering is None or in_l1 == len(hashes):
             return in_l1, by_tier
-        rows = self._tier_rows(hashes[in_l1:], model_name, world_size, salt)
+        rows = self._tier_rows(hashes[in_l1:], model_name, world_size, ranks, salt)
         more, tiers, where = tiering.hit_rows(rows)
         for name, n in tiers.items():
             by_tier[name] = by_tier.get(name, 0) + n * self.chunk_size
         if prefetch and more and len(tiers) > ("l1" in tiers):
-            nbytes, missing = self.rank_nbytes(model_name, world_size)
+            nbytes, missing = self.rank_nbytes(model_name, world_size, ranks)
             if not missing:
                 tiering.prefetch(
                     rows[:more], nbytes, model_name=model_name, trigger="lookup",
@@ -191,12 +218,13 @@ class Queries:
         return in_l1 + more, by_tier
 
     def _l1_prefix(
-        self, hashes: Sequence[bytes], model_name: str, world_size: int, salt: str | None
-    ) -> int:
-        """Chunks from 0 every rank holds in L1, narrowed rank group by rank group, rank 0
-        first (`rank_groups`)."""
+        self, hashes: Sequence[bytes], model_name: str, world_size: int,
+        counted: Sequence[int], salt: str | None,
+    ) -> int:  # fmt: skip
+        """Chunks from 0 every counted rank holds in L1, narrowed rank group by rank group,
+        the lowest rank first (`rank_groups`)."""
         n = len(hashes)
-        for ranks in rank_groups(world_size):
+        for ranks in rank_groups(counted):
             if not n:
                 break
             # plain tuples hash and compare equal to ObjectKey, at a fraction of the cost
@@ -206,9 +234,11 @@ class Queries:
         return n
 
     def _tier_rows(
-        self, hashes: Sequence[bytes], model_name: str, world_size: int, salt: str | None
-    ) -> list[list[ObjectKey]]:
-        """Key rows (one key per rank) of the chunks some tier may hold for every rank.
+        self, hashes: Sequence[bytes], model_name: str, world_size: int,
+        counted: Sequence[int], salt: str | None,
+    ) -> list[list[ObjectKey]]:  # fmt: skip
+        """Key rows (one key per counted rank) of the chunks some tier may hold for every
+        counted rank.
 
         The chunks are narrowed rank group by rank group (`rank_groups`) on the keys'
         residency before the last group, so that the rows handed to `hit_rows` never
@@ -218,19 +248,23 @@ class Queries:
         assert self.tiering is not None
         residency = self.tiering.loader.residency
         n = len(hashes)
-        for ranks in list(rank_groups(world_size))[:-1]:
+        for ranks in list(rank_groups(counted))[:-1]:
             if not n:
                 break
             keys = [
                 ObjectKey(h, model_name, world_size, r, salt) for h in hashes[:n] for r in ranks
             ]
             n = _held_rows(residency(keys), keys, len(ranks))
-        ranks = range(world_size)
-        return [[ObjectKey(h, model_name, world_size, r, salt) for r in ranks] for h in hashes[:n]]
+        return [
+            [ObjectKey(h, model_name, world_size, r, salt) for r in counted] for h in hashes[:n]
+        ]
 
-    def rank_nbytes(self, model_name: str, world_size: int) -> tuple[list[int], list[int]]:
-        """(chunk bytes of each registered rank of the model's world, from the layout
-        descs recorded at registration; the ranks never registered)."""
+    def rank_nbytes(
+        self, model_name: str, world_size: int, ranks: Sequence[int] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(chunk bytes of each registered rank of `ranks` (default: the model's world),
+        from the layout descs recorded at registration; the ranks never registered)."""
         descs = self.layouts(model_name, world_size)
-        missing = [r for r, desc in enumerate(descs) if desc is None]
-        return [desc_nbytes(desc) for desc in descs if desc is not None], missing
+        wanted = range(world_size) if ranks is None else ranks
+        missing = [r for r in wanted if descs[r] is None]
+        return [desc_nbytes(d) for r in wanted if (d := descs[r]) is not None], missing

@@ -539,10 +539,12 @@ class KVFlowClient:
         request_id: str | None = None,
         prefetch: bool = True,
         chunk_keys: Sequence[bytes] | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> int:
-        """Tokens of the longest chunk prefix the server holds for every rank, in any tier;
-        hits in L2 start a prefetch into L1 unless `prefetch` is False. With `chunk_keys`
-        (token_ids None) the chunks are named by those 32-byte keys, one per chunk."""
+        """Tokens of the longest chunk prefix the server holds for every rank (of `ranks`,
+        default all), in any tier; hits in L2 start a prefetch into L1 unless `prefetch`
+        is False. With `chunk_keys` (token_ids None) the chunks are named by those 32-byte
+        keys, one per chunk."""
         tokens, keyed = _tokens_or_keys(token_ids, chunk_keys)
         request = Lookup(
             model_name=model_name,
@@ -551,6 +553,7 @@ class KVFlowClient:
             request_id=request_id,
             prefetch=prefetch,
             keyed=keyed,
+            ranks=None if ranks is None else list(ranks),
         )
         return self._count(request, (tokens,))
 

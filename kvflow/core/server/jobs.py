@@ -228,6 +228,7 @@ class QueryJob(Job):
             hit = self._engine.lookup(
                 None if request.keyed else tokens, model_name=model, world_size=world,
                 cache_salt=salt, request_id=rid, prefetch=request.prefetch, chunk_keys=keys,
+                ranks=request.ranks,
             )  # fmt: skip
             return Done(id=request.id, value=hit, server_ns=since(self.started))
         prefetch_id = self._engine.prefetch(

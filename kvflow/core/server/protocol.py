@@ -257,6 +257,8 @@ class Lookup(Request, tag="lookup"):
     prefetch: bool = True
     #: the token_ids payload holds chunk keys (32 bytes each, kvflow.core.engine.chunk_keys)
     keyed: bool = False
+    #: count only these ranks of the world (None: all): a server that holds one rank
+    ranks: list[int] | None = None
 
 
 class Prefetch(Request, tag="prefetch"):

@@ -455,3 +455,21 @@ def test_no_server_is_a_timeout_naming_the_endpoint() -> None:
         pytest.raises(RequestTimeoutError, match=r"127\.0\.0\.1:9\b"),
     ):
         c.status()
+
+
+def test_a_lookup_over_the_wire_counts_the_ranks_it_names(client: KVFlowClient) -> None:
+    """A server holding rank 1 of a world of two (its rank 0 served elsewhere) answers a
+    lookup for rank 1 alone; a bad rank list is an error reply naming it, and the
+    server keeps serving."""
+    kv = _kv(3)
+    iid, model = _instance("r1"), _instance("model")
+    client.register_kv_caches(iid, kv, model_name=model, world_size=2, rank=1)
+    tokens = _tokens(2 * CHUNK, 3)
+    assert client.store(iid, tokens, list(range(2 * CHUNK // BS)), request_id="r1") == 2 * CHUNK
+    assert client.lookup(tokens, model_name=model, world_size=2) == 0
+    assert client.lookup(tokens, model_name=model, world_size=2, ranks=[1]) == 2 * CHUNK
+    assert client.lookup(tokens, model_name=model, world_size=2, ranks=(0,)) == 0
+    with pytest.raises(InvalidRequestError, match=r"ranks must be .* in \[0, 2\)"):
+        client.lookup(tokens, model_name=model, world_size=2, ranks=[2])
+    assert client.lookup(tokens, model_name=model, world_size=2, ranks=[1]) == 2 * CHUNK
+    client.unregister(iid)
