@@ -27,7 +27,8 @@ def _bool(key: str, value: Any) -> bool:
 class ConnectorConfig:
     """What the connector reads from `kv_connector_extra_config` (docs/VLLM.md, Config keys)."""
 
-    #: the kvflow server's ZMQ endpoint
+    #: the kvflow server's ZMQ endpoint, or a comma-separated list of one per rank (a
+    #: server process per GPU: rank r talks to the r-th, lookups ask each for its rank)
     endpoint: str = "tcp://127.0.0.1:5555"
     #: the longest a store, retrieve or registration waits for the server
     timeout_s: float = 30.0
@@ -79,12 +80,37 @@ class ConnectorConfig:
             )
         return config
 
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The endpoint, or each rank's when `endpoint` lists one per rank."""
+        return tuple(part.strip() for part in self.endpoint.split(","))
+
+    def rank_endpoints(self, world_size: int) -> tuple[str, ...]:
+        """One endpoint for the whole engine, or one per rank (ValueError unless the list
+        has exactly world_size of them)."""
+        endpoints = self.endpoints
+        if len(endpoints) > 1 and len(endpoints) != world_size:
+            raise ValueError(
+                f"{PREFIX}endpoint lists {len(endpoints)} endpoints for a world of"
+                f" {world_size} ranks: give one, or one per rank"
+            )
+        return endpoints
+
+    def endpoint_of(self, rank: int, world_size: int) -> str:
+        """The endpoint rank `rank` stores to and loads from."""
+        endpoints = self.rank_endpoints(world_size)
+        return endpoints[rank] if len(endpoints) > 1 else endpoints[0]
+
     @staticmethod
     def _parse(key: str, value: Any) -> Any:
         if key == "endpoint":
             endpoint = text(key, value)
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"{PREFIX}endpoint must look like tcp://HOST:PORT, got {value!r}")
+            for part in endpoint.split(","):
+                if not part.strip().startswith(("tcp://", "ipc://")):
+                    raise ValueError(
+                        f"{PREFIX}endpoint must look like tcp://HOST:PORT (or a comma-separated"
+                        f" list of such, one per rank), got {value!r}"
+                    )
             return endpoint
         if key == "timeout_s":
             return seconds(key, value, 0.001, 86400.0)

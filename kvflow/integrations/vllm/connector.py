@@ -218,7 +218,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 cfg = self.kvflow_config
                 self._kv_events = WorkerKVEvents(
                     lambda: KVFlowClient(  # polls are quick: a dead server shows soon
-                        cfg.endpoint, timeout_s=cfg.lookup_timeout_s,
+                        cfg.endpoint_of(rank, world_size), timeout_s=cfg.lookup_timeout_s,
                         curve_server_key=cfg.curve_server_key, curve_key=cfg.curve_key,
                     ),
                     model_name=model_name, world_size=world_size, rank=rank,

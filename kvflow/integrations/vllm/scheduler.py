@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -66,9 +67,12 @@ class SchedulerSide:
         model_name: str,
         world_size: int,
         block_size: int,
-        client_factory: Callable[[], KVFlowClient] | None = None,
+        client_factory: Callable[[str], KVFlowClient] | None = None,
         block_hashes: Callable[[Any, int], list[Any]] | None = None,
     ) -> None:
+        """`client_factory(endpoint)` makes the clients (default: KVFlowClient with the
+        config's lookup timeout and keys): one, or one per rank when the config lists a
+        server per rank, each then asked for its own rank (`ranks=[r]`)."""
         self.config = config
         self.model_name = model_name
         self.world_size = world_size
@@ -76,14 +80,15 @@ class SchedulerSide:
         #: (request, n) -> vLLM's hashes of its first n blocks, for the KV events (None: off)
         self._block_hashes = block_hashes
         factory = client_factory or (
-            lambda: KVFlowClient(
-                config.endpoint,
+            lambda endpoint: KVFlowClient(
+                endpoint,
                 timeout_s=config.lookup_timeout_s,
                 curve_server_key=config.curve_server_key,
                 curve_key=config.curve_key,
             )
         )
-        self._client = factory()
+        self._clients = [factory(endpoint) for endpoint in config.rank_endpoints(world_size)]
+        self._client = self._clients[0]
         self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvflow-lookup")
         self._requests: dict[str, _Tracked] = {}
         self._chunk_size: Future[int] = self._pool.submit(self._ask_chunk_size)
@@ -94,7 +99,10 @@ class SchedulerSide:
     # -- the chunk size (stores are planned in whole chunks) ---------------------------------
 
     def _ask_chunk_size(self) -> int:
-        size = int(self._client.status()["chunk_size"])
+        sizes = {int(client.status()["chunk_size"]) for client in self._clients}
+        if len(sizes) > 1:
+            raise ValueError(f"the ranks' servers have different chunk sizes {sorted(sizes)}")
+        (size,) = sizes
         if size % self.block_size:
             log.error(
                 "kvflow: the server's chunk size %d is not a multiple of vLLM's block size %d:"
@@ -110,7 +118,9 @@ class SchedulerSide:
         if not future.done():
             return None
         if future.exception() is not None:
-            log.warning("kvflow: cannot reach %s: %s", self.config.endpoint, future.exception())
+            log.warning(
+                "kvflow: no chunk size from %s: %s", self.config.endpoint, future.exception()
+            )
             self._chunk_size = self._pool.submit(self._ask_chunk_size)
             return None
         size = future.result()
@@ -159,14 +169,26 @@ class SchedulerSide:
         return tracked.prompt
 
     def _lookup(self, tracked: _Tracked) -> int:
+        """Hit tokens every rank holds: one server's answer, or with a server per rank
+        the shortest of theirs (each asked for its own rank; a miss stops the round)."""
         request = tracked.request
-        return self._client.lookup(
-            self._prompt(tracked),
+        ask = partial(
+            KVFlowClient.lookup,
+            token_ids=self._prompt(tracked),
             model_name=self.model_name,
             world_size=self.world_size,
             cache_salt=self._salt(request),
             request_id=request.request_id,
         )
+        if len(self._clients) == 1:
+            return ask(self._client)
+        hit = -1
+        for rank, client in enumerate(self._clients):
+            got = ask(client, ranks=[rank])
+            hit = got if hit < 0 else min(hit, got)
+            if not hit:
+                break
+        return hit
 
     @staticmethod
     def _answer(lookup: Future[int], req_id: str) -> int:
@@ -296,10 +318,11 @@ class SchedulerSide:
             self._pool.submit(self._end_session, request.request_id)
 
     def _end_session(self, req_id: str) -> None:
-        try:
-            self._client.end_session(req_id)
-        except Exception as exc:
-            log.warning("kvflow: end_session for %s failed: %s", req_id, exc)
+        for client in self._clients:  # every server a lookup may have asked
+            try:
+                client.end_session(req_id)
+            except Exception as exc:
+                log.warning("kvflow: end_session for %s failed: %s", req_id, exc)
 
     def tracked(self) -> Sequence[str]:
         """Request ids the scheduler side holds state for (tests)."""
@@ -308,4 +331,5 @@ class SchedulerSide:
     def shutdown(self) -> None:
         """Let queued end_session calls finish, then close the client."""
         self._pool.shutdown(wait=True, cancel_futures=False)
-        self._client.close()
+        for client in self._clients:
+            client.close()

@@ -51,7 +51,7 @@ class WorkerSide:
         self.instance_id = instance_id
         factory = client_factory or (
             lambda: KVFlowClient(
-                config.endpoint,
+                config.endpoint_of(rank, world_size),  # its own server, when one per rank
                 timeout_s=config.timeout_s,
                 client_id=instance_id,
                 curve_server_key=config.curve_server_key,
@@ -111,7 +111,7 @@ class WorkerSide:
                 "kvflow: registering %s with %s failed, this worker will neither load nor"
                 " store: %s",
                 self.instance_id,
-                self.config.endpoint,
+                self.config.endpoint_of(self.rank, self.world_size),
                 exc,
             )
             return

@@ -72,6 +72,7 @@ def test_config_reads_only_kvflow_keys() -> None:
     [
         ({"kvflow.endpont": "tcp://x:1"}, "unknown kv_connector_extra_config key 'kvflow.endpont'"),
         ({"kvflow.endpoint": "http://x"}, "kvflow.endpoint must look like tcp://"),
+        ({"kvflow.endpoint": "tcp://a:1,http://x"}, "kvflow.endpoint must look like tcp://"),
         ({"kvflow.timeout_s": float("inf")}, r"kvflow.timeout_s must be in"),
         ({"kvflow.lookup_timeout_s": True}, "kvflow.lookup_timeout_s must be a number"),
         ({"kvflow.load": "maybe"}, "kvflow.load must be a boolean"),
@@ -292,6 +293,63 @@ def test_prefix_stored_by_one_request_is_loaded_into_anothers_blocks(endpoint: s
     finally:
         worker.shutdown()
         scheduler.shutdown()
+
+
+@pytest.fixture(scope="module")
+def second_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("kvflow-server-1") / "server.log"
+    with running_server(CHUNK, log) as ep:
+        yield ep
+
+
+def test_a_server_per_rank_hits_what_every_rank_s_server_holds(
+    endpoint: str, second_endpoint: str
+) -> None:
+    """`kvflow.endpoint` listing a server per rank: each rank's worker stores to its own
+    server, and the scheduler's lookup asks each server for its own rank and answers the
+    shortest hit (rank 1 holding one chunk of two: one chunk)."""
+    both = f"{endpoint}, {second_endpoint}"
+    scheduler = SchedulerSide(_config(both), model_name=MODEL, world_size=2, block_size=BLOCK)
+    workers = [
+        WorkerSide(_config(both), model_name=MODEL, world_size=2, rank=r, instance_id=f"pr-{r}")
+        for r in range(2)
+    ]
+    try:
+        caches = [_vllm_cpu_caches() for _ in workers]
+        for worker, cache in zip(workers, caches, strict=True):
+            worker.register(cache, BLOCK)
+            assert worker.registered
+        _wait_chunk_size(scheduler)
+        prompt = list(range(7000, 7000 + 2 * CHUNK + 5))
+        first = _request("pr-a", prompt)
+        assert _match(scheduler, first) == (0, False)
+        scheduler.update_state_after_alloc(first, _blocks([]), 0)
+        blocks = [3, 7, 1, 9, 4]
+        plan = scheduler.build_plan(_new_step(first, blocks, 0, len(prompt)))
+        workers[0].save(plan)
+        (store,) = plan.stores  # rank 1 stores only the first chunk
+        workers[1].save(
+            StepPlan(stores=[StoreSpec("pr-a", store.token_ids[:CHUNK], store.block_ids[:2])])
+        )
+        with KVFlowClient(endpoint) as one, KVFlowClient(second_endpoint) as two:
+            tokens = prompt[: 2 * CHUNK]
+            assert one.lookup(tokens, model_name=MODEL, world_size=2, ranks=[0]) == 2 * CHUNK
+            assert two.lookup(tokens, model_name=MODEL, world_size=2, ranks=[1]) == CHUNK
+            assert one.lookup(tokens, model_name=MODEL, world_size=2, ranks=[1]) == 0
+        assert _match(scheduler, _request("pr-b", [*prompt[: 2 * CHUNK], 1])) == (CHUNK, False)
+        workers[1].save(plan)
+        assert _match(scheduler, _request("pr-c", [*prompt[: 2 * CHUNK], 2])) == (2 * CHUNK, False)
+    finally:
+        for worker in workers:
+            worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_an_endpoint_list_must_have_one_per_rank(endpoint: str) -> None:
+    config = _config(f"{endpoint},{endpoint},{endpoint}")
+    with pytest.raises(ValueError, match="lists 3 endpoints for a world of 2 ranks"):
+        SchedulerSide(config, model_name=MODEL, world_size=2, block_size=BLOCK)
+    assert config.endpoint_of(2, 3) == endpoint
 
 
 def test_each_prompt_is_converted_once(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
