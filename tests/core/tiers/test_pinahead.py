@@ -4,6 +4,7 @@ segment, wait only when nothing can be evicted, and growth reports its progress.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +57,17 @@ def _wait_pinned(l1: L1Cache, nbytes: int) -> None:
     raise AssertionError(f"L1 never pinned {nbytes} bytes: {l1.pin_state()}")
 
 
+def _wait_done(l1: L1Cache) -> dict[str, Any]:
+    """L1's growth-ahead state once no thread grows it any more (finished or failed)."""
+    for _ in range(3000):
+        state = l1.pin_state()
+        assert state is not None
+        if not state["pinning"]:
+            return state
+        threading.Event().wait(0.01)
+    raise AssertionError(f"L1 still growing ahead: {l1.pin_state()}")
+
+
 def test_a_store_evicts_instead_of_waiting_for_the_next_segment() -> None:
     """One segment pinned, the next held back: a fifth object evicts the oldest at once
     (the store does not wait on pinning); once the rest arrive, nothing more is evicted."""
@@ -98,12 +110,7 @@ def test_a_failed_pin_stops_growth_ahead_and_l1_grows_on_demand() -> None:
     l1, pool = _gated_l1()
     pool.fail = True
     pool.permits.release()
-    for _ in range(3000):
-        state = l1.pin_state()
-        assert state is not None
-        if not state["pinning"]:
-            break
-        threading.Event().wait(0.01)
+    state = _wait_done(l1)
     assert state["failed"] is not None and "MemoryError" in state["failed"]
     pool.fail = False
     pool.permits.release(3)  # the on-demand segments
@@ -151,12 +158,7 @@ def test_a_prefaulting_pool_grows_ahead_by_default_and_says_so(
     caplog.set_level("INFO", logger="kvflow.core.tiers.pinahead")
     l1 = L1Cache(3 * SEG, pool=HostPool(pinned=False, prefault=True), segment_bytes=SEG)
     _wait_pinned(l1, 3 * SEG)
-    for _ in range(3000):
-        state = l1.pin_state()
-        assert state is not None
-        if not state["pinning"]:
-            break
-        threading.Event().wait(0.01)
+    state = _wait_done(l1)
     assert (state["mode"], state["failed"], state["pinning"]) == ("prefault", None, False)
     assert l1.stats()["reserved_bytes"] == 3 * SEG
     for _ in range(3000):  # the last line is logged just after the state says done
