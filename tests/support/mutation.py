@@ -100,6 +100,12 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_l1.py",
         "tests/core/tiers/test_tier_contract.py",
     ],
+    # the layerwise retrieve's copies straight into blocks: planned and run on CPU memory
+    "kvflow/core/engine/direct.py": ["tests/core/engine/test_direct.py"],
+    "kvflow/core/tiers/pinahead.py": [
+        "tests/core/tiers/test_pinahead.py",
+        "tests/core/server/test_probes.py",
+    ],
     "kvflow/core/tiers/redis.py": REDIS_TESTS,
     "kvflow/core/tiers/redisformat.py": REDIS_TESTS,
     "kvflow/core/tiers/redislink.py": REDIS_TESTS,
@@ -222,6 +228,9 @@ MODULES = [
     "kvflow/core/engine/transfers.py",
     "kvflow/core/engine/l2_from_config.py",
     "kvflow/core/engine/bus_status.py",
+    # added with the layerwise copies straight into blocks (issue 35)
+    "kvflow/core/engine/direct.py",
+    "kvflow/core/tiers/pinahead.py",
     "kvflow/core/server/shm.py",
     "kvflow/core/server/curve.py",
     "kvflow/core/server/ipc.py",

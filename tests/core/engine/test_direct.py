@@ -15,6 +15,7 @@ import torch
 from kvflow.core.engine.direct import Copy2D, DirectLayers
 from kvflow.kernels import KVLayout
 from kvflow.kernels.formats import KVFormat
+from kvflow.kernels.layout import LayerGroup, StrideDesc
 from kvflow.kernels.reference import transfer_reference
 from kvflow.kernels.synthetic import make_kv_caches
 from tests.support.kernel_reference import same_bytes
@@ -137,3 +138,93 @@ def test_a_fragmented_table_past_the_copy_limit_is_left_to_the_scatter() -> None
         s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"], max_copies=8
     )
     assert tight.copies(0) is None
+
+
+def test_layer_groups_with_different_block_strides_get_their_own_copies() -> None:
+    """Two layer groups (different heads, sizes and dtypes: different block strides and
+    block bytes): each layer's copies are planned for its own group's blocks."""
+    specs = [(2, 8, torch.bfloat16), (1, 16, torch.float32), (2, 8, torch.bfloat16)]
+    chunk_tokens = PER_CHUNK * BLOCK
+    table = _shuffled()
+
+    def caches(seed: int) -> tuple[Any, dict[str, Any]]:
+        return make_kv_caches(
+            KVFormat.VLLM_FLASH_ATTN, num_blocks=NUM_BLOCKS, block_size=BLOCK, layer_specs=specs,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+    src, kw = caches(1)
+    layout = KVLayout.from_kv_caches(src, **kw)
+    chunks = torch.empty((CHUNKS, layout.chunk_nbytes(chunk_tokens)), dtype=torch.uint8)
+    transfer_reference(
+        layout, chunks, torch.from_numpy(table), torch.zeros(CHUNKS, dtype=torch.int64),
+        gather=True,
+    )  # fmt: skip
+    target, _ = caches(2)
+    expected, _ = caches(2)
+    transfer_reference(
+        KVLayout.from_kv_caches(expected, **kw), chunks, torch.from_numpy(table),
+        torch.tensor(SKIPS), gather=False,
+    )  # fmt: skip
+    hosts = [int(chunks[c].data_ptr()) for c in range(CHUNKS)]
+    direct = DirectLayers(
+        KVLayout.from_kv_caches(target, **kw), table, SKIPS, hosts, chunk_tokens, max_copies=10_000
+    )
+    for layer in range(len(specs)):
+        copies = direct.copies(layer)
+        assert copies is not None
+        _run(copies)
+    assert same_bytes(target, expected)
+
+
+def test_the_copy_limit_counts_a_layer_s_copies_inclusively() -> None:
+    """A layer of exactly `max_copies` copies is planned; one fewer allowed, it is not."""
+    s = _setup(KVFormat.VLLM_MLA, False, _shuffled())
+    plan = DirectLayers(s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"], 10_000)
+    full = plan.copies(0)
+    assert full is not None
+    n = len(full)
+    exact = DirectLayers(s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"], n)
+    assert exact.copies(0) == full
+    short = DirectLayers(s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"], n - 1)
+    assert short.copies(0) is None
+
+
+class _HugeBlocks:
+    """A one-layer MLA-like layout whose blocks are 256 MiB apart (a cache of many GB):
+    block ids times the stride pass 2**31, which an int32 table must not wrap."""
+
+    block_size = 4
+    groups = (LayerGroup((0,), 1, 1, 8, torch.bfloat16),)
+
+    def layer_parts(self, layer: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        return [(0, chunk_tokens * 16)]
+
+    def stride_desc(self, layer: int, kv: int) -> StrideDesc:
+        return StrideDesc(base_ptr=1 << 40, block=1 << 28, token=16, head=16)
+
+
+def test_block_addresses_do_not_wrap_for_an_int32_table() -> None:
+    table = np.array([[10, 11], [30, 40]], dtype=np.int32)
+    direct = DirectLayers(_HugeBlocks(), table, [0, 1], [4096, 8192], 8)  # type: ignore[arg-type]
+    copies = direct.copies(0)
+    assert copies is not None
+    assert [c.dst - (1 << 40) for c in copies] == [10 << 28, 40 << 28]
+    assert [(c.height, c.dst_pitch, c.src_pitch) for c in copies] == [(2, 1 << 28, 64), (1, 64, 64)]
+
+
+class _OneTokenBlocks(_HugeBlocks):
+    """Blocks of one token (SGLang's page size 1), whose view's token stride means nothing."""
+
+    block_size = 1
+
+    def stride_desc(self, layer: int, kv: int) -> StrideDesc:
+        return StrideDesc(base_ptr=1 << 40, block=16, token=12345, head=16)
+
+
+def test_one_token_blocks_ignore_the_token_stride() -> None:
+    table = np.array([[3, 4], [5, 6]], dtype=np.int64)
+    direct = DirectLayers(_OneTokenBlocks(), table, [0, 0], [0, 32], 2)  # type: ignore[arg-type]
+    assert direct.copies(0) == [
+        Copy2D(dst=(1 << 40) + 48, dst_pitch=64, src=0, src_pitch=64, width=64, height=1)
+    ]
