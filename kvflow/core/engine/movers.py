@@ -308,7 +308,10 @@ class CudaMover:
         """Enqueue a store layer by layer: per layer, `written(layer, kernel_stream)`
         returns once the engine wrote it (ordering the kernel stream after its writes),
         then one launch per stage of chunks gathers the layer and the copy stream puts
-        its runs into each chunk's L1 object. `table`: checked ids (row c: chunk c's)."""
+        its runs into each chunk's L1 object; a layer whose blocks hold its bytes in
+        order goes straight from them into L1 by a few 2-D copies instead, after
+        `written(layer, copy_stream)` (`kvflow.core.engine.direct`). `table`: checked ids
+        (row c: chunk c's)."""
         with CurrentContext(self._context):
             self._store_layers(table, dsts, chunk_tokens, written)
 
@@ -321,7 +324,17 @@ class CudaMover:
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
         addresses = [dsts.address(c, self.chunk_nbytes) for c in range(len(dsts))]
+        direct = DirectLayers(self.layout, table, [0] * len(dsts), addresses, chunk_tokens)
         for layer in range(self.layout.num_layers):
+            copies = direct.copies(layer)
+            if copies is not None:  # straight from the blocks: no kernel to wait for a slice
+                written(layer, cs)
+                for c in copies:  # the plan's direction reversed: blocks -> L1
+                    copy_2d_async(
+                        c.src, c.src_pitch, c.dst, c.dst_pitch, c.width, c.height,
+                        self._copy_handle,
+                    )  # fmt: skip
+                continue
             written(layer, ks)
             moves = PreparedTransfer.trusted(
                 self.layout.layer_layout(layer), table, gather=True, backend="cuda",

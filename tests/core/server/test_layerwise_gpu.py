@@ -71,10 +71,15 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-def test_a_layerwise_store_reads_each_layer_after_its_writes() -> None:
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
+def test_a_layerwise_store_reads_each_layer_after_its_writes(order: str) -> None:
     """Each layer is written on the engine's stream behind a GPU sleep, then marked: the
     server's gather must wait for it on the GPU (its event), so what is stored is what
-    the stream wrote, not what the blocks held when the mark was set on the host."""
+    the stream wrote, not what the blocks held when the mark was set on the host.
+    Source blocks in order are copied straight to L1 (the copy stream waits), shuffled
+    ones gathered by the block kernel (the kernel stream waits)."""
+    import random
+
     import torch
 
     from kvflow.core import KVFlowClient
@@ -87,6 +92,8 @@ def test_a_layerwise_store_reads_each_layer_after_its_writes() -> None:
             torch.zeros(2, NB, BS, NH, HS, device="cuda", dtype=torch.bfloat16) for _ in range(NL)
         ]
         src = list(range(PREFIX_BLOCKS))
+        if order == "shuffled":
+            src = random.Random(1).sample(src, PREFIX_BLOCKS)
         dst = list(range(PREFIX_BLOCKS, 2 * PREFIX_BLOCKS))
         tokens = list(range(PREFIX_BLOCKS * BS))
         want = [
