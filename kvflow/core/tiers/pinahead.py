@@ -49,7 +49,7 @@ class PinAhead:
         make: Callable[[int], torch.Tensor],
         settle: Callable[[int, torch.Tensor | None], bool],
         threads: int = DEFAULT_THREADS,
-        mode: str = "pin",
+        mode: str,
     ) -> None:
         if threads < 1:
             raise ValueError(f"pin threads must be at least 1, got {threads}")
@@ -58,7 +58,6 @@ class PinAhead:
         self.mode = mode
         self._doing, self._done_word = _VERBS[mode]
         self.target = target
-        self.segment_bytes = segment_bytes
         self._claim, self._make, self._settle = claim, make, settle
         self._lock = threading.Lock()
         self._pinned = 0

@@ -3,6 +3,7 @@ segment, wait only when nothing can be evicted, and growth reports its progress.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -185,3 +186,76 @@ def test_a_pinned_pool_s_growth_reports_mode_pin() -> None:
 def test_growth_ahead_refuses_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match=r"^mode must be one of \['pin', 'prefault'\], got 'x'$"):
         PinAhead(SEG, SEG, claim=lambda: 0, make=torch.empty, settle=lambda *_: True, mode="x")
+
+
+class _Claims:
+    """Hands out `count` claims of `size` bytes, then 0; made segments are empty tensors
+    (nothing is allocated: the test is about the bookkeeping and the lines)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self._left, self._size, self._lock = count, size, threading.Lock()
+        self.settled: list[int] = []
+
+    def claim(self) -> int:
+        with self._lock:
+            if not self._left:
+                return 0
+            self._left -= 1
+            return self._size
+
+    def settle(self, size: int, segment: torch.Tensor | None) -> bool:
+        with self._lock:
+            self.settled.append(size)
+        return True
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_growth_logs_its_size_segments_threads_and_end_and_freezes_its_time(
+    caplog: pytest.LogCaptureFixture, threads: int
+) -> None:
+    """3 GiB in 1 GiB segments on named threads: the start and end lines give the sizes
+    in GiB and MiB; once done, the seconds taken stop growing."""
+    caplog.set_level("INFO", logger="kvflow.core.tiers.pinahead")
+    claims = _Claims(3, 1 << 30)
+    seen_names: list[str] = []
+
+    def make(size: int) -> torch.Tensor:
+        seen_names.append(threading.current_thread().name)
+        return torch.empty(0, dtype=torch.uint8)
+
+    growth = PinAhead(
+        3 << 30, 1 << 30, claim=claims.claim, make=make, settle=claims.settle,
+        threads=threads, mode="prefault",
+    )  # fmt: skip
+    growth.join(30)
+    assert growth.done and claims.settled == [1 << 30] * 3
+    assert set(seen_names) <= {"kvflow-l1-pin-0", "kvflow-l1-pin-1", "kvflow-l1-pin-2"}
+    state = growth.state()
+    assert state["pinned_bytes"] == state["target_bytes"] == 3 << 30
+    assert isinstance(state["seconds"], float) and 0 <= state["seconds"] < 30
+    threading.Event().wait(0.05)
+    assert growth.state()["seconds"] == state["seconds"]  # frozen at the end
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvflow.core.tiers.pinahead"]
+    assert lines[0] == (
+        f"faulting in L1 ahead of demand: 3.0 GiB in 1024-MiB segments on {threads} threads"
+    )
+    assert re.fullmatch(r"L1 faulted in: 3\.0 GiB in \d+\.\d s", lines[-1]), lines
+
+
+def test_a_failed_segment_says_what_failed_and_that_l1_grows_on_demand(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    claims = _Claims(1, 1 << 20)
+
+    def make(size: int) -> torch.Tensor:
+        raise MemoryError("cudaHostRegister of 1048576 bytes failed: 2")
+
+    growth = PinAhead(1 << 20, 1 << 20, claim=claims.claim, make=make,
+                      settle=claims.settle, mode="pin")  # fmt: skip
+    growth.join(30)
+    assert growth.failed == "MemoryError: cudaHostRegister of 1048576 bytes failed: 2"
+    assert claims.settled == [1 << 20]  # the claim was given back
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "pinning L1 ahead stopped: cudaHostRegister of 1048576 bytes failed: 2; L1 grows on demand"
+    ]
