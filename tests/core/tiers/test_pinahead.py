@@ -78,6 +78,8 @@ def test_a_store_evicts_instead_of_waiting_for_the_next_segment() -> None:
     assert l1.store([_item(i) for i in range(4)]).result().stored == 4
     outcome = l1.store([_item(4)]).result()  # segment 2 is still "being pinned"
     assert outcome.stored == 1 and outcome.evicted_chunks == 1
+    state = l1.pin_state()
+    assert state is not None and state["pinning"] and 0 <= state["seconds"] < 30  # so far
     assert l1.contains(["k0", "k4"]).result() == [False, True]
     pool.permits.release(2)
     _wait_pinned(l1, 3 * SEG)
