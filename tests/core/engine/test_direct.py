@@ -32,15 +32,19 @@ def _run(copies: list[Copy2D]) -> None:
             ctypes.memmove(c.dst + row * c.dst_pitch, c.src + row * c.src_pitch, c.width)
 
 
-def _setup(fmt: KVFormat, noncontiguous: bool, table: np.ndarray) -> dict[str, Any]:
-    """Source objects gathered from one cache, a target cache, and what the reference
-    scatter makes of the target."""
+def _setup(
+    fmt: KVFormat, noncontiguous: bool, table: np.ndarray, specs: Any = None
+) -> dict[str, Any]:
+    """Source objects gathered from one cache (layer `specs` if given), a target cache,
+    and what the reference scatter makes of the target."""
     chunk_tokens = PER_CHUNK * BLOCK
+    more: dict[str, Any] = {"layer_specs": specs} if specs else {}
 
     def caches(seed: int) -> tuple[Any, dict[str, Any]]:
         return make_kv_caches(
             fmt, num_layers=3, num_blocks=NUM_BLOCKS, block_size=BLOCK, num_heads=2,
             head_size=8, noncontiguous=noncontiguous, generator=torch.Generator().manual_seed(seed),
+            **more,
         )  # fmt: skip
 
     src, kw = caches(1)
@@ -144,37 +148,15 @@ def test_layer_groups_with_different_block_strides_get_their_own_copies() -> Non
     """Two layer groups (different heads, sizes and dtypes: different block strides and
     block bytes): each layer's copies are planned for its own group's blocks."""
     specs = [(2, 8, torch.bfloat16), (1, 16, torch.float32), (2, 8, torch.bfloat16)]
-    chunk_tokens = PER_CHUNK * BLOCK
-    table = _shuffled()
-
-    def caches(seed: int) -> tuple[Any, dict[str, Any]]:
-        return make_kv_caches(
-            KVFormat.VLLM_FLASH_ATTN, num_blocks=NUM_BLOCKS, block_size=BLOCK, layer_specs=specs,
-            generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
-
-    src, kw = caches(1)
-    layout = KVLayout.from_kv_caches(src, **kw)
-    chunks = torch.empty((CHUNKS, layout.chunk_nbytes(chunk_tokens)), dtype=torch.uint8)
-    transfer_reference(
-        layout, chunks, torch.from_numpy(table), torch.zeros(CHUNKS, dtype=torch.int64),
-        gather=True,
-    )  # fmt: skip
-    target, _ = caches(2)
-    expected, _ = caches(2)
-    transfer_reference(
-        KVLayout.from_kv_caches(expected, **kw), chunks, torch.from_numpy(table),
-        torch.tensor(SKIPS), gather=False,
-    )  # fmt: skip
-    hosts = [int(chunks[c].data_ptr()) for c in range(CHUNKS)]
+    s = _setup(KVFormat.VLLM_FLASH_ATTN, False, _shuffled(), specs)
     direct = DirectLayers(
-        KVLayout.from_kv_caches(target, **kw), table, SKIPS, hosts, chunk_tokens, max_copies=10_000
+        s["layout"], _shuffled(), SKIPS, s["hosts"], s["chunk_tokens"], max_copies=10_000
     )
     for layer in range(len(specs)):
         copies = direct.copies(layer)
         assert copies is not None
         _run(copies)
-    assert same_bytes(target, expected)
+    assert same_bytes(s["target"], s["expected"])
 
 
 def test_the_copy_limit_counts_a_layer_s_copies_inclusively() -> None:
