@@ -102,6 +102,8 @@ class Row:
     layerwise_call_ms: float = 0.0
     first_wait_ms: float = 0.0
     later_waits_ms: float = 0.0
+    #: where the prompt's blocks were in the cache: "shuffled" or "in-order" (--blocks)
+    blocks: str = "shuffled"
 
     @property
     def layerwise_ratio(self) -> float:
@@ -446,6 +448,7 @@ def measure(
         layerwise_call_ms=_ms_median(call for call, _ in timed_loads),
         first_wait_ms=_ms_median(w[0] for w in waits),
         later_waits_ms=_ms_median(sum(w[1:]) for w in waits),
+        blocks="in-order" if in_order else "shuffled",
     )
 
 

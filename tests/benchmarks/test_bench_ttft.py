@@ -56,6 +56,26 @@ def test_toy_run_on_cpu_checks_logits_and_writes_rows_and_plot(tmp_path: Path) -
     assert "(a) recompute" in done.stdout and "(b-d)/c" in done.stdout
 
 
+@pytest.mark.parametrize("blocks", ["in-order", "shuffled"])
+def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
+    tmp_path: Path, blocks: str
+) -> None:
+    """(e) on the toy model over shared memory, with the prompt's blocks placed in order
+    (a fresh engine) or shuffled: the layerwise columns are filled and the logits agree."""
+    rows_path = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "toy", "--lengths", "512",
+         "--repeat", "1", "--layerwise", "--blocks", blocks, "--json", str(rows_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads(rows_path.read_text())
+    assert row["logits_rel_err"] <= 0.05
+    assert row["layerwise_ms"] > 0 and row["layerwise_call_ms"] > 0
+    assert row["blocks"] == blocks
+    assert "(e) layerwise" in done.stdout
+
+
 def test_paged_cache_round_trips_a_transformers_cache() -> None:
     """write() then past() gives back the prefix's K and V exactly (independent of kvflow)."""
     import torch
