@@ -104,6 +104,10 @@ class Row:
     later_waits_ms: float = 0.0
     #: where the prompt's blocks were in the cache: "shuffled" or "in-order" (--blocks)
     blocks: str = "shuffled"
+    #: median over repetitions of (e) / (max((c), (d)) + one layer's copy) with the (d)
+    #: timed right before that (e): steadier than the ratio of medians, since the suffix
+    #: prefill drifts by 10 ms and more between runs (0 when (e) was not run)
+    paired_over_floor: float = 0.0
 
     @property
     def layerwise_ratio(self) -> float:
@@ -449,6 +453,12 @@ def measure(
         first_wait_ms=_ms_median(w[0] for w in waits),
         later_waits_ms=_ms_median(sum(w[1:]) for w in waits),
         blocks="in-order" if in_order else "shuffled",
+        paired_over_floor=statistics.median(
+            e / (max(copy_ms / 1e3, d) + copy_ms / 1e3 / shape.layers)
+            for e, d in zip(layerwise_s, suffix_s, strict=True)
+        )
+        if layerwise
+        else 0.0,
     )
 
 
@@ -515,11 +525,12 @@ def _format(rows: list[Row], header: bool = True) -> str:
     if waits and header:
         lines.append(
             f"\n{'model':<5} {'prompt':>6} {'(e) call':>9} {'layer 0 wait':>12} {'later waits':>11}"
+            f" {'e/floor paired':>14}"
         )
     for r in waits:
         lines.append(
             f"{r.model:<5} {r.prompt:>6} {r.layerwise_call_ms:>6.2f} ms {r.first_wait_ms:>9.2f} ms "
-            f"{r.later_waits_ms:>8.2f} ms"
+            f"{r.later_waits_ms:>8.2f} ms {r.paired_over_floor:>14.2f}"
         )
     return "\n".join(lines)
 

@@ -73,6 +73,7 @@ def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
     assert row["logits_rel_err"] <= 0.05
     assert row["layerwise_ms"] > 0 and row["layerwise_call_ms"] > 0
     assert row["blocks"] == blocks
+    assert row["paired_over_floor"] > 0 and "e/floor paired" in done.stdout
     assert "(e) layerwise" in done.stdout
 
 
