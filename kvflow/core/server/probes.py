@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvflow.core.tiers.pinahead import MODE_WORDS
+
 log = logging.getLogger("kvflow.server.probes")
 
 #: a main loop that has not ticked for this long is reported unhealthy (it ticks every 0.1 s)
@@ -26,17 +28,13 @@ STALL_S = 10.0
 Verdict = tuple[bool, dict[str, Any]]
 
 
-#: how a readiness reason names L1's growth ahead, by its mode (kvflow.core.tiers.pinahead)
-_L1_WORDS = {"pin": ("pinning", "pinned"), "prefault": ("faulting in", "faulted in")}
-
-
 def l1_reasons(pin_state: Mapping[str, Any] | None) -> list[str]:
     """Why L1 is not ready: pinning (or faulting in) ahead still runs (None: L1 grows on
     demand)."""
     if pin_state is None or not pin_state.get("pinning"):
         return []
     pinned, target = pin_state.get("pinned_bytes", 0), pin_state.get("target_bytes", 0)
-    doing, done = _L1_WORDS[pin_state.get("mode", "pin")]
+    doing, done = MODE_WORDS[pin_state.get("mode", "pin")]
     return [f"l1 {doing}: {pinned / (1 << 30):.2f} of {target / (1 << 30):.2f} GiB {done}"]
 
 

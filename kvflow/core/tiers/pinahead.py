@@ -17,16 +17,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 #: threads that pin at once: page faulting parallelises; more than a few gains little
 DEFAULT_THREADS = 4
-#: what making a segment does, in the log lines: "pin" (page-lock) or "prefault"
-_VERBS = {"pin": ("pinning", "pinned"), "prefault": ("faulting in", "faulted in")}
+#: what making a segment does, by mode, in words (log lines, readiness reasons):
+#: "pin" (page-lock) or "prefault"
+MODE_WORDS = {"pin": ("pinning", "pinned"), "prefault": ("faulting in", "faulted in")}
 
 
 class PinAhead:
@@ -53,10 +55,10 @@ class PinAhead:
     ) -> None:
         if threads < 1:
             raise ValueError(f"pin threads must be at least 1, got {threads}")
-        if mode not in _VERBS:
-            raise ValueError(f"mode must be one of {sorted(_VERBS)}, got {mode!r}")
+        if mode not in MODE_WORDS:
+            raise ValueError(f"mode must be one of {sorted(MODE_WORDS)}, got {mode!r}")
         self.mode = mode
-        self._doing, self._done_word = _VERBS[mode]
+        self._doing, self._done_word = MODE_WORDS[mode]
         self.target = target
         self._claim, self._make, self._settle = claim, make, settle
         self._lock = threading.Lock()
