@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from kvflow.core.engine.direct import DirectLayers
+from kvflow.core.engine.direct import Copy2D, DirectLayers
 from kvflow.core.tiers.base import HostChunks
 from kvflow.cuda import (
     MAX_PITCH,
@@ -329,11 +329,7 @@ class CudaMover:
             copies = direct.copies(layer)
             if copies is not None:  # straight from the blocks: no kernel to wait for a slice
                 written(layer, cs)
-                for c in copies:  # the plan's direction reversed: blocks -> L1
-                    copy_2d_async(
-                        c.src, c.src_pitch, c.dst, c.dst_pitch, c.width, c.height,
-                        self._copy_handle,
-                    )  # fmt: skip
+                self._copy_direct(copies, to_blocks=False)
                 continue
             written(layer, ks)
             moves = PreparedTransfer.trusted(
@@ -383,11 +379,7 @@ class CudaMover:
         for layer in range(self.layout.num_layers):
             copies = direct.copies(layer)
             if copies is not None:  # the copy engine alone: no kernel to wait for a slice
-                for c in copies:
-                    copy_2d_async(
-                        c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height,
-                        self._copy_handle,
-                    )  # fmt: skip
+                self._copy_direct(copies, to_blocks=True)
                 ready(layer, cs)
                 any_direct = True
                 continue
@@ -453,13 +445,20 @@ class CudaMover:
 
     def _copy_2d(
         self, device: int, device_pitch: int, host: int, host_pitch: int, width: int,
-        rows: int, to_stage: bool,
+        rows: int, to_device: bool,
     ) -> None:  # fmt: skip
-        """One 2-D copy between a stage (`device`) and L1 (`host`), direction by `to_stage`."""
-        if to_stage:
+        """One 2-D copy between device memory (`device`: a stage, or blocks) and L1
+        (`host`), into the device when `to_device`."""
+        if to_device:
             copy_2d_async(device, device_pitch, host, host_pitch, width, rows, self._copy_handle)
         else:
             copy_2d_async(host, host_pitch, device, device_pitch, width, rows, self._copy_handle)
+
+    def _copy_direct(self, copies: list[Copy2D], *, to_blocks: bool) -> None:
+        """Queue a layer's copies between L1 and its blocks (`DirectLayers`: device side
+        `dst`, host side `src`), into the blocks or out of them, on the copy stream."""
+        for c in copies:
+            self._copy_2d(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width, c.height, to_blocks)
 
     def _scatter_through(self, group: int, *, by_chunk: bool = False) -> None:
         """Queue the held-back scatters of groups up to `group`, oldest first: one launch
