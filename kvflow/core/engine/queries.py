@@ -24,6 +24,7 @@ from kvflow.core.engine.ops import Op
 from kvflow.core.engine.tiering import Tiering
 from kvflow.core.engine.validation import (
     check_bool,
+    check_ranks,
     check_salt,
     check_str,
     check_tokens,
@@ -51,25 +52,6 @@ def rank_groups(ranks: Sequence[int]) -> Iterator[Sequence[int]]:
         stop = min(len(ranks), max(start + 1, 2 * start))
         yield ranks[start:stop]
         start = stop
-
-
-def check_ranks(ranks: Any, world_size: int) -> Sequence[int]:
-    """The ranks a lookup counts: all of the world's (None), or a non-empty list of
-    distinct ranks in [0, world_size), in ascending order."""
-    if ranks is None:
-        return range(world_size)
-    if (
-        not isinstance(ranks, (list, tuple))
-        or not ranks
-        or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks)
-        or len(set(ranks)) != len(ranks)
-        or not all(0 <= r < world_size for r in ranks)
-    ):
-        raise InvalidRequestError(
-            f"ranks must be a non-empty list of distinct ranks in [0, {world_size})"
-            f" (world_size {world_size}), got {ranks!r}"
-        )
-    return sorted(ranks)
 
 
 def desc_nbytes(desc: LayoutDesc) -> int:

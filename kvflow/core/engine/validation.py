@@ -8,6 +8,7 @@ bounds are constants here (`MAX_WORLD_SIZE`, `MAX_REQUEST_TOKENS`), re-exported 
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,26 @@ def check_world(world_size: Any, rank: Any = 0) -> None:
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+
+
+def check_ranks(ranks: Any, world_size: int) -> Sequence[int]:
+    """The ranks a lookup counts: all of the world's (None), or a non-empty list of
+    distinct ranks in [0, world_size), in ascending order (a longer list is refused
+    before its items are read)."""
+    if ranks is None:
+        return range(world_size)
+    if (
+        not isinstance(ranks, (list, tuple))
+        or not 0 < len(ranks) <= world_size
+        or any(isinstance(r, bool) or not isinstance(r, int) for r in ranks)
+        or len(set(ranks)) != len(ranks)
+        or not all(0 <= r < world_size for r in ranks)
+    ):
+        raise InvalidRequestError(
+            f"ranks must be a non-empty list of distinct ranks in [0, {world_size})"
+            f" (world_size {world_size}), got {reprlib.repr(ranks)}"
+        )
+    return sorted(ranks)
 
 
 def requested_tokens(token_ids: Any) -> int:

@@ -83,3 +83,15 @@ def test_a_rank_s_lookup_finds_its_chunks_in_l2_and_prefetches_only_them() -> No
         what="rank 1's chunks back in L1",
     )
     engine.close()
+
+
+def test_a_rank_list_longer_than_the_world_is_refused_in_a_short_line() -> None:
+    """A list of 100,000 ranks for a world of two: refused naming the bound, the list
+    shown cut short rather than echoed whole."""
+    engine, _ = small_engine()
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.lookup(TOKENS, model_name="m", world_size=2, ranks=list(range(100_000)))
+    message = str(refused.value)
+    assert message.startswith("ranks must be a non-empty list of distinct ranks in [0, 2)")
+    assert len(message) < 200, message
+    engine.close()
