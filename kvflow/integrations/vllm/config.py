@@ -23,6 +23,11 @@ def _bool(key: str, value: Any) -> bool:
     raise ValueError(f"{PREFIX}{key} must be a boolean, got {value!r}")
 
 
+def _split_endpoints(endpoint: str) -> tuple[str, ...]:
+    """The endpoints of a `kvflow.endpoint` value: one, or a comma-separated list."""
+    return tuple(part.strip() for part in endpoint.split(","))
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """What the connector reads from `kv_connector_extra_config` (docs/VLLM.md, Config keys)."""
@@ -83,7 +88,7 @@ class ConnectorConfig:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """The endpoint, or each rank's when `endpoint` lists one per rank."""
-        return tuple(part.strip() for part in self.endpoint.split(","))
+        return _split_endpoints(self.endpoint)
 
     def rank_endpoints(self, world_size: int) -> tuple[str, ...]:
         """One endpoint for the whole engine, or one per rank (ValueError unless the list
@@ -105,8 +110,8 @@ class ConnectorConfig:
     def _parse(key: str, value: Any) -> Any:
         if key == "endpoint":
             endpoint = text(key, value)
-            for part in endpoint.split(","):
-                if not part.strip().startswith(("tcp://", "ipc://")):
+            for part in _split_endpoints(endpoint):
+                if not part.startswith(("tcp://", "ipc://")):
                     raise ValueError(
                         f"{PREFIX}endpoint must look like tcp://HOST:PORT (or a comma-separated"
                         f" list of such, one per rank), got {value!r}"
