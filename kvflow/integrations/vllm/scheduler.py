@@ -88,7 +88,6 @@ class SchedulerSide:
             )
         )
         self._clients = [factory(endpoint) for endpoint in config.rank_endpoints(world_size)]
-        self._client = self._clients[0]
         self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvflow-lookup")
         self._requests: dict[str, _Tracked] = {}
         self._chunk_size: Future[int] = self._pool.submit(self._ask_chunk_size)
@@ -181,7 +180,7 @@ class SchedulerSide:
             request_id=request.request_id,
         )
         if len(self._clients) == 1:
-            return ask(self._client)
+            return ask(self._clients[0])
         hit = -1
         for rank, client in enumerate(self._clients):
             got = ask(client, ranks=[rank])
