@@ -51,29 +51,21 @@ def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
         assert f"{op} all/rank0:" in done.stdout
 
 
-def test_rank_counts_that_do_not_split_the_heads_are_refused() -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ranks", "3"], "--ranks must be 2, 4 or 8"),
+        (["--in-process", "--server-flag=--disable-observability"], "--server-flag needs a server"),
+        (["--in-process", "--server-per-rank"], "exclude each other"),
+    ],
+    ids=["ranks-that-do-not-split-the-heads", "server-flags-in-process", "per-rank-in-process"],
+)
+def test_usage_errors_exit_2_naming_what_is_wrong(flags: list[str], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--ranks", "3"],
+        [sys.executable, str(SCRIPT), "--device", "cpu", *flags],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
-    assert done.returncode == 2 and "--ranks must be 2, 4 or 8" in done.stderr
-
-
-def test_in_process_takes_no_server_flags() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--in-process",
-         "--server-flag=--disable-observability"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 2 and "--server-flag needs a server" in done.stderr
-
-
-def test_a_server_per_rank_and_in_process_exclude_each_other() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--in-process", "--server-per-rank"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 2 and "exclude each other" in done.stderr
+    assert done.returncode == 2 and message in done.stderr
 
 
 def test_too_few_gpus_is_a_clear_failure() -> None:
