@@ -109,6 +109,16 @@ def caches(fmt: str, seed: int, **kw: Any) -> tuple[Any, dict[str, Any]]:
     return make_kv_caches(fmt, generator=torch.Generator().manual_seed(seed), **kw)
 
 
+def register_world(engine: CacheEngine, world_size: int, model_name: str = "m") -> None:
+    """Register ranks 0..world_size-1 of `model_name` as instances "tp<rank>" (random
+    vllm_flash_attn caches, seeded by rank)."""
+    for rank in range(world_size):
+        kv, kw = caches("vllm_flash_attn", seed=rank)
+        engine.register_kv_caches(
+            f"tp{rank}", kv, model_name=model_name, world_size=world_size, rank=rank, **kw
+        )
+
+
 def events_of(recorder: RecordingSubscriber, engine: CacheEngine) -> list[Event]:
     """Every event the engine published so far, once delivered."""
     assert engine.bus.flush(5.0)

@@ -16,7 +16,7 @@ from kvflow.core.errors import (
     UnknownInstanceError,
 )
 from kvflow.kernels import KVFormat
-from tests.support.engine import BLOCK, CHUNK, block_bytes, caches, small_engine
+from tests.support.engine import BLOCK, CHUNK, block_bytes, caches, register_world, small_engine
 
 FORMATS = [f.value for f in KVFormat]
 TOKENS = np.arange(100, 100 + 3 * CHUNK + 3, dtype=np.int32)  # 3 full chunks + a partial one
@@ -158,9 +158,7 @@ def test_keys_separate_models_worlds_and_salts() -> None:
 def test_lookup_with_world_size_two_needs_every_rank() -> None:
     """A chunk hits only when both ranks of the world stored it."""
     engine, _ = small_engine()
-    for rank in (0, 1):
-        kv, kw = caches("vllm_flash_attn", seed=rank)
-        engine.register_kv_caches(f"tp{rank}", kv, model_name="m", world_size=2, rank=rank, **kw)
+    register_world(engine, 2)
     engine.store("tp0", TOKENS, SRC_BLOCKS, request_id="q")
     assert engine.lookup(TOKENS, model_name="m", world_size=2) == 0
     engine.store("tp1", TOKENS[: 2 * CHUNK], SRC_BLOCKS, request_id="q")

@@ -21,7 +21,16 @@ from kvflow.core.tiers.base import ObjectKey, StorageTier
 from kvflow.events import Event, EventType
 from kvflow.events.testing import RecordingSubscriber
 from kvflow.kernels import cuda_available
-from tests.support.engine import CHUNK, block_bytes, caches, events_of, of_type, pairs, small_engine
+from tests.support.engine import (
+    CHUNK,
+    block_bytes,
+    caches,
+    events_of,
+    of_type,
+    pairs,
+    register_world,
+    small_engine,
+)
 from tests.support.tiers import FaultyTier, memory_tier
 
 N = 6  # chunks per request
@@ -294,9 +303,7 @@ def test_prefetch_allocates_from_the_layout_desc_of_several_layer_groups() -> No
 def test_world_of_two_hits_only_when_every_rank_is_in_some_tier() -> None:
     """Rank 0 in L1 and rank 1 only in L2 still hits; the prefetch loads just rank 1."""
     engine, recorder = small_engine(l1_bytes=1 << 20, l2_tiers=[memory_tier()])
-    for rank in (0, 1):
-        kv, kw = caches("vllm_flash_attn", seed=rank)
-        engine.register_kv_caches(f"tp{rank}", kv, model_name="m", world_size=2, rank=rank, **kw)
+    register_world(engine, 2)
     engine.store("tp0", T, SRC, request_id="w")
     assert engine.lookup(T, model_name="m", world_size=2) == 0
     engine.store("tp1", T, SRC, request_id="w")

@@ -9,7 +9,7 @@ import pytest
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.events import EventType
-from tests.support.engine import CHUNK, caches, events_of, of_type, small_engine
+from tests.support.engine import CHUNK, caches, events_of, of_type, register_world, small_engine
 from tests.support.ops import wait_for
 from tests.support.tiers import memory_tier
 
@@ -21,9 +21,7 @@ def test_a_lookup_counts_only_the_ranks_it_names() -> None:
     """Rank 1 alone stored 3 chunks and rank 0 two: the whole world hits 2, rank 1 alone 3,
     rank 0 alone 2; a world of four with only rank 2 registered hits for [2] only."""
     engine, _ = small_engine()
-    for rank in (0, 1):
-        kv, kw = caches("vllm_flash_attn", seed=rank)
-        engine.register_kv_caches(f"tp{rank}", kv, model_name="m", world_size=2, rank=rank, **kw)
+    register_world(engine, 2)
     engine.store("tp1", TOKENS, BLOCKS, request_id="q")
     assert engine.lookup(TOKENS, model_name="m", world_size=2) == 0
     assert engine.lookup(TOKENS, model_name="m", world_size=2, ranks=[1]) == 3 * CHUNK
@@ -57,9 +55,7 @@ def test_a_rank_s_lookup_finds_its_chunks_in_l2_and_prefetches_only_them() -> No
     """Rank 1's chunks only in L2 (rank 0 stored nothing): its own lookup hits them all
     there and prefetches them back into L1; the whole world's lookup still hits nothing."""
     engine, recorder = small_engine(l1_bytes=1 << 20, l2_tiers=[memory_tier()])
-    for rank in (0, 1):
-        kv, kw = caches("vllm_flash_attn", seed=rank)
-        engine.register_kv_caches(f"tp{rank}", kv, model_name="m", world_size=2, rank=rank, **kw)
+    register_world(engine, 2)
     engine.store("tp1", TOKENS, BLOCKS, request_id="w")
     tiering = engine._tiering
     assert tiering is not None and tiering.writes.drain(5.0)
