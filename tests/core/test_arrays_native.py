@@ -15,7 +15,8 @@ from kvflow.core.arrays import INT32_LE, as_int32_array, ids_extension
 from kvflow.events import native
 
 needs_cc = pytest.mark.needs("cc", why="the id-list loop is a C extension built here")
-EDGES = [0, 1, -1, 2**31 - 1, -(2**31), 127_999]
+#: int32's ends, and the ends of one-digit ints (read in place) and of two-digit ones
+EDGES = [0, 1, -1, 2**31 - 1, -(2**31), 127_999, 2**30 - 1, 2**30, 1 - 2**30, -(2**30)]
 
 
 @pytest.fixture
