@@ -138,8 +138,9 @@ def engine_lookup_us(cases: list[Case], n: int) -> list[float]:
 
 #: ways to turn a list of ints into int32: kvflow's, and the others it was measured against
 CONVERSIONS: dict[str, Callable[[list[int]], object]] = {
-    "kvflow as_int32_array": lambda v: as_int32_array(v, "token_ids"),
-    "array.array('i') (kvflow before)": lambda v: array.array("i", v),
+    "kvflow as_int32_array (its C loop)": lambda v: as_int32_array(v, "token_ids"),
+    "array.array('I') (kvflow before)": lambda v: array.array("I", v),
+    "array.array('i')": lambda v: array.array("i", v),
     "struct.pack": lambda v: struct.pack(f"<{len(v)}i", *v),
     "np.array(dtype=int32)": lambda v: np.array(v, dtype=np.int32),
     "np.fromiter (takes floats)": lambda v: np.fromiter(v, np.int32, len(v)),

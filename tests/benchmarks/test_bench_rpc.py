@@ -38,7 +38,7 @@ def test_small_run_prints_every_case_with_its_hits_and_the_ratios() -> None:
     }
     assert re.search(r"server p50 without / with a request id: \d+\.\d\d", done.stdout)
     assert re.search(r"round trip p50 from a list / from an array: \d+\.\d\d", done.stdout)
-    assert re.search(r"kvflow as_int32_array\s+\d+us", done.stdout)
+    assert re.search(r"kvflow as_int32_array \(its C loop\)\s+\d+us", done.stdout)
     assert re.search(
         r"keys of 2048 tokens, p50: chain_hashes \d+us; .* blake3 .* \d+us", done.stdout
     )
