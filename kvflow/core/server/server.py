@@ -294,10 +294,9 @@ class KVFlowServer:
 
     def _start_probes(self) -> ProbeServer:
         """Serve /healthz and /readyz (an unusable port closes the server: OSError)."""
-        l1 = self.engine.l1
         probes = Probes(
             loop_age_s=self._clock.age_s,
-            pin_state=getattr(l1, "pin_state", lambda: None),
+            pin_state=self.engine.l1.pin_state,
             tier_stats=lambda: {t.name: t.stats() for t in self.engine.l2_tiers},
             draining=lambda: self._drain.draining,
             stopping=self._stop.is_set,

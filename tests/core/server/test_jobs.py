@@ -42,18 +42,25 @@ class _AnswersThenRaises(Job):
 
 @pytest.fixture
 def worker() -> Iterator[tuple[Worker, zmq.Socket[Any], ErrorReplies]]:
+    """A worker answering on an inproc PULL socket. The socket and the context are closed
+    even when making the worker fails: a context left with an open socket blocks the
+    process at exit (its finalizer waits for the socket)."""
     ctx: zmq.Context[Any] = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    pull.rcvtimeo = 5000
-    pull.bind("inproc://jobs-test")
-    errors = ErrorReplies()
-    w = Worker(ctx, "inproc://jobs-test", "test", errors)
-    yield w, pull, errors
-    w.finish()
-    while w.alive:
-        time.sleep(0.01)
-    pull.close(0)
-    ctx.term()
+    try:
+        pull.rcvtimeo = 5000
+        pull.bind("inproc://jobs-test")
+        errors = ErrorReplies()
+        w = Worker(ctx, "inproc://jobs-test", "test", errors)
+        try:
+            yield w, pull, errors
+        finally:
+            w.finish()
+            while w.alive:
+                time.sleep(0.01)
+    finally:
+        pull.close(0)
+        ctx.term()
 
 
 def _reply(pull: zmq.Socket[Any]) -> tuple[bytes, Reply]:
