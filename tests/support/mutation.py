@@ -132,6 +132,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_kv_events.py",
         "tests/core/server/test_admin.py",
         "tests/core/server/test_client_mutants.py",
+        "tests/core/server/test_chunk_keys.py",
     ],
     # the server's admin calls, KV-event publisher and probes have test files of their own
     "kvflow/core/server/server.py": [
@@ -153,12 +154,20 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     ],
     # split out of server.py (issue 40): the jobs run every request kind; the registry
     # keeps the registered instances
+    # every request a server runs goes through a job: the salted, keyed and ranked
+    # lookups, stores and retrieves are in the client's and the mutant-killing files too
     "kvflow/core/server/jobs.py": [
         "tests/core/server/test_jobs.py",
         "tests/core/server/test_server.py",
         "tests/core/server/test_server_hardening.py",
         "tests/core/server/test_blend_server.py",
         "tests/core/server/test_layerwise_server.py",
+        "tests/core/server/test_chunk_keys.py",
+        "tests/core/server/test_client.py",
+        "tests/core/server/test_client_mutants.py",
+        "tests/core/server/test_server_mutants.py",
+        "tests/core/server/test_server_events.py",
+        "tests/core/server/test_kv_events.py",
     ],
     "kvflow/core/server/registry.py": [
         "tests/core/server/test_server.py",
