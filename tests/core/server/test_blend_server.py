@@ -151,7 +151,14 @@ def test_bad_segments_and_instances_get_errors_naming_them(
     refused = [
         ([(b.offset, a.chunk_hash, b.original_start)], InvalidRequestError, "not those of stored"),
         ([b, b], InvalidRequestError, "overlap at prompt offset"),
-        ([b] * 100, InvalidRequestError, "100 segments, more than its 38 prompt tokens"),
+        (
+            [b] * 100,
+            InvalidRequestError,
+            rf"^BlendRetrieve has 100 segments, more than its {len(prompt)} prompt tokens hold"
+            rf" \({len(prompt) // CHUNK} chunks of {CHUNK} tokens, none overlapping\)$",
+        ),
+        # as many segments as whole chunks fit pass the count (then overlap)
+        ([b] * (len(prompt) // CHUNK), InvalidRequestError, "overlap at prompt offset"),
         ([(b.offset, b.chunk_hash, -1)], InvalidRequestError, "original_start must be an"),
         ([(b.offset, "text", 0)], InvalidRequestError, "invalid BlendRetrieve argument"),
         ([(b.offset, b.chunk_hash)], InvalidRequestError, r"segments\[0\] must be"),
