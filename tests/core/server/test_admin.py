@@ -93,6 +93,7 @@ def test_only_a_listed_curve_key_is_an_admin(
     with _curve_client(curve_server, keys, "operator") as operator:
         for request in EVERY_ADMIN_REQUEST:
             operator.admin(request)
+            assert operator.last_server_time_s > 0  # the reply carries its handling time
         status = operator.status()
         assert status["l1"]["capacity_bytes"] == int(0.01 * (1 << 30))
         limits = {t["tenant"]: t["limit_bytes"] for t in status["server"]["tenants"]}

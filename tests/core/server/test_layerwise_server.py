@@ -60,6 +60,7 @@ def test_every_layer_is_whole_once_its_wait_returns(endpoint: str) -> None:
             t.zero_()
         load = client.retrieve_layerwise("lw-dst", TOKENS, DST, request_id=f"r{attempt}")
         assert load.hit_tokens == 4 * CHUNK
+        assert client.last_server_time_s > 0  # the early reply carries its handling time
         for layer in range(NL):
             load.wait_layer(layer)
             assert torch.equal(_layer(dst, layer, DST[:8]), _layer(src, layer, SRC[:8]))
