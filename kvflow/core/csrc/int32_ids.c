@@ -12,7 +12,8 @@
  * item that is not an exact int within int32 (bools, numpy scalars and out-of-range
  * values included); the caller then converts the whole sequence another way, which
  * accepts or names it. The GIL is held throughout, so the sequence cannot change under
- * the loop.
+ * the loop (a free-threaded CPython turns the GIL back on when it imports a module that,
+ * like this one, does not declare it safe without it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
