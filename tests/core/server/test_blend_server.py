@@ -110,6 +110,7 @@ def test_documents_stored_in_one_order_blend_in_another(client: KVFlowClient) ->
     prompt = docs.prompt()
     hit = client.blend_lookup(prompt, model_name=docs.model_name, request_id="q")
     assert hit.prefix_tokens == CHUNK
+    assert client.last_server_time_s > 0  # each reply carries the server's handling time
     b_at, a_at = CHUNK + 3, 2 * CHUNK + 3
     assert [(s.offset, s.length, s.original_start) for s in hit.segments] == [
         (b_at, CHUNK, 3 * CHUNK), (a_at, CHUNK, CHUNK), (a_at + CHUNK, CHUNK, 2 * CHUNK),
@@ -118,6 +119,7 @@ def test_documents_stored_in_one_order_blend_in_another(client: KVFlowClient) ->
     blocks = docs.blocks(prompt)
     blended = client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="q")
     assert blended.tokens == hit.blended_tokens == 3 * CHUNK and blended.skipped == ()
+    assert client.last_server_time_s > 0
     written = docs.model.check_blended(docs.dst, prompt, blocks, hit.segments)
     assert untouched(docs.dst, before, written), "a slot outside the segments was written"
     as_triples = [(s.offset, s.chunk_hash, s.original_start) for s in hit.segments[:1]]

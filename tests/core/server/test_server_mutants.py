@@ -323,6 +323,36 @@ def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_reques
         assert str(unknown.value) == "instance 'ghost' is not registered"
 
 
+@pytest.mark.parametrize("l2", [False, True], ids=["l1_only", "with_disk"])
+def test_every_data_reply_carries_the_servers_handling_time(l2: bool, tmp_path: Path) -> None:
+    """A store, a lookup (answered on the loop with L1 alone, on the query worker with an L2
+    tier), a prefetch and its state, and a retrieve each tell the client how long the
+    server took (`last_server_time_s`), hit or miss."""
+    prompt = tokens(2 * CHUNK, 21)
+    disk = ("--l2-disk", str(tmp_path / "disk")) if l2 else ()
+    with (
+        ServerProcess("--disable-observability", "--l1-size-gb", "0.05", *disk) as srv,
+        KVFlowClient(srv.endpoint, timeout_s=20) as client,
+    ):
+        client.register_kv_caches("timed", shared_kv(3), model_name="timed")
+        calls = [
+            lambda: client.store("timed", prompt, list(range(32)), request_id="s"),
+            lambda: client.lookup(prompt, model_name="timed"),
+            lambda: client.lookup(tokens(CHUNK, 22), model_name="timed"),
+            lambda: client.retrieve("timed", prompt, list(range(32, 64)), request_id="r"),
+        ]
+        if l2:
+            calls += [
+                lambda: client.prefetch(prompt, model_name="timed"),
+                lambda: client.prefetch_state(client.prefetch(prompt, model_name="timed")),
+            ]
+        for call in calls:
+            client.status()  # a reply of its own in between
+            call()
+            assert client.last_server_time_s > 0, call
+        client.unregister("timed")
+
+
 def test_the_server_threads_are_named_for_their_work(tmp_path: Path) -> None:
     """With --max-instances 1 one instance worker, and beside it the admin worker and (an
     L2 tier: lookups may wait on it) the query worker, each named for what it runs."""
