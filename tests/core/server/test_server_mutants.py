@@ -6,7 +6,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -335,7 +335,7 @@ def test_every_data_reply_carries_the_servers_handling_time(l2: bool, tmp_path: 
         KVFlowClient(srv.endpoint, timeout_s=20) as client,
     ):
         client.register_kv_caches("timed", shared_kv(3), model_name="timed")
-        calls = [
+        calls: list[Callable[[], object]] = [
             lambda: client.store("timed", prompt, list(range(32)), request_id="s"),
             lambda: client.lookup(prompt, model_name="timed"),
             lambda: client.lookup(tokens(CHUNK, 22), model_name="timed"),
