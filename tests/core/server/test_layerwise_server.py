@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
@@ -17,6 +18,7 @@ from kvflow.core.server.layers import (
     ServerLayers,
     open_server_layers,
 )
+from kvflow.core.server.protocol import Failed, Retrieve, decode_reply, encode_request
 from tests.e2e.server_proc import running_server
 
 NL, NB, BS, NH, HS = 6, 64, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
@@ -90,7 +92,8 @@ def test_a_miss_and_a_plain_instance(endpoint: str) -> None:
     load = client.retrieve_layerwise("lw-miss", other, DST[:4], request_id="m")
     assert load.hit_tokens == 0
     load.wait()
-    with pytest.raises(InvalidRequestError, match="layerwise=True"):
+    plain = "^instance 'lw-plain' was not registered by this client with layerwise=True$"
+    with pytest.raises(InvalidRequestError, match=plain):
         client.retrieve_layerwise("lw-plain", other, DST[:4], request_id="p")
     assert client.retrieve("lw-plain", other, DST[:4], request_id="p2") == 0
     client.close()
@@ -166,4 +169,50 @@ def test_a_store_whose_layers_never_come_ends_with_its_instance(endpoint: str) -
     assert client.lookup(tokens, model_name="dead") == 0
     client.register_kv_caches("st-dead", src, model_name="dead", block_size=BS, layerwise=True)
     assert client.store("st-dead", tokens, SRC[:4], request_id="alive") == 2 * CHUNK
+    client.close()
+
+
+def _raw_retrieve(endpoint: str, request: Retrieve) -> object:
+    """The server's reply to `request` sent from a bare socket (kvflow's client refuses
+    such requests before sending them)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(encode_request(request, (TOKENS, np.asarray(DST, dtype=np.int32))))
+        assert sock.poll(10_000), "no reply"
+        return decode_reply(sock.recv())
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_the_server_refuses_a_bad_layer_number_or_a_plain_instance_naming_it(
+    endpoint: str,
+) -> None:
+    """Raw layerwise retrieves: a negative layer number, and a layer number for an instance
+    registered without layerwise=True, each refused with what was wrong; both instances
+    are served as before."""
+    client = KVFlowClient(endpoint, client_id="lw-raw-owner")
+    client.register_kv_caches("lw-raw", _caches(5), model_name="lw", block_size=BS, layerwise=True)
+    client.register_kv_caches("lw-raw-plain", _caches(6), model_name="lw", block_size=BS)
+    refusals = [
+        ("lw-raw", -1, "layer_seq must be an integer >= 0, got -1"),
+        (
+            "lw-raw-plain",
+            1,
+            "instance 'lw-raw-plain' was registered without layerwise=True: it has no"
+            " per-layer completion points for a layerwise retrieve",
+        ),
+    ]
+    for instance, seq, message in refusals:
+        request = Retrieve(
+            id=9, client="lw-raw-owner", instance_id=instance, request_id="raw", layer_seq=seq
+        )
+        reply = _raw_retrieve(endpoint, request)
+        assert isinstance(reply, Failed) and reply.id == 9, reply
+        assert (reply.code, reply.message) == ("invalid_argument", message)
+        fresh = np.arange(9100, 9100 + 2 * CHUNK, dtype=np.int32)  # nothing stored
+        assert client.retrieve(instance, fresh, DST[:4], request_id=f"after-{seq}") == 0
     client.close()
