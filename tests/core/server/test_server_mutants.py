@@ -353,6 +353,19 @@ def test_every_data_reply_carries_the_servers_handling_time(l2: bool, tmp_path: 
         client.unregister("timed")
 
 
+def test_a_registration_is_logged_whole_and_its_reply_timed(server: ServerProcess) -> None:
+    """The server logs each registration with its instance, model, rank of world and
+    client, and the reply carries the server's handling time."""
+    with KVFlowClient(server.endpoint, timeout_s=20, client_id="reg-logger") as client:
+        client.register_kv_caches(
+            "reg-line", shared_kv(4), model_name="logged", world_size=2, rank=1
+        )
+        assert client.last_server_time_s > 0
+        line = "registered instance 'reg-line' of model 'logged' (rank 1/2) for client reg-logger"
+        wait_for(lambda: line in server.log(), timeout_s=10, what="the registration line")
+        client.unregister("reg-line")
+
+
 def test_the_server_threads_are_named_for_their_work(tmp_path: Path) -> None:
     """With --max-instances 1 one instance worker, and beside it the admin worker and (an
     L2 tier: lookups may wait on it) the query worker, each named for what it runs."""
