@@ -168,6 +168,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server_mutants.py",
         "tests/core/server/test_server_events.py",
         "tests/core/server/test_kv_events.py",
+        "tests/core/server/test_admin.py",
         "tests/e2e/test_server_l2.py",
     ],
     "kvflow/core/server/registry.py": [
