@@ -27,6 +27,7 @@ SECRET_FIELDS = ("l2_redis_username", "l2_redis_password")
 MAX_SIZE_GIB = 1 << 20  # 1 PiB: above any machine's memory or disk, far below an overflow
 HEARTBEAT_TIMEOUT_S_RANGE = (0.5, 86400.0)  # the client beats every quarter of it
 MAX_MESSAGE_MB_RANGE = (0.0625, 2048.0)  # 64 KiB .. 2 GiB
+SWITCH_INTERVAL_MS_RANGE = (0.05, 100.0)  # --switch-interval-ms (CPython's default is 5)
 L2_TIMEOUT_S_RANGE = (0.001, 600.0)  # --l2-timeout-s and --l2-redis-timeout-s
 L2_BACKLOG_WAIT_S_RANGE = (0.0, 600.0)  # --l2-backlog-wait-s (0: drop at once, as before)
 TRACING_TTL_S_RANGE = (1.0, 86400.0)
@@ -168,6 +169,12 @@ class ServerConfig:
     max_message_mb: float = 64.0
     #: registered instances the server accepts at once (each holds mapped KV memory)
     max_instances: int = 64
+    #: the `kvflow server` process's thread switch interval (sys.setswitchinterval): how
+    #: long a thread waiting for the GIL waits before the running one must hand it over.
+    #: A rank's thread that released it for a moment (a lock, a short numpy call) waits up
+    #: to this long to take it back while another rank's thread runs Python; CPython's 5 ms
+    #: cost two ranks a fifth of their scaling (docs/SERVER.md, Many GPUs)
+    switch_interval_ms: float = 0.2
     #: chunk hashes the KV-event replay log keeps for subscribers (0 = KV events off)
     kv_events_chunks: int = 1 << 16
     #: stored chunks the blend index keeps findable by their own tokens (docs/BLEND.md;
@@ -225,6 +232,9 @@ class ServerConfig:
             "--heartbeat-timeout-s", self.heartbeat_timeout_s, *HEARTBEAT_TIMEOUT_S_RANGE, "seconds"
         )
         _check_range("--max-message-mb", self.max_message_mb, *MAX_MESSAGE_MB_RANGE, "MiB")
+        _check_range(
+            "--switch-interval-ms", self.switch_interval_ms, *SWITCH_INTERVAL_MS_RANGE, "ms"
+        )
         kc = self.kv_events_chunks
         if isinstance(kc, bool) or not isinstance(kc, int) or not 0 <= kc <= 1 << 26:
             raise ValueError(f"--kv-events-chunks must be an integer in [0, {1 << 26}], got {kc!r}")

@@ -43,9 +43,12 @@ STAGING_BUDGET_BYTES = 256 << 20
 #: Most chunks moved by one kernel launch, and most stages in the staging ring.
 MAX_GROUP = 8
 MAX_STAGES = 4
-#: Bytes a store's first wave covers: ~0.3 ms of host copy, about what the host takes to
-#: prepare the next wave; fewer would idle the copy engine, more delay its first copy.
-HEAD_BYTES = 16 << 20
+#: Bytes a store's first wave covers (at most a group): ~1.2 ms of host copy, enough to
+#: cover the next wave's host work when another rank's thread holds the GIL meanwhile.
+#: 16 MiB (~0.3 ms, one wave's host work on an idle interpreter) made six waves of a
+#: 0.5 GiB store, each a point where a second rank stalled the first's copies; more
+#: would delay the first copy (docs/perf-journal.md, 2026-11-29, the GIL's hand-overs).
+HEAD_BYTES = 64 << 20
 
 #: a retrieve's block ids, as a function the mover calls once its first copies are queued
 BlockRows = Callable[[], np.ndarray]

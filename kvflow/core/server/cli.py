@@ -122,6 +122,14 @@ OPTIONS = (
         "registered instances accepted at once (default 64); more are refused",
     ),
     _Option(
+        "--switch-interval-ms",
+        "switch_interval_ms",
+        _S,
+        float,
+        "the server process's thread switch interval in ms (default 0.2; CPython's is 5):"
+        " how long a thread waiting for the GIL waits before the running one hands it over",
+    ),
+    _Option(
         "--l2-disk",
         "l2_disk_paths",
         _S,
@@ -495,6 +503,8 @@ def _serve(config: ServerConfig) -> int:
     from kvflow.core.server.server import KVFlowServer
 
     logging_setup = _configure_logging(config.observability)
+    # the process is the server's own: its ranks' threads take the GIL in turns this often
+    sys.setswitchinterval(config.switch_interval_ms / 1e3)
     try:
         server = KVFlowServer(config)
     except (OSError, ValueError) as exc:  # a port in use; an L2 path refused (names its flag)

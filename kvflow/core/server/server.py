@@ -713,6 +713,8 @@ class KVFlowServer:
             "reaped_instances": self._reaped,
             "max_instances": self._max_instances,
             "workers": len(self._pool),
+            # the process's, as `kvflow server --switch-interval-ms` set it (or its host's)
+            "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 6),
             "cuda_ipc_mappings": _cuda_ipc_mappings(),
             "authentication": "curve" if self._curve is not None else "none",
             "authorized_keys": len(self._curve.authorized) if self._curve is not None else None,

@@ -49,6 +49,7 @@ def test_every_flag_reaches_its_field() -> None:
         [
             *("--host", "0.0.0.0", "--port", "6001", "--chunk-size", "512"),
             *("--l1-size-gb", "1.5", "--heartbeat-timeout-s", "3", "--max-message-mb", "8"),
+            *("--switch-interval-ms", "0.5"),
             *("--disable-metrics", "--disable-logging", "--enable-tracing"),
             *("--otlp-endpoint", "http://collector:4317", "--otlp-protocol", "http"),
             *("--prometheus-host", "0.0.0.0", "--prometheus-port", "0"),
@@ -66,6 +67,7 @@ def test_every_flag_reaches_its_field() -> None:
         1.5,
     )
     assert (config.heartbeat_timeout_s, config.max_message_mb) == (3.0, 8.0)
+    assert config.switch_interval_ms == 0.5
     assert (obs.enabled, obs.metrics_enabled, obs.logging_enabled, obs.tracing_enabled) == (
         True,
         False,
@@ -119,6 +121,29 @@ def test_a_prefaulting_server_faults_l1_in_at_start_and_reports_it() -> None:
         assert state["pinned_bytes"] == state["target_bytes"] == 1 << 28
         client.close()
     assert "L1 faulted in: 0.2 GiB in " in srv.log()
+
+
+def test_the_server_process_takes_the_gil_in_turns_at_its_switch_interval() -> None:
+    """`kvflow server` sets its process's switch interval (0.2 ms unless told otherwise, not
+    CPython's 5) and reports the one in force; a server built inside another process
+    (tests, an embedding) leaves that process's interpreter alone."""
+    with ServerProcess("--l1-size-gb", "0.25", "--switch-interval-ms", "0.5") as srv:
+        client = KVFlowClient(srv.endpoint)
+        assert client.status()["server"]["switch_interval_ms"] == 0.5
+        client.close()
+    with ServerProcess("--l1-size-gb", "0.25") as srv:
+        client = KVFlowClient(srv.endpoint)
+        assert client.status()["server"]["switch_interval_ms"] == 0.2
+        client.close()
+    from kvflow.core.server.server import KVFlowServer
+
+    before = sys.getswitchinterval()
+    server = KVFlowServer(ServerConfig(port=0, l1_size_gb=0.01, switch_interval_ms=50))
+    try:
+        assert sys.getswitchinterval() == before
+        assert server.status()["server"]["switch_interval_ms"] == round(before * 1e3, 6)
+    finally:
+        server.close()
 
 
 def test_environment_switches_read_yes_and_no() -> None:
