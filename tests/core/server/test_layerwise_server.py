@@ -175,6 +175,13 @@ def test_a_store_whose_layers_never_come_ends_with_its_instance(endpoint: str) -
 def _raw_retrieve(endpoint: str, request: Retrieve) -> object:
     """The server's reply to `request` sent from a bare socket (kvflow's client refuses
     such requests before sending them)."""
+    replies = _raw_replies(endpoint, request, more_s=0)
+    return replies[0]
+
+
+def _raw_replies(endpoint: str, request: Retrieve, more_s: float) -> list[object]:
+    """Every reply to `request` sent from a bare socket: the first, and any that follow
+    within `more_s` seconds of it (kvflow's client would drop a second one by its id)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -182,10 +189,31 @@ def _raw_retrieve(endpoint: str, request: Retrieve) -> object:
     try:
         sock.send_multipart(encode_request(request, (TOKENS, np.asarray(DST, dtype=np.int32))))
         assert sock.poll(10_000), "no reply"
-        return decode_reply(sock.recv())
+        replies = [decode_reply(sock.recv())]
+        while sock.poll(int(more_s * 1000)):
+            replies.append(decode_reply(sock.recv()))
+        return replies
     finally:
         sock.close()
         ctx.term()
+
+
+def test_a_layerwise_retrieve_is_answered_once(endpoint: str) -> None:
+    """A layerwise retrieve replies early (before its copies end) and only then: the job
+    that sent the early reply sends no second one when its copies are done."""
+    client = KVFlowClient(endpoint, client_id="lw-once-owner")
+    client.register_kv_caches("lw-once-src", _caches(7), model_name="lw-once", block_size=BS)
+    client.register_kv_caches(
+        "lw-once", _caches(8), model_name="lw-once", block_size=BS, layerwise=True
+    )
+    assert client.store("lw-once-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
+    request = Retrieve(
+        id=11, client="lw-once-owner", instance_id="lw-once", request_id="once", layer_seq=1
+    )
+    replies = _raw_replies(endpoint, request, more_s=0.5)
+    assert [(type(r).__name__, getattr(r, "id", None), getattr(r, "value", None))
+            for r in replies] == [("Done", 11, 4 * CHUNK)]  # fmt: skip
+    client.close()
 
 
 def test_the_server_refuses_a_bad_layer_number_or_a_plain_instance_naming_it(
