@@ -90,21 +90,34 @@ class Rank:
         self.client = KVFlowClient(endpoint, timeout_s=600) if self._own_client else endpoint
         self.instance = f"tp{rank}"
         self.sessions: list[str] = []
+        #: (request id, the call's round trip, the server's own time of it) per call
+        #: through a server: what the request's trip adds to the engine's work
+        self.calls: list[tuple[str, float, float]] = []
         self.client.register_kv_caches(
             self.instance, self.layers, model_name="two-gpus", world_size=world, rank=rank
         )
 
     def store(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> None:
-        assert self.client.store(self.instance, tokens, table, request_id=rid) == len(tokens)
+        began = time.perf_counter()
+        stored = self.client.store(self.instance, tokens, table, request_id=rid)
+        self._timed(rid, began)
+        assert stored == len(tokens)
 
     def retrieve(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> None:
         """Retrieve into `table` and wait until the copies landed: a CUDA retrieve
         returns once they are queued, with this device's current stream waiting on them."""
+        began = time.perf_counter()
         got = self.client.retrieve(self.instance, tokens, table, request_id=rid)
+        self._timed(rid, began)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         assert got == len(tokens), f"rank {self.rank} retrieved {got} of {len(tokens)}"
         self.sessions.append(rid)
+
+    def _timed(self, rid: str, began: float) -> None:
+        """Keep a call's round trip next to the server's own time of it (through a server)."""
+        if self._own_client:
+            self.calls.append((rid, time.perf_counter() - began, self.client.last_server_time_s))
 
     def end_sessions(self) -> None:
         """End the finished retrieves' sessions (outside the timing, as an engine would
@@ -153,6 +166,21 @@ def _round(ranks: list[Rank], op: str, toks: torch.Tensor, table: torch.Tensor, 
     for r in ranks:
         r.end_sessions()
     return took
+
+
+def _trip_figures(ranks: list[Rank]) -> dict[str, float]:
+    """Each rank alone, per op: the median round trip of its timed calls and of the
+    server's own time of them (ms); none without a server."""
+    out = {}
+    for r in ranks:
+        for op in ("store", "retrieve"):
+            calls = [c for c in r.calls if c[0].startswith(f"rank{r.rank}{op[0]}")]
+            if calls:
+                out[f"rank{r.rank}_{op}_round_trip_ms"] = 1e3 * statistics.median(
+                    c[1] for c in calls
+                )
+                out[f"rank{r.rank}_{op}_server_ms"] = 1e3 * statistics.median(c[2] for c in calls)
+    return out
 
 
 def pinned_copy_gbps(
@@ -286,8 +314,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         finally:
             for r in ranks:
                 r.close()
+        trips = _trip_figures(ranks)
     nbytes = args.tokens * per_token
-    out: dict[str, float] = {"bytes_per_rank": float(nbytes), "ranks": float(world)}
+    out: dict[str, float] = {"bytes_per_rank": float(nbytes), "ranks": float(world), **trips}
     for phase in phases:
         n = world if phase == "all" else 1
         for op in ("store", "retrieve"):
@@ -375,6 +404,12 @@ def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
             print(line)
     for op in ("store", "retrieve"):
         print(f"{op} all/rank0: {out[f'{op}_scaling']:.2f}")
+    for r in range(args.ranks):
+        if f"rank{r}_store_round_trip_ms" in out:
+            print(f"rank{r} alone, medians: " + "; ".join(
+                f"{op} round trip {out[f'rank{r}_{op}_round_trip_ms']:.2f} ms, in the server"
+                f" {out[f'rank{r}_{op}_server_ms']:.2f}" for op in ("store", "retrieve")
+            ))  # fmt: skip
     if ceilings:
         print("all GPUs, L1's copy pattern (chunk-sized pieces, registered memory):"
               f" {out['all_store_pieces_gbps']:.2f} GB/s device-to-host,"
