@@ -172,8 +172,8 @@ class ServerConfig:
     #: the `kvflow server` process's thread switch interval (sys.setswitchinterval): how
     #: long a thread waiting for the GIL waits before the running one must hand it over.
     #: A rank's thread that released it for a moment (a lock, a short numpy call) waits up
-    #: to this long to take it back while another rank's thread runs Python; CPython's 5 ms
-    #: cost two ranks a fifth of their scaling (docs/SERVER.md, Many GPUs)
+    #: to this long to take it back while another rank's thread runs Python: two ranks'
+    #: stores scaled 1.54x at CPython's 5 ms, 1.67-1.75x at 0.2 (docs/SERVER.md, Many GPUs)
     switch_interval_ms: float = 0.2
     #: chunk hashes the KV-event replay log keeps for subscribers (0 = KV events off)
     kv_events_chunks: int = 1 << 16
