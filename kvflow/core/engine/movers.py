@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -112,7 +113,11 @@ class CpuMover:
 
     store_stream: Any = None
     retrieve_stream: Any = None
-    head_chunks = 1  # nothing overlaps here, but both movers share the engine's store path
+    #: every chunk in the first wave: the copies run inside each call, so a later wave
+    #: overlaps nothing, and each wave costs its own L1 planning, views and copy lists
+    #: (~0.3 ms): 128 pages of 512 KiB moved at 5.0 GB/s in waves of 1, 1, 2, ... 64 and
+    #: at 7.1 in one (docs/perf-journal.md, 2026-11-29, seventh session)
+    head_chunks = sys.maxsize
 
     #: bytes from which a move is worth splitting: a hand-off to a helper costs tens of
     #: microseconds, 4 MiB half a millisecond of one core's copy

@@ -31,8 +31,9 @@ def _gate_retrieve(
     engine: CacheEngine, instance_id: str, wave: int
 ) -> tuple[threading.Event, threading.Event]:
     """Make the instance's retrieve wait, at its `wave`-th enqueue (a retrieve pins and
-    enqueues its chunks in waves: 1, 1, 2, ... here), until released."""
+    enqueues its chunks in waves: 1, 1, 2, ... here, as a CUDA mover's), until released."""
     mover = engine._instance(instance_id).mover
+    mover.head_chunks = 1  # a CPU mover's op is one wave; the CUDA mover's first is small
     real = mover.retrieve
     entered, release = threading.Event(), threading.Event()
     calls = [0]
@@ -182,12 +183,14 @@ def test_a_store_keeps_the_chunks_that_fit_when_room_runs_out_in_its_later_chunk
 
 
 def test_a_store_enqueues_waves_that_double_and_a_late_failure_leaves_nothing_visible() -> None:
-    """7 chunks go as waves of 1, 1, 2, 3 (chunks done: 1, 2, 4, 7); when the third wave's
-    enqueue fails, the earlier waves' objects vanish too and END says why."""
+    """7 chunks go as waves of 1, 1, 2, 3 (chunks done: 1, 2, 4, 7) from a first wave of
+    one chunk (as a CUDA mover's can be); when the third wave's enqueue fails, the earlier
+    waves' objects vanish too and END says why."""
     engine, recorder = small_engine()
     kv, kw = caches("vllm_flash_attn", seed=1)
     engine.register_kv_caches("a", kv, model_name="m", **kw)
     mover = engine._instance("a").mover
+    mover.head_chunks = 1
     real, calls = mover.store, []
     fail_at = [0]
 
@@ -214,6 +217,39 @@ def test_a_store_enqueues_waves_that_double_and_a_late_failure_leaves_nothing_vi
     engine.close()
 
 
+def test_a_cpu_store_and_retrieve_go_as_one_wave() -> None:
+    """CPU movers copy inside each call, so nothing overlaps a later wave: a store and a
+    retrieve of 7 chunks enqueue them in one call each, and the bytes are right."""
+    engine, _ = small_engine(l1_bytes=32 * _chunk_bytes())
+    src, kw = caches("vllm_flash_attn", seed=1, num_blocks=28)
+    dst, _ = caches("vllm_flash_attn", seed=2, num_blocks=28)
+    engine.register_kv_caches("writer", src, model_name="m", **kw)
+    engine.register_kv_caches("reader", dst, model_name="m", **kw)
+    writer, reader = engine._instance("writer").mover, engine._instance("reader").mover
+    stores: list[int] = []
+    retrieves: list[int] = []
+    real_store, real_retrieve = writer.store, reader.retrieve
+
+    def store(block_ids: np.ndarray, dsts: HostChunks) -> None:
+        stores.append(len(dsts))
+        real_store(block_ids, dsts)
+
+    def retrieve(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:
+        retrieves.append(len(srcs))
+        real_retrieve(srcs, block_ids, skips)
+
+    writer.store = store  # type: ignore[method-assign]
+    reader.retrieve = retrieve  # type: ignore[method-assign]
+    x = np.arange(7 * CHUNK, dtype=np.int32)
+    assert engine.store("writer", x, list(range(14)), request_id="x") == 7 * CHUNK
+    assert engine.retrieve("reader", x, list(range(14, 28)), request_id="r") == 7 * CHUNK
+    assert (stores, retrieves) == ([7], [7])
+    assert torch.equal(
+        block_bytes(dst, kw, list(range(14, 28))), block_bytes(src, kw, list(range(14)))
+    )
+    engine.close()
+
+
 def test_a_retrieve_pins_and_enqueues_in_waves_and_stops_at_the_first_miss() -> None:
     """A 7-chunk hit prefix goes as waves of 1, 1, 2, 3 with every byte right; with chunk 3
     missing, the third wave moves chunk 2 alone and the hit is 3 chunks. A skip that covers
@@ -224,6 +260,7 @@ def test_a_retrieve_pins_and_enqueues_in_waves_and_stops_at_the_first_miss() -> 
     engine.register_kv_caches("writer", src, model_name="m", **kw)
     engine.register_kv_caches("reader", dst, model_name="m", **kw)
     mover = engine._instance("reader").mover
+    mover.head_chunks = 1  # as a CUDA mover's first wave can be
     real, calls = mover.retrieve, []
 
     def recorded(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:

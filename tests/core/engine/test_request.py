@@ -114,6 +114,7 @@ def test_a_retrieve_repeating_a_block_across_its_waves_writes_no_block() -> None
     fine, so the whole table is checked before any block is written. A repeat inside
     the skipped prefix writes nothing twice and is accepted."""
     engine, kv, kw, tokens = _two_chunks_stored()
+    engine._instance("a").mover.head_chunks = 1  # two waves, as a CUDA mover's can be
     before = block_bytes(kv, kw, [4, 5, 6])
     with pytest.raises(InvalidRequestError, match="repeat block 5, which a retrieve"):
         engine.retrieve("a", tokens, [4, 5, 5, 6], request_id="r")
