@@ -134,20 +134,14 @@ class CacheEngine:
         self.tenants = TenantQuotas(
             parse_quotas(self.config.l1_quotas), self.config.observability.max_label_values
         )
-        pin_threads = self.config.l1_pin_threads
-        self.l1: HostTier = L1Cache(
-            int(self.config.l1_size_gb * GIB),
-            pool=HostPool(prefault=self.config.l1_prefault),
-            tenants=self.tenants,
-            pin_ahead=None if pin_threads else False,  # ahead wherever memory is pinned/faulted in
-            pin_threads=max(1, pin_threads),
-        )
         self._keys = KeyCache(self.chunk_size)
         self._lock = threading.Lock()
         self._instances: dict[str, Instance] = {}
         self._layouts: dict[ModelRank, LayoutDesc] = {}
         self._closed = False
         tiers = list(l2_tiers) if l2_tiers is not None else build_l2(self.config)
+        # the pipeline (and the log handler it installs) before L1, whose threads pinning
+        # ahead log from start-up; its L1 gauges read L1 only when metrics are collected
         self._obs = Observability(
             self.config.observability,
             bus,
@@ -156,6 +150,18 @@ class CacheEngine:
             tenant_stats=self.tenant_stats,
         )
         self.bus = self._obs.bus
+        pin_threads = self.config.l1_pin_threads
+        try:
+            self.l1: HostTier = L1Cache(
+                int(self.config.l1_size_gb * GIB),
+                pool=HostPool(prefault=self.config.l1_prefault),
+                tenants=self.tenants,
+                pin_ahead=None if pin_threads else False,  # wherever memory is pinned/faulted in
+                pin_threads=max(1, pin_threads),
+            )
+        except BaseException:
+            self._obs.close()
+            raise
         self._tiering: Tiering | None = None
         if tiers:
             self._tiering = Tiering(

@@ -152,3 +152,22 @@ def test_a_given_bus_is_left_running_and_keeps_no_tally(attached: list[EventBus]
         assert bus.running
     finally:
         bus.stop(5.0)
+
+
+def test_l1_that_cannot_be_built_leaves_no_pipeline_behind() -> None:
+    """The engine builds its pipeline before L1 (L1's threads log from start-up): an L1
+    that cannot be built closes the pipeline again, its bus thread and log handler too."""
+    import logging
+    import threading
+
+    from kvflow.core.config import ServerConfig
+    from kvflow.core.engine.cache_engine import CacheEngine
+
+    handlers = list(logging.getLogger().handlers)
+    threads = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="L1 capacity must be at least"):
+        CacheEngine(
+            ServerConfig(l1_size_gb=1e-9, observability=ObservabilityConfig(prometheus_port=0))
+        )
+    assert logging.getLogger().handlers == handlers
+    assert {t.name for t in threading.enumerate() if t.is_alive()} <= threads
