@@ -294,3 +294,108 @@ def test_an_unsubscribed_kv_event_subscription_is_gone(client: KVFlowClient) -> 
     client.unsubscribe_kv_events(sub.subscription)
     with pytest.raises(UnknownSubscriptionError, match=re.escape(f"{sub.subscription!r} is not")):
         client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+
+
+def _owners(records: list[Any]) -> set[tuple[str, int, int, str | None]]:
+    return {(r.model_name, r.world_size, r.rank, r.cache_salt) for r in records}
+
+
+def test_a_kv_event_subscription_sees_the_owners_it_names(client: KVFlowClient) -> None:
+    """Each filter of `subscribe_kv_events` reaches the server: model, world size, rank and
+    (with match_salt) the salt; without match_salt the salt is not matched; a poll's
+    max_records caps what it returns."""
+    model = _name("kvo")
+    owners = [(2, 0, "s1"), (2, 1, "s1"), (2, 1, "s2"), (2, 1, None), (1, 0, "s1")]
+    exact = client.subscribe_kv_events(
+        model_name=model, world_size=2, cache_salt="s1", match_salt=True, rank=1
+    )
+    any_salt = client.subscribe_kv_events(model_name=model, world_size=2, cache_salt="s1", rank=1)
+    everyone = client.subscribe_kv_events(model_name=model)
+    for world, rank, salt in owners:
+        iid = _name("kvo")
+        client.register_kv_caches(
+            iid, _caches(rank), model_name=model, world_size=world, rank=rank, block_size=BLOCK
+        )
+        client.store(iid, TOKENS, BLOCKS, request_id=_name("s"), cache_salt=salt)
+
+    def polled(sub: Any, **kw: int) -> list[Any]:
+        return client.poll_kv_events(
+            sub.subscription, after_seq=0, after_log_seq=sub.log_seq, **kw
+        ).records
+
+    want = {(model, world, rank, salt) for world, rank, salt in owners}
+    wait_for(lambda: _owners(polled(everyone)) == want, what="every owner's KV events")
+    assert _owners(polled(exact)) == {(model, 2, 1, "s1")}
+    assert _owners(polled(any_salt)) == {(model, 2, 1, s) for s in ("s1", "s2", None)}
+    assert len(polled(everyone, max_records=1)) == 1
+
+
+def test_a_salted_retrieve_finds_only_its_salt(client: KVFlowClient) -> None:
+    """retrieve and retrieve_layerwise send their cache_salt: chunks stored under a salt
+    come back with it, not without it."""
+    iid = _name("salted")
+    client.register_kv_caches(iid, _caches(3), model_name=_name("salt"), block_size=BLOCK)
+    assert client.store(iid, TOKENS, BLOCKS, request_id=_name("s"), cache_salt="t") == 3 * CHUNK
+    out = list(range(20, 20 + len(BLOCKS)))
+    assert client.retrieve(iid, TOKENS, out, request_id=_name("r")) == 0
+    assert client.retrieve(iid, TOKENS, out, request_id=_name("r"), cache_salt="t") == 3 * CHUNK
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["retrieve", "retrieve_layerwise"])
+def test_retrieves_refuse_string_block_ids_naming_them(
+    client: KVFlowClient, layerwise: bool
+) -> None:
+    """A string for block_ids is refused before sending, naming block_ids."""
+    model = _name("ids")
+    iid = _layerwise(client, model) if layerwise else _name("plain")
+    if not layerwise:
+        client.register_kv_caches(iid, _caches(4), model_name=model, block_size=BLOCK)
+    call = client.retrieve_layerwise if layerwise else client.retrieve
+    with pytest.raises(InvalidRequestError, match=_full("block_ids" + STRING)):
+        call(iid, TOKENS, "abc", request_id=_name("r"))
+
+
+@pytest.fixture
+def lying_server() -> Iterator[str]:
+    """A socket at a kvflow endpoint that answers every request with a bare Done."""
+    import zmq
+
+    from kvflow.core.server.protocol import Done, encode_reply, peek_id
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                identity, header, *_ = sock.recv_multipart()
+                sock.send_multipart([identity, encode_reply(Done(id=peek_id(header), value=0))])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{port}"
+    stop.set()
+    thread.join(5)
+    sock.close()
+    ctx.term()
+
+
+def test_a_reply_of_the_wrong_kind_is_a_protocol_error_naming_both(lying_server: str) -> None:
+    """A server that answers an admin call, a KV-event subscription or a poll with the wrong
+    kind of reply gets a ProtocolError naming the reply and the request."""
+    with KVFlowClient(lying_server, timeout_s=5) as liar:
+        with pytest.raises(
+            ProtocolError, match=_full("unexpected Done reply to a SubscribeKVEvents")
+        ):
+            liar.subscribe_kv_events()
+        with pytest.raises(ProtocolError, match=_full("unexpected Done reply to a PollKVEvents")):
+            liar.poll_kv_events("sub", after_seq=0, after_log_seq=0)
+        request = AdminClear(model_name="m")
+        with pytest.raises(ProtocolError) as refused:
+            liar.admin(request)
+        # the request as sent: its id and client filled in by the call
+        assert str(refused.value) == f"unexpected Done reply to {request!r}"
+        assert request.id > 0 and "AdminClear(" in str(refused.value)
