@@ -399,3 +399,38 @@ def test_a_reply_of_the_wrong_kind_is_a_protocol_error_naming_both(lying_server:
         # the request as sent: its id and client filled in by the call
         assert str(refused.value) == f"unexpected Done reply to {request!r}"
         assert request.id > 0 and "AdminClear(" in str(refused.value)
+
+
+def test_lookup_prefetches_l2_chunks_unless_told_not_to(client: KVFlowClient) -> None:
+    """With the chunks only in L2, lookup(prefetch=False) finds them and starts no
+    prefetch; a default lookup starts one."""
+    model_name = _name("lpf")
+    on_disk = _disk_stored(client)
+    iid = _name("lpf")
+    client.register_kv_caches(iid, _caches(5), model_name=model_name, block_size=BLOCK)
+    assert client.store(iid, TOKENS, BLOCKS, request_id=_name("s")) == 3 * CHUNK
+
+    def written_through() -> bool:
+        l2 = client.status()["l2"]
+        idle = l2["in_flight"]["write_through"]["calls"] == 0
+        return bool(idle and l2["tiers"]["disk"]["stored"] >= on_disk + 3)
+
+    wait_for(written_through, what="the store's L2 writes")
+    assert client.admin(AdminClear(model_name=model_name, tiers=["l1"])) == {"dropped": {"l1": 3}}
+    before = _prefetches(client)
+    assert client.lookup(TOKENS, model_name=model_name, prefetch=False) == 3 * CHUNK
+    assert _prefetches(client) == before
+    assert client.lookup(TOKENS, model_name=model_name) == 3 * CHUNK
+    assert _prefetches(client) == before + 1
+
+
+def test_an_unregistered_instance_keeps_no_layerwise_state(client: KVFlowClient) -> None:
+    """After unregister, the id registered again without layerwise has no layer flags in
+    this client: a layerwise store of it is refused here, as for any plain instance."""
+    model = _name("relw")
+    iid = _layerwise(client, model)
+    client.unregister(iid)
+    client.register_kv_caches(iid, _caches(6), model_name=model, block_size=BLOCK)
+    message = f"instance {iid!r} was not registered by this client with layerwise=True"
+    with pytest.raises(InvalidRequestError, match=_full(message)):
+        client.store_layerwise(iid, TOKENS, BLOCKS, request_id=_name("s"))
