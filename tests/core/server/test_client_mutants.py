@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -341,18 +342,17 @@ def test_a_salted_retrieve_finds_only_its_salt(client: KVFlowClient) -> None:
     assert client.retrieve(iid, TOKENS, out, request_id=_name("r"), cache_salt="t") == 3 * CHUNK
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["retrieve", "retrieve_layerwise"])
-def test_retrieves_refuse_string_block_ids_naming_them(
-    client: KVFlowClient, layerwise: bool
+@pytest.mark.parametrize("call", ["store", "retrieve", "retrieve_layerwise"])
+def test_stores_and_retrieves_refuse_string_block_ids_naming_them(
+    client: KVFlowClient, call: str
 ) -> None:
     """A string for block_ids is refused before sending, naming block_ids."""
     model = _name("ids")
-    iid = _layerwise(client, model) if layerwise else _name("plain")
-    if not layerwise:
+    iid = _layerwise(client, model) if call == "retrieve_layerwise" else _name("plain")
+    if call != "retrieve_layerwise":
         client.register_kv_caches(iid, _caches(4), model_name=model, block_size=BLOCK)
-    call = client.retrieve_layerwise if layerwise else client.retrieve
     with pytest.raises(InvalidRequestError, match=_full("block_ids" + STRING)):
-        call(iid, TOKENS, "abc", request_id=_name("r"))
+        getattr(client, call)(iid, TOKENS, "abc", request_id=_name("r"))
 
 
 @pytest.fixture
@@ -384,8 +384,9 @@ def lying_server() -> Iterator[str]:
 
 
 def test_a_reply_of_the_wrong_kind_is_a_protocol_error_naming_both(lying_server: str) -> None:
-    """A server that answers an admin call, a KV-event subscription or a poll with the wrong
-    kind of reply gets a ProtocolError naming the reply and the request."""
+    """A server that answers an admin call, a KV-event subscription, a poll or a status
+    request with the wrong kind of reply gets a ProtocolError naming the reply and the
+    request."""
     with KVFlowClient(lying_server, timeout_s=5) as liar:
         with pytest.raises(
             ProtocolError, match=_full("unexpected Done reply to a SubscribeKVEvents")
@@ -393,6 +394,8 @@ def test_a_reply_of_the_wrong_kind_is_a_protocol_error_naming_both(lying_server:
             liar.subscribe_kv_events()
         with pytest.raises(ProtocolError, match=_full("unexpected Done reply to a PollKVEvents")):
             liar.poll_kv_events("sub", after_seq=0, after_log_seq=0)
+        with pytest.raises(ProtocolError, match=_full("unexpected Done reply to a Status")):
+            liar.status()
         request = AdminClear(model_name="m")
         with pytest.raises(ProtocolError) as refused:
             liar.admin(request)
@@ -434,3 +437,25 @@ def test_an_unregistered_instance_keeps_no_layerwise_state(client: KVFlowClient)
     message = f"instance {iid!r} was not registered by this client with layerwise=True"
     with pytest.raises(InvalidRequestError, match=_full(message)):
         client.store_layerwise(iid, TOKENS, BLOCKS, request_id=_name("s"))
+
+
+def test_a_client_beats_on_one_daemon_thread_at_its_servers_pace(
+    served: tuple[ServerProcess, Path],
+) -> None:
+    """Registrations start one heartbeat thread per client, a daemon (it never keeps a
+    process alive), beating every quarter of the server's 30 s timeout: none in half a
+    second."""
+
+    def beating() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "kvflow-client-heartbeat"}
+
+    before = beating()
+    with KVFlowClient(served[0].endpoint, timeout_s=20) as fresh:
+        for _ in range(2):
+            iid = _name("hb")
+            fresh.register_kv_caches(iid, _caches(7), model_name=_name("hb"), block_size=BLOCK)
+        started = beating() - before
+        assert len(started) == 1 and all(t.daemon for t in started)
+        first = fresh.status()["server"]["requests"]
+        time.sleep(0.5)
+        assert fresh.status()["server"]["requests"] - first <= 2  # the two status calls
