@@ -306,7 +306,7 @@ def test_a_kv_event_subscription_sees_the_owners_it_names(client: KVFlowClient) 
     (with match_salt) the salt; without match_salt the salt is not matched; a poll's
     max_records caps what it returns."""
     model = _name("kvo")
-    owners = [(2, 0, "s1"), (2, 1, "s1"), (2, 1, "s2"), (2, 1, None), (1, 0, "s1")]
+    owners = [(2, 0, "s1"), (2, 1, "s1"), (2, 1, "s2"), (2, 1, None), (1, 0, "s1"), (3, 1, "s1")]
     exact = client.subscribe_kv_events(
         model_name=model, world_size=2, cache_salt="s1", match_salt=True, rank=1
     )
