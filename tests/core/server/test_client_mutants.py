@@ -157,12 +157,9 @@ def _prefetches(client: KVFlowClient) -> int:
     return int(client.status()["l2"]["prefetch"]["requests"])
 
 
-def test_blend_lookup_prefetches_l2_segments_unless_told_not_to(client: KVFlowClient) -> None:
-    """With the chunks only in L2, blend_lookup(prefetch=False) starts no prefetch and
-    a default blend_lookup starts one."""
-    model_name = _name("pf")
-    on_disk = _disk_stored(client)
-    prompt, want = _stored_docs(client, model_name)
+def _only_in_l2(client: KVFlowClient, model_name: str, on_disk: int) -> None:
+    """Wait until the model's three stored chunks reached the disk tier (it held
+    `on_disk` before), then drop them from L1."""
 
     def written_through() -> bool:
         l2 = client.status()["l2"]
@@ -171,6 +168,15 @@ def test_blend_lookup_prefetches_l2_segments_unless_told_not_to(client: KVFlowCl
 
     wait_for(written_through, what="the store's L2 writes")
     assert client.admin(AdminClear(model_name=model_name, tiers=["l1"])) == {"dropped": {"l1": 3}}
+
+
+def test_blend_lookup_prefetches_l2_segments_unless_told_not_to(client: KVFlowClient) -> None:
+    """With the chunks only in L2, blend_lookup(prefetch=False) starts no prefetch and
+    a default blend_lookup starts one."""
+    model_name = _name("pf")
+    on_disk = _disk_stored(client)
+    prompt, want = _stored_docs(client, model_name)
+    _only_in_l2(client, model_name, on_disk)
     before = _prefetches(client)
     hit = client.blend_lookup(prompt, model_name=model_name, prefetch=False)
     assert _triples(hit.segments) == want
@@ -412,14 +418,7 @@ def test_lookup_prefetches_l2_chunks_unless_told_not_to(client: KVFlowClient) ->
     iid = _name("lpf")
     client.register_kv_caches(iid, _caches(5), model_name=model_name, block_size=BLOCK)
     assert client.store(iid, TOKENS, BLOCKS, request_id=_name("s")) == 3 * CHUNK
-
-    def written_through() -> bool:
-        l2 = client.status()["l2"]
-        idle = l2["in_flight"]["write_through"]["calls"] == 0
-        return bool(idle and l2["tiers"]["disk"]["stored"] >= on_disk + 3)
-
-    wait_for(written_through, what="the store's L2 writes")
-    assert client.admin(AdminClear(model_name=model_name, tiers=["l1"])) == {"dropped": {"l1": 3}}
+    _only_in_l2(client, model_name, on_disk)
     before = _prefetches(client)
     assert client.lookup(TOKENS, model_name=model_name, prefetch=False) == 3 * CHUNK
     assert _prefetches(client) == before
