@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, KVFlowError, ProtocolError, RequestTimeoutError
-from kvflow.core.server.protocol import Done, decode_request, encode_reply
+from kvflow.core.server.protocol import AdminClear, Done, decode_request, encode_reply
 from kvflow.events import BlockAllocation
 
 # Nothing listens here: a call that reached the network would time out instead.
@@ -116,7 +116,15 @@ def test_a_timed_out_call_closes_its_sockets(client: KVFlowClient) -> None:
     assert [w.message for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
-def _answering_done(router: zmq.Socket[Any], n: int) -> Callable[[], None]:
+@contextlib.contextmanager
+def _answering_done(n: int) -> Iterator[str]:
+    """The endpoint of a server that lies: it answers each of the next `n` requests with a
+    plain Done, whatever was asked."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
     def answer() -> None:
         for _ in range(n):
             if not router.poll(20_000):
@@ -125,7 +133,14 @@ def _answering_done(router: zmq.Socket[Any], n: int) -> Callable[[], None]:
             request, _ = decode_request(frames)
             router.send_multipart([identity, encode_reply(Done(id=request.id))])
 
-    return answer
+    answering = threading.Thread(target=answer)
+    answering.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        answering.join(20)
+        router.close(0)
+        ctx.term()
 
 
 @pytest.mark.parametrize(
@@ -136,29 +151,36 @@ def _answering_done(router: zmq.Socket[Any], n: int) -> Callable[[], None]:
         ((lambda c: c.blend_lookup([1, 2], model_name="m"),
           lambda c: c.blend_retrieve("i", [1, 2], [0], [], request_id="r")),
          ("BlendLookup", "BlendRetrieve")),
+        ((lambda c: c.subscribe_kv_events(),
+          lambda c: c.poll_kv_events("sub", after_seq=0, after_log_seq=0),
+          lambda c: c.status()),
+         ("SubscribeKVEvents", "PollKVEvents", "Status")),
     ],
-    ids=["prefetch", "blend"],
+    ids=["prefetch", "blend", "kv-events-and-status"],
 )  # fmt: skip
 def test_a_reply_of_the_wrong_type_is_a_protocol_error(
     calls: tuple[Callable[[KVFlowClient], object], ...], requests: tuple[str, ...]
 ) -> None:
     """A server that answers with the wrong reply type (a plain Done) gets a ProtocolError
     naming the reply and the request, not a wrong value."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    answering = threading.Thread(target=_answering_done(router, len(calls)))
-    answering.start()
-    try:
-        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
-            for call, request in zip(calls, requests, strict=True):
-                with pytest.raises(ProtocolError, match=rf"^unexpected Done reply to a {request}$"):
-                    call(c)
-    finally:
-        answering.join(20)
-        router.close(0)
-        ctx.term()
+    with _answering_done(len(calls)) as endpoint, KVFlowClient(endpoint, timeout_s=20) as c:
+        for call, request in zip(calls, requests, strict=True):
+            with pytest.raises(ProtocolError, match=rf"^unexpected Done reply to a {request}$"):
+                call(c)
+
+
+def test_an_admin_call_answered_with_the_wrong_type_names_the_request_as_sent() -> None:
+    """An admin call's ProtocolError names the reply and the request whole, with the id and
+    client the call gave it."""
+    request = AdminClear(model_name="m")
+    with (
+        _answering_done(1) as endpoint,
+        KVFlowClient(endpoint, timeout_s=20) as c,
+        pytest.raises(ProtocolError) as refused,
+    ):
+        c.admin(request)
+    assert str(refused.value) == f"unexpected Done reply to {request!r}"
+    assert request.id > 0 and "AdminClear(" in str(refused.value)
 
 
 def test_threads_that_come_and_go_reuse_the_clients_connections() -> None:

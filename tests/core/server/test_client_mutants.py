@@ -361,55 +361,6 @@ def test_stores_and_retrieves_refuse_string_block_ids_naming_them(
         getattr(client, call)(iid, TOKENS, "abc", request_id=_name("r"))
 
 
-@pytest.fixture
-def lying_server() -> Iterator[str]:
-    """A socket at a kvflow endpoint that answers every request with a bare Done."""
-    import zmq
-
-    from kvflow.core.server.protocol import Done, encode_reply, peek_id
-
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.linger = 0
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-
-    def answer() -> None:
-        while not stop.is_set():
-            if sock.poll(50):
-                identity, header, *_ = sock.recv_multipart()
-                sock.send_multipart([identity, encode_reply(Done(id=peek_id(header), value=0))])
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    yield f"tcp://127.0.0.1:{port}"
-    stop.set()
-    thread.join(5)
-    sock.close()
-    ctx.term()
-
-
-def test_a_reply_of_the_wrong_kind_is_a_protocol_error_naming_both(lying_server: str) -> None:
-    """A server that answers an admin call, a KV-event subscription, a poll or a status
-    request with the wrong kind of reply gets a ProtocolError naming the reply and the
-    request."""
-    with KVFlowClient(lying_server, timeout_s=5) as liar:
-        with pytest.raises(
-            ProtocolError, match=_full("unexpected Done reply to a SubscribeKVEvents")
-        ):
-            liar.subscribe_kv_events()
-        with pytest.raises(ProtocolError, match=_full("unexpected Done reply to a PollKVEvents")):
-            liar.poll_kv_events("sub", after_seq=0, after_log_seq=0)
-        with pytest.raises(ProtocolError, match=_full("unexpected Done reply to a Status")):
-            liar.status()
-        request = AdminClear(model_name="m")
-        with pytest.raises(ProtocolError) as refused:
-            liar.admin(request)
-        # the request as sent: its id and client filled in by the call
-        assert str(refused.value) == f"unexpected Done reply to {request!r}"
-        assert request.id > 0 and "AdminClear(" in str(refused.value)
-
-
 def test_lookup_prefetches_l2_chunks_unless_told_not_to(client: KVFlowClient) -> None:
     """With the chunks only in L2, lookup(prefetch=False) finds them and starts no
     prefetch; a default lookup starts one."""
