@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +48,18 @@ def _gate_retrieve(
 
     mover.retrieve = gated  # type: ignore[method-assign]
     return entered, release
+
+
+def _counted_retrieves(mover: Any) -> list[int]:
+    """The chunks of each of `mover`'s retrieve calls from now on (it still copies them)."""
+    real, calls = mover.retrieve, []
+
+    def recorded(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:
+        calls.append(len(srcs))
+        real(srcs, block_ids, skips)
+
+    mover.retrieve = recorded
+    return calls
 
 
 def test_eviction_under_pressure_never_evicts_an_object_being_read() -> None:
@@ -227,19 +240,14 @@ def test_a_cpu_store_and_retrieve_go_as_one_wave() -> None:
     engine.register_kv_caches("reader", dst, model_name="m", **kw)
     writer, reader = engine._instance("writer").mover, engine._instance("reader").mover
     stores: list[int] = []
-    retrieves: list[int] = []
-    real_store, real_retrieve = writer.store, reader.retrieve
+    real_store = writer.store
 
     def store(block_ids: np.ndarray, dsts: HostChunks) -> None:
         stores.append(len(dsts))
         real_store(block_ids, dsts)
 
-    def retrieve(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:
-        retrieves.append(len(srcs))
-        real_retrieve(srcs, block_ids, skips)
-
     writer.store = store  # type: ignore[method-assign]
-    reader.retrieve = retrieve  # type: ignore[method-assign]
+    retrieves = _counted_retrieves(reader)
     x = np.arange(7 * CHUNK, dtype=np.int32)
     assert engine.store("writer", x, list(range(14)), request_id="x") == 7 * CHUNK
     assert engine.retrieve("reader", x, list(range(14, 28)), request_id="r") == 7 * CHUNK
@@ -261,13 +269,7 @@ def test_a_retrieve_pins_and_enqueues_in_waves_and_stops_at_the_first_miss() -> 
     engine.register_kv_caches("reader", dst, model_name="m", **kw)
     mover = engine._instance("reader").mover
     mover.head_chunks = 1  # as a CUDA mover's first wave can be
-    real, calls = mover.retrieve, []
-
-    def recorded(srcs: HostChunks, block_ids: BlockRows, skips: Sequence[int]) -> None:
-        calls.append(len(srcs))
-        real(srcs, block_ids, skips)
-
-    mover.retrieve = recorded  # type: ignore[method-assign]
+    calls = _counted_retrieves(mover)
     x = np.arange(7 * CHUNK, dtype=np.int32)
     blocks = list(range(14))
     engine.store("writer", x, blocks, request_id="x")
