@@ -10,7 +10,8 @@ import threading
 
 class TcpRelay:
     """Listens on (`host`, a free port); closes its first `drops` connections at once and pipes
-    each later one to `upstream` (host, port); with no upstream it drops every connection."""
+    each later one to `upstream` (host, port); with no upstream it drops every connection.
+    `cut(drops)` closes the connections piped so far and drops the next `drops`."""
 
     def __init__(
         self, drops: int = 0, upstream: tuple[str, int] | None = None, host: str = "127.0.0.1"
@@ -19,6 +20,8 @@ class TcpRelay:
         self.host, self.port = host, self._listener.getsockname()[1]
         self.endpoint = f"tcp://{host}:{self.port}"
         self._drops, self._upstream = drops, upstream
+        self._lock = threading.Lock()
+        self._piped: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -27,13 +30,26 @@ class TcpRelay:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            if self._drops > 0 or self._upstream is None:
+            with self._lock:
+                drop = self._drops > 0 or self._upstream is None
                 self._drops -= 1
+            if drop:
                 conn.close()
                 continue
             far = socket.create_connection(self._upstream)
+            with self._lock:
+                self._piped += (conn, far)
             for src, dst in ((conn, far), (far, conn)):
                 threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
+
+    def cut(self, drops: int) -> None:
+        """Close every connection piped so far (both ends) and drop the next `drops`."""
+        with self._lock:
+            self._drops, piped, self._piped = drops, self._piped, []
+        for sock in piped:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     def close(self) -> None:
         self._listener.close()

@@ -13,11 +13,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.engine.blend_index import BlendSegment
 from kvflow.core.errors import InvalidRequestError, ProtocolError, UnknownSubscriptionError
-from kvflow.core.server.protocol import AdminClear
+from kvflow.core.server.protocol import (
+    AdminClear,
+    Done,
+    Heartbeat,
+    Register,
+    Registered,
+    decode_request,
+    encode_reply,
+)
 from kvflow.events import EventType
 from kvflow.kernels.rope import RopeParams
 from kvflow.subscribers.eventlog_read import LogReader
@@ -409,3 +418,45 @@ def test_a_client_beats_on_one_daemon_thread_at_its_servers_pace(
         first = fresh.status()["server"]["requests"]
         time.sleep(0.5)
         assert fresh.status()["server"]["requests"] - first <= 2  # the two status calls
+
+
+def test_a_heartbeat_that_times_out_is_retried_at_the_shortest_pace_asked() -> None:
+    """A scripted server asks for a heartbeat every 0.1 s at the first registration and
+    every 30 s at the second (the client keeps the shorter), and leaves the first
+    heartbeat unanswered: that call gives up after 0.5 s (the interval, at least 0.5 s;
+    not the client's 20 s timeout) and the next one follows at the 0.1 s pace."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    intervals, beats = [0.1, 30.0], []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            identity, *frames = router.recv_multipart()
+            request, _ = decode_request(frames)
+            if isinstance(request, Register):
+                reply = Registered(id=request.id, heartbeat_interval_s=intervals.pop(0))
+                router.send_multipart([identity, encode_reply(reply)])
+            elif isinstance(request, Heartbeat):
+                beats.append(time.monotonic())
+                if len(beats) > 1:  # the first is left unanswered
+                    router.send_multipart([identity, encode_reply(Done(id=request.id))])
+
+    serving = threading.Thread(target=serve)
+    serving.start()
+    try:
+        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
+            for _ in range(2):
+                c.register_kv_caches(_name("hb"), _caches(8), model_name="m", block_size=BLOCK)
+            wait_for(lambda: len(beats) >= 4, timeout_s=5, what="four heartbeats")
+            # 0.5 s for the unanswered call and 0.1 s of wait; a 1.5 s timeout gives 1.6
+            assert 0.45 < beats[1] - beats[0] < 1.3, beats
+    finally:
+        stop.set()
+        serving.join(10)
+        router.close(0)
+        ctx.term()

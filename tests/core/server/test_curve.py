@@ -377,6 +377,23 @@ def test_two_dropped_handshakes_then_a_served_one_are_no_refusal(
         peer.close()
 
 
+def test_drops_after_a_served_handshake_count_afresh(
+    server: ServerProcess, keys: dict[str, Path]
+) -> None:
+    """Two drops, a served handshake, the connection cut, two drops again: four drops in
+    all but never three in a row, so both calls are answered (a served handshake resets
+    the count)."""
+    host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    peer = TcpRelay(drops=2, upstream=(host, int(port)))
+    try:
+        with _client(peer, keys, "alice") as alice:
+            assert alice.status()["server"]["authentication"] == "curve"
+            peer.cut(drops=2)
+            assert alice.status()["server"]["authentication"] == "curve"
+    finally:
+        peer.close()
+
+
 def test_a_wrong_server_key_is_refused_not_timed_out(
     server: ServerProcess, keys: dict[str, Path]
 ) -> None:
