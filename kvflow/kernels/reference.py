@@ -145,6 +145,7 @@ def chunk_copies(
     skip_blocks: np.ndarray | None,
     *,
     gather: bool,
+    copyto: Callable[[np.ndarray, np.ndarray], object] = np.copyto,
 ) -> list[Copy]:
     """The numpy copies that move blocks between a CPU cache and separate chunk buffers;
     no two touch the same bytes, so they may run in any order or at once on several
@@ -157,6 +158,7 @@ def chunk_copies(
     row c, one per family of (kv, layer) views one strided array spans (one family for
     all layers of a one-buffer cache) and per run of consecutive block ids of a chunk,
     or, for a chunk of more than `MAX_RUNS` runs, per family over its blocks by index.
+    A run's copy is `copyto(dst, src)` (`np.copyto`'s contract for arrays of one shape).
     """
     num_chunks, per_chunk = (int(n) for n in block_ids.shape)
     if num_chunks == 0:
@@ -174,7 +176,7 @@ def chunk_copies(
             side = fam.chunk_side(buffer, base, pos, count)
             cache = fam.cache[block : block + count]
             dst, src = (side, cache) if gather else (cache, side)
-            copies.append(Copy(side.nbytes, partial(np.copyto, dst, src)))
+            copies.append(Copy(side.nbytes, partial(copyto, dst, src)))
     for c, skip in scattered:
         buffer, base = memory.locate(c)
         index = block_ids[c, skip:]

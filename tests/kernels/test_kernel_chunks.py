@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvflow.core.engine.movers import CpuMover
+from kvflow.core.engine.strided_copy import CopyTo, strided_copyto
 from kvflow.kernels import KVFormat, KVLayout
 from kvflow.kernels.reference import ChunkBuffers, _chunk_plan, chunk_copies, transfer_reference
 from kvflow.kernels.synthetic import LayerSpec, make_kv_caches
@@ -60,16 +61,25 @@ def transfer_chunks(
     skip_blocks: np.ndarray,
     *,
     gather: bool,
+    copyto: CopyTo,
 ) -> None:
     """Run every copy of `chunk_copies` on this thread, in order."""
-    for copy in chunk_copies(layout, chunks, block_ids, skip_blocks, gather=gather):
+    copies = chunk_copies(layout, chunks, block_ids, skip_blocks, gather=gather, copyto=copyto)
+    for copy in copies:
         copy.run()
 
 
-def _check(make: Callable[[], Any], layout_of: Callable[[Any], KVLayout], seed: int) -> None:
+def _check(
+    make: Callable[[], Any],
+    layout_of: Callable[[Any], KVLayout],
+    seed: int,
+    copyto: CopyTo | None = None,
+) -> None:
     """Gather (with and without skips) and scatter (with skips) through `transfer_chunks`
     with separate chunk buffers, against `transfer_reference` on staging rows. `make()`
-    builds the caches, the same bytes in the same structure at every call."""
+    builds the caches, the same bytes in the same structure at every call. `copyto`:
+    each run's copy (default: the C loop the mover uses)."""
+    copyto = strided_copyto() if copyto is None else copyto
     caches = make()
     layout = layout_of(caches)
     ids = _block_ids(seed)
@@ -80,7 +90,7 @@ def _check(make: Callable[[], Any], layout_of: Callable[[Any], KVLayout], seed: 
         # rows of one buffer with poisoned gaps: a write outside a chunk shows in a gap
         slab = torch.full((CHUNKS, nbytes + GAP), POISON, dtype=torch.uint8)
         got = TensorChunks([row[GAP:] for row in slab])
-        transfer_chunks(layout, got, ids, np.array(skip), gather=True)
+        transfer_chunks(layout, got, ids, np.array(skip), gather=True, copyto=copyto)
         for c in range(CHUNKS):
             assert torch.equal(got[c], want[c]), f"gather, skips {skip}: chunk {c} differs"
         assert bool((slab[:, :GAP] == POISON).all()), "a gather wrote outside its chunk"
@@ -92,7 +102,7 @@ def _check(make: Callable[[], Any], layout_of: Callable[[Any], KVLayout], seed: 
         layout_of(expected), staging, torch.from_numpy(ids), torch.tensor(SKIPS), gather=False
     )
     chunks = TensorChunks([row.clone() for row in staging])  # separate storages
-    transfer_chunks(layout_of(actual), chunks, ids, np.array(SKIPS), gather=False)
+    transfer_chunks(layout_of(actual), chunks, ids, np.array(SKIPS), gather=False, copyto=copyto)
     assert not same_bytes(expected, caches), "the reference scatter wrote nothing"
     assert same_bytes(actual, expected), "scatter differs (a block, a skip or an offset)"
 
@@ -101,11 +111,15 @@ def _registered(kw: dict[str, Any]) -> Callable[[Any], KVLayout]:
     return lambda caches: KVLayout.from_kv_caches(caches, **kw)
 
 
+@pytest.mark.parametrize("copy", ["native", "numpy"])
 @pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "permuted"])
 @pytest.mark.parametrize("specs", list(SPECS), ids=str)
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
-def test_every_format_matches_the_reference(fmt: KVFormat, specs: str, noncontiguous: bool) -> None:
-    """Every format x layer specs x (contiguous, permuted): bytes, skips and group offsets."""
+def test_every_format_matches_the_reference(
+    fmt: KVFormat, specs: str, noncontiguous: bool, copy: str
+) -> None:
+    """Every format x layer specs x (contiguous, permuted): bytes, skips and group offsets,
+    each run copied by the mover's C loop and by numpy (its fallback)."""
     layer_specs = SPECS[specs]
     if fmt is KVFormat.VLLM_CROSS_LAYER and len(set(layer_specs)) > 1:
         pytest.skip("vllm_cross_layer holds one (num_heads, head_size, dtype) only")
@@ -116,7 +130,8 @@ def test_every_format_matches_the_reference(fmt: KVFormat, specs: str, noncontig
             noncontiguous=noncontiguous, generator=torch.Generator().manual_seed(5),
         )  # fmt: skip
 
-    _check(lambda: make()[0], _registered(make()[1]), seed=len(specs))
+    copyto = strided_copyto() if copy == "native" else np.copyto
+    _check(lambda: make()[0], _registered(make()[1]), seed=len(specs), copyto=copyto)
 
 
 def _host_pool_layers(

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvflow.core.engine.direct import Copy2D, DirectLayers
+from kvflow.core.engine.strided_copy import strided_copyto
 from kvflow.core.tiers.base import HostChunks
 from kvflow.cuda import (
     MAX_PITCH,
@@ -101,11 +102,12 @@ class Mover(Protocol):
 
 class CpuMover:
     """Synchronous moves for CPU-resident caches, straight between the cache and the L1
-    objects (no staging): `chunk_copies` gives one numpy copy per run of consecutive
-    blocks of a chunk, every layer and K/V its strides allow at once, on word-wide views.
+    objects (no staging): `chunk_copies` gives one copy per run of consecutive blocks of
+    a chunk, every layer and K/V its strides allow at once, on word-wide views.
 
-    A numpy copy is a single-threaded memcpy loop that releases the GIL, so no OpenMP
-    team wakes for a small copy. A move of `PARALLEL_BYTES` or more also hands its copies
+    Each copy is kvflow's C loop (`strided_copyto`: a memcpy per contiguous run, twice
+    numpy's strided loop on short rows; numpy's where no C compiler is found), single-
+    threaded and without the GIL, so no OpenMP team wakes for a small copy. A move of `PARALLEL_BYTES` or more also hands its copies
     to up to `MAX_THREADS - 1` threads shared by every CpuMover, which pull copies from
     the same queue as the calling thread: one core's memcpy reaches about half of a
     host's copy bandwidth, and a helper that runs late (a busy host) only takes fewer.
@@ -131,13 +133,18 @@ class CpuMover:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.threads = min(self.MAX_THREADS, len(os.sched_getaffinity(0)))
+        self._copyto = strided_copyto()
 
     def store(self, block_ids: np.ndarray, dsts: HostChunks) -> None:
-        self._copy(chunk_copies(self.layout, dsts, block_ids, None, gather=True))
+        copies = chunk_copies(self.layout, dsts, block_ids, None, gather=True, copyto=self._copyto)
+        self._copy(copies)
 
     def retrieve(self, srcs: HostChunks, block_ids: BlockRows, skip_blocks: Sequence[int]) -> None:
         skip = np.asarray(skip_blocks, dtype=np.int64)
-        self._copy(chunk_copies(self.layout, srcs, block_ids(), skip, gather=False))
+        copies = chunk_copies(
+            self.layout, srcs, block_ids(), skip, gather=False, copyto=self._copyto
+        )
+        self._copy(copies)
 
     def _copy(self, copies: list[Copy]) -> None:
         """Run every copy, on this thread and (a big move) the helpers; returns once all
