@@ -61,3 +61,39 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
             dst.sendall(data)
     with contextlib.suppress(OSError):
         dst.shutdown(socket.SHUT_WR)
+
+
+class NullGreeter:
+    """Listens on (`host`, a free port) and answers each connection with a ZMTP 3.0
+    greeting for the NULL mechanism (what a server without CURVE sends), then only reads:
+    a CURVE client sees a mechanism mismatch every time, never a dropped connection."""
+
+    GREETING = (
+        b"\xff" + bytes(8) + b"\x7f"  # signature
+        + b"\x03\x00"  # version 3.0
+        + b"NULL".ljust(20, b"\0")  # mechanism
+        + b"\x01"  # as-server
+        + bytes(31)  # filler
+    )  # fmt: skip
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._listener = socket.create_server((host, 0))
+        self.endpoint = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(conn,), daemon=True).start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.sendall(self.GREETING)
+            while conn.recv(65536):
+                pass
+
+    def close(self) -> None:
+        self._listener.close()

@@ -29,7 +29,7 @@ from kvflow.core.server.curve import AuthorizedKeys, generate, load_key_pair, lo
 from tests.core.server.test_server import ServerProcess
 from tests.support.launcher import kvflow_run
 from tests.support.ops import lines_from
-from tests.support.relay import TcpRelay
+from tests.support.relay import NullGreeter, TcpRelay
 
 NB, BS, NH, HS = 32, 16, 2, 8
 FIRST, SECOND = list(range(16)), list(range(16, 32))  # one chunk's blocks each
@@ -223,6 +223,27 @@ def test_a_curve_client_of_a_plain_server_is_told_so(keys: dict[str, Path]) -> N
             client.status()
     finally:
         assert srv.stop() == 0
+
+
+def test_a_mechanism_mismatch_is_named_with_its_protocol_error(keys: dict[str, Path]) -> None:
+    """A peer that greets with the NULL mechanism (a plain server that answers the
+    greeting, not one that drops the connection first): the refusal names ZMQ's
+    protocol error for a mechanism mismatch, whole."""
+    peer = NullGreeter()
+    client = KVFlowClient(
+        peer.endpoint, timeout_s=10, curve_server_key=keys["server_public"],
+        curve_key=keys["alice"],
+    )  # fmt: skip
+    message = (
+        f"CURVE handshake with {peer.endpoint} failed (protocol error "
+        f"{zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:#x}): the server does not use CURVE,"
+        " or its key differs from curve_server_key"
+    )
+    try:
+        with client, pytest.raises(AuthenticationError, match=f"^{re.escape(message)}$"):
+            client.status()
+    finally:
+        peer.close()
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
