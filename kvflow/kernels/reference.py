@@ -14,7 +14,7 @@ threads of the caller's choosing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
@@ -98,14 +98,17 @@ class _Family:
 
     `cache` is `[num_blocks, kv, layers, block_size, num_heads, words]` over the cache's
     own memory (its strides are the views' real ones) for the group's K/V rows `kv` and
-    layers `layers`. The chunk side of a run of blocks from position p is the array of
-    shape `(blocks, *tail)` and byte `strides` at byte `offset + p * strides[0]`.
+    layers `layers`; it starts at byte `cache_at` of `storage`, all of its storage's
+    bytes. The chunk side of a run of blocks from position p is the array of shape
+    `(blocks, *tail)` and byte `strides` at byte `offset + p * strides[0]`.
     """
 
     group: int
     kv: slice
     layers: slice
     cache: np.ndarray
+    storage: np.ndarray
+    cache_at: int
     offset: int
     strides: tuple[int, ...]
     tail: tuple[int, ...]
@@ -115,13 +118,43 @@ class _Family:
         """The unit both sides are read in (8, 4, 2 or 1 bytes)."""
         return self.cache.dtype
 
-    def chunk_side(self, buffer: np.ndarray, base: int, pos: int, count: int) -> np.ndarray:
-        """The chunk side of blocks [pos, pos + count) of the chunk at byte `base` of
-        `buffer` (bounds-checked against the whole buffer)."""
+    def chunk_side(self, buffer: np.ndarray, span: _Span) -> np.ndarray:
+        """The chunk side of `span`, `(chunks, count, *tail)`: blocks [pos, pos + count)
+        of each of its chunks (bounds-checked against the whole buffer)."""
         return np.ndarray(
-            (count, *self.tail), self.word, buffer=buffer,
-            offset=base + self.offset + pos * self.strides[0], strides=self.strides,
+            (span.chunks, span.count, *self.tail), self.word, buffer=buffer,
+            offset=span.base + self.offset + span.pos * self.strides[0],
+            strides=(span.step, *self.strides),
         )  # fmt: skip
+
+    def cache_side(self, span: _Span) -> np.ndarray:
+        """The cache side of `span`, `(chunks, count, *tail)`: blocks [b, b + count) for
+        b = block + j * block_step, j < chunks; IndexError for a block outside the cache."""
+        first, last = span.block, span.block + (span.chunks - 1) * span.block_step
+        if min(first, last) < 0 or max(first, last) + span.count > len(self.cache):
+            raise IndexError(
+                f"blocks {first}..{last} + {span.count} outside a cache of {len(self.cache)}"
+            )
+        stride = self.cache.strides[0]
+        return np.ndarray(
+            (span.chunks, span.count, *self.tail), self.word, buffer=self.storage,
+            offset=self.cache_at + first * stride,
+            strides=(span.block_step * stride, *self.cache.strides),
+        )  # fmt: skip
+
+
+class _Span(NamedTuple):
+    """Blocks [pos, pos + count) of `chunks` chunks, the first at byte `base` of its
+    storage and each next `step` bytes on, moved to or from cache blocks starting at
+    `block`, each next chunk's `block_step` blocks on (steps 0 for one chunk)."""
+
+    base: int
+    step: int
+    chunks: int
+    pos: int
+    count: int
+    block: int
+    block_step: int
 
 
 #: a chunk whose blocks not skipped form more runs of consecutive ids than this is moved
@@ -129,6 +162,13 @@ class _Family:
 #: (SGLang's device pools, 1-token blocks) a copy per run costs ~1.5 us of Python for
 #: 2 KiB, an indexed op over 16 blocks 5x less (a gather's through a temporary)
 MAX_RUNS = 2
+
+
+#: consecutive whole chunks one address step apart in one storage, whose blocks are one
+#: block step apart, are moved by one copy per family of up to this many bytes: a copy's
+#: Python (its views, its call) costs ~2.5 us, the bytes of a small chunk (a 512-byte page)
+#: far less; larger copies would leave a big move's helper threads too few to share
+MERGE_BYTES = 1 << 20
 
 
 class Copy(NamedTuple):
@@ -156,9 +196,11 @@ def chunk_copies(
     `skip_blocks[c]` blocks of chunk c are neither read nor written (None: none skipped).
     The copies move the same bytes as `transfer_reference` with `chunks[c]` as staging
     row c, one per family of (kv, layer) views one strided array spans (one family for
-    all layers of a one-buffer cache) and per run of consecutive block ids of a chunk,
-    or, for a chunk of more than `MAX_RUNS` runs, per family over its blocks by index.
-    A run's copy is `copyto(dst, src)` (`np.copyto`'s contract for arrays of one shape).
+    all layers of a one-buffer cache) and per run of consecutive block ids of a chunk
+    (whole chunks evenly spaced both in their storage and in the cache: one copy of up
+    to `MERGE_BYTES` for several), or, for a chunk of more than `MAX_RUNS` runs, per
+    family over its blocks by index. A run's copy is `copyto(dst, src)` (`np.copyto`'s
+    contract for arrays of one shape).
     """
     num_chunks, per_chunk = (int(n) for n in block_ids.shape)
     if num_chunks == 0:
@@ -167,21 +209,18 @@ def chunk_copies(
     memory = _ChunkMemory(chunks, layout.chunk_nbytes(per_chunk * layout.block_size))
     copies = []
     runs, scattered = _block_runs(block_ids, skip_blocks)
-    current, buffer, base = -1, np.empty(0, dtype=np.uint8), 0
-    for c, pos, count, block in runs:
-        if c != current:
-            current = c
-            buffer, base = memory.locate(c)
+    most = max(1, MERGE_BYTES // memory.nbytes)
+    for buffer, span in _spans(runs, memory, per_chunk, most):
         for fam in plan:
-            side = fam.chunk_side(buffer, base, pos, count)
-            cache = fam.cache[block : block + count]
+            side, cache = fam.chunk_side(buffer, span), fam.cache_side(span)
             dst, src = (side, cache) if gather else (cache, side)
             copies.append(Copy(side.nbytes, partial(copyto, dst, src)))
     for c, skip in scattered:
         buffer, base = memory.locate(c)
         index = block_ids[c, skip:]
+        kept = _Span(base, 0, 1, skip, per_chunk - skip, 0, 0)  # its blocks not skipped
         for fam in plan:
-            side = fam.chunk_side(buffer, base, skip, per_chunk - skip)
+            side = fam.chunk_side(buffer, kept)[0]
             run = (
                 partial(_gather_into, side, fam.cache, index)
                 if gather
@@ -189,6 +228,48 @@ def chunk_copies(
             )
             copies.append(Copy(side.nbytes, run))
     return copies
+
+
+def _spans(
+    runs: Iterable[tuple[int, int, int, int]], memory: _ChunkMemory, per_chunk: int, most: int
+) -> Iterator[tuple[np.ndarray, _Span]]:
+    """The runs (chunk, position, blocks, first block) as spans, each with its chunks'
+    storage. A whole chunk joins the span of whole chunks before it, up to `most` chunks,
+    when it lies in the same storage one address step and one block step on from the
+    span's last chunk: the span's steps once it has two chunks, else any steps at which
+    neither chunks nor blocks overlap. Any other run is a span of its own. (Plain locals,
+    not a span per run: this loop is most of the cost of a copy list of small chunks.)"""
+    nbytes, current, base = memory.nbytes, -1, 0
+    buffer = held = np.empty(0, dtype=np.uint8)
+    chunks = step = block_step = 0  # the span being grown: chunks 0 while there is none
+    first = _Span(0, 0, 1, 0, 0, 0, 0)  # its first run
+    whole, last_base, last_block = False, 0, 0  # whether its runs are whole; its last chunk
+    for c, pos, count, block in runs:
+        if c != current:
+            current = c
+            buffer, base = memory.locate(c)
+        if whole and chunks < most and buffer is held and pos == 0 and count == per_chunk:
+            next_step, next_block_step = base - last_base, block - last_block
+            if chunks == 1:
+                joins = abs(next_step) >= nbytes and abs(next_block_step) >= per_chunk
+            else:
+                joins = next_step == step and next_block_step == block_step
+            if joins:
+                chunks, step, block_step = chunks + 1, next_step, next_block_step
+                last_base, last_block = base, block
+                continue
+        if chunks:
+            yield held, first._replace(step=step, chunks=chunks, block_step=block_step)
+        first, held, chunks, step, block_step = (
+            _Span(base, 0, 1, pos, count, block, 0),
+            buffer,
+            1,
+            0,
+            0,
+        )
+        whole, last_base, last_block = pos == 0 and count == per_chunk, base, block
+    if chunks:
+        yield held, first._replace(step=step, chunks=chunks, block_step=block_step)
 
 
 def _gather_into(dst: np.ndarray, cache: np.ndarray, index: np.ndarray) -> None:
@@ -332,7 +413,7 @@ def _group_families(
         )  # fmt: skip
         strides = (block, kv_part, layer_part, row, group.head_bytes, word.itemsize)
         at = offset + kv.start * kv_part + layers.start * layer_part
-        out.append(_Family(index, kv, layers, cache, at, strides, tail))
+        out.append(_Family(index, kv, layers, cache, raw, first.ptr - start, at, strides, tail))
     return out
 
 

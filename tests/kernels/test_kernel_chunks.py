@@ -20,7 +20,7 @@ import torch
 
 from kvflow.core.engine.movers import CpuMover
 from kvflow.core.engine.strided_copy import CopyTo, strided_copyto
-from kvflow.kernels import KVFormat, KVLayout
+from kvflow.kernels import KVFormat, KVLayout, reference
 from kvflow.kernels.reference import ChunkBuffers, _chunk_plan, chunk_copies, transfer_reference
 from kvflow.kernels.synthetic import LayerSpec, make_kv_caches
 from tests.support.engine import TensorChunks
@@ -254,3 +254,107 @@ def test_cpu_mover_stores_and_retrieves_like_the_reference(
     mover(target).retrieve(chunks, lambda: ids, SKIPS)
     assert same_bytes(target, expected)
     assert (CpuMover._helpers is not None) or threads == 1
+
+
+def _moved(layers: list[torch.Tensor], ids: np.ndarray, order: list[int]) -> int:
+    """Gather then scatter `ids` ([chunks, PER_CHUNK]) through chunks that are rows of
+    one buffer taken in `order` (row order[c] for chunk c), checking both against the
+    reference; returns how many copies the gather was."""
+    layout = KVLayout.from_kv_caches(layers, kv_format="vllm_flash_attn")
+    n, nbytes = len(ids), layout.chunk_nbytes(PER_CHUNK * layout.block_size)
+    want = torch.empty((n, nbytes), dtype=torch.uint8)
+    no_skips = torch.zeros(n, dtype=torch.int64)
+    transfer_reference(layout, want, torch.from_numpy(ids), no_skips, gather=True)
+    slab = torch.full((n, nbytes), POISON, dtype=torch.uint8)
+    chunks = TensorChunks([slab[r] for r in order])
+    copies = chunk_copies(layout, chunks, ids, None, gather=True, copyto=strided_copyto())
+    for copy in copies:
+        copy.run()
+    assert all(torch.equal(chunks[c], want[c]) for c in range(n))
+    expected = [torch.zeros_like(t) for t in layers]
+    transfer_reference(
+        KVLayout.from_kv_caches(expected, kv_format="vllm_flash_attn"), want,
+        torch.from_numpy(ids), no_skips, gather=False,
+    )  # fmt: skip
+    target = [torch.zeros_like(t) for t in layers]
+    scatter = chunk_copies(
+        KVLayout.from_kv_caches(target, kv_format="vllm_flash_attn"), chunks, ids,
+        np.zeros(n, dtype=np.int64), gather=False, copyto=strided_copyto(),
+    )  # fmt: skip
+    for copy in scatter:
+        copy.run()
+    assert same_bytes(target, expected)
+    return len(copies)
+
+
+@pytest.mark.parametrize("pool", ["page_first", "layer_first"])
+def test_evenly_spaced_whole_chunks_move_in_one_copy(pool: str) -> None:
+    """Chunks one row apart in L1 holding blocks one step apart in the cache (ascending,
+    descending, or a block step larger than a chunk) move as one copy; an uneven step,
+    or chunks in separate storages, start a new one."""
+    layers = _host_pool_layers(pool, 3, 2, 8)
+    runs = [np.arange(b, b + PER_CHUNK) for b in (0, 4, 8, 12, 16)]
+    forward, rows = np.stack(runs), list(range(5))
+    assert _moved(layers, forward, rows) == 1
+    assert _moved(layers, forward[::-1].copy(), rows[::-1]) == 1  # both steps negative
+    assert _moved(layers, np.stack(runs[::2]), rows[:3]) == 1  # a block step of 8
+    uneven = np.stack([runs[0], runs[1], runs[3], runs[4]])  # steps 4, 8, 4
+    assert _moved(layers, uneven, rows[:4]) == 2  # blocks (0, 4) then (12, 16)
+    assert _moved(layers, forward, [0, 1, 2, 4, 3]) == 2  # rows (0, 1, 2) then (4, 3)
+    layout = KVLayout.from_kv_caches(layers, kv_format="vllm_flash_attn")
+    nbytes = layout.chunk_nbytes(PER_CHUNK * layout.block_size)
+    # chunk c at byte c * nbytes of a storage of its own: evenly spaced offsets, 5 storages
+    own = [torch.empty(5 * nbytes, dtype=torch.uint8)[c * nbytes :][:nbytes] for c in range(5)]
+    assert len(chunk_copies(layout, TensorChunks(own), forward, None, gather=True)) == 5
+
+
+def test_no_span_is_larger_than_merge_bytes_nor_overlaps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A merged copy holds at most MERGE_BYTES of chunks (here two): five even chunks make
+    three copies; chunks whose blocks would overlap (a block step of 2 with 4 blocks per
+    chunk, or rows closer than a chunk) never merge."""
+    layers = _host_pool_layers("page_first", 3, 2, 8)
+    layout = KVLayout.from_kv_caches(layers, kv_format="vllm_flash_attn")
+    nbytes = layout.chunk_nbytes(PER_CHUNK * layout.block_size)
+    monkeypatch.setattr(reference, "MERGE_BYTES", 2 * nbytes + 1)
+    forward = np.stack([np.arange(b, b + PER_CHUNK) for b in (0, 4, 8, 12, 16)])
+    assert _moved(layers, forward, list(range(5))) == 3
+    overlapping = np.stack([np.arange(b, b + PER_CHUNK) for b in (0, 2)])
+    slab = torch.empty(2 * nbytes, dtype=torch.uint8)
+    chunks = TensorChunks([slab[:nbytes], slab[nbytes:]])
+    assert len(chunk_copies(layout, chunks, overlapping, None, gather=True)) == 2
+    close = TensorChunks([slab[: nbytes // 2], slab[nbytes // 2 :]])  # half a chunk apart
+    assert len(chunk_copies(layout, _Sized(close, nbytes), forward[:2], None, gather=True)) == 2
+
+
+class _Sized:
+    """Chunks that claim `nbytes` each whatever they hold: lets a test lay chunks closer
+    than their size (never done by L1) to check such chunks are not merged."""
+
+    def __init__(self, chunks: TensorChunks, nbytes: int) -> None:
+        self.chunks, self.nbytes = chunks, nbytes
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.chunks[index]
+
+    def address(self, index: int, nbytes: int) -> int:
+        return int(self.chunks[index].data_ptr())
+
+
+def test_a_block_outside_the_cache_is_refused_before_any_copy() -> None:
+    """Block ids past the cache's end (the engine checks them first; the copy list does
+    too): IndexError naming them, whether the chunk stands alone or ends a span."""
+    layers = _host_pool_layers("page_first", 3, 2, 8)
+    layout = KVLayout.from_kv_caches(layers, kv_format="vllm_flash_attn")
+    nbytes = layout.chunk_nbytes(PER_CHUNK * layout.block_size)
+    slab = torch.empty(2 * nbytes, dtype=torch.uint8)
+    chunks = TensorChunks([slab[:nbytes], slab[nbytes:]])
+    past = np.stack([np.arange(b, b + PER_CHUNK) for b in (NUM_BLOCKS - 4, NUM_BLOCKS)])
+    with pytest.raises(IndexError, match=f"blocks 36..40 \\+ 4 outside a cache of {NUM_BLOCKS}"):
+        chunk_copies(layout, chunks, past, None, gather=True)
+    with pytest.raises(IndexError, match=f"blocks 40..40 \\+ 4 outside a cache of {NUM_BLOCKS}"):
+        chunk_copies(layout, chunks, past[1:], None, gather=True)
