@@ -119,32 +119,32 @@ class _Family:
         return self.cache.dtype
 
     def chunk_side(self, buffer: np.ndarray, span: _Span) -> np.ndarray:
-        """The chunk side of `span`, `(chunks, count, *tail)`: blocks [pos, pos + count)
+        """The chunk side of `span`, `(chunks, length, *tail)`: blocks [pos, pos + length)
         of each of its chunks (bounds-checked against the whole buffer)."""
         return np.ndarray(
-            (span.chunks, span.count, *self.tail), self.word, buffer=buffer,
+            (span.chunks, span.length, *self.tail), self.word, buffer=buffer,
             offset=span.base + self.offset + span.pos * self.strides[0],
             strides=(span.step, *self.strides),
         )  # fmt: skip
 
     def cache_side(self, span: _Span) -> np.ndarray:
-        """The cache side of `span`, `(chunks, count, *tail)`: blocks [b, b + count) for
+        """The cache side of `span`, `(chunks, length, *tail)`: blocks [b, b + length) for
         b = block + j * block_step, j < chunks; IndexError for a block outside the cache."""
         first, last = span.block, span.block + (span.chunks - 1) * span.block_step
-        if min(first, last) < 0 or max(first, last) + span.count > len(self.cache):
+        if min(first, last) < 0 or max(first, last) + span.length > len(self.cache):
             raise IndexError(
-                f"blocks {first}..{last} + {span.count} outside a cache of {len(self.cache)}"
+                f"blocks {first}..{last} + {span.length} outside a cache of {len(self.cache)}"
             )
         stride = self.cache.strides[0]
         return np.ndarray(
-            (span.chunks, span.count, *self.tail), self.word, buffer=self.storage,
+            (span.chunks, span.length, *self.tail), self.word, buffer=self.storage,
             offset=self.cache_at + first * stride,
             strides=(span.block_step * stride, *self.cache.strides),
         )  # fmt: skip
 
 
 class _Span(NamedTuple):
-    """Blocks [pos, pos + count) of `chunks` chunks, the first at byte `base` of its
+    """Blocks [pos, pos + length) of `chunks` chunks, the first at byte `base` of its
     storage and each next `step` bytes on, moved to or from cache blocks starting at
     `block`, each next chunk's `block_step` blocks on (steps 0 for one chunk)."""
 
@@ -152,7 +152,7 @@ class _Span(NamedTuple):
     step: int
     chunks: int
     pos: int
-    count: int
+    length: int
     block: int
     block_step: int
 
