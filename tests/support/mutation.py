@@ -102,6 +102,22 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     ],
     # the layerwise retrieve's copies straight into blocks: planned and run on CPU memory
     "kvflow/core/engine/direct.py": ["tests/core/engine/test_direct.py"],
+    # L1's free space: its own tests, and L1's (which allocate, evict, shrink through it)
+    "kvflow/core/tiers/l1space.py": [
+        "tests/core/tiers/test_l1space.py",
+        "tests/core/tiers/test_l1.py",
+        "tests/core/tiers/test_l1_resize.py",
+        "tests/core/tiers/test_l1_mutants.py",
+    ],
+    # the CPU mover's copy list and the torch reference every CPU path is checked against
+    "kvflow/kernels/reference.py": [
+        "tests/kernels/test_kernel_chunks.py",
+        "tests/kernels/test_kernel_reference.py",
+    ],
+    "kvflow/core/engine/strided_copy.py": [
+        "tests/core/engine/test_strided_copy.py",
+        "tests/kernels/test_kernel_chunks.py",
+    ],
     "kvflow/core/tiers/pinahead.py": [
         "tests/core/tiers/test_pinahead.py",
         "tests/core/server/test_probes.py",
@@ -212,6 +228,7 @@ MODULES = [
     "kvflow/events/bus.py",
     "kvflow/core/tiers/diskfile.py",
     "kvflow/core/tiers/l1.py",
+    "kvflow/core/tiers/l1space.py",
     "kvflow/core/server/protocol.py",
     "kvflow/core/engine/writethrough.py",
     "kvflow/core/tiers/sharding.py",
@@ -243,6 +260,9 @@ MODULES = [
     "kvflow/core/engine/bus_status.py",
     # added with the layerwise copies straight into blocks (issue 35)
     "kvflow/core/engine/direct.py",
+    # the CPU mover's copies (issue 36)
+    "kvflow/kernels/reference.py",
+    "kvflow/core/engine/strided_copy.py",
     "kvflow/core/tiers/pinahead.py",
     "kvflow/core/server/shm.py",
     "kvflow/core/server/curve.py",

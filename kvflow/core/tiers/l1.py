@@ -12,7 +12,6 @@ prefix's tail is evicted before its head (a lost head makes the tail useless).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -24,6 +23,7 @@ import torch
 
 from kvflow.core.tiers.base import StoreOutcome, WritePlan, check_buffers, completed
 from kvflow.core.tiers.hostmem import HostPool
+from kvflow.core.tiers.l1space import FreeSpace
 from kvflow.core.tiers.pinahead import DEFAULT_THREADS, PinAhead
 from kvflow.core.tiers.quota import Tenant, TenantQuotas
 
@@ -56,38 +56,6 @@ class L1Object:
         self.pins = 0
 
 
-class _FreeList:
-    """First-fit free extents of one segment, coalesced on free."""
-
-    def __init__(self, size: int) -> None:
-        self.starts = [0]
-        self.sizes = [size]
-
-    def alloc(self, n: int) -> int | None:
-        for i, size in enumerate(self.sizes):
-            if size >= n:
-                start = self.starts[i]
-                if size == n:
-                    del self.starts[i], self.sizes[i]
-                else:
-                    self.starts[i] += n
-                    self.sizes[i] -= n
-                return start
-        return None
-
-    def free(self, start: int, n: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
-        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
-            i -= 1
-            self.sizes[i] += n
-        else:
-            self.starts.insert(i, start)
-            self.sizes.insert(i, n)
-        if i + 1 < len(self.starts) and self.starts[i] + self.sizes[i] == self.starts[i + 1]:
-            self.sizes[i] += self.sizes[i + 1]
-            del self.starts[i + 1], self.sizes[i + 1]
-
-
 class L1Cache:
     """Thread-safe L1 index over a byte budget of host memory (a `HostTier`)."""
 
@@ -117,7 +85,7 @@ class L1Cache:
         self._closed = False
         self._index: dict[Hashable, L1Object] = {}
         self._lru: OrderedDict[Hashable, L1Object] = OrderedDict()  # ready objects only
-        self._free: list[_FreeList] = []
+        self._space = FreeSpace()  # the segments' free extents
         self._sizes: list[int] = []  # each segment's bytes (0 once released by a shrink)
         #: segments a shrink gives back: no new objects; live bytes left (released at 0)
         self._retiring: dict[int, int] = {}
@@ -145,10 +113,9 @@ class L1Cache:
         ):
             return None
         while True:
-            for seg, free in enumerate(self._free):
-                off = free.alloc(size)
-                if off is not None:
-                    return L1Object(key, seg, off, nbytes, size)
+            found = self._space.alloc(size)
+            if found is not None:
+                return L1Object(key, *found, nbytes, size)
             room = self.capacity_bytes - self._reserved - self._growing
             ahead = self._pinner is not None and not self._pinner.done
             if room >= size and not ahead:
@@ -158,7 +125,7 @@ class L1Cache:
                 plan.evicted_chunks += 1
                 plan.evicted_bytes += victim.nbytes
                 plan.evicted_keys.append(victim.key)
-                off = self._free[victim.segment].alloc(size)
+                off = self._space.alloc_in(victim.segment, size)
                 if off is not None:
                     return L1Object(key, victim.segment, off, nbytes, size)
                 continue
@@ -170,10 +137,10 @@ class L1Cache:
         """Grow on demand (memory not pinned ahead): a segment, and the object at its start."""
         seg_size = max(size, min(self.segment_bytes, room))
         seg = self.pool.add_segment(seg_size)
-        self._free.append(_FreeList(seg_size))
+        assert self._space.add(seg_size) == seg
         self._sizes.append(seg_size)
         self._reserved += seg_size
-        off = self._free[seg].alloc(size)
+        off = self._space.alloc_in(seg, size)
         assert off is not None
         return L1Object(key, seg, off, nbytes, size)
 
@@ -197,7 +164,7 @@ class L1Cache:
             if taken:
                 assert segment is not None
                 self.pool.adopt(segment)
-                self._free.append(_FreeList(size))
+                self._space.add(size)
                 self._sizes.append(size)
                 self._reserved += size
             self._grown.notify_all()
@@ -232,7 +199,7 @@ class L1Cache:
         self.tenants.removed(obj, evicted=evicted)
         live = self._retiring.get(obj.segment)
         if live is None:
-            self._free[obj.segment].free(obj.offset, obj.size)
+            self._space.free(obj.segment, obj.offset, obj.size)
         elif live - obj.size > 0:
             self._retiring[obj.segment] = live - obj.size
         else:
@@ -297,7 +264,7 @@ class L1Cache:
                     if obj is None:
                         break
                     if key in self._index:  # written meanwhile: _alloc waited unlocked
-                        self._free[obj.segment].free(obj.offset, obj.size)
+                        self._space.free(obj.segment, obj.offset, obj.size)
                         plan.covered = i + 1
                         continue
                     self._index[key] = obj
@@ -484,7 +451,7 @@ class L1Cache:
                     if obj.segment in doomed:
                         doomed[obj.segment] += obj.size
                 for seg, live in doomed.items():
-                    self._free[seg] = _FreeList(0)  # nothing is allocated there any more
+                    self._space.retire(seg)  # nothing is allocated there any more
                     self._retiring[seg] = live
                     self._reserved -= self._sizes[seg]
                     if not live:
@@ -558,7 +525,7 @@ class L1Cache:
             self._grown.notify_all()
             self._index.clear()
             self._lru.clear()
-            self._free.clear()
+            self._space.clear()
             self._reserved = self._usage = self._writing = 0
             self.pool.release()
         if self._pinner is not None:
