@@ -55,7 +55,8 @@ class FreeSpace:
 
     A retired segment (a shrink gives it back) takes no new object and gets no freed
     extent back. `alloc(n)` tries the segments that may fit `n` bytes, most recently
-    freed into first, and forgets each that cannot until something in it is freed.
+    freed into (or added) first, else in order, and forgets each that cannot until
+    something in it is freed.
     """
 
     def __init__(self) -> None:
@@ -78,8 +79,10 @@ class FreeSpace:
     def alloc(self, n: int) -> tuple[int, int] | None:
         """(segment, offset) of `n` free bytes, or None when no segment has them."""
         segs = self._may_fit.pop(n, None)
-        if segs is None:  # a size not asked for lately: every live segment may fit it
-            segs = {s: None for s in range(len(self._lists)) if s not in self._retired}
+        if segs is None:  # a size not asked for lately: every live segment may fit it,
+            # the first segment tried first (a shrink retires the last ones)
+            live = (s for s in reversed(range(len(self._lists))) if s not in self._retired)
+            segs = dict.fromkeys(live)
             if len(self._may_fit) >= MAX_SIZES:
                 del self._may_fit[next(iter(self._may_fit))]
         self._may_fit[n] = segs  # most recently asked last

@@ -41,16 +41,16 @@ def test_a_segment_that_cannot_fit_comes_back_once_something_in_it_is_freed() ->
     assert space.alloc_in(0, 40) == 60  # alloc_in asks the segment itself
 
 
-def test_the_segment_freed_into_last_is_tried_first_and_a_new_one_is_a_candidate() -> None:
+def test_segments_in_order_then_the_one_freed_into_last_and_a_new_one_are_tried_first() -> None:
     space = FreeSpace()
     for _ in range(3):
         space.add(50)
     held = [space.alloc(50) for _ in range(3)]
-    assert held == [(2, 0), (1, 0), (0, 0)]  # every segment fits: the last added first
-    space.free(2, 0, 50)
-    space.free(0, 0, 50)  # segment 0 was a candidate still (it held the last object)
-    assert space.alloc(50) == (0, 0)
+    assert held == [(0, 0), (1, 0), (2, 0)]  # in order, the first segment first
+    space.free(0, 0, 50)
+    space.free(2, 0, 50)  # segment 2 was a candidate still (it held the last object)
     assert space.alloc(50) == (2, 0)
+    assert space.alloc(50) == (0, 0)
     assert space.add(50) == 3
     assert space.alloc(50) == (3, 0)
 
@@ -59,7 +59,7 @@ def test_a_retired_segment_takes_no_object_and_gets_no_bytes_back() -> None:
     space = FreeSpace()
     space.add(100)
     space.add(100)
-    assert space.alloc(40) == (1, 0)
+    assert space.alloc_in(1, 40) == 0
     space.retire(1)
     assert space.alloc(40) == (0, 0)
     space.free(1, 0, 40)  # its last object leaves
