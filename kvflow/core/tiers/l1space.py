@@ -22,8 +22,7 @@ class FreeList:
     """First-fit free extents of one segment, coalesced on free."""
 
     def __init__(self, size: int) -> None:
-        self.starts = [0] if size else []
-        self.sizes = [size] if size else []
+        self.starts, self.sizes = [0], [size]  # an extent of 0 bytes fits nothing
 
     def alloc(self, n: int) -> int | None:
         for i, size in enumerate(self.sizes):
