@@ -312,7 +312,8 @@ class KVFlowClient:
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_interval = 0.0
         self._stopping = threading.Event()
-        self._closed = False
+        self._closing = False  # close() began: no new layerwise store, no heartbeat thread
+        self._closed = False  # no call any more
 
     # -- transport ------------------------------------------------------------------------
 
@@ -639,7 +640,7 @@ class KVFlowClient:
     def _sender(self) -> ThreadPoolExecutor:
         """The thread layerwise stores are sent from (made on first use)."""
         with self._lock:
-            if self._closed:
+            if self._closing:
                 raise ProtocolError("the client is closed")
             if self._store_sender is None:
                 self._store_sender = ThreadPoolExecutor(1, thread_name_prefix="kvflow-store")
@@ -878,7 +879,7 @@ class KVFlowClient:
                 if self._heartbeat_interval
                 else interval_s
             )
-            if self._heartbeat is not None or self._closed:
+            if self._heartbeat is not None or self._closing:
                 return
             self._heartbeat = threading.Thread(
                 target=self._heartbeat_loop, name="kvflow-client-heartbeat", daemon=True
@@ -893,22 +894,24 @@ class KVFlowClient:
                 continue  # the server is busy or restarting: keep trying
 
     def close(self) -> None:
-        """Stop heartbeating and close every socket (call once other threads' calls returned).
+        """Stop heartbeating, send the layerwise stores made before (each answered or
+        timed out), then close every socket (call once other threads' calls returned).
 
         The server reaps this client's still-registered instances after its
         heartbeat timeout; unregister them first to release them at once.
         """
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            self._closed = True
+            self._closing = True
             heartbeat, sender = self._heartbeat, self._store_sender
         self._stopping.set()
         if heartbeat is not None:
             heartbeat.join()
-        if sender is not None:  # layerwise stores already sent finish (or time out) first
+        if sender is not None:
             sender.shutdown(wait=True)
         with self._lock:
+            self._closed = True
             connections, self._connections, self._idle = self._connections, set(), []
         for conn in connections:
             conn.close()

@@ -14,7 +14,14 @@ import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, KVFlowError, ProtocolError, RequestTimeoutError
-from kvflow.core.server.protocol import AdminClear, Done, decode_request, encode_reply
+from kvflow.core.server.protocol import (
+    AdminClear,
+    Done,
+    Registered,
+    Reply,
+    decode_request,
+    encode_reply,
+)
 from kvflow.events import BlockAllocation
 
 # Nothing listens here: a call that reached the network would time out instead.
@@ -117,9 +124,11 @@ def test_a_timed_out_call_closes_its_sockets(client: KVFlowClient) -> None:
 
 
 @contextlib.contextmanager
-def _answering_done(n: int) -> Iterator[str]:
-    """The endpoint of a server that lies: it answers each of the next `n` requests with a
-    plain Done, whatever was asked."""
+def _answering_done(
+    n: int, reply: Callable[[int], Reply] = lambda request_id: Done(id=request_id)
+) -> Iterator[str]:
+    """The endpoint of a server that lies: it answers each of the next `n` requests with
+    `reply(request id)` (a plain Done), whatever was asked."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
@@ -131,7 +140,7 @@ def _answering_done(n: int) -> Iterator[str]:
                 return
             identity, *frames = router.recv_multipart()
             request, _ = decode_request(frames)
-            router.send_multipart([identity, encode_reply(Done(id=request.id))])
+            router.send_multipart([identity, encode_reply(reply(request.id))])
 
     answering = threading.Thread(target=answer)
     answering.start()
@@ -166,6 +175,26 @@ def test_a_reply_of_the_wrong_type_is_a_protocol_error(
     with _answering_done(len(calls)) as endpoint, KVFlowClient(endpoint, timeout_s=20) as c:
         for call, request in zip(calls, requests, strict=True):
             with pytest.raises(ProtocolError, match=rf"^unexpected Done reply to a {request}$"):
+                call(c)
+
+
+def test_a_data_call_answered_with_another_reply_names_both() -> None:
+    """A lookup, store or unregister answered with a Registered (not the Done they
+    expect): a ProtocolError naming the reply and the request, whole."""
+    calls = [
+        (lambda c: c.lookup([1, 2, 3], model_name="m"), "Lookup"),
+        (lambda c: c.end_session("r"), "EndSession"),
+        (lambda c: c.unregister("i"), "Unregister"),
+    ]
+    registered = lambda request_id: Registered(id=request_id, heartbeat_interval_s=1.0)  # noqa: E731
+    with (
+        _answering_done(len(calls), registered) as endpoint,
+        KVFlowClient(endpoint, timeout_s=20) as c,
+    ):
+        for call, request in calls:
+            with pytest.raises(
+                ProtocolError, match=rf"^unexpected Registered reply to a {request}$"
+            ):
                 call(c)
 
 

@@ -257,6 +257,33 @@ def test_layerwise_stores_go_one_at_a_time_from_one_named_thread(client: KVFlowC
     client.unregister(iid)
 
 
+def test_close_waits_for_the_layerwise_stores_already_made(
+    served: tuple[ServerProcess, Path],
+) -> None:
+    """Layerwise stores made (and their layers marked) just before close() are sent and
+    answered before it returns (it waits for the sender thread): each has its result at
+    once after."""
+    c = KVFlowClient(served[0].endpoint, timeout_s=20)
+    iid = _layerwise(c, _name("lwq"))
+    saves = [
+        c.store_layerwise(iid, TOKENS + 1000 * i, BLOCKS, request_id=f"q{i}") for i in range(3)
+    ]
+    for save in saves:  # the forward pass wrote every layer
+        for layer in range(LAYERS):
+            save.layer_done(layer)
+    c.close()
+    assert [save.wait(0) for save in saves] == [3 * CHUNK] * 3
+
+
+def test_token_ids_and_chunk_keys_are_refused_by_name(client: KVFlowClient) -> None:
+    """token_ids that are no integers name token_ids; both token_ids and chunk_keys given
+    is refused as such, before anything is sent."""
+    with pytest.raises(InvalidRequestError, match=_full("token_ids" + STRING)):
+        client.lookup("1 2 3", model_name="m")
+    with pytest.raises(InvalidRequestError, match=_full("give token_ids or chunk_keys, not both")):
+        client.lookup([1, 2], model_name="m", chunk_keys=[bytes(32)])
+
+
 def test_a_closed_client_refuses_a_layerwise_store(served: tuple[ServerProcess, Path]) -> None:
     """store_layerwise on a closed client is a ProtocolError saying it is closed."""
     c = KVFlowClient(served[0].endpoint, timeout_s=20)
