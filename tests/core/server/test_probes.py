@@ -126,7 +126,7 @@ def test_not_ready_until_l1_is_pinned(
     that pins more does not take readiness away."""
     server, release = held_back_server
     port = server.probe_port
-    assert port is not None
+    assert port is not None and server.status()["server"]["probe_port"] == port
     wait_for(lambda: _probe(port, "/healthz") is not None, what="the probe endpoint")
     code, body = _probe(port, "/readyz") or (0, {})
     state = server.engine.l1.pin_state()

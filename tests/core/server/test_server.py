@@ -254,6 +254,13 @@ def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) 
         assert status["server"]["reaped_instances"] == reaped_before + 1
         with pytest.raises(UnknownInstanceError, match="reaped"):
             client.store("tp-hang-rank0", list(range(CHUNK)), list(range(16)), request_id="x")
+        # registered again, then unregistered: no longer "reaped", just not registered
+        client.register_kv_caches("tp-hang-rank0", _kv(9), model_name="tp-again")
+        client.unregister("tp-hang-rank0")
+        with pytest.raises(
+            UnknownInstanceError, match=r"^instance 'tp-hang-rank0' is not registered$"
+        ):
+            client.store("tp-hang-rank0", list(range(CHUNK)), list(range(16)), request_id="y")
     finally:
         child.kill()
         child.wait(10)
