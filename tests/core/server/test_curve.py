@@ -207,7 +207,11 @@ def test_ownership_follows_the_key_not_the_claimed_client_id(
             bob.store("alice-own", tokens, FIRST, request_id="b")
         with pytest.raises(AlreadyRegisteredError):
             bob.register_kv_caches("alice-own", _kv(), model_name="m")
-        with pytest.raises(PermissionDeniedError, match="another CURVE key"):
+        refusal = (
+            "instance 'alice-own' is registered with another CURVE key: only a client"
+            " holding that key may re-register or take it over"
+        )
+        with pytest.raises(PermissionDeniedError, match=f"^{re.escape(refusal)}$"):
             bob.register_kv_caches("alice-own", _kv(), model_name="m", takeover=True)
         alice.unregister("alice-own")
 
