@@ -480,8 +480,8 @@ def test_a_heartbeat_that_times_out_is_retried_at_the_shortest_pace_asked() -> N
             for _ in range(2):
                 c.register_kv_caches(_name("hb"), _caches(8), model_name="m", block_size=BLOCK)
             wait_for(lambda: len(beats) >= 4, timeout_s=5, what="four heartbeats")
-            # 0.5 s for the unanswered call and 0.1 s of wait; a 1.5 s timeout gives 1.6
-            assert 0.45 < beats[1] - beats[0] < 1.3, beats
+            # 0.5 s for the unanswered call and 0.1 s of wait; a 1.5 s timeout gives >= 1.6
+            assert 0.45 < beats[1] - beats[0] < 1.55, beats
     finally:
         stop.set()
         serving.join(10)
