@@ -10,19 +10,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, KVFlowError, ProtocolError, RequestTimeoutError
-from kvflow.core.server.protocol import (
-    AdminClear,
-    Done,
-    Registered,
-    Reply,
-    decode_request,
-    encode_reply,
-)
+from kvflow.core.server.protocol import AdminClear, Done, Registered, Reply, Request
 from kvflow.events import BlockAllocation
+from tests.support.scripted import scripted_server
 
 # Nothing listens here: a call that reached the network would time out instead.
 NOWHERE = "tcp://127.0.0.1:9"
@@ -123,33 +116,12 @@ def test_a_timed_out_call_closes_its_sockets(client: KVFlowClient) -> None:
     assert [w.message for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
-@contextlib.contextmanager
 def _answering_done(
     n: int, reply: Callable[[int], Reply] = lambda request_id: Done(id=request_id)
-) -> Iterator[str]:
+) -> contextlib.AbstractContextManager[str]:
     """The endpoint of a server that lies: it answers each of the next `n` requests with
     `reply(request id)` (a plain Done), whatever was asked."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-
-    def answer() -> None:
-        for _ in range(n):
-            if not router.poll(20_000):
-                return
-            identity, *frames = router.recv_multipart()
-            request, _ = decode_request(frames)
-            router.send_multipart([identity, encode_reply(reply(request.id))])
-
-    answering = threading.Thread(target=answer)
-    answering.start()
-    try:
-        yield f"tcp://127.0.0.1:{port}"
-    finally:
-        answering.join(20)
-        router.close(0)
-        ctx.term()
+    return scripted_server(lambda _peer, request: reply(request.id), requests=n)
 
 
 @pytest.mark.parametrize(
@@ -216,46 +188,28 @@ def test_threads_that_come_and_go_reuse_the_clients_connections() -> None:
     """Calls from 60 short-lived threads, one after another, all arrive over one connection
     (a thread per request neither pays a connect per call nor leaks a socket each); calls
     from 4 threads at once use at most 4."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
     peers: set[bytes] = set()
-    stop = threading.Event()
 
-    def answer() -> None:
-        while not stop.is_set():
-            if not router.poll(50):
-                continue
-            identity, *frames = router.recv_multipart()
-            peers.add(identity)
-            request, _ = decode_request(frames)
-            router.send_multipart([identity, encode_reply(Done(id=request.id, value=1))])
+    def answer(peer: bytes, request: Request) -> Reply:
+        peers.add(peer)
+        return Done(id=request.id, value=1)
 
-    server = threading.Thread(target=answer)
-    server.start()
-    try:
-        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
-            for _ in range(60):
-                caller = threading.Thread(target=c.end_session, args=("r",))
-                caller.start()
-                caller.join()
-            assert len(peers) == 1
-            start = threading.Barrier(4)
+    with scripted_server(answer) as endpoint, KVFlowClient(endpoint, timeout_s=20) as c:
+        for _ in range(60):
+            caller = threading.Thread(target=c.end_session, args=("r",))
+            caller.start()
+            caller.join()
+        assert len(peers) == 1
+        start = threading.Barrier(4)
 
-            def burst() -> None:
-                start.wait()
-                for _ in range(20):
-                    c.end_session("r")
+        def burst() -> None:
+            start.wait()
+            for _ in range(20):
+                c.end_session("r")
 
-            callers = [threading.Thread(target=burst) for _ in range(4)]
-            for caller in callers:
-                caller.start()
-            for caller in callers:
-                caller.join()
-            assert 1 <= len(peers) <= 4
-    finally:
-        stop.set()
-        server.join()
-        router.close(0)
-        ctx.term()
+        callers = [threading.Thread(target=burst) for _ in range(4)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+        assert 1 <= len(peers) <= 4

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.engine.blend_index import BlendSegment
@@ -24,14 +23,15 @@ from kvflow.core.server.protocol import (
     Heartbeat,
     Register,
     Registered,
-    decode_request,
-    encode_reply,
+    Reply,
+    Request,
 )
 from kvflow.events import EventType
 from kvflow.kernels.rope import RopeParams
 from kvflow.subscribers.eventlog_read import LogReader
 from tests.support.engine import BLOCK, CHUNK
 from tests.support.ops import ServerProcess, wait_for
+from tests.support.scripted import scripted_server
 
 _ids = itertools.count()
 #: vllm_flash_attn caches: LAYERS x [2, NUM_BLOCKS, BLOCK, HEADS, HEAD] float32
@@ -452,38 +452,19 @@ def test_a_heartbeat_that_times_out_is_retried_at_the_shortest_pace_asked() -> N
     every 30 s at the second (the client keeps the shorter), and leaves the first
     heartbeat unanswered: that call gives up after 0.5 s (the interval, at least 0.5 s;
     not the client's 20 s timeout) and the next one follows at the 0.1 s pace."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
     intervals, beats = [0.1, 30.0], []
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            if not router.poll(50):
-                continue
-            identity, *frames = router.recv_multipart()
-            request, _ = decode_request(frames)
-            if isinstance(request, Register):
-                reply = Registered(id=request.id, heartbeat_interval_s=intervals.pop(0))
-                router.send_multipart([identity, encode_reply(reply)])
-            elif isinstance(request, Heartbeat):
-                beats.append(time.monotonic())
-                if len(beats) > 1:  # the first is left unanswered
-                    router.send_multipart([identity, encode_reply(Done(id=request.id))])
+    def answer(_peer: bytes, request: Request) -> Reply | None:
+        if isinstance(request, Register):
+            return Registered(id=request.id, heartbeat_interval_s=intervals.pop(0))
+        if not isinstance(request, Heartbeat):
+            return None
+        beats.append(time.monotonic())
+        return Done(id=request.id) if len(beats) > 1 else None  # the first left unanswered
 
-    serving = threading.Thread(target=serve)
-    serving.start()
-    try:
-        with KVFlowClient(f"tcp://127.0.0.1:{port}", timeout_s=20) as c:
-            for _ in range(2):
-                c.register_kv_caches(_name("hb"), _caches(8), model_name="m", block_size=BLOCK)
-            wait_for(lambda: len(beats) >= 4, timeout_s=5, what="four heartbeats")
-            # 0.5 s for the unanswered call and 0.1 s of wait; a 1.5 s timeout gives >= 1.6
-            assert 0.45 < beats[1] - beats[0] < 1.55, beats
-    finally:
-        stop.set()
-        serving.join(10)
-        router.close(0)
-        ctx.term()
+    with scripted_server(answer) as endpoint, KVFlowClient(endpoint, timeout_s=20) as c:
+        for _ in range(2):
+            c.register_kv_caches(_name("hb"), _caches(8), model_name="m", block_size=BLOCK)
+        wait_for(lambda: len(beats) >= 4, timeout_s=5, what="four heartbeats")
+        # 0.5 s for the unanswered call and 0.1 s of wait; a 1.5 s timeout gives >= 1.6
+        assert 0.45 < beats[1] - beats[0] < 1.55, beats
