@@ -187,7 +187,7 @@ def chunk_copies(
     gather: bool,
     copyto: Callable[[np.ndarray, np.ndarray], object] = np.copyto,
 ) -> list[Copy]:
-    """The numpy copies that move blocks between a CPU cache and separate chunk buffers;
+    """The copies that move blocks between a CPU cache and separate chunk buffers;
     no two touch the same bytes, so they may run in any order or at once on several
     threads.
 
@@ -260,13 +260,8 @@ def _spans(
                 continue
         if chunks:
             yield held, first._replace(step=step, chunks=chunks, block_step=block_step)
-        first, held, chunks, step, block_step = (
-            _Span(base, 0, 1, pos, count, block, 0),
-            buffer,
-            1,
-            0,
-            0,
-        )
+        first, held = _Span(base, 0, 1, pos, count, block, 0), buffer  # a new span
+        chunks, step, block_step = 1, 0, 0
         whole, last_base, last_block = pos == 0 and count == per_chunk, base, block
     if chunks:
         yield held, first._replace(step=step, chunks=chunks, block_step=block_step)

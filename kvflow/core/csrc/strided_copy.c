@@ -1,6 +1,6 @@
 /*
- * kvflow strided copies: np.copyto for two arrays of one shape and item size, as one
- * memcpy per contiguous run, with the GIL released.
+ * kvflow strided copies: np.copyto for two arrays of one shape and item size, each
+ * contiguous run copied in 256-byte vector blocks, with the GIL released.
  *
  * The CPU mover copies between a host KV pool and L1 chunks through strided views: an
  * SGLang `page_first` page is token-major and a kvflow chunk layer-major, so a copy is
@@ -171,8 +171,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"copyto", copyto, METH_VARARGS,
-     "copyto(dst, src): copy src into dst (one shape and item size, no overlap), a memcpy "
-     "per contiguous run, without the GIL"},
+     "copyto(dst, src): copy src into dst (one shape and item size, no overlap), run by "
+     "contiguous run, without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

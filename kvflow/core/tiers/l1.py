@@ -137,7 +137,8 @@ class L1Cache:
         """Grow on demand (memory not pinned ahead): a segment, and the object at its start."""
         seg_size = max(size, min(self.segment_bytes, room))
         seg = self.pool.add_segment(seg_size)
-        assert self._space.add(seg_size) == seg
+        added = self._space.add(seg_size)  # not inside the assert: -O would drop the call
+        assert added == seg
         self._sizes.append(seg_size)
         self._reserved += seg_size
         off = self._space.alloc_in(seg, size)
