@@ -325,15 +325,15 @@ def test_no_span_is_larger_than_merge_bytes_nor_overlaps(
     chunks = TensorChunks([slab[:nbytes], slab[nbytes:]])
     assert len(chunk_copies(layout, chunks, overlapping, None, gather=True)) == 2
     close = TensorChunks([slab[: nbytes // 2], slab[nbytes // 2 :]])  # half a chunk apart
-    assert len(chunk_copies(layout, _Sized(close, nbytes), forward[:2], None, gather=True)) == 2
+    assert len(chunk_copies(layout, _AnySize(close), forward[:2], None, gather=True)) == 2
 
 
-class _Sized:
-    """Chunks that claim `nbytes` each whatever they hold: lets a test lay chunks closer
-    than their size (never done by L1) to check such chunks are not merged."""
+class _AnySize:
+    """Chunks whose `address` answers for any size, whatever they hold: lets a test lay
+    chunks closer than their size (never done by L1) to check such chunks are not merged."""
 
-    def __init__(self, chunks: TensorChunks, nbytes: int) -> None:
-        self.chunks, self.nbytes = chunks, nbytes
+    def __init__(self, chunks: TensorChunks) -> None:
+        self.chunks = chunks
 
     def __len__(self) -> int:
         return len(self.chunks)
