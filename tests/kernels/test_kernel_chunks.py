@@ -324,25 +324,16 @@ def test_no_span_is_larger_than_merge_bytes_nor_overlaps(
     slab = torch.empty(2 * nbytes, dtype=torch.uint8)
     chunks = TensorChunks([slab[:nbytes], slab[nbytes:]])
     assert len(chunk_copies(layout, chunks, overlapping, None, gather=True)) == 2
-    close = TensorChunks([slab[: nbytes // 2], slab[nbytes // 2 :]])  # half a chunk apart
-    assert len(chunk_copies(layout, _AnySize(close), forward[:2], None, gather=True)) == 2
+    close = _AnySize([slab[: nbytes // 2], slab[nbytes // 2 :]])  # half a chunk apart
+    assert len(chunk_copies(layout, close, forward[:2], None, gather=True)) == 2
 
 
-class _AnySize:
+class _AnySize(TensorChunks):
     """Chunks whose `address` answers for any size, whatever they hold: lets a test lay
     chunks closer than their size (never done by L1) to check such chunks are not merged."""
 
-    def __init__(self, chunks: TensorChunks) -> None:
-        self.chunks = chunks
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.chunks[index]
-
     def address(self, index: int, nbytes: int) -> int:
-        return int(self.chunks[index].data_ptr())
+        return int(self[index].data_ptr())
 
 
 def test_a_block_outside_the_cache_is_refused_before_any_copy() -> None:
