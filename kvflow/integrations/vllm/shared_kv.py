@@ -17,11 +17,13 @@ piece by piece (so at most one piece is held twice). Every existing view of the
 buffer, wherever vLLM keeps it, now reads and writes the segment, which the
 server maps too; the copy happens once, at registration.
 
-The page span may hold bytes of neighbouring small allocations (a buffer below
-glibc's mmap threshold shares pages with the heap); they are copied along and
-keep working, in memory the server could map but is never told about. vLLM's
-KV buffers are far above the threshold, so in practice the span is the buffer's
-own mapping.
+Only a buffer of `MIN_REMAP_BYTES` or more is moved: a smaller one may share its
+first or last page with other heap allocations, and another thread (a ZMQ I/O thread
+freeing a message, an allocator's bookkeeping) may write those pages between the copy
+and the remap; the write is lost and the heap corrupt (glibc aborts later, anywhere).
+From 32 MiB glibc always maps an allocation on its own (its largest mmap threshold;
+other allocators keep large blocks on pages of their own), so the span holds only the
+buffer and its allocator header. vLLM's KV buffers are far larger.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from kvflow.core.server.shm import SHM_DIR, shared_memory_of
 
 #: bytes copied and remapped at a time
 PIECE_BYTES = 64 << 20
+#: the smallest storage moved in place: glibc serves every allocation this large from a
+#: mapping of its own (its largest mmap threshold), so no other allocation shares its pages
+MIN_REMAP_BYTES = 32 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -70,13 +75,22 @@ class SharedKV:
         self._spans: dict[int, tuple[int, torch.Tensor]] = {}
 
     def share(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Put `tensor`'s whole storage in shared memory, in place; return its alias."""
+        """Put `tensor`'s whole storage in shared memory, in place; return its alias.
+
+        ValueError for a tensor off the CPU, or a storage under `MIN_REMAP_BYTES`."""
         if tensor.device.type != "cpu":
             raise ValueError(f"only CPU tensors are shared this way, got {tensor.device}")
         if shared_memory_of(tensor) is not None:
             return tensor
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
+        if storage.nbytes() < MIN_REMAP_BYTES:
+            raise ValueError(
+                f"a CPU KV buffer of {storage.nbytes()} bytes may share its pages with other"
+                f" heap allocations, so it is not moved into shared memory in place (from"
+                f" {MIN_REMAP_BYTES >> 20} MiB it is): allocate it with"
+                " kvflow.core.empty_shared, or inside the connector's SharedZeros context"
+            )
         if base not in self._spans:
             self._spans[base] = self._move(base, storage.nbytes())
         start, segment = self._spans[base]

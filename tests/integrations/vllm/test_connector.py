@@ -26,7 +26,7 @@ from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views
 from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvflow.integrations.vllm.scheduler import SchedulerSide
-from kvflow.integrations.vllm.shared_kv import SharedKV, SharedZeros
+from kvflow.integrations.vllm.shared_kv import MIN_REMAP_BYTES, SharedKV, SharedZeros
 from kvflow.integrations.vllm.worker import WorkerSide
 from kvflow.kernels import KVLayout, cuda_available
 from tests.e2e.server_proc import running_server
@@ -147,7 +147,7 @@ def test_shared_zeros_allocates_vllms_buffer_in_shared_memory() -> None:
 def test_remapping_in_place_shares_every_existing_view() -> None:
     """The fallback: a buffer vLLM allocated privately is moved into shared memory in place,
     so views taken before the move (the layers') write what the server maps."""
-    buf = torch.zeros(LAYERS * BLOCKS * HEADS * BLOCK * 2 * HEAD * 4, dtype=torch.int8)
+    buf = torch.zeros(MIN_REMAP_BYTES, dtype=torch.int8)  # the layers' bytes at its start
     layer1 = _manager_view(buf, 1)
     before = layer1[:, :, :, :]  # a view vLLM took earlier, never shown to the connector
     shared = SharedKV()
@@ -161,6 +161,30 @@ def test_remapping_in_place_shares_every_existing_view() -> None:
     assert server_side[((5 * HEADS + 1) * BLOCK + 3) * 2 * HEAD + 7] == 42.0
     server_side[0] = 7.0
     assert layer1[0, 0, 0, 0] == 7.0
+
+
+def test_a_buffer_that_may_share_pages_with_the_heap_is_not_remapped() -> None:
+    """Remapping a heap buffer's pages loses the writes other threads make to its
+    neighbours meanwhile (a corrupt heap, glibc aborting later): it is refused whole."""
+    buf = torch.ones(1 << 16)  # 256 KiB: below glibc's mmap threshold, in its heap
+    with pytest.raises(ValueError, match="may share its pages with other heap allocations"):
+        SharedKV().share(buf)
+    assert shared_memory_of(buf) is None and bool((buf == 1).all())  # left as it was
+
+
+def test_a_worker_whose_buffer_cannot_be_shared_runs_without_kvflow(endpoint: str) -> None:
+    worker = WorkerSide(
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="heap-rank0"
+    )
+    try:
+        buf = torch.zeros(LAYERS * BLOCKS * HEADS * BLOCK * 2 * HEAD * 4, dtype=torch.int8)
+        worker.register({f"model.layers.{i}.self_attn.attn": _manager_view(buf, i)
+                         for i in range(LAYERS)}, BLOCK)  # fmt: skip
+        assert not worker.registered and shared_memory_of(buf) is None
+        worker.load(StepPlan(loads=[LoadSpec("s", list(range(CHUNK)), [4], skip_tokens=0)]))
+        assert worker.take_load_errors() == {4}  # vLLM recomputes
+    finally:
+        worker.shutdown()
 
 
 # -- both sides against a real server -------------------------------------------------------
