@@ -84,6 +84,8 @@ vllm-venv:
 # first, in the order given (--no-loadscope-reorder; tests/support/parallel.py).
 # More workers than cores: most of a test's time is spent waiting on subprocesses and sockets.
 # The ten slowest tests are listed at the end (docs/TESTING.md, "Suite time").
+# A worker that crashes ends the run (--max-worker-restart=0): xdist 3.8's loadgroup scheduler
+# can wait forever for a replacement worker's work (docs/TESTING.md, "Suite time").
 PYTEST_WORKERS ?= 4
 
 # The SGLang integration's tests run SGLang's own HiCache classes (storage factory, host pools)
@@ -113,7 +115,8 @@ sglang-venv:
 		exit 1; else echo "the SGLang venv could not be made: the SGLang integration tests will be skipped"; fi
 
 pytest: $(STAMP) prometheus redis vllm-venv sglang-venv
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 \
+		--max-worker-restart=0
 
 test: lint typecheck pytest
 
