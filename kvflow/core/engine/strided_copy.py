@@ -1,10 +1,11 @@
 """The CPU mover's copy: `np.copyto` for arrays of one shape and item size, each contiguous
-run copied in vector blocks by kvflow's C loop (csrc/strided_copy.c), without the GIL.
+run copied in vector blocks by kvflow's C loop (csrc/strided_copy.c), without the GIL; a
+copy of 128 KiB or more with streaming stores, which skip reading the destination first.
 
-numpy's strided loop (and glibc's memcpy of each run) moves the short runs of a layout
+numpy's strided loop (and glibc's memcpy of each run) moved the short runs of a layout
 change (an SGLang `page_first` page into a layer-major chunk: 2 KiB rows at 16-64 KiB
-strides) at 5.5-6.2 GB/s on one core here; the C loop at 9.7-10 (docs/SGLANG.md, Cost of
-the extra hop).
+strides) at 5.5-6.2 GB/s on one core of one host; the C loop at 9.7-10, streamed 10-10.5
+(docs/SGLANG.md, Cost of the extra hop).
 """
 
 from __future__ import annotations

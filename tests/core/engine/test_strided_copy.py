@@ -77,6 +77,28 @@ def test_runs_of_blocks_and_a_tail_between_rows_of_other_strides(copyto: object)
         assert (chunk[:, :, 32] == 0xA5).all()
 
 
+@pytest.mark.parametrize("row", [64, 2048, 2064, 2056], ids=lambda r: f"row{r}")
+@pytest.mark.parametrize("shift", [0, 8], ids=["aligned", "shifted"])
+def test_copies_of_128_kib_and_more_stream_every_byte_and_no_other(
+    copyto: object, row: int, shift: int
+) -> None:
+    """A copy of 128 KiB or more writes with streaming stores where every row's destination
+    is 16-byte aligned (rows of whole 64-byte steps, or a tail after them), and as any
+    other copy where it is not (a destination 8 bytes off, rows of 2056 bytes)."""
+    rows = -(-(256 << 10) // row)  # at least 256 KiB
+    rng = np.random.default_rng(row + shift)
+    pool = rng.integers(0, 256, (rows, 4, row), dtype=np.uint8)
+    memory = np.full(4 * (rows + 1) * row + 64, 0xA5, dtype=np.uint8)
+    start = -memory.ctypes.data % 16 + shift
+    chunk = memory[start : start + 4 * (rows + 1) * row].reshape(4, rows + 1, row)
+    copyto(chunk[:, :rows], pool.transpose(1, 0, 2))  # type: ignore[operator]
+    assert np.array_equal(chunk[:, :rows], pool.transpose(1, 0, 2))
+    assert (chunk[:, rows] == 0xA5).all() and (memory[:start] == 0xA5).all()
+    back = np.zeros_like(pool)
+    copyto(back.transpose(1, 0, 2), chunk[:, :rows])  # type: ignore[operator]
+    assert np.array_equal(back, pool)
+
+
 def test_an_empty_copy_writes_nothing(copyto: object) -> None:
     dst = np.full((3, 0, 4), 7, dtype=np.uint8)
     copyto(dst, np.empty((3, 0, 4), dtype=np.uint8))  # type: ignore[operator]
