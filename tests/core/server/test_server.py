@@ -37,12 +37,14 @@ from kvflow.core.server.protocol import (
     Failed,
     KVCachesDesc,
     Register,
+    Registered,
     Store,
     TensorDesc,
     Unregister,
     decode_reply,
     encode_request,
 )
+from kvflow.core.server.sharing import describe_kv_caches
 from kvflow.core.server.shm import shared_memory_of
 from tests.support import ops
 
@@ -344,6 +346,21 @@ def test_fuzzed_messages_never_stop_the_server(
     replies = [_reply(raw) for _ in range(n)]
     assert all(isinstance(r, Failed) and r.code == ProtocolError.code for r in replies)
     assert client.status()["server"]["errors"] >= n
+
+
+def test_a_registration_tells_the_client_to_beat_four_times_per_timeout(
+    raw: zmq.Socket[bytes], client: KVFlowClient
+) -> None:
+    """The reply's heartbeat interval is a quarter of --heartbeat-timeout-s: a client
+    whose beat or two is lost (a slow network, a busy host) is still not reaped."""
+    iid, kv = _instance("beat"), _kv(5)  # kv: alive until the server has mapped it
+    request = Register(instance_id=iid, kv_caches=describe_kv_caches(kv), model_name="m")
+    raw.send_multipart(encode_request(request))
+    reply = _reply(raw)
+    assert isinstance(reply, Registered), reply
+    assert reply.heartbeat_interval_s == HEARTBEAT_TIMEOUT_S / 4
+    raw.send_multipart(encode_request(Unregister(instance_id=iid)))
+    assert isinstance(_reply(raw), Done)
 
 
 def test_register_descriptions_outside_their_memory_are_refused(
