@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from kvflow.core.server.protocol import (
 from kvflow.core.tiers.quota import salt_label
 from kvflow.events import EventType
 from kvflow.subscribers.eventlog_read import LogReader
-from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
+from tests.support.ops import BS, CHUNK, NL, ServerProcess, shared_kv, tokens, wait_for
 
 EVERY_ADMIN_REQUEST: list[AdminRequest] = [
     AdminClear(everything=True),
@@ -261,6 +262,38 @@ def test_drain_refuses_stores_and_registrations_and_undrain_takes_them_again(
         assert undrained.returncode == 0 and json.loads(undrained.stdout)["draining"] is False
         assert client.store("drain-a", tokens(CHUNK, seed=2), list(range(16)), request_id="r4")
         client.unregister("drain-a")
+
+
+def test_a_registration_queued_behind_a_store_counts_in_flight_until_it_ran() -> None:
+    """A drain waits for registrations too: one queued on a worker behind a store that
+    waits for its layers counts in `in_flight`, with the store, until it has run."""
+    with (
+        ServerProcess("--disable-observability", "--max-instances", "9") as srv,  # 8 workers
+        KVFlowClient(srv.endpoint, timeout_s=20) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        caches = [shared_kv(20 + i) for i in range(9)]
+        client.register_kv_caches(  # worker 0
+            "queued-0", caches[0], model_name="m", block_size=BS, layerwise=True
+        )
+        for i in range(1, 8):  # workers 1 to 7, so the next instance shares worker 0
+            client.register_kv_caches(f"queued-{i}", caches[i], model_name="m")
+
+        def in_flight() -> int:
+            return int(client.status()["server"]["drain"]["in_flight"])
+
+        save = client.store_layerwise("queued-0", tokens(CHUNK, 9), list(range(16)), request_id="h")
+        try:
+            wait_for(lambda: in_flight() == 1, 10, what="the store waiting for its layers")
+            late = pool.submit(client.register_kv_caches, "queued-8", caches[8], model_name="m")
+            wait_for(lambda: in_flight() == 2, 10, what="the registration queued behind it")
+            assert not late.done()
+        finally:  # the store ends either way, so the server stops
+            for layer in range(NL):
+                save.layer_done(layer)
+        assert save.wait(30) == CHUNK
+        late.result(30)
+        assert in_flight() == 0
 
 
 def test_admin_cli_clear_quota_and_resize(
