@@ -1,11 +1,14 @@
 """Pages/s and GB/s of KVFlowHiCacheStorage's batch_set_v1 / batch_get_v1 against a plain
 copy of the same bytes (issue 36: the cost of kvflow's hop behind SGLang's host pool).
 
-Runs in the SGLang venv (`make sglang-venv`), against SGLang's own MHA host pool on CPU
-(its `shm` allocator) and a real `kvflow server` subprocess with chunk size = page size:
+Runs in the SGLang venv (`make sglang-venv`), against SGLang's own MHA host pool (or with
+`--mla` its MLA pool: one row of `--kv-lora-rank` + `--rope-dim` bfloat16 values per token
+and layer, DeepSeek-V3's 512 + 64 by default) on CPU (its `shm` allocator) and a real
+`kvflow server` subprocess with chunk size = page size:
 
     .venv-sglang/bin/python benchmarks/bench_sglang_storage.py [--layout page_first]
         [--pages 128] [--reps 10] [--layers 8] [--heads 8] [--head-dim 128] [--page-size 16]
+        [--mla [--kv-lora-rank 512] [--rope-dim 64]]
         [--warm-l1 | --l1-prefault] [--mover] [--json FILE]
 
 Each round stores a batch of pages (SGLang's STORAGE_BATCH_SIZE, 128, by default) from
@@ -50,8 +53,19 @@ import torch  # noqa: E402
 
 from kvflow.core import KVFlowClient  # noqa: E402
 from kvflow.core.engine.movers import CpuMover  # noqa: E402
-from kvflow.integrations.sglang.layout import MHA_LAYOUTS, host_pool_views, page_ids  # noqa: E402
-from kvflow.integrations.sglang.synthetic import build_backend, fill, mha_pool, page_keys  # noqa: E402
+from kvflow.integrations.sglang.layout import (  # noqa: E402
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    host_pool_views,
+    page_ids,
+)
+from kvflow.integrations.sglang.synthetic import (  # noqa: E402
+    build_backend,
+    fill,
+    mha_pool,
+    mla_pool,
+    page_keys,
+)
 from kvflow.kernels import KVLayout  # noqa: E402
 
 
@@ -135,13 +149,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add("--layout", default="page_first", choices=MHA_LAYOUTS, help="SGLang's host layout")
+    add(
+        "--layout", default="page_first", choices=sorted({*MHA_LAYOUTS, *MLA_LAYOUTS}),
+        help="SGLang's host layout",
+    )  # fmt: skip
     add("--pages", type=int, default=128, help="pages per batch (SGLang's batches: 128)")
     add("--reps", type=int, default=10, help="timed rounds (after the untimed ones)")
     add("--layers", type=int, default=8, help="layers of the MHA pool")
     add("--heads", type=int, default=8, help="KV heads")
     add("--head-dim", type=int, default=128, help="values per head")
     add("--page-size", type=int, default=16, help="tokens per page = the server's chunk")
+    add("--mla", action="store_true", help="SGLang's MLA host pool instead of the MHA one")
+    add("--kv-lora-rank", type=int, default=512, help="MLA: latent values per token and layer")
+    add("--rope-dim", type=int, default=64, help="MLA: rotary values per token and layer")
     add(
         "--warm-l1", action="store_true",
         help="an L1 of a few batches, filled before the timed sets: they reuse the memory of"
@@ -156,18 +176,31 @@ def main() -> None:
     args = parser.parse_args()
     if args.warm_l1 and args.l1_prefault:
         raise SystemExit("--warm-l1 and --l1-prefault are two ways to warm L1: pick one")
-    if min(args.pages, args.reps, args.layers, args.heads, args.head_dim, args.page_size) < 1:
+    sizes = (args.pages, args.reps, args.layers, args.heads, args.head_dim, args.page_size)
+    if min(*sizes, args.kv_lora_rank, args.rope_dim) < 1:
         raise SystemExit(
-            "--pages, --reps, --layers, --heads, --head-dim and --page-size must be >= 1"
+            "--pages, --reps, --layers, --heads, --head-dim, --page-size, --kv-lora-rank and"
+            " --rope-dim must be >= 1"
         )
+    if args.mla and args.layout not in MLA_LAYOUTS:
+        raise SystemExit(f"--mla: --layout must be one of {', '.join(MLA_LAYOUTS)}")
+    if not args.mla and args.layout not in MHA_LAYOUTS:
+        raise SystemExit(f"--layout {args.layout} is an MLA layout: add --mla")
     page, n = args.page_size, args.pages
     tokens = n * page  # the host pool holds twice the device's: a batch to set, one to get
-    pool = mha_pool(
-        args.layout, heads=args.heads, head_dim=args.head_dim, page_size=page,
-        device_tokens=tokens, layers=args.layers,
-    )  # fmt: skip
+    if args.mla:
+        pool = mla_pool(
+            args.layout, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
+            page_size=page, device_tokens=tokens, layers=args.layers,
+        )  # fmt: skip
+        page_bytes = args.layers * page * (args.kv_lora_rank + args.rope_dim) * 2
+    else:
+        pool = mha_pool(
+            args.layout, heads=args.heads, head_dim=args.head_dim, page_size=page,
+            device_tokens=tokens, layers=args.layers,
+        )  # fmt: skip
+        page_bytes = 2 * args.layers * page * args.heads * args.head_dim * 2
     fill(pool, seed=0)
-    page_bytes = 2 * args.layers * page * args.heads * args.head_dim * 2
     batch_bytes = n * page_bytes
     # untimed rounds first: one, or with --warm-l1 an L1 of three batches filled by three
     # rounds and a fourth that evicts (then every set evicts and reuses memory)
@@ -205,9 +238,10 @@ def main() -> None:
         times = timed_rounds(steps, warm, args.reps)
         b.close()
     med = {k: statistics.median(v) for k, v in times.items()}
+    kind = "mla" if args.mla else "mha"
     result = {
         "machine": platform.node(), "cpus": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d"), "layout": args.layout, "pages": n,
+        "date": time.strftime("%Y-%m-%d"), "layout": args.layout, "pool": kind, "pages": n,
         "warm_l1": args.warm_l1, "l1_prefault": args.l1_prefault,
         "page_bytes": page_bytes, "batch_mib": batch_bytes / 2**20,
         **{f"{k}_pages_per_s": n / s for k, s in med.items()},
@@ -215,7 +249,7 @@ def main() -> None:
         **{f"{k}_over_copy": med["copy"] / s for k, s in med.items() if not k.startswith("copy")},
     }  # fmt: skip
     print(
-        f"{args.layout}: {n} pages of {page_bytes / 2**10:.0f} KiB ({batch_bytes / 2**20:.0f} MiB)"
+        f"{kind} {args.layout}: {n} pages of {page_bytes / 2**10:.0f} KiB ({batch_bytes / 2**20:.0f} MiB)"
         f" per batch, median of {args.reps}, {l1_kind(args)} L1"
     )
     for k in med:
