@@ -190,6 +190,29 @@ static int streams(const Py_buffer *dst, int outer, size_t run, size_t nbytes) {
 #endif
 }
 
+/* Reorder the outer axes, largest source stride outermost (a stable sort), so a streamed
+ * copy reads its source in address order and scatters its writes, which streaming stores
+ * take at full speed: the CPU mover's gather of 256-byte runs (SGLang's `page_head` pages
+ * into layer-major chunks) went from 10-13 to 16-29 GB/s on two cores (docs/SGLANG.md).
+ * No two runs overlap, so any order copies the same bytes. */
+static void in_source_order(int outer, Py_ssize_t *shape, Py_ssize_t *dst_strides,
+                            Py_ssize_t *src_strides) {
+    for (int i = 1; i < outer; i++) {
+        Py_ssize_t n = shape[i], d = dst_strides[i], s = src_strides[i];
+        Py_ssize_t key = s < 0 ? -s : s;
+        int j = i;
+        for (; j > 0 && (src_strides[j - 1] < 0 ? -src_strides[j - 1] : src_strides[j - 1]) < key;
+             j--) {
+            shape[j] = shape[j - 1];
+            dst_strides[j] = dst_strides[j - 1];
+            src_strides[j] = src_strides[j - 1];
+        }
+        shape[j] = n;
+        dst_strides[j] = d;
+        src_strides[j] = s;
+    }
+}
+
 static PyObject *copyto(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *dst_obj, *src_obj;
@@ -232,8 +255,17 @@ static PyObject *copyto(PyObject *self, PyObject *args) {
         nbytes *= (size_t)dst.shape[axis];
     }
     int stream = streams(&dst, outer, run, nbytes);
+    Py_ssize_t shape[MAX_AXES], dst_strides[MAX_AXES], src_strides[MAX_AXES];
+    for (int axis = 0; axis < outer; axis++) {
+        shape[axis] = dst.shape[axis];
+        dst_strides[axis] = dst.strides[axis];
+        src_strides[axis] = src.strides[axis];
+    }
+    if (stream) {
+        in_source_order(outer, shape, dst_strides, src_strides);
+    }
     Py_BEGIN_ALLOW_THREADS
-    copy_runs(dst.buf, src.buf, outer, dst.shape, dst.strides, src.strides, run, stream);
+    copy_runs(dst.buf, src.buf, outer, shape, dst_strides, src_strides, run, stream);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

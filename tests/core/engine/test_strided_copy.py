@@ -99,6 +99,18 @@ def test_copies_of_128_kib_and_more_stream_every_byte_and_no_other(
     assert np.array_equal(back, pool)
 
 
+def test_a_streamed_copy_walks_its_source_in_any_axis_order(copyto: object) -> None:
+    """A streamed copy reorders its outer axes by the source's strides (reads in address
+    order): SGLang's `page_head` gather (256-byte rows, heads outermost in the pool), and
+    the same with an axis reversed, land every byte where numpy puts it."""
+    rng = np.random.default_rng(7)
+    pool = rng.integers(0, 256, (8, 16, 8, 256), dtype=np.uint8)  # heads, tokens, layers, row
+    for src in (pool.transpose(2, 1, 0, 3), pool[:, ::-1].transpose(2, 1, 0, 3)):
+        chunk = np.zeros((8, 16, 8, 256), dtype=np.uint8)  # layers, tokens, heads, row
+        copyto(chunk, src)  # type: ignore[operator]
+        assert np.array_equal(chunk, src)
+
+
 def test_an_empty_copy_writes_nothing(copyto: object) -> None:
     dst = np.full((3, 0, 4), 7, dtype=np.uint8)
     copyto(dst, np.empty((3, 0, 4), dtype=np.uint8))  # type: ignore[operator]
