@@ -17,13 +17,13 @@ piece by piece (so at most one piece is held twice). Every existing view of the
 buffer, wherever vLLM keeps it, now reads and writes the segment, which the
 server maps too; the copy happens once, at registration.
 
-Only a buffer of `MIN_REMAP_BYTES` or more is moved: a smaller one may share its
-first or last page with other heap allocations, and another thread (a ZMQ I/O thread
-freeing a message, an allocator's bookkeeping) may write those pages between the copy
-and the remap; the write is lost and the heap corrupt (glibc aborts later, anywhere).
-From 32 MiB glibc always maps an allocation on its own (its largest mmap threshold;
-other allocators keep large blocks on pages of their own), so the span holds only the
-buffer and its allocator header. vLLM's KV buffers are far larger.
+Only a buffer that has its pages to itself is moved (`owns_its_pages`): one that shares
+its first or last page with other heap allocations may see another thread (a ZMQ I/O
+thread freeing a message, the allocator's bookkeeping) write those pages between the
+copy and the remap; the write is lost and the heap corrupt (glibc aborts later,
+anywhere). It must hold `MIN_REMAP_BYTES` or more and glibc's header before it must mark
+a chunk mapped on its own: glibc serves even 32 MiB from a heap's free top when one is
+that large. vLLM's KV buffers are far larger, and mapped.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,9 +44,32 @@ from kvflow.core.server.shm import SHM_DIR, shared_memory_of
 
 #: bytes copied and remapped at a time
 PIECE_BYTES = 64 << 20
-#: the smallest storage moved in place: glibc serves every allocation this large from a
-#: mapping of its own (its largest mmap threshold), so no other allocation shares its pages
+#: the smallest storage moved in place (glibc's largest mmap threshold: other allocators
+#: too give allocations this large pages of their own)
 MIN_REMAP_BYTES = 32 << 20
+#: the bit of glibc's chunk size word (just before the data) marking a chunk mapped alone
+_IS_MMAPPED = 0x2
+
+
+def owns_its_pages(base: int, nbytes: int) -> bool:
+    """Whether the allocation at `base` (`nbytes`) has its pages to itself: `MIN_REMAP_BYTES`
+    or more, and glibc's size word before it marks a chunk mapped alone. The word is read
+    through /proc/self/mem, so an address with nothing mapped before it reads as not
+    owned instead of faulting."""
+    if nbytes < MIN_REMAP_BYTES:
+        return False
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        word = os.pread(fd, 8, base - 8)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return len(word) == 8 and bool(int.from_bytes(word, sys.byteorder) & _IS_MMAPPED)
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -77,19 +101,20 @@ class SharedKV:
     def share(self, tensor: torch.Tensor) -> torch.Tensor:
         """Put `tensor`'s whole storage in shared memory, in place; return its alias.
 
-        ValueError for a tensor off the CPU, or a storage under `MIN_REMAP_BYTES`."""
+        ValueError for a tensor off the CPU, or a storage that may share its pages with
+        other allocations (`owns_its_pages`)."""
         if tensor.device.type != "cpu":
             raise ValueError(f"only CPU tensors are shared this way, got {tensor.device}")
         if shared_memory_of(tensor) is not None:
             return tensor
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
-        if storage.nbytes() < MIN_REMAP_BYTES:
+        if not owns_its_pages(base, storage.nbytes()):
             raise ValueError(
                 f"a CPU KV buffer of {storage.nbytes()} bytes may share its pages with other"
-                f" heap allocations, so it is not moved into shared memory in place (from"
-                f" {MIN_REMAP_BYTES >> 20} MiB it is): allocate it with"
-                " kvflow.core.empty_shared, or inside the connector's SharedZeros context"
+                " heap allocations, so it is not moved into shared memory in place (only a"
+                f" mapping of its own of {MIN_REMAP_BYTES >> 20} MiB or more is): allocate it"
+                " with kvflow.core.empty_shared, or inside the connector's SharedZeros context"
             )
         if base not in self._spans:
             self._spans[base] = self._move(base, storage.nbytes())

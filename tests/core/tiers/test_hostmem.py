@@ -172,10 +172,12 @@ def test_a_prefaulting_pool_makes_segments_resident_and_a_plain_one_does_not(
     cudart: FakeCudaRuntime,
 ) -> None:
     """Without CUDA a prefaulting pool's segment is in memory before anything touches it
-    (so a store copying into it pays no page faults); a plain pool's is not."""
-    nbytes = 32 << 20
+    (so a store copying into it pays no page faults); a plain pool's is not. (The plain
+    one is 128 MiB: glibc may serve 32 MiB from a free heap region an earlier test
+    touched, but maps anything larger than its heaps can hold afresh.)"""
+    nbytes, plain_nbytes = 32 << 20, 128 << 20
     plain = HostPool(pinned=False)
-    cold = plain.view(plain.add_segment(nbytes), 0, nbytes)
+    cold = plain.view(plain.add_segment(plain_nbytes), 0, plain_nbytes)
     resident, pages = _resident_pages(cold)
     assert resident < pages // 10
     prefaulting = HostPool(pinned=False, prefault=True)

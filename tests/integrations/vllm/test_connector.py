@@ -26,7 +26,12 @@ from kvflow.integrations.vllm.config import ConnectorConfig
 from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views
 from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvflow.integrations.vllm.scheduler import SchedulerSide
-from kvflow.integrations.vllm.shared_kv import MIN_REMAP_BYTES, SharedKV, SharedZeros
+from kvflow.integrations.vllm.shared_kv import (
+    MIN_REMAP_BYTES,
+    SharedKV,
+    SharedZeros,
+    owns_its_pages,
+)
 from kvflow.integrations.vllm.worker import WorkerSide
 from kvflow.kernels import KVLayout, cuda_available
 from tests.e2e.server_proc import running_server
@@ -147,7 +152,7 @@ def test_shared_zeros_allocates_vllms_buffer_in_shared_memory() -> None:
 def test_remapping_in_place_shares_every_existing_view() -> None:
     """The fallback: a buffer vLLM allocated privately is moved into shared memory in place,
     so views taken before the move (the layers') write what the server maps."""
-    buf = torch.zeros(MIN_REMAP_BYTES, dtype=torch.int8)  # the layers' bytes at its start
+    buf = torch.zeros(4 * MIN_REMAP_BYTES, dtype=torch.int8)  # the layers' bytes at its start
     layer1 = _manager_view(buf, 1)
     before = layer1[:, :, :, :]  # a view vLLM took earlier, never shown to the connector
     shared = SharedKV()
@@ -165,11 +170,23 @@ def test_remapping_in_place_shares_every_existing_view() -> None:
 
 def test_a_buffer_that_may_share_pages_with_the_heap_is_not_remapped() -> None:
     """Remapping a heap buffer's pages loses the writes other threads make to its
-    neighbours meanwhile (a corrupt heap, glibc aborting later): it is refused whole."""
-    buf = torch.ones(1 << 16)  # 256 KiB: below glibc's mmap threshold, in its heap
-    with pytest.raises(ValueError, match="may share its pages with other heap allocations"):
-        SharedKV().share(buf)
-    assert shared_memory_of(buf) is None and bool((buf == 1).all())  # left as it was
+    neighbours meanwhile (a corrupt heap, glibc aborting later): it is refused whole,
+    a small one and one of 32 MiB that glibc carved from a heap's free top alike."""
+    small = torch.ones(1 << 16)  # 256 KiB: below glibc's mmap threshold, in its heap
+    freed = torch.empty(MIN_REMAP_BYTES - (2 << 20), dtype=torch.uint8)
+    del freed  # glibc now serves anything smaller from its heap, which grows by 40 MiB
+    grown = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(40)]
+    del grown  # and stays free at its top
+    carved = torch.ones(MIN_REMAP_BYTES, dtype=torch.uint8)
+    mapped = torch.empty(4 * MIN_REMAP_BYTES, dtype=torch.uint8)  # glibc maps it alone
+    assert owns_its_pages(mapped.data_ptr(), mapped.numel())  # the size word read right
+    mapped[4088:4096] = torch.tensor([2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)
+    # another allocator's small block, after a word that reads as glibc's "mapped alone"
+    assert not owns_its_pages(mapped.data_ptr() + 4096, 1 << 16)
+    for buf in (small, carved):
+        with pytest.raises(ValueError, match="may share its pages with other heap allocations"):
+            SharedKV().share(buf)
+        assert shared_memory_of(buf) is None and bool((buf == 1).all())  # left as it was
 
 
 def test_a_worker_whose_buffer_cannot_be_shared_runs_without_kvflow(endpoint: str) -> None:
