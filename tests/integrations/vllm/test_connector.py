@@ -170,20 +170,22 @@ def test_remapping_in_place_shares_every_existing_view() -> None:
 
 def test_a_buffer_that_may_share_pages_with_the_heap_is_not_remapped() -> None:
     """Remapping a heap buffer's pages loses the writes other threads make to its
-    neighbours meanwhile (a corrupt heap, glibc aborting later): it is refused whole,
-    a small one and one of 32 MiB that glibc carved from a heap's free top alike."""
-    small = torch.ones(1 << 16)  # 256 KiB: below glibc's mmap threshold, in its heap
-    freed = torch.empty(MIN_REMAP_BYTES - (2 << 20), dtype=torch.uint8)
-    del freed  # glibc now serves anything smaller from its heap, which grows by 40 MiB
-    grown = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(40)]
-    del grown  # and stays free at its top
-    carved = torch.ones(MIN_REMAP_BYTES, dtype=torch.uint8)
-    mapped = torch.empty(4 * MIN_REMAP_BYTES, dtype=torch.uint8)  # glibc maps it alone
+    neighbours meanwhile (a corrupt heap, glibc aborting later): only a buffer of 32 MiB or
+    more whose glibc size word marks it mapped alone is moved. A small one, and a large
+    one whose size word says heap (glibc carves even 32 MiB from a heap's free top), are
+    refused whole and left as they were."""
+    mapped = torch.empty(MIN_REMAP_BYTES + (1 << 16), dtype=torch.uint8)  # glibc maps it alone
     assert owns_its_pages(mapped.data_ptr(), mapped.numel())  # the size word read right
-    mapped[4088:4096] = torch.tensor([2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)
-    # another allocator's small block, after a word that reads as glibc's "mapped alone"
+    words = mapped[4096 - 8 : 4096]
+    words.copy_(torch.tensor([0x11, 0, 0, 2, 0, 0, 0, 0], dtype=torch.uint8))  # 32 MiB, in a heap
+    carved = torch.frombuffer(memoryview(mapped.numpy())[4096:], dtype=torch.uint8)
+    words.copy_(torch.tensor([2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8))  # "mapped alone"
+    # ...before another allocator's small block: refused by its size alone
     assert not owns_its_pages(mapped.data_ptr() + 4096, 1 << 16)
+    words.copy_(torch.tensor([0x11, 0, 0, 2, 0, 0, 0, 0], dtype=torch.uint8))
+    small = torch.ones(1 << 16)  # 256 KiB
     for buf in (small, carved):
+        buf.fill_(1)
         with pytest.raises(ValueError, match="may share its pages with other heap allocations"):
             SharedKV().share(buf)
         assert shared_memory_of(buf) is None and bool((buf == 1).all())  # left as it was
