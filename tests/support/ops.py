@@ -49,7 +49,8 @@ class ServerProcess:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line)
-            match = re.search(r"listening on (tcp://\S+)", line)
+            # the whole readiness line, as the console log renders it
+            match = re.search(r"\] kvflow server listening on (tcp://\S+) \(protocol \d+\) \[", line)
             if match:
                 self.endpoint = match.group(1)
                 self._ready.set()
