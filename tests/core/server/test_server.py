@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -455,6 +456,21 @@ def test_client_threads_share_one_client(client: KVFlowClient) -> None:
         t.join()
     assert not errors, errors
     client.unregister(iid)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process `pid` has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_server_sleeps_between_its_ticks(server: ServerProcess) -> None:
+    """With nothing to serve the main loop waits in its poll (reaping every 0.1 s), so
+    the process uses a few percent of a core at most, not a spinning loop's whole one."""
+    time.sleep(0.5)  # the module's earlier requests are answered
+    before = _cpu_seconds(server.proc.pid)
+    time.sleep(2.0)
+    assert _cpu_seconds(server.proc.pid) - before < 0.3
 
 
 def test_status_command_prints_the_running_servers_status(server: ServerProcess) -> None:
