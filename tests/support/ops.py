@@ -50,7 +50,9 @@ class ServerProcess:
         for line in self.proc.stderr:
             self.lines.append(line)
             # the whole readiness line, as the console log renders it
-            match = re.search(r"\] kvflow server listening on (tcp://\S+) \(protocol \d+\) \[", line)
+            match = re.search(
+                r"\] kvflow server listening on (tcp://\S+) \(protocol \d+\) \[", line
+            )
             if match:
                 self.endpoint = match.group(1)
                 self._ready.set()
