@@ -195,14 +195,14 @@ static int streams(const Py_buffer *dst, int outer, size_t run, size_t nbytes) {
  * take at full speed: the CPU mover's gather of 256-byte runs (SGLang's `page_head` pages
  * into layer-major chunks) went from 10-13 to 16-29 GB/s on two cores (docs/SGLANG.md).
  * No two runs overlap, so any order copies the same bytes. */
+static inline Py_ssize_t magnitude(Py_ssize_t stride) { return stride < 0 ? -stride : stride; }
+
 static void in_source_order(int outer, Py_ssize_t *shape, Py_ssize_t *dst_strides,
                             Py_ssize_t *src_strides) {
     for (int i = 1; i < outer; i++) {
         Py_ssize_t n = shape[i], d = dst_strides[i], s = src_strides[i];
-        Py_ssize_t key = s < 0 ? -s : s;
         int j = i;
-        for (; j > 0 && (src_strides[j - 1] < 0 ? -src_strides[j - 1] : src_strides[j - 1]) < key;
-             j--) {
+        for (; j > 0 && magnitude(src_strides[j - 1]) < magnitude(s); j--) {
             shape[j] = shape[j - 1];
             dst_strides[j] = dst_strides[j - 1];
             src_strides[j] = src_strides[j - 1];

@@ -107,11 +107,12 @@ class CpuMover:
 
     Each copy is kvflow's C loop (`strided_copyto`: each contiguous run in vector
     blocks, streamed from 128 KiB: up to 1.6x numpy's strided loop on 2 KiB rows, host
-    by host; numpy's where no C compiler is found), single-threaded and without the GIL, so no OpenMP
-    team wakes for a small copy. A move of `PARALLEL_BYTES` or more also hands its copies
-    to up to `MAX_THREADS - 1` threads shared by every CpuMover, which pull copies from
-    the same queue as the calling thread: one core's memcpy reaches about half of a
-    host's copy bandwidth, and a helper that runs late (a busy host) only takes fewer.
+    by host; numpy's where no C compiler is found), single-threaded and without the
+    GIL, so no OpenMP team wakes for a small copy. A move of `PARALLEL_BYTES` or more
+    also hands its copies to up to `MAX_THREADS - 1` threads shared by every CpuMover,
+    which pull copies from the same queue as the calling thread: one core's memcpy
+    reaches about half of a host's copy bandwidth, and a helper that runs late (a busy
+    host) only takes fewer.
     """
 
     store_stream: Any = None

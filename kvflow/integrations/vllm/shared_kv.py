@@ -109,14 +109,15 @@ class SharedKV:
             return tensor
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
-        if not owns_its_pages(base, storage.nbytes()):
-            raise ValueError(
-                f"a CPU KV buffer of {storage.nbytes()} bytes may share its pages with other"
-                " heap allocations, so it is not moved into shared memory in place (only a"
-                f" mapping of its own of {MIN_REMAP_BYTES >> 20} MiB or more is): allocate it"
-                " with kvflow.core.empty_shared, or inside the connector's SharedZeros context"
-            )
         if base not in self._spans:
+            if not owns_its_pages(base, storage.nbytes()):
+                raise ValueError(
+                    f"a CPU KV buffer of {storage.nbytes()} bytes may share its pages with"
+                    " other heap allocations, so it is not moved into shared memory in place"
+                    f" (only a mapping of its own of {MIN_REMAP_BYTES >> 20} MiB or more is):"
+                    " allocate it with kvflow.core.empty_shared, or inside the connector's"
+                    " SharedZeros context"
+                )
             self._spans[base] = self._move(base, storage.nbytes())
         start, segment = self._spans[base]
         itemsize = tensor.element_size()

@@ -93,7 +93,7 @@ class WorkerSide:
             already = all(shared_memory_of(t) is not None for t in kv_caches.values())
             how = "shared memory (allocated there)" if already else "shared memory (remapped)"
         try:
-            if device.type == "cpu":  # a buffer too small to move in place: ValueError
+            if device.type == "cpu":  # ValueError for a buffer that may share its pages
                 kv_caches = {name: self._shared.share(t) for name, t in kv_caches.items()}
             views = kvflow_views(kv_caches, split_for_device(device))
             self._client.register_kv_caches(

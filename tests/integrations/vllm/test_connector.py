@@ -177,12 +177,11 @@ def test_a_buffer_that_may_share_pages_with_the_heap_is_not_remapped() -> None:
     mapped = torch.empty(MIN_REMAP_BYTES + (1 << 16), dtype=torch.uint8)  # glibc maps it alone
     assert owns_its_pages(mapped.data_ptr(), mapped.numel())  # the size word read right
     words = mapped[4096 - 8 : 4096]
-    words.copy_(torch.tensor([0x11, 0, 0, 2, 0, 0, 0, 0], dtype=torch.uint8))  # 32 MiB, in a heap
-    carved = torch.frombuffer(memoryview(mapped.numpy())[4096:], dtype=torch.uint8)
     words.copy_(torch.tensor([2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8))  # "mapped alone"
     # ...before another allocator's small block: refused by its size alone
     assert not owns_its_pages(mapped.data_ptr() + 4096, 1 << 16)
-    words.copy_(torch.tensor([0x11, 0, 0, 2, 0, 0, 0, 0], dtype=torch.uint8))
+    words.copy_(torch.tensor([0x11, 0, 0, 2, 0, 0, 0, 0], dtype=torch.uint8))  # 32 MiB, in a heap
+    carved = torch.frombuffer(memoryview(mapped.numpy())[4096:], dtype=torch.uint8)
     small = torch.ones(1 << 16)  # 256 KiB
     for buf in (small, carved):
         buf.fill_(1)
