@@ -23,18 +23,17 @@ import argparse
 import array
 import os
 import platform
-import re
 import struct
-import subprocess
-import sys
-import threading
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import blake3
 import numpy as np
 import torch
+from bench_ttft import kvflow_server  # this folder is on sys.path when run as a script
 
 from kvflow.core import CacheEngine, KVFlowClient, ObservabilityConfig, ServerConfig, empty_shared
 from kvflow.core.arrays import as_int32_array
@@ -60,23 +59,6 @@ class Case(NamedTuple):
 
 #: one lookup of a prompt with a request id: (hit tokens, server seconds or 0.0)
 LookupFn = Callable[[np.ndarray | list[int], str | None], tuple[int, float]]
-
-
-def start_server(observability: bool) -> tuple[subprocess.Popen[str], str]:
-    """A `kvflow server` subprocess and its endpoint."""
-    cmd = [sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--prometheus-port", "0"]
-    cmd += ["--l1-size-gb", "0.5", "--log-format", "console", "--disable-logging"]
-    if not observability:
-        cmd.append("--disable-observability")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    match = re.search(r"listening on (tcp://\S+)", line)
-    if not match:
-        proc.kill()
-        raise SystemExit(f"server did not start: {line}{proc.stderr.read()}")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining its log
-    return proc, match.group(1)
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -195,8 +177,12 @@ def main() -> None:
         Case(f"{args.tokens} tokens, new prompt per call", long_prompt.copy(), None, fresh=True),
         Case(f"{args.short_tokens} tokens, no request_id", long_prompt[: args.short_tokens], None),
     ]
-    proc, endpoint = start_server(args.observability == "on")
-    try:
+    flags = ["--disable-logging"]
+    if args.observability == "off":
+        flags.append("--disable-observability")
+    with tempfile.TemporaryDirectory() as tmp, kvflow_server(
+        0.5, Path(tmp) / "server.log", *flags
+    ) as endpoint:  # fmt: skip
         client = KVFlowClient(endpoint, timeout_s=60)
         n_blocks = args.tokens // BLOCK + 1
         kv = [empty_shared((2, n_blocks, BLOCK, 1, 8), torch.float16)]
@@ -217,9 +203,6 @@ def main() -> None:
         ]
         client.unregister("bench")
         client.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
     in_process = engine_lookup_us(cases, args.iterations)
     convert = conversion_us(long_prompt.tolist(), args.iterations)
     chain_us, bare_us = hashing_us(long_prompt, args.iterations)

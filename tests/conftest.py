@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,20 @@ from tests.support.parallel import group_by_shared_fixtures, long_first
 from tests.support.requirements import PARTS, require_or_skip
 
 
+def _share_the_cores() -> None:
+    """On a parallel worker, torch (and the processes a test starts, through
+    OMP_NUM_THREADS) use this worker's share of the machine's cores, not all of them: with
+    24 workers on a 32-core GPU machine, each torch using 32 threads, CPU-bound toy runs
+    took over a minute and the suite did not end in four."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    if workers > 1 and share < torch.get_num_threads():
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _share_the_cores()
     config.addinivalue_line(
         "markers",
         "needs(part, why): the test exercises a real part (one of "

@@ -22,13 +22,13 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_tiny_run_prints_and_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "kv_events.json"
-    # two seconds of stores, so at least two even when a loaded machine slows the first
-    # ones: the benchmark counts evictions from the third store on (L1 holds two stores)
+    # the benchmark stores for two seconds and at least three times, however slow a
+    # loaded machine makes the first ones: it counts evictions from the third store on
     done = _run("--seconds", "2", "--ops", "2", "--rounds", "3", "--json", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     res = json.loads(out.read_text())
     stream = res["stream"]
-    assert stream["stores"] >= 2 and stream["stores_per_s"] > 0
+    assert stream["stores"] >= 3 and stream["stores_per_s"] > 0
     # every chunk event the stores produced reached the subscriber: nothing lost
     assert stream["chunk_events_delivered"] == stream["chunk_events_produced"] > 0
     assert stream["records_lost"] == 0

@@ -30,12 +30,15 @@ BLOCKS_PER_CHUNK = CHUNK // BS
 
 class ServerProcess:
     """`kvflow server --port 0 ...` (tests.support.launcher); waits until it listens,
-    keeps its log. As a context manager it is stopped at the end of the block, which
-    checks that it exited 0 (unless the block raised)."""
+    keeps its log (`env`: the process's environment, default this one's). As a context
+    manager it is stopped at the end of the block, which checks that it exited 0 (unless
+    the block raised)."""
 
-    def __init__(self, *flags: str, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, *flags: str, start_timeout_s: float = 60.0, env: dict[str, str] | None = None
+    ) -> None:
         args = ["server", "--port", "0", "--log-format", "console", "--prometheus-port", "0"]
-        self.proc = kvflow_process([*args, *flags], stderr=subprocess.PIPE, text=True)
+        self.proc = kvflow_process([*args, *flags], stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.endpoint = ""

@@ -542,7 +542,8 @@ def run(args: argparse.Namespace) -> DemoReport:
         setup = Setup(args, config, sizing, l2_temporary=args.l2_disk is None)
         log = LogFile(_log_path(config))
         stack.callback(log.release)
-        engine = _engine(config)
+        with log.building():
+            engine = _engine(config)
         log.capture()  # warnings go to the file, not between the progress lines
         try:
             report = _run_engine(setup, engine, requests, shape, device)

@@ -62,7 +62,8 @@ def test_demo_runs_other_formats_without_the_endpoint(
     """--format picks the engine's KV layout; --prometheus-port 0 turns the endpoint off."""
     assert demo.main("demo", [*SMALL, "--format", fmt, "--prometheus-port", "0"]) == 0
     out = capsys.readouterr().out
-    assert f"{fmt} on cpu" in out and "retrieved blocks bit-exact" in out
+    # on cpu, or on a GPU machine the demo's default device
+    assert re.search(rf"{fmt} on (cpu|cuda:\d+)", out) and "retrieved blocks bit-exact" in out
     assert "the Prometheus endpoint is off" in out
 
 

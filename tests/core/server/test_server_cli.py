@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -112,8 +111,11 @@ def test_l1_prefault_from_flag_file_and_environment(tmp_path: Path) -> None:
 
 def test_a_prefaulting_server_faults_l1_in_at_start_and_reports_it() -> None:
     """A real server without CUDA started with --l1-prefault makes all of L1 resident in
-    the background, reports it in status (mode "prefault") and logs when it is done."""
-    with ServerProcess("--l1-size-gb", "0.25", "--l1-prefault") as srv:
+    the background, reports it in status (mode "prefault") and logs when it is done. (With
+    CUDA the flag does nothing: L1 is pinned, which faults it in too; the test hides the
+    GPUs of a GPU machine.)"""
+    no_gpus = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    with ServerProcess("--l1-size-gb", "0.25", "--l1-prefault", env=no_gpus) as srv:
         client = KVFlowClient(srv.endpoint)
         wait_for(lambda: not client.status()["l1_pinning"]["pinning"], what="L1 faulted in")
         state = client.status()["l1_pinning"]
@@ -355,22 +357,9 @@ def test_observed_server_serves_prometheus_and_stops_on_sigint(tmp_path: Path) -
     """With observability on, the Prometheus endpoint answers with L1 and L2 (disk) gauges;
     SIGINT stops the server cleanly."""
     prom = _free_port()
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "kvflow.cli", "server", "--port", "0", "--l1-size-gb", "0.1"),
-            *("--prometheus-port", str(prom), "--log-format", "console", "--disable-logging"),
-            *("--l2-disk", str(tmp_path), "--l2-disk-size-gb", "0.5"),
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        match = re.search(r"listening on (tcp://\S+)", line)
-        assert match, line
-        with KVFlowClient(match.group(1), timeout_s=20) as client:
+    flags = ["--l1-size-gb", "0.1", "--prometheus-port", str(prom), "--disable-logging"]
+    with ServerProcess(*flags, "--l2-disk", str(tmp_path), "--l2-disk-size-gb", "0.5") as srv:
+        with KVFlowClient(srv.endpoint, timeout_s=20) as client:
             assert client.lookup(list(range(600)), model_name="prom") == 0
         deadline = time.monotonic() + 20
         while True:
@@ -383,12 +372,8 @@ def test_observed_server_serves_prometheus_and_stops_on_sigint(tmp_path: Path) -
                 time.sleep(0.2)
         assert "kvflow_l1_capacity_bytes" in text
         assert 'kvflow_l2_capacity_bytes{tier="disk"} 5.36870912e+08' in text
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-        assert "kvflow server stopped" in proc.stderr.read()
-    finally:
-        proc.kill()
-        proc.wait()
+        assert srv.stop(signal.SIGINT) == 0
+    assert "kvflow server stopped" in srv.log()
 
 
 def test_l2_settings_from_flags_file_and_environment(tmp_path: Path) -> None:
