@@ -104,6 +104,7 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
         report = subprocess.Popen(
             [
                 sys.executable,
+                *("-X", "faulthandler"),  # a report stuck after Ctrl-C dumps its stacks on SIGABRT
                 "-m",
                 "kvflow.cli",
                 "report",
@@ -154,7 +155,14 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
             _wait_for("the next sample", lambda: received_after(first), report)
             _wait_for("six samples", lambda: progress.samples() >= 6, report)
             report.send_signal(signal.SIGINT)
-            returncode = report.wait(timeout=120)
+            try:
+                returncode = report.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                report.send_signal(signal.SIGABRT)  # its threads' stacks, into its stderr
+                report.wait(30)
+                raise AssertionError(
+                    "kvflow report did not end within 120 s of Ctrl-C:\n" + progress.close()
+                ) from None
         finally:
             if report.poll() is None:
                 report.kill()
