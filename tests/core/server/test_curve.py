@@ -24,7 +24,12 @@ import zmq
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.config import ServerConfig
-from kvflow.core.errors import AlreadyRegisteredError, AuthenticationError, PermissionDeniedError
+from kvflow.core.errors import (
+    AlreadyRegisteredError,
+    AuthenticationError,
+    PermissionDeniedError,
+    RequestTimeoutError,
+)
 from kvflow.core.server.curve import AuthorizedKeys, generate, load_key_pair, load_public_key
 from tests.core.server.test_server import ServerProcess
 from tests.support.launcher import kvflow_run
@@ -369,6 +374,26 @@ def test_the_key_check_logs_each_refusal_and_keeps_its_keys_when_the_folder_vani
     assert len(messages) == 1 and messages[0][0] == logging.WARNING
     assert messages[0][1].startswith(f"cannot re-read {folder} (")
     assert messages[0][1].endswith("): using the last keys")
+
+
+def test_a_curve_client_of_a_silent_port_asks_for_the_server_and_its_key(
+    keys: dict[str, Path],
+) -> None:
+    """Nothing answers (no server on the port, so no handshake to refuse): the timeout asks
+    whether the server runs and whether curve_server_key is its key, a plain client's only
+    whether it runs."""
+    endpoint = "tcp://127.0.0.1:9"
+    with (
+        KVFlowClient(
+            endpoint, timeout_s=0.3, curve_server_key=keys["server_public"], curve_key=keys["alice"]
+        ) as client,
+        pytest.raises(RequestTimeoutError) as raised,
+    ):
+        client.status()
+    assert str(raised.value) == (
+        f"no reply to Status from the kvflow server at {endpoint} within 0.3 s"
+        " (is it running, and is curve_server_key its public key?)"
+    )
 
 
 @pytest.mark.parametrize(
