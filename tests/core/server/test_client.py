@@ -93,7 +93,7 @@ def test_a_closed_client_refuses_calls() -> None:
     c = KVFlowClient(NOWHERE, timeout_s=0.2)
     c.close()
     c.close()  # idempotent
-    with pytest.raises(KVFlowError, match="closed"):
+    with pytest.raises(KVFlowError, match="^the client is closed$"):
         c.status()
 
 
