@@ -13,7 +13,7 @@ import torch
 
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, KVFlowError, ProtocolError, RequestTimeoutError
-from kvflow.core.server.protocol import AdminClear, Done, Registered, Reply, Request
+from kvflow.core.server.protocol import AdminClear, Done, Failed, Registered, Reply, Request
 from kvflow.events import BlockAllocation
 from tests.support.scripted import scripted_server
 
@@ -93,7 +93,7 @@ def test_a_closed_client_refuses_calls() -> None:
     c = KVFlowClient(NOWHERE, timeout_s=0.2)
     c.close()
     c.close()  # idempotent
-    with pytest.raises(KVFlowError, match="^the client is closed$"):
+    with pytest.raises(KVFlowError, match=r"^the client is closed$"):
         c.status()
 
 
@@ -126,6 +126,28 @@ def _answering_done(
     """The endpoint of a server that lies: it answers each of the next `n` requests with
     `reply(request id)` (a plain Done), whatever was asked."""
     return scripted_server(lambda _peer, request: reply(request.id), requests=n)
+
+
+def test_a_failure_of_a_code_this_client_does_not_know_is_a_kvflow_error() -> None:
+    """A newer server's error code this client has no class for: a plain KVFlowError with
+    the server's message, not a crash of the client's own."""
+
+    def failed(request_id: int) -> Reply:
+        return Failed(id=request_id, code="from_a_newer_server", message="it went wrong")
+
+    with (
+        _answering_done(1, failed) as endpoint,
+        KVFlowClient(endpoint, timeout_s=20) as c,
+        pytest.raises(KVFlowError) as raised,
+    ):
+        c.status()
+    assert type(raised.value) is KVFlowError and str(raised.value) == "it went wrong"
+
+
+def test_a_client_waits_30_s_for_a_reply_unless_told_otherwise() -> None:
+    """The documented default: each call waits up to 30 s for its reply."""
+    with KVFlowClient(NOWHERE) as c:
+        assert c.timeout_s == 30.0
 
 
 @pytest.mark.parametrize(
