@@ -41,6 +41,14 @@ def test_timeout_must_be_positive(timeout: object) -> None:
         KVFlowClient(NOWHERE, timeout_s=timeout)  # type: ignore[arg-type]
 
 
+def test_a_timeout_of_a_whole_day_is_the_longest_taken() -> None:
+    """The bound is inclusive: a day is taken, a day and a second is not."""
+    with KVFlowClient(NOWHERE, timeout_s=86400) as c:
+        assert c.timeout_s == 86400
+    with pytest.raises(ValueError, match=r"timeout_s must be a number in \(0, 86400\] seconds"):
+        KVFlowClient(NOWHERE, timeout_s=86401)
+
+
 def test_unshared_cpu_caches_fail_before_sending(client: KVFlowClient) -> None:
     """An ordinary CPU tensor cannot be registered with a remote server."""
     with pytest.raises(InvalidRequestError, match="empty_shared"):
