@@ -49,6 +49,13 @@ def test_a_timeout_of_a_whole_day_is_the_longest_taken() -> None:
         KVFlowClient(NOWHERE, timeout_s=86401)
 
 
+@pytest.mark.parametrize("client_id", ["", 5, b"engine-a"])
+def test_a_client_id_must_be_a_non_empty_string(client_id: object) -> None:
+    """An empty name, or a name that is no string, is refused before anything is sent."""
+    with pytest.raises(ValueError, match=r"^client_id must be a non-empty string, got "):
+        KVFlowClient(NOWHERE, client_id=client_id)  # type: ignore[arg-type]
+
+
 def test_unshared_cpu_caches_fail_before_sending(client: KVFlowClient) -> None:
     """An ordinary CPU tensor cannot be registered with a remote server."""
     with pytest.raises(InvalidRequestError, match="empty_shared"):
