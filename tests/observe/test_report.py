@@ -92,6 +92,37 @@ def _wait_for(what: str, check: Callable[[], Any], report: subprocess.Popen[str]
     return got
 
 
+def test_ctrl_c_ends_a_report_started_with_sigint_ignored(tmp_path: Path) -> None:
+    """A report started as a script's background job inherits SIGINT ignored (and so did
+    every report of a test suite run in the background, which then never ended): SIGINT
+    still ends its recording, and it writes what it sampled."""
+    out = tmp_path / "report"
+    with observed_server(tmp_path) as server:
+        ignoring = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the child inherits
+        try:
+            report = subprocess.Popen(
+                [sys.executable, "-m", "kvflow.cli", "report", "--endpoint", server.endpoint,
+                 "--out", str(out), "--interval-s", "3600", "--sample-s", "0.1"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            )  # fmt: skip
+        finally:
+            signal.signal(signal.SIGINT, ignoring)
+        assert report.stderr is not None
+        progress = _Stderr(report.stderr)
+        try:
+            _wait_for("two samples", lambda: progress.samples() >= 2, report)
+            report.send_signal(signal.SIGINT)
+            returncode = report.wait(timeout=60)
+        finally:
+            if report.poll() is None:
+                report.kill()
+                report.wait()
+    assert returncode == 0, progress.close()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "l0_lifecycle.png", "summary.md", "timeline.png"
+    ]  # fmt: skip
+
+
 def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -> None:
     """The recording spans the traffic: it starts before the traffic and is ended (Ctrl-C)
     once the server counted all of it and the report sampled that, so the summary's

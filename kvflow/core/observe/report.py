@@ -11,6 +11,7 @@ Ctrl-C ends the recording early; the report covers the samples taken until then.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -214,6 +215,9 @@ def parser(prog: str = "kvflow report") -> argparse.ArgumentParser:
 def main(name: str, argv: list[str]) -> int:
     """Entry point of `kvflow report`: 1 when the server does not answer."""
     args = parse_args(parser(f"kvflow {name}"), argv)
+    # SIGINT is how a recording ends early, also for a report started where SIGINT is
+    # ignored (a background job of a script inherits SIG_IGN, and Python keeps it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with connect(args) as client:
             snaps = record(client, args.interval_s, min(args.sample_s, args.interval_s))
