@@ -3,6 +3,7 @@ summary that carries the server's own numbers."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import struct
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -92,31 +93,58 @@ def _wait_for(what: str, check: Callable[[], Any], report: subprocess.Popen[str]
     return got
 
 
+@contextlib.contextmanager
+def _recording(
+    endpoint: str, out: Path, sample_s: float, *, sigint_ignored: bool = False
+) -> Iterator[tuple[subprocess.Popen[str], _Stderr]]:
+    """`kvflow report` recording `endpoint` into `out` until Ctrl-C (a bound of an hour),
+    with its stderr read as it comes; killed at the end of the block if still running.
+    `sigint_ignored`: started with SIGINT ignored, as a script's background job is."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if sigint_ignored else None
+    try:
+        report = subprocess.Popen(
+            [sys.executable, *("-X", "faulthandler"),  # a report stuck after Ctrl-C: its stacks
+             "-m", "kvflow.cli", "report", "--endpoint", endpoint, "--out", str(out),
+             "--interval-s", "3600", "--sample-s", str(sample_s)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        if sigint_ignored:
+            signal.signal(signal.SIGINT, previous)
+    assert report.stderr is not None
+    try:
+        yield report, _Stderr(report.stderr)
+    finally:
+        if report.poll() is None:
+            report.kill()
+            report.wait()
+
+
+def _interrupt(report: subprocess.Popen[str], progress: _Stderr, timeout_s: float) -> int:
+    """Ctrl-C the report; its exit status. One still running `timeout_s` later fails the
+    test with its threads' stacks (faulthandler on SIGABRT)."""
+    report.send_signal(signal.SIGINT)
+    try:
+        return report.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        report.send_signal(signal.SIGABRT)
+        report.wait(30)
+        raise AssertionError(
+            f"kvflow report did not end within {timeout_s:g} s of Ctrl-C:\n" + progress.close()
+        ) from None
+
+
 def test_ctrl_c_ends_a_report_started_with_sigint_ignored(tmp_path: Path) -> None:
     """A report started as a script's background job inherits SIGINT ignored (and so did
     every report of a test suite run in the background, which then never ended): SIGINT
     still ends its recording, and it writes what it sampled."""
     out = tmp_path / "report"
-    with observed_server(tmp_path) as server:
-        ignoring = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the child inherits
-        try:
-            report = subprocess.Popen(
-                [sys.executable, "-m", "kvflow.cli", "report", "--endpoint", server.endpoint,
-                 "--out", str(out), "--interval-s", "3600", "--sample-s", "0.1"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            )  # fmt: skip
-        finally:
-            signal.signal(signal.SIGINT, ignoring)
-        assert report.stderr is not None
-        progress = _Stderr(report.stderr)
-        try:
-            _wait_for("two samples", lambda: progress.samples() >= 2, report)
-            report.send_signal(signal.SIGINT)
-            returncode = report.wait(timeout=60)
-        finally:
-            if report.poll() is None:
-                report.kill()
-                report.wait()
+    with (
+        observed_server(tmp_path) as server,
+        _recording(server.endpoint, out, 0.1, sigint_ignored=True) as (report, progress),
+    ):
+        _wait_for("two samples", lambda: progress.samples() >= 2, report)
+        returncode = _interrupt(report, progress, timeout_s=60)
     assert returncode == 0, progress.close()
     assert sorted(p.name for p in out.iterdir()) == [
         "l0_lifecycle.png", "summary.md", "timeline.png"
@@ -132,30 +160,7 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
         workload = Workload(client)
         workload.drive()
         known = set(client.status()["server"]["clients"])
-        report = subprocess.Popen(
-            [
-                sys.executable,
-                *("-X", "faulthandler"),  # a report stuck after Ctrl-C dumps its stacks on SIGABRT
-                "-m",
-                "kvflow.cli",
-                "report",
-                "--endpoint",
-                server.endpoint,
-                "--out",
-                str(out),
-                "--interval-s",
-                "3600",  # a bound: the test ends the recording
-                "--sample-s",
-                "0.5",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        assert report.stderr is not None
-        progress = _Stderr(report.stderr)
-        try:
+        with _recording(server.endpoint, out, 0.5) as (report, progress):
             # the report's first status request is its first sample: traffic starts after it
             new = lambda: set(client.status()["server"]["clients"]) - known  # noqa: E731
             (caller,) = _wait_for("the report's first status request", new, report)
@@ -185,19 +190,7 @@ def test_report_writes_plots_and_a_summary_of_measured_numbers(tmp_path: Path) -
             first = _wait_for("a sample after the traffic", lambda: received_after(settled), report)
             _wait_for("the next sample", lambda: received_after(first), report)
             _wait_for("six samples", lambda: progress.samples() >= 6, report)
-            report.send_signal(signal.SIGINT)
-            try:
-                returncode = report.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                report.send_signal(signal.SIGABRT)  # its threads' stacks, into its stderr
-                report.wait(30)
-                raise AssertionError(
-                    "kvflow report did not end within 120 s of Ctrl-C:\n" + progress.close()
-                ) from None
-        finally:
-            if report.poll() is None:
-                report.kill()
-                report.wait()
+            returncode = _interrupt(report, progress, timeout_s=120)
         stderr = progress.close()
         assert returncode == 0, stderr
         final = Snapshot.of(client.status())
