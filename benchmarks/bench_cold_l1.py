@@ -55,10 +55,6 @@ def _engine(l1_size_gb: float, pin_threads: int) -> CacheEngine:
                                     l1_pin_threads=pin_threads, observability=obs))  # fmt: skip
 
 
-def _pinned_gib(engine: CacheEngine) -> float:
-    return float(engine.status()["l1_pinning"]["pinned_bytes"]) / (1 << 30)
-
-
 def run(args: argparse.Namespace) -> dict[str, object]:
     device = torch.device("cuda", 0)
     per_token = LAYERS * 2 * HEADS * HEAD * 2
@@ -78,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     while not (engine.status()["l1_pinning"] or {}).get("pinned_bytes"):
         time.sleep(0.001)
     first_segment_s = time.perf_counter() - built
-    pinned_before_cold = _pinned_gib(engine)
+    pinned_before_cold = engine.status()["l1_pinning"]
     cold = _store_times(engine, blocks, tokens, args.stores, seed=1)
     pinned_after_cold = engine.status()["l1_pinning"]
     while engine.status()["l1_pinning"]["pinning"]:
@@ -93,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "store_mib": nbytes / (1 << 20),
         "register_s": register_s,
         "first_segment_s": first_segment_s,
-        "pinned_gib_before_cold_stores": pinned_before_cold,
+        "pinned_gib_before_cold_stores": pinned_before_cold["pinned_bytes"] / (1 << 30),
         "pinned_gib_after_cold_stores": pinned_after_cold["pinned_bytes"] / (1 << 30),
         "pinning_after_cold_stores": pinned_after_cold["pinning"],
         "pin_total_s": state["seconds"],
