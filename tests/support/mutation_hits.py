@@ -1,4 +1,5 @@
-"""Lets mutmut see the functions a test reaches inside the subprocesses it starts.
+"""The pytest plugin of mutation runs: mutmut sees the functions a test reaches inside the
+subprocesses it starts, and a mutant's run ends without a final garbage collection.
 
 mutmut's first pass records which test reaches which mutated function, and a mutant
 then runs only against those tests. It records in the test process alone, so code that
@@ -16,11 +17,20 @@ however thoroughly the tests drive it through the socket. With this module:
 
 Mutant runs need nothing of this: the subprocesses inherit `MUTANT_UNDER_TEST` and
 import the mutated copy from PYTHONPATH, so a mutant acts in them as it does in-process.
+
+What a mutant run does need: a mutant that makes `KVFlowServer.__init__` raise before its
+cleanup leaves a ZMQ context with an open socket in a reference cycle. When pytest's
+session end collected it, the context's `term()` waited for that socket forever, and each
+such mutant sat out mutmut's wall-clock limit (~8 minutes for `server.py`'s) instead of
+the seconds its test took to fail. The verdict is decided by then and mutmut's child
+leaves with `os._exit(exit status)` anyway, so the plugin does that itself once the
+session has finished, before pytest's cleanup collects.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -35,6 +45,11 @@ SITECUSTOMIZE = (
     "    from tests.support.mutation_hits import record_subprocess_hits\n"
     "    record_subprocess_hits()\n"
 )
+
+
+def _running_a_mutant() -> bool:
+    """True in mutmut's child that runs one mutant's tests (not its recording or forced-fail runs)."""
+    return "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", "")
 
 
 def _recording() -> Path | None:
@@ -129,3 +144,13 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, None]:
     test = item.nodeid.removeprefix("mutants/")
     for name in _new_hits(folder):
         state().tests_by_mangled_function_name[name].add(test)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(exitstatus: int) -> Generator[None, Any, None]:
+    """A mutant's run leaves as soon as its session has finished (module docstring: why)."""
+    yield
+    if _running_a_mutant():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(exitstatus))
