@@ -267,16 +267,17 @@ class CacheEngine:
                 f"L1 capacity ({self.l1.capacity_bytes} bytes); raise --l1-size-gb"
             )
         turns = self._checked_ropes(instance_id, layout, ropes)
-        mover = self._make_mover(layout, nbytes)
-        inst = Instance(
-            instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes, mover,
-            ropes=turns,
-        )  # fmt: skip
-        try:
-            self._add_instance(inst)
-        except BaseException:
-            mover.close()
-            raise
+        with self.l1.pinning_paused():  # its CUDA calls would queue behind L1's pinning
+            mover = self._make_mover(layout, nbytes)
+            inst = Instance(
+                instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes,
+                mover, ropes=turns,
+            )  # fmt: skip
+            try:
+                self._add_instance(inst)
+            except BaseException:
+                mover.close()
+                raise
         self._publish(EventType.REGISTER, None, inst.event_attrs())
 
     @staticmethod

@@ -445,8 +445,11 @@ class RegisterJob(Job):
         request = self._request
         opened: OpenedKVCaches | None = None
         try:
-            opened = open_kv_caches(request.kv_caches)
-            self._serve(opened)
+            # opening the client's CUDA memory and events, like the engine's registration,
+            # would queue behind L1's pinning in the driver
+            with self._engine.l1.pinning_paused():
+                opened = open_kv_caches(request.kv_caches)
+                self._serve(opened)
         except BaseException:
             self._registry.discard(self._reg)
             if opened is not None:

@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
@@ -179,6 +180,11 @@ class HostTier(StorageTier, Protocol):
 
     def pin_state(self) -> dict[str, Any] | None:
         """How far the host memory is pinned ahead of demand; None if it grows on demand."""
+        ...
+
+    def pinning_paused(self) -> AbstractContextManager[None]:
+        """A block during which nothing is pinned ahead (the caller's CUDA calls would
+        queue behind a pinning in the driver)."""
         ...
 
     def views(self, objs: Sequence[Any]) -> HostChunks:

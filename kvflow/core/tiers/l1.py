@@ -12,6 +12,7 @@ prefix's tail is evicted before its head (a lost head makes the tail useless).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -498,6 +499,13 @@ class L1Cache:
         """Per-tenant usage, limits, evictions and lookup hits (`TenantQuotas.snapshot`)."""
         with self._lock:
             return self.tenants.snapshot()
+
+    def pinning_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A block during which L1 pins nothing ahead (`PinAhead.paused`), for a caller's
+        CUDA calls; nothing to hold when L1 grows on demand or has finished growing.
+        `_pinner` is read without the lock: a reference, replaced only by `resize`."""
+        pinner = self._pinner
+        return contextlib.nullcontext() if pinner is None or pinner.done else pinner.paused()
 
     def pin_state(self) -> dict[str, Any] | None:
         """How far pinning L1 ahead has got (`PinAhead.state`); None when L1 grows on demand."""

@@ -13,10 +13,11 @@ first touch of fresh memory runs at 0.2-2.3 GB/s on a VM, far below a copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class PinAhead:
     or with None gives the claimed bytes back (False: L1 closed meanwhile and the segment
     was not taken). A failed `make` stops the growth; L1 then grows on demand as before
     (`failed` says why).
+
+    `paused()` holds the growth while another thread makes CUDA calls. `_lock` guards
+    the counters (`_quiet`, its condition, signals `_holds` and `_making` changing);
+    `failed` is written once under it and read racily by the threads' loop.
     """
 
     def __init__(
@@ -62,6 +67,9 @@ class PinAhead:
         self.target = target
         self._claim, self._make, self._settle = claim, make, settle
         self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)  # _holds or _making changed
+        self._holds = 0  # paused() blocks entered and not left
+        self._making = 0  # segments being made now
         self._pinned = 0
         self._started = time.monotonic()
         self._took: float | None = None
@@ -104,26 +112,57 @@ class PinAhead:
         for thread in self._threads:
             thread.join(timeout)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the growth while the caller makes CUDA calls: entering waits for the
+        segments being made to be done, and no thread starts another until every
+        `paused()` block has been left. The driver runs a `cudaHostRegister` (~0.27 s a
+        GiB) and a registration's calls (streams, events, memory, modules, IPC handles)
+        one at a time, so a registration made while L1 pinned waited for most of L1."""
+        with self._quiet:
+            self._holds += 1
+            self._quiet.wait_for(lambda: self._making == 0)
+        try:
+            yield
+        finally:
+            with self._quiet:
+                self._holds -= 1
+                self._quiet.notify_all()
+
     def _run(self) -> None:
         try:
             while self.failed is None:
-                size = self._claim()
-                if not size:
-                    return
+                with self._quiet:
+                    self._quiet.wait_for(lambda: self._holds == 0)
+                    self._making += 1
                 try:
-                    segment = self._make(size)
-                except Exception as exc:  # out of pinnable memory: stop growing ahead
-                    with self._lock:
-                        self.failed = f"{type(exc).__name__}: {exc}"
-                    log.warning("%s L1 ahead stopped: %s; L1 grows on demand", self._doing, exc)
-                    self._settle(size, None)
-                    return
-                if not self._settle(size, segment):
-                    return
-                with self._lock:
-                    self._pinned += size
+                    if not self._make_one():
+                        return
+                finally:
+                    with self._quiet:
+                        self._making -= 1
+                        self._quiet.notify_all()
         finally:
             self._finish()
+
+    def _make_one(self) -> bool:
+        """Claim, make and hand over one segment; False when growth is over."""
+        size = self._claim()
+        if not size:
+            return False
+        try:
+            segment = self._make(size)
+        except Exception as exc:  # out of pinnable memory: stop growing ahead
+            with self._lock:
+                self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("%s L1 ahead stopped: %s; L1 grows on demand", self._doing, exc)
+            self._settle(size, None)
+            return False
+        if not self._settle(size, segment):
+            return False
+        with self._lock:
+            self._pinned += size
+        return True
 
     def _finish(self) -> None:
         with self._lock:

@@ -27,9 +27,11 @@ class GatedPool(HostPool):
         self.permits = threading.Semaphore(0)
         self.making = threading.Event()  # a thread waits in make_segment
         self.fail = False
+        self.started = 0
         self.made = 0
 
     def make_segment(self, nbytes: int) -> torch.Tensor:
+        self.started += 1
         self.making.set()
         assert self.permits.acquire(timeout=30), "a test forgot to release a segment"
         if self.fail:
@@ -139,6 +141,36 @@ def test_close_waits_for_the_segment_in_flight_and_drops_it() -> None:
     assert state is not None and not state["pinning"]
     assert l1.stats()["reserved_bytes"] == 0
     assert pool.made == 1  # the thread made the segment it was making, and no other
+
+
+def test_a_pause_waits_for_the_segment_being_made_and_holds_the_next() -> None:
+    """`pinning_paused()` (held by a registration, whose CUDA calls would queue behind a
+    pinning in the driver) is entered only once the segment being made is done; no
+    segment starts while any pause is held; growth goes on once the last is left."""
+    l1, pool = _gated_l1()
+    assert pool.making.wait(10), "the pinning thread never started a segment"
+    entered, leave = threading.Event(), threading.Event()
+
+    def registration() -> None:
+        with l1.pinning_paused():
+            entered.set()
+            assert leave.wait(30)
+
+    holder = threading.Thread(target=registration)
+    holder.start()
+    assert not entered.wait(0.3), "paused while a segment was being made"
+    pool.permits.release(3)
+    assert entered.wait(10), "the pause was not entered once the segment was made"
+    with l1.pinning_paused():  # a second pause, held while the first one is left
+        leave.set()
+        holder.join(10)
+        threading.Event().wait(0.3)
+        assert (pool.started, pool.made) == (1, 1), "a segment was started during a pause"
+    state = _wait_done(l1)
+    assert pool.made == 3 and state["pinned_bytes"] == 3 * SEG
+    with l1.pinning_paused():  # nothing left to hold: entered at once
+        pass
+    l1.close()
 
 
 def test_pin_threads_must_be_positive() -> None:
