@@ -72,7 +72,7 @@ OPTIONS = (
         _S,
         int,
         "threads that pin L1's memory in the background from start-up, so no store waits"
-        " to pin; 0 pins on demand inside stores (default 2)",
+        " to pin; 0 pins on demand inside stores (default 4)",
     ),
     _Option(
         "--l1-prefault",

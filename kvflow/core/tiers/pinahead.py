@@ -1,7 +1,7 @@
 """Pinning L1's host memory ahead of demand, on background threads.
 
-Page-locking costs about 0.27 s per GiB (page faults plus the driver's registration,
-measured on the H100 machine). An L1 that pinned a segment inside the store that
+Page-locking costs about 0.16 s per GiB (page faults, then the driver's registration;
+0.27-0.5 s when the registration faulted the pages in itself). An L1 that pinned a segment inside the store that
 needed it stalled that store for as long, once per segment: 100 times for a 100 GB
 L1. `PinAhead` instead makes every segment up to L1's capacity in the background
 from start-up, on several threads, and hands each to L1 as soon as it is pinned;
@@ -116,9 +116,10 @@ class PinAhead:
     def paused(self) -> Iterator[None]:
         """Hold the growth while the caller makes CUDA calls: entering waits for the
         segments being made to be done, and no thread starts another until every
-        `paused()` block has been left. The driver runs a `cudaHostRegister` (~0.27 s a
-        GiB) and a registration's calls (streams, events, memory, modules, IPC handles)
-        one at a time, so a registration made while L1 pinned waited for most of L1."""
+        `paused()` block has been left. A registration's CUDA calls (streams, events,
+        memory, modules, IPC handles) wait behind segments being made: one made while a
+        32 GiB L1 pinned took 7-9 s (0.1-0.3 s paused, with pages faulted in before they
+        are registered; docs/SERVER.md)."""
         with self._quiet:
             self._holds += 1
             self._quiet.wait_for(lambda: self._making == 0)

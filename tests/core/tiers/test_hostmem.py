@@ -192,6 +192,28 @@ def test_a_prefaulting_pool_makes_segments_resident_and_a_plain_one_does_not(
     plain.release()
 
 
+def test_a_pinned_pool_faults_a_segment_in_before_registering_it(
+    cudart: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every page is resident when cudaHostRegister is called: left to fault them in, the
+    registration held the process's memory-map lock for the whole segment (~0.5 s a
+    GiB), and every CUDA call of the process's other threads waited for it."""
+    resident_at_register: list[tuple[int, int]] = []
+    register = cudart.cudaHostRegister
+
+    def registering(ptr: int, size: int, flags: int) -> int:
+        as_bytes = (ctypes.c_ubyte * size).from_address(ptr)
+        resident_at_register.append(_resident_pages(torch.frombuffer(as_bytes, dtype=torch.uint8)))
+        return register(ptr, size, flags)
+
+    monkeypatch.setattr(cudart, "cudaHostRegister", registering)
+    pool = HostPool(pinned=True)
+    pool.add_segment(128 << 20)  # more than glibc's heaps hold: mapped afresh, untouched
+    [(resident, pages)] = resident_at_register
+    assert resident == pages > 0
+    pool.release()
+
+
 def test_a_pinned_pool_ignores_prefault(cudart: FakeCudaRuntime) -> None:
     """Pinning faults memory in already: a pinned pool pins, and says it does not prefault."""
     pool = HostPool(pinned=True, prefault=True)
