@@ -264,13 +264,15 @@ def test_drain_refuses_stores_and_registrations_and_undrain_takes_them_again(
         client.unregister("drain-a")
 
 
-def test_a_registration_queued_behind_a_store_counts_in_flight_until_it_ran() -> None:
-    """A drain waits for registrations too: one queued on a worker behind a store that
-    waits for its layers counts in `in_flight`, with the store, until it has run."""
+def test_work_queued_behind_a_store_counts_in_flight_until_it_ran() -> None:
+    """A drain waits for registrations and plain stores too: each queued on a worker
+    behind a store that waits for its layers counts in `in_flight`, with that store, until
+    it has run."""
     with (
         ServerProcess("--disable-observability", "--max-instances", "9") as srv,  # 8 workers
         KVFlowClient(srv.endpoint, timeout_s=20) as client,
         ThreadPoolExecutor(1) as pool,
+        ThreadPoolExecutor(1) as stores,
     ):
         caches = [shared_kv(20 + i) for i in range(9)]
         client.register_kv_caches(  # worker 0
@@ -288,11 +290,16 @@ def test_a_registration_queued_behind_a_store_counts_in_flight_until_it_ran() ->
             late = pool.submit(client.register_kv_caches, "queued-8", caches[8], model_name="m")
             wait_for(lambda: in_flight() == 2, 10, what="the registration queued behind it")
             assert not late.done()
+            plain = stores.submit(
+                client.store, "queued-0", tokens(CHUNK, 10), list(range(16, 32)), request_id="p"
+            )
+            wait_for(lambda: in_flight() == 3, 10, what="a plain store queued behind them")
         finally:  # the store ends either way, so the server stops
             for layer in range(NL):
                 save.layer_done(layer)
         assert save.wait(30) == CHUNK
         late.result(30)
+        assert plain.result(30) == CHUNK
         assert in_flight() == 0
 
 

@@ -36,6 +36,7 @@ from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
     Done,
     Failed,
+    Heartbeat,
     KVCachesDesc,
     Register,
     Registered,
@@ -362,6 +363,13 @@ def test_a_registration_tells_the_client_to_beat_four_times_per_timeout(
     assert reply.heartbeat_interval_s == HEARTBEAT_TIMEOUT_S / 4
     raw.send_multipart(encode_request(Unregister(instance_id=iid)))
     assert isinstance(_reply(raw), Done)
+
+
+def test_a_heartbeat_is_answered_done(raw: zmq.Socket[bytes]) -> None:
+    """A beat gets `Done` with its id (an error reply would make every client's beat fail)."""
+    raw.send_multipart(encode_request(Heartbeat(id=41)))
+    reply = _reply(raw)
+    assert isinstance(reply, Done) and reply.id == 41, reply
 
 
 def test_register_descriptions_outside_their_memory_are_refused(

@@ -274,10 +274,15 @@ def test_a_store_on_anothers_instance_and_a_registration_while_draining_say_why_
             "Store refused: instance 'owned' belongs to another client (only the client that"
             " registered it may store, retrieve, report or unregister)"
         )
+        with pytest.raises(PermissionDeniedError) as refused:
+            other.retrieve("owned", tokens(CHUNK, 11), list(range(16)), request_id="not-mine")
+        assert str(refused.value).startswith("Retrieve refused: instance 'owned' belongs to")
         owner.admin(AdminDrain())
         try:
             with pytest.raises(DrainingError) as draining:
                 other.register_kv_caches("late", kv, model_name="refusals")
+            with pytest.raises(DrainingError) as draining_store:
+                owner.store("owned", tokens(CHUNK, 12), list(range(16)), request_id="late")
         finally:
             owner.admin(AdminDrain(undrain=True))
         assert str(draining.value) == (
@@ -285,6 +290,7 @@ def test_a_store_on_anothers_instance_and_a_registration_while_draining_say_why_
             " flight and takes no new stores or registrations); use another server or retry"
             " after it is back"
         )
+        assert str(draining_store.value).startswith("store refused: this server is draining")
         owner.unregister("owned")
 
 
