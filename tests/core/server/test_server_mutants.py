@@ -155,6 +155,27 @@ def test_kv_events_off_says_so_exactly() -> None:
         assert str(refused.value) == "KV events are off on this server (--kv-events-chunks 0)"
 
 
+def test_a_server_built_without_a_config_takes_the_default_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`KVFlowServer()` serves with `ServerConfig()`. The defaults bind port 5555 and a
+    metrics port, which a test cannot count on being free, so here the default is a
+    small server on a free port (the class the module builds it from, patched)."""
+
+    def small_default() -> ServerConfig:
+        return ServerConfig(
+            port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False)
+        )
+
+    monkeypatch.setattr(server_module, "ServerConfig", small_default)
+    server = KVFlowServer()
+    try:
+        assert server.config == small_default()
+        assert server.status()["server"]["endpoint"] == server.endpoint
+    finally:
+        server.close()
+
+
 # -- admin callers ---------------------------------------------------------------------------
 
 
