@@ -37,7 +37,8 @@ def test_fails_leaving_a_context_in_a_cycle():
 
 def _run_as(mutant: str, folder: Path) -> subprocess.CompletedProcess[str]:
     (folder / "test_half_built.py").write_text(HALF_BUILT_SERVER)
-    env = {**os.environ, "MUTANT_UNDER_TEST": mutant, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "MUTANT_UNDER_TEST": mutant, "PYTHONPATH": path}
     return subprocess.run(
         [*PYTEST, "-p", "tests.support.mutation_hits", "test_half_built.py"],
         cwd=folder,

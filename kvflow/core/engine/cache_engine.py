@@ -267,7 +267,8 @@ class CacheEngine:
                 f"L1 capacity ({self.l1.capacity_bytes} bytes); raise --l1-size-gb"
             )
         turns = self._checked_ropes(instance_id, layout, ropes)
-        with self.l1.pinning_paused():  # its CUDA calls would queue behind L1's pinning
+        on_cuda = layout.device.type == "cuda"  # its CUDA calls would queue behind pinning
+        with self.l1.pinning_paused() if on_cuda else contextlib.nullcontext():
             mover = self._make_mover(layout, nbytes)
             inst = Instance(
                 instance_id, model_name, world_size, rank, layout, self.chunk_size, desc, nbytes,

@@ -10,6 +10,7 @@ that does both, which the main loop uses for its own errors too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from kvflow.core.server.protocol import (
     BlendFound,
     BlendLookup,
     BlendRetrieve,
+    CudaIpcMemory,
     Done,
     Failed,
     Lookup,
@@ -446,8 +448,9 @@ class RegisterJob(Job):
         opened: OpenedKVCaches | None = None
         try:
             # opening the client's CUDA memory and events, like the engine's registration,
-            # would queue behind L1's pinning in the driver
-            with self._engine.l1.pinning_paused():
+            # would queue behind L1's pinning in the driver (shared memory needs no CUDA)
+            on_cuda = any(isinstance(t.memory, CudaIpcMemory) for t in request.kv_caches.tensors)
+            with self._engine.l1.pinning_paused() if on_cuda else contextlib.nullcontext():
                 opened = open_kv_caches(request.kv_caches)
                 self._serve(opened)
         except BaseException:
@@ -503,6 +506,7 @@ class RegisterJob(Job):
             raise
         reg.opened, reg.event, reg.retrieved = opened, event, retrieved
         reg.layers, reg.layers_opened = layers, layers_opened
+        reg.served_at = time.monotonic()
 
 
 class RetireJob(Job):

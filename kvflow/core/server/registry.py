@@ -22,8 +22,9 @@ class Registration:
     register job fills them, its retire job releases them), and only jobs on that
     worker read them, in order; `_shutdown` releases them once every worker stopped.
     `retiring` is set by the main loop and polled by a layerwise store on the worker:
-    a bool, safe to read racily (the store sees it at its next poll). The other fields
-    never change.
+    a bool, safe to read racily (the store sees it at its next poll). `served_at` is
+    written once by the register job and read racily by the main loop's reaper (None:
+    still being registered). The other fields never change.
     """
 
     instance_id: str
@@ -39,6 +40,8 @@ class Registration:
     #: set once the instance is being unregistered (read by a layerwise store's waits)
     retiring: bool = False
     registered_at: float = field(default_factory=time.monotonic)
+    #: when the registration was done (time.monotonic()); None while it is in progress
+    served_at: float | None = None
 
     def release(self) -> None:
         """Unmap the instance's memory and drop its CUDA events now (idempotent)."""

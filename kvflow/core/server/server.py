@@ -671,11 +671,15 @@ class KVFlowServer:
         reg.worker.submit(identity, RetireJob(self.engine, reg, request_id, started))
 
     def _reap(self) -> None:
-        """Unregister the instances of clients silent for longer than the heartbeat timeout."""
+        """Unregister the instances of clients silent for longer than the heartbeat timeout.
+        A registration counts as its client's last word when it was done: a client that
+        waited longer than the timeout for it has sent nothing since, not even a beat."""
         now = time.monotonic()
         limit = now - self._heartbeat_timeout
         for reg in self._registry.all():
-            if self._last_seen.get(reg.client, now) < limit:
+            if reg.served_at is None:  # being registered: its client waits for the reply
+                continue
+            if max(self._last_seen.get(reg.client, now), reg.served_at) < limit:
                 log.warning(
                     "reaping instance %r: client %s silent for over %.1f s",
                     reg.instance_id,

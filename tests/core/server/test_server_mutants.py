@@ -6,8 +6,11 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -313,6 +316,33 @@ def test_a_store_on_anothers_instance_and_a_registration_while_draining_say_why_
         )
         assert str(draining_store.value).startswith("store refused: this server is draining")
         owner.unregister("owned")
+
+
+def test_a_registration_slower_than_the_heartbeat_timeout_does_not_reap_its_client() -> None:
+    """A client waiting for its first registration sends no heartbeats (it learns the
+    interval from the reply): the registration, once done, counts as its last word, so a
+    slow one (mapping large caches on a busy host, a GPU waiting for L1's pinning) is not
+    reaped the moment it is served, and one in progress is never reaped."""
+    srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=1.2))  # beats every 0.3 s
+    register = srv.engine.register_kv_caches
+
+    def slow_register(*args: Any, **kwargs: Any) -> None:
+        time.sleep(3.0)  # 2.5 timeouts, in which the reaper runs 30 times
+        register(*args, **kwargs)
+
+    srv.engine.register_kv_caches = slow_register  # type: ignore[method-assign]
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=10) as client:
+            client.register_kv_caches("slow", shared_kv(13), model_name="m")
+            time.sleep(0.25)  # the reaper looks twice or more before the client's first beat
+            assert client.store("slow", tokens(CHUNK, 13), list(range(16)), request_id="s")
+            assert client.status()["server"]["reaped_instances"] == 0
+    finally:
+        srv.request_stop()
+        serving.join(20)
+    assert not serving.is_alive()
 
 
 def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
