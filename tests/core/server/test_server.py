@@ -35,11 +35,14 @@ from kvflow.core.errors import (
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
     Done,
+    EndSession,
     Failed,
     Heartbeat,
     KVCachesDesc,
     Register,
     Registered,
+    Status,
+    StatusResult,
     Store,
     TensorDesc,
     Unregister,
@@ -365,11 +368,19 @@ def test_a_registration_tells_the_client_to_beat_four_times_per_timeout(
     assert isinstance(_reply(raw), Done)
 
 
-def test_a_heartbeat_is_answered_done(raw: zmq.Socket[bytes]) -> None:
-    """A beat gets `Done` with its id (an error reply would make every client's beat fail)."""
-    raw.send_multipart(encode_request(Heartbeat(id=41)))
-    reply = _reply(raw)
-    assert isinstance(reply, Done) and reply.id == 41, reply
+def test_the_loop_s_own_answers_carry_their_id_and_handling_time(raw: zmq.Socket[bytes]) -> None:
+    """A beat gets `Done` (an error reply would make every client's beat fail), a status
+    its `StatusResult`, an end of session `Done`: each with its request's id and the
+    server's handling time in nanoseconds."""
+    for request, reply_type in (
+        (Heartbeat(id=41), Done),
+        (Status(id=42), StatusResult),
+        (EndSession(request_id="gone", id=43), Done),
+    ):
+        raw.send_multipart(encode_request(request))
+        reply = _reply(raw)
+        assert isinstance(reply, reply_type) and reply.id == request.id, reply
+        assert isinstance(reply.server_ns, int) and reply.server_ns > 0, reply
 
 
 def test_register_descriptions_outside_their_memory_are_refused(

@@ -39,6 +39,7 @@ from kvflow.core.server.protocol import (
 )
 from kvflow.core.server.server import KVFlowServer
 from kvflow.core.server.shm import shared_memory_of
+from kvflow.events import BlockAllocation
 from kvflow.subscribers.kv_events import KVRecord
 from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
 
@@ -301,6 +302,12 @@ def test_a_store_on_anothers_instance_and_a_registration_while_draining_say_why_
         with pytest.raises(PermissionDeniedError) as refused:
             other.retrieve("owned", tokens(CHUNK, 11), list(range(16)), request_id="not-mine")
         assert str(refused.value).startswith("Retrieve refused: instance 'owned' belongs to")
+        with pytest.raises(PermissionDeniedError) as refused:
+            other.report_block_allocations("owned", [BlockAllocation("q", [0], [1])])
+        assert str(refused.value).startswith("ReportAllocations refused: instance 'owned'")
+        with pytest.raises(PermissionDeniedError) as refused:
+            other.unregister("owned")
+        assert str(refused.value).startswith("Unregister refused: instance 'owned' belongs to")
         owner.admin(AdminDrain())
         try:
             with pytest.raises(DrainingError) as draining:
