@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--l1-size-gb", type=float, default=8.0)
     parser.add_argument("--mb", type=int, default=512, help="MiB per store")
     parser.add_argument("--stores", type=int, default=16, help="timed stores per phase")
-    parser.add_argument("--pin-threads", type=int, default=2, help="--l1-pin-threads (>= 1)")
+    parser.add_argument("--pin-threads", type=int, default=4, help="--l1-pin-threads (>= 1)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.mb < 32 or args.stores < 1 or args.l1_size_gb <= 0 or args.pin_threads < 1:
