@@ -306,6 +306,9 @@ def test_a_store_on_anothers_instance_and_a_registration_while_draining_say_why_
             other.report_block_allocations("owned", [BlockAllocation("q", [0], [1])])
         assert str(refused.value).startswith("ReportAllocations refused: instance 'owned'")
         with pytest.raises(PermissionDeniedError) as refused:
+            other.report_layer_waits("owned", "q", [0.0])
+        assert str(refused.value).startswith("ReportLayerWaits refused: instance 'owned'")
+        with pytest.raises(PermissionDeniedError) as refused:
             other.unregister("owned")
         assert str(refused.value).startswith("Unregister refused: instance 'owned' belongs to")
         owner.admin(AdminDrain())
@@ -390,8 +393,9 @@ def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_reques
 @pytest.mark.parametrize("l2", [False, True], ids=["l1_only", "with_disk"])
 def test_every_data_reply_carries_the_servers_handling_time(l2: bool, tmp_path: Path) -> None:
     """A store, a lookup (answered on the loop with L1 alone, on the query worker with an L2
-    tier), a prefetch and its state, and a retrieve each tell the client how long the
-    server took (`last_server_time_s`), hit or miss."""
+    tier), a prefetch and its state, a retrieve, the engine's reports and an end of
+    session each tell the client how long the server took (`last_server_time_s`), hit or
+    miss."""
     prompt = tokens(2 * CHUNK, 21)
     disk = ("--l2-disk", str(tmp_path / "disk")) if l2 else ()
     with (
@@ -404,6 +408,9 @@ def test_every_data_reply_carries_the_servers_handling_time(l2: bool, tmp_path: 
             lambda: client.lookup(prompt, model_name="timed"),
             lambda: client.lookup(tokens(CHUNK, 22), model_name="timed"),
             lambda: client.retrieve("timed", prompt, list(range(32, 64)), request_id="r"),
+            lambda: client.report_block_allocations("timed", [BlockAllocation("r", [0], [1])]),
+            lambda: client.report_layer_waits("timed", "r", [0.0, 0.001]),
+            lambda: client.end_session("r"),
         ]
         if l2:
             calls += [
