@@ -31,6 +31,7 @@ from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.protocol import (
     AdminClear,
     AdminDrain,
+    Heartbeat,
     KVSubscribed,
     ShmMemory,
     StatusResult,
@@ -355,6 +356,34 @@ def test_a_registration_slower_than_the_heartbeat_timeout_does_not_reap_its_clie
     assert not serving.is_alive()
 
 
+def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> None:
+    """Replies to a client whose queues are full are dropped (a ROUTER socket drops what
+    a peer cannot take), never waited for: the loop goes on serving everyone else."""
+    srv = KVFlowServer(_config())
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    mute = ctx.socket(zmq.DEALER)
+    mute.setsockopt(zmq.RCVHWM, 1)
+    mute.setsockopt(zmq.RCVBUF, 4096)
+    mute.linger = 0
+    mute.connect(srv.endpoint)
+    try:
+        beat = encode_request(Heartbeat(id=1, client="mute"))
+        for _ in range(5_000):  # more replies than the queues between us can hold
+            mute.send_multipart(beat)
+        with KVFlowClient(srv.endpoint, timeout_s=10) as other:
+            wait_for(
+                lambda: other.status()["server"]["requests"] > 5_000, 20, what="every beat served"
+            )
+    finally:
+        mute.close()
+        ctx.term()
+        srv.request_stop()
+        serving.join(20)
+    assert not serving.is_alive()
+
+
 def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
     server: ServerProcess,
 ) -> None:
@@ -379,7 +408,7 @@ def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
 
 def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_request() -> None:
     """A store for an id never registered names it (no reaping mentioned); a new server's
-    first status counts one request served: that status."""
+    first status counts one request served: that status; each request after it counts."""
     with (
         ServerProcess("--disable-observability", "--l1-size-gb", "0.05") as srv,
         KVFlowClient(srv.endpoint, timeout_s=5) as client,
@@ -388,6 +417,7 @@ def test_an_unknown_instance_is_named_and_a_fresh_server_counts_its_first_reques
         with pytest.raises(UnknownInstanceError) as unknown:
             client.store("ghost", tokens(CHUNK, 13), list(range(16)), request_id="g")
         assert str(unknown.value) == "instance 'ghost' is not registered"
+        assert client.status()["server"]["requests"] == 3  # the store failed, but was served
 
 
 @pytest.mark.parametrize("l2", [False, True], ids=["l1_only", "with_disk"])
