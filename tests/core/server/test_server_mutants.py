@@ -31,9 +31,9 @@ from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.protocol import (
     AdminClear,
     AdminDrain,
-    Heartbeat,
     KVSubscribed,
     ShmMemory,
+    Status,
     StatusResult,
     decode_reply,
     encode_request,
@@ -369,12 +369,12 @@ def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> No
     mute.linger = 0
     mute.connect(srv.endpoint)
     try:
-        beat = encode_request(Heartbeat(id=1, client="mute"))
-        for _ in range(5_000):  # more replies than the queues between us can hold
-            mute.send_multipart(beat)
+        ask = encode_request(Status(id=1, client="mute"))  # replies of a few KB each
+        for _ in range(5_000):  # more reply bytes than the queues between us can hold
+            mute.send_multipart(ask)
         with KVFlowClient(srv.endpoint, timeout_s=10) as other:
             wait_for(
-                lambda: other.status()["server"]["requests"] > 5_000, 20, what="every beat served"
+                lambda: other.status()["server"]["requests"] > 5_000, 30, what="every ask served"
             )
     finally:
         mute.close()
