@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -258,6 +259,11 @@ def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) 
         while held(status := client.status()):
             assert time.monotonic() < deadline, "instance was not reaped"
             time.sleep(0.1)
+        reaping = re.compile(
+            rf"[ :]reaping instance 'tp-hang-rank0': client \S+ silent for over"
+            rf" {HEARTBEAT_TIMEOUT_S:.1f} s \[kvflow\.server\]$"
+        )
+        assert any(reaping.search(line.rstrip()) for line in server.lines), server.log()[-2000:]
         assert status["server"]["reaped_instances"] == reaped_before + 1
         with pytest.raises(UnknownInstanceError, match="reaped"):
             client.store("tp-hang-rank0", list(range(CHUNK)), list(range(16)), request_id="x")
@@ -325,8 +331,12 @@ def _reply(sock: zmq.Socket[bytes], timeout_s: float = 10) -> object:
 
 
 def test_malformed_frames_get_protocol_error_replies(raw: zmq.Socket[bytes]) -> None:
-    """Garbage, unknown ops, wrong payload counts and versions each get one error reply."""
+    """Garbage, unknown ops, wrong payload counts and versions each get one error reply;
+    eight frames (the most a message may have) are read, nine are refused unread."""
+    status = msgspec.msgpack.encode({"op": "status", "v": PROTOCOL_VERSION, "id": 4})
     for frames, match in (
+        ([status] + [b"xx"] * 7, "payload"),
+        ([status] + [b"xx"] * 8, "frames"),
         ([b"\xc1\xc1"], "malformed"),
         ([msgspec.msgpack.encode({"op": "teleport", "v": PROTOCOL_VERSION, "id": 9})], "malformed"),
         ([msgspec.msgpack.encode({"op": "status", "v": PROTOCOL_VERSION}), b"xx"], "payload"),
@@ -438,7 +448,10 @@ def test_bad_arguments_get_clear_errors_and_nothing_half_written(client: KVFlowC
 
 def test_oversized_messages(server: ServerProcess, client: KVFlowClient) -> None:
     """Over the limit: an error reply; over twice the limit: dropped, and the server goes on."""
-    with pytest.raises(ProtocolError, match="exceeds the server's limit"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"^message of \d+ bytes exceeds the server's limit of 1048576 bytes \(--max-message-mb\)$",
+    ):
         client.lookup(np.zeros(300_000, dtype=np.int32), model_name="big")  # 1.2 MB > 1 MiB
     with (
         KVFlowClient(server.endpoint, timeout_s=1.5) as short,
