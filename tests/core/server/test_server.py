@@ -260,7 +260,7 @@ def test_a_killed_client_is_reaped(server: ServerProcess, client: KVFlowClient) 
             assert time.monotonic() < deadline, "instance was not reaped"
             time.sleep(0.1)
         reaping = re.compile(
-            rf"[ :]reaping instance 'tp-hang-rank0': client \S+ silent for over"
+            rf"[ :]reaping instance 'tp-hang-rank0': client [0-9a-f]{{32}} silent for over"
             rf" {HEARTBEAT_TIMEOUT_S:.1f} s \[kvflow\.server\]$"
         )
         assert any(reaping.search(line.rstrip()) for line in server.lines), server.log()[-2000:]

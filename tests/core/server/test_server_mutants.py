@@ -384,6 +384,27 @@ def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> No
     assert not serving.is_alive()
 
 
+def test_every_reaped_instance_is_counted() -> None:
+    """A client that closes without unregistering loses both its instances after the
+    heartbeat timeout, and the server counts two reaped instances."""
+    srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=0.5))
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=10) as gone:
+            gone.register_kv_caches("left-0", shared_kv(14), model_name="m")
+            gone.register_kv_caches("left-1", shared_kv(15), model_name="m")
+        with KVFlowClient(srv.endpoint, timeout_s=10) as watcher:
+            wait_for(
+                lambda: watcher.status()["server"]["reaped_instances"] == 2, 10, what="two reaped"
+            )
+            assert watcher.status()["server"]["instances"] == {}
+    finally:
+        srv.request_stop()
+        serving.join(20)
+    assert not serving.is_alive()
+
+
 def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(
     server: ServerProcess,
 ) -> None:
