@@ -384,9 +384,14 @@ def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> No
     assert not serving.is_alive()
 
 
-def test_every_reaped_instance_is_counted() -> None:
+def test_every_reaped_instance_is_counted_and_the_latest_remembered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A client that closes without unregistering loses both its instances after the
-    heartbeat timeout, and the server counts two reaped instances."""
+    heartbeat timeout: the server counts two reaped instances, without an error, and
+    (remembering one reaped id here) says the later one was reaped, the earlier only
+    that it is not registered."""
+    monkeypatch.setattr(server_module, "_REMEMBER_REAPED", 1)
     srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=0.5))
     serving = threading.Thread(target=srv.serve_forever)
     serving.start()
@@ -398,7 +403,12 @@ def test_every_reaped_instance_is_counted() -> None:
             wait_for(
                 lambda: watcher.status()["server"]["reaped_instances"] == 2, 10, what="two reaped"
             )
-            assert watcher.status()["server"]["instances"] == {}
+            status = watcher.status()["server"]
+            assert (status["instances"], status["errors"]) == ({}, 0)
+            for iid, reaped in (("left-0", False), ("left-1", True)):
+                with pytest.raises(UnknownInstanceError) as unknown:
+                    watcher.store(iid, tokens(CHUNK, 16), list(range(16)), request_id="x")
+                assert ("(reaped: " in str(unknown.value)) is reaped, str(unknown.value)
     finally:
         srv.request_stop()
         serving.join(20)
