@@ -147,6 +147,19 @@ def test_subscribe_poll_and_unsubscribe_replies(server: ServerProcess) -> None:
             client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
 
 
+def test_a_router_idle_for_less_than_the_heartbeat_timeout_keeps_its_subscription(
+    server: ServerProcess,
+) -> None:
+    """A subscriber that owns no instance (a router) and is quiet for a few of the
+    server's reaping ticks, far less than the heartbeat timeout, can still poll."""
+    with KVFlowClient(server.endpoint, timeout_s=5) as router:
+        sub = router.subscribe_kv_events(model_name="idle-router")
+        time.sleep(0.5)  # five reaping ticks, no request
+        poll = router.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+        assert isinstance(poll, KVPoll) and poll.records == []
+        router.unsubscribe_kv_events(sub.subscription)
+
+
 def test_kv_events_off_says_so_exactly() -> None:
     """With --kv-events-chunks 0 a subscription is refused with the exact reason."""
     with ServerProcess(
