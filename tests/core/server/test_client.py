@@ -7,6 +7,7 @@ import gc
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +55,18 @@ def test_a_client_id_must_be_a_non_empty_string(client_id: object) -> None:
     """An empty name, or a name that is no string, is refused before anything is sent."""
     with pytest.raises(ValueError, match=r"^client_id must be a non-empty string, got "):
         KVFlowClient(NOWHERE, client_id=client_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("given", ["curve_server_key", "curve_key"])
+def test_the_two_curve_keys_go_together(given: str, tmp_path: Path) -> None:
+    """One CURVE key without the other is refused, saying what both are, before anything
+    is read or sent."""
+    with pytest.raises(ValueError) as refused:
+        KVFlowClient(NOWHERE, **{given: str(tmp_path / "absent.key")})  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "curve_server_key and curve_key go together: the server's public key and this"
+        " client's key pair (NAME.key_secret)"
+    )
 
 
 def test_unshared_cpu_caches_fail_before_sending(client: KVFlowClient) -> None:
