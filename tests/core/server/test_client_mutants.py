@@ -475,6 +475,26 @@ def test_a_heartbeat_that_times_out_is_retried_at_the_shortest_pace_asked() -> N
         assert 0.45 < beats[1] - beats[0] < 1.55, beats
 
 
+def test_the_first_registration_sets_the_heartbeat_pace() -> None:
+    """A client beats at the pace its first registration's reply asks (here every 1.6 s),
+    not faster: one beat in the 2.3 s after registering."""
+    beats: list[float] = []
+
+    def answer(_peer: bytes, request: Request) -> Reply | None:
+        if isinstance(request, Register):
+            return Registered(id=request.id, heartbeat_interval_s=1.6)
+        if isinstance(request, Heartbeat):
+            beats.append(time.monotonic())
+            return Done(id=request.id)
+        return None
+
+    with scripted_server(answer) as endpoint, KVFlowClient(endpoint, timeout_s=20) as c:
+        c.register_kv_caches(_name("pace"), _caches(8), model_name="m", block_size=BLOCK)
+        registered = time.monotonic()
+        time.sleep(2.3)
+        assert len(beats) == 1 and beats[0] - registered > 1.4, (registered, beats)
+
+
 def test_a_call_waiting_for_its_reply_sleeps_between_checks() -> None:
     """A call waits for its reply in polls of up to 0.1 s (checking the handshake between
     them), not in a spin: two seconds of waiting on a port nobody answers cost the calling
