@@ -1,9 +1,9 @@
 """Pinning L1's host memory ahead of demand, on background threads.
 
 Page-locking costs about 0.16 s per GiB (page faults, then the driver's registration;
-0.27-0.5 s when the registration faulted the pages in itself). An L1 that pinned a segment inside the store that
-needed it stalled that store for as long, once per segment: 100 times for a 100 GB
-L1. `PinAhead` instead makes every segment up to L1's capacity in the background
+0.27-0.5 s when the registration faulted the pages in itself). An L1 that pinned a
+segment inside the store that needed it stalled that store for as long, once per
+segment: 100 times for a 100 GB L1. `PinAhead` instead makes every segment up to L1's capacity in the background
 from start-up, on several threads, and hands each to L1 as soon as it is pinned;
 a store meanwhile uses what is pinned (evicting if it must) and waits only when L1
 holds nothing it may evict. Progress is logged and reported by `state()`.
