@@ -11,6 +11,9 @@ from tests.support.gpus import DEVICE_PARAMS, device_under_test
 from tests.support.parallel import group_by_shared_fixtures, long_first
 from tests.support.requirements import PARTS, require_or_skip
 
+#: the `gate` fixture (L1's segments made only as a test allows)
+pytest_plugins = ["tests.support.segment_gate"]
+
 
 def _share_the_cores() -> None:
     """On a parallel worker, torch (and the processes a test starts, through

@@ -149,6 +149,8 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_curve.py",
         # clients of an IPv6 endpoint connect with ZMQ's IPv6 option (`_checkout`)
         "tests/core/server/test_server_hosts.py",
+        # the CUDA events of stores and retrieves (make mutation GPU=1 on a GPU machine)
+        "tests/core/server/test_layerwise_gpu.py",
     ],
     # the server's admin calls, KV-event publisher and probes have test files of their own
     "kvflow/core/server/server.py": [
@@ -190,6 +192,11 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_kv_events.py",
         "tests/core/server/test_admin.py",
         "tests/e2e/test_server_l2.py",
+        # a registration of CUDA caches between L1's segments, one of shared memory at once
+        "tests/core/server/test_server_pin_ahead.py",
+        # the CUDA events of registrations and early replies (GPU=1 on a GPU machine)
+        "tests/core/server/test_layerwise_gpu.py",
+        "tests/core/server/test_server_gpu.py",
     ],
     "kvflow/core/server/registry.py": [
         "tests/core/server/test_server.py",

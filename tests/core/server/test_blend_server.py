@@ -24,6 +24,7 @@ import zmq
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, PermissionDeniedError, UnknownInstanceError
 from kvflow.core.server.protocol import (
+    BlendLookup,
     Failed,
     Llama3ScalingDesc,
     Register,
@@ -301,6 +302,11 @@ def test_index_bound_and_lookups_on_the_query_worker(tmp_path: Path) -> None:
             got = client.blend_retrieve(docs.dst_id, prompt, blocks, hit.segments, request_id="q")
             assert got == (2 * CHUNK, ())
             docs.close()
+        # a blend lookup failing on the query worker is answered by its own id
+        bad = BlendLookup(id=77, model_name=docs.model_name, world_size=0)
+        reply = _raw_frames(srv, encode_request(bad, (np.asarray(prompt, dtype=np.int32),)))
+        assert isinstance(reply, Failed) and reply.id == 77, reply
+        assert reply.code == "invalid_argument" and "world_size" in reply.message
     finally:
         assert srv.stop() == 0, srv.log()
 

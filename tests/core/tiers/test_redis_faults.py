@@ -326,3 +326,27 @@ def test_close_during_an_outage_with_a_call_in_flight_returns_cleanly(
         closing.result(timeout=10)
         assert dropping.result(timeout=10) == 0
     assert tier.stats()["connected"] == 0
+
+
+def test_a_rejoined_server_is_measured_again_without_a_caller(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once Redis answers again, the tier reads its memory figures by itself: the first
+    stats after the rejoin already give the restarted server's capacity (only a lookup,
+    which reads no figures, met the outage)."""
+    server.maxmemory = "32mb"
+    server.restart()
+    tier = make_tier(server)
+    try:
+        wait_for(lambda: tier.stats()["capacity_bytes"] == 32 << 20)
+        server.stop()
+        server.maxmemory = "48mb"
+        assert tier.contains([key(1)]).result(timeout=10) == [False]  # the outage, noticed
+        time.sleep(1.2)  # the figures read last are older than the tier's refresh period
+        with caplog.at_level(logging.INFO, logger="kvflow"):
+            server.start()
+            wait_for(lambda: "reachable again" in caplog.text)
+        time.sleep(1.5)  # the refresh the rejoin started has landed (one INFO)
+        assert tier.stats()["capacity_bytes"] == 48 << 20
+    finally:
+        tier.close()
