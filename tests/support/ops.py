@@ -1,5 +1,6 @@
-"""A real `kvflow server` process for the operations tests, an HTTP probe reader, and
-CPU KV caches in shared memory whose bytes a test can check after a round trip.
+"""A real `kvflow server` process for the operations tests, an HTTP probe reader, a bare
+socket's request, and CPU KV caches in shared memory whose bytes a test can check after a
+round trip.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from kvflow.core import empty_shared
+from kvflow.core.server.protocol import Reply, Request, decode_reply, encode_request
 from tests.support.launcher import kvflow_process
 
 #: vllm_flash_attn caches: NL x [2, NB, BS, NH, HS] bfloat16; a 256-token chunk is 32 KiB
@@ -101,6 +104,22 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def raw_reply(endpoint: str, request: Request, payloads: tuple[Any, ...] = ()) -> Reply:
+    """The server's reply to `request` sent from a bare DEALER socket: requests kvflow's
+    client would refuse (or build otherwise) before sending."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(encode_request(request, payloads))
+        assert sock.poll(10_000), "no reply"
+        return decode_reply(sock.recv())
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def lines_from(caplog: pytest.LogCaptureFixture, module: str) -> list[tuple[int, str]]:

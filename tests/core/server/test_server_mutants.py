@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import zmq
 
-from kvflow.core import KVFlowClient
+from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import (
     AlreadyRegisteredError,
@@ -31,18 +32,20 @@ from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.protocol import (
     AdminClear,
     AdminDrain,
+    Failed,
     KVSubscribed,
+    Register,
     ShmMemory,
     Status,
     StatusResult,
-    decode_reply,
     encode_request,
 )
 from kvflow.core.server.server import KVFlowServer
+from kvflow.core.server.sharing import describe_kv_caches, describe_tensor
 from kvflow.core.server.shm import shared_memory_of
 from kvflow.events import BlockAllocation
 from kvflow.subscribers.kv_events import KVRecord
-from tests.support.ops import CHUNK, ServerProcess, shared_kv, tokens, wait_for
+from tests.support.ops import CHUNK, ServerProcess, raw_reply, shared_kv, tokens, wait_for
 
 STOPPING = "kvflow server stopping: finishing in-flight work"
 STOPPED = "kvflow server stopped (event pipeline clean)"
@@ -213,17 +216,7 @@ def test_an_admin_call_without_a_client_id_names_the_caller_question_mark(
     server: ServerProcess,
 ) -> None:
     """A raw admin request with an empty client id is logged as "? at <peer>"."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(server.endpoint)
-    try:
-        sock.send_multipart(encode_request(AdminClear(id=7, model_name="mutants-anon")))
-        assert sock.poll(10_000), "no reply"
-        reply = decode_reply(sock.recv())
-    finally:
-        sock.close()
-        ctx.term()
+    reply = raw_reply(server.endpoint, AdminClear(id=7, model_name="mutants-anon"))
     assert isinstance(reply, StatusResult) and reply.id == 7, reply
     line = re.escape("admin clear {'model_name': 'mutants-anon'} by ? at 127.0.0.1: ")
     assert wait_for(lambda: re.search(line, server.log()), timeout_s=10, what="the admin line")
@@ -506,9 +499,30 @@ def test_a_registration_is_logged_whole_and_its_reply_timed(server: ServerProces
             "reg-line", shared_kv(4), model_name="logged", world_size=2, rank=1
         )
         assert client.last_server_time_s > 0
-        line = "registered instance 'reg-line' of model 'logged' (rank 1/2) for client reg-logger"
+        line = (
+            "] registered instance 'reg-line' of model 'logged' (rank 1/2) for client reg-logger ["
+        )
         wait_for(lambda: line in server.log(), timeout_s=10, what="the registration line")
         client.unregister("reg-line")
+
+
+def test_a_registration_refused_for_its_layer_flags_leaves_no_instance(
+    server: ServerProcess,
+) -> None:
+    """Layer flags of the wrong size are refused after the engine took the caches: the
+    engine lets the instance go again, so the same id registers afterwards."""
+    kv = shared_kv(5)
+    flags = empty_shared((3,), torch.uint8)  # NL layers need 2 x NL int64 flags
+    request = Register(
+        id=9, instance_id="bad-flags", kv_caches=describe_kv_caches(kv), model_name="m",
+        layer_flags=describe_tensor(flags, "layer flags"),
+    )  # fmt: skip
+    reply = raw_reply(server.endpoint, request)
+    assert isinstance(reply, Failed) and reply.id == 9, reply
+    assert reply.code == "invalid_argument" and "layer flags of shape (3,)" in reply.message
+    with KVFlowClient(server.endpoint, timeout_s=20) as client:
+        client.register_kv_caches("bad-flags", kv, model_name="m")
+        client.unregister("bad-flags")
 
 
 def test_the_server_threads_are_named_for_their_work(tmp_path: Path) -> None:
