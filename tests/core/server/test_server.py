@@ -40,6 +40,7 @@ from kvflow.core.server.protocol import (
     Failed,
     Heartbeat,
     KVCachesDesc,
+    Lookup,
     Register,
     Registered,
     Status,
@@ -459,6 +460,19 @@ def test_oversized_messages(server: ServerProcess, client: KVFlowClient) -> None
     ):
         short.lookup(np.zeros(600_000, dtype=np.int32), model_name="big")  # 2.4 MB
     assert client.lookup([1, 2, 3], model_name="big") == 0
+
+
+def test_a_message_of_exactly_the_limit_is_served(server: ServerProcess) -> None:
+    """The limit is the largest message served: a lookup of exactly 1 MiB is answered."""
+    for pad in range(4):  # a model name that brings the header to a whole number of tokens
+        request = Lookup(id=5, model_name="big" + "x" * pad)
+        header = len(encode_request(request, (np.zeros(0, dtype=np.int32),))[0])
+        if (1048576 - header) % 4 == 0:
+            break
+    token_ids = np.zeros((1048576 - header) // 4, dtype=np.int32)
+    assert len(encode_request(request, (token_ids,))[0]) + token_ids.nbytes == 1048576
+    reply = ops.raw_reply(server.endpoint, request, (token_ids,))
+    assert isinstance(reply, Done) and reply.id == 5 and reply.value == 0, reply
 
 
 def test_client_threads_share_one_client(client: KVFlowClient) -> None:
