@@ -593,3 +593,17 @@ def test_a_taken_id_and_a_full_server_refuse_a_registration_saying_what_to_do() 
             "the server already serves 1 instances, its limit (--max-instances): unregister"
             " one or raise the limit"
         )
+
+
+def test_only_port_zero_means_any_port() -> None:
+    """A server asked for port 1 listens on port 1 (run as root) or fails naming it (a
+    privileged port), never on a port of ZMQ's choosing: only 0 asks for that."""
+    try:
+        srv = KVFlowServer(replace(_config(), port=1))
+    except OSError as exc:
+        assert "cannot listen on 127.0.0.1:1: " in str(exc), exc
+        return
+    try:
+        assert srv.endpoint == "tcp://127.0.0.1:1", srv.endpoint
+    finally:
+        srv.close()
