@@ -8,6 +8,7 @@ every error is counted once, and an error after a job's early reply is logged on
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -97,3 +98,41 @@ def test_an_error_after_the_early_reply_is_counted_and_logged_only(
     assert identity == b"d" and isinstance(after, Failed) and after.id == 8
     assert errors.count == 2
     assert "request 7 failed after its reply: copy failed" in caplog.messages  # the whole line
+
+
+class _Answers(Job):
+    def __init__(self, request_id: int) -> None:
+        super().__init__(request_id, time.perf_counter_ns())
+        self.ran = threading.Event()
+
+    def run(self) -> Reply:
+        self.ran.set()
+        return Done(id=self.request_id, value=3)
+
+
+def test_a_reply_nobody_takes_is_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """With the main loop gone (nothing takes the worker's replies), a reply is dropped
+    once its send times out, with a warning; the worker goes on to its next job."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://jobs-nobody")
+    w = Worker(ctx, "inproc://jobs-nobody", "test", ErrorReplies())
+    try:
+        first = _Answers(8)
+        w.submit(None, first)  # nobody waits for its reply: it shows the worker connected
+        assert first.ran.wait(10)
+        pull.close(0)  # the main loop is gone
+        with caplog.at_level(logging.WARNING, logger="kvflow.server"):
+            w.submit(b"e", _Answers(9))
+            w.submit(b"f", _Answers(10))
+            deadline = time.monotonic() + 10
+            dropped = "reply dropped: the server stopped without waiting for it"
+            while caplog.messages.count(dropped) < 2:
+                assert time.monotonic() < deadline, caplog.messages
+                time.sleep(0.05)
+        assert w.alive
+    finally:
+        w.finish()
+        while w.alive:
+            time.sleep(0.01)
+        ctx.term()
