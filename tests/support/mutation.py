@@ -85,6 +85,9 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/tiers/test_quota.py",
         "tests/core/tiers/test_pinahead.py",
         "tests/core/tiers/test_tier_contract.py",
+        # `pinning_paused`: the engine's and the server's registrations pause the pinning
+        "tests/core/engine/test_engine_pin_ahead.py",
+        "tests/core/server/test_server_pin_ahead.py",
     ],
     "kvflow/core/tiers/base.py": [
         "tests/core/tiers/test_base.py",

@@ -23,7 +23,7 @@ from kvflow.core.server.protocol import (
     encode_request,
 )
 from kvflow.core.server.server import KVFlowServer
-from tests.support.ops import shared_kv
+from tests.support.ops import raw_reply, shared_kv
 from tests.support.segment_gate import SegmentGate
 
 
@@ -94,3 +94,21 @@ def test_a_cuda_registration_waits_for_the_segment_being_made(
     finally:
         sock.close()
         ctx.term()
+
+
+def test_a_cuda_registration_goes_ahead_when_l1_grows_on_demand() -> None:
+    """With no pinning ahead (L1 grows as stores need it) there is nothing to wait for:
+    the registration goes straight on (here to the error of a handle no GPU opens)."""
+    config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
+    srv = KVFlowServer(config)
+    assert srv.engine.status()["l1_pinning"] is None  # grows on demand
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    try:
+        reply = raw_reply(srv.endpoint, _cuda_register())
+        assert isinstance(reply, Failed) and reply.id == 41, reply
+        assert "GPU-0" in reply.message
+    finally:
+        srv.request_stop()
+        serving.join(30)
+    assert not serving.is_alive()
