@@ -365,6 +365,49 @@ def test_a_registration_slower_than_the_heartbeat_timeout_does_not_reap_its_clie
     assert not serving.is_alive()
 
 
+def test_a_registration_in_progress_does_not_shield_other_silent_clients() -> None:
+    """While one client's registration is still being served, another client gone silent
+    after registering is reaped on time: the reaper passes over the registration in
+    progress and looks at every other one."""
+    srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=1.2))
+    register = srv.engine.register_kv_caches
+    started = threading.Event()
+
+    def slow_register(instance_id: str, *args: Any, **kwargs: Any) -> None:
+        if instance_id == "slow":
+            started.set()
+            time.sleep(5.0)
+        register(instance_id, *args, **kwargs)
+
+    srv.engine.register_kv_caches = slow_register  # type: ignore[method-assign]
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    slow = KVFlowClient(srv.endpoint, timeout_s=10)
+    waiting = threading.Thread(
+        target=lambda: slow.register_kv_caches("slow", shared_kv(14), model_name="m")
+    )
+    try:
+        waiting.start()
+        assert started.wait(10)
+        began = time.monotonic()
+        silent = KVFlowClient(srv.endpoint, timeout_s=10)
+        silent.register_kv_caches("silent", shared_kv(15), model_name="m")
+        silent.close()  # no unregister: its instance stays until reaped
+        with KVFlowClient(srv.endpoint, timeout_s=10) as watcher:
+            wait_for(
+                lambda: watcher.status()["server"]["reaped_instances"] == 1, 10,
+                what="the silent client's instance reaped",
+            )  # fmt: skip
+        assert time.monotonic() - began < 3.5  # before the slow registration is served
+        assert started.is_set() and waiting.is_alive()
+        waiting.join(10)
+    finally:
+        slow.close()
+        srv.request_stop()
+        serving.join(20)
+    assert not serving.is_alive()
+
+
 def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> None:
     """Replies to a client whose queues are full are dropped (a ROUTER socket drops what
     a peer cannot take), never waited for: the loop goes on serving everyone else."""
