@@ -408,6 +408,18 @@ def test_a_registration_in_progress_does_not_shield_other_silent_clients() -> No
     assert not serving.is_alive()
 
 
+def test_a_reaped_client_without_an_id_is_named_question_mark() -> None:
+    """A registration sent with no client id (a bare socket) that never beats is reaped,
+    and the warning names its client "?"."""
+    with ServerProcess("--disable-observability", "--heartbeat-timeout-s", "1") as srv:
+        caches = shared_kv(16)  # held: the server maps them
+        kv = describe_kv_caches(caches)
+        request = Register(id=5, instance_id="anon-reaped", kv_caches=kv, model_name="m")
+        assert isinstance(raw_reply(srv.endpoint, request), Registered)
+        line = "] reaping instance 'anon-reaped': client ? silent for over 1.0 s ["
+        wait_for(lambda: line in srv.log(), timeout_s=15, what="the reaping line")
+
+
 def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> None:
     """Replies to a client whose queues are full are dropped (a ROUTER socket drops what
     a peer cannot take), never waited for: the loop goes on serving everyone else."""
