@@ -408,6 +408,29 @@ def test_a_registration_in_progress_does_not_shield_other_silent_clients() -> No
     assert not serving.is_alive()
 
 
+def test_a_silent_client_without_instances_is_forgotten() -> None:
+    """The server's table of clients drops one that owns no instance once it has been
+    silent past the heartbeat timeout; a client holding an instance (and beating) stays."""
+    srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=1.0))
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=10) as owner:
+            owner.register_kv_caches("kept", shared_kv(17), model_name="m")
+            with KVFlowClient(srv.endpoint, timeout_s=10) as passer:
+                passer.status()  # its only request: no instance, so no heartbeats
+            assert set(owner.status()["server"]["clients"]) == {owner.client_id, passer.client_id}
+            wait_for(
+                lambda: set(owner.status()["server"]["clients"]) == {owner.client_id}, 10,
+                what="the silent client without instances forgotten",
+            )  # fmt: skip
+            owner.unregister("kept")
+    finally:
+        srv.request_stop()
+        serving.join(20)
+    assert not serving.is_alive()
+
+
 def test_a_reaped_client_without_an_id_is_named_question_mark() -> None:
     """A registration sent with no client id (a bare socket) that never beats is reaped,
     and the warning names its client "?"."""
