@@ -1,10 +1,11 @@
-"""A real `kvflow server` process for the operations tests, an HTTP probe reader, a bare
-socket's request, and CPU KV caches in shared memory whose bytes a test can check after a
+"""A real `kvflow server` process for the operations tests, an in-process server's loop on
+a thread, an HTTP probe reader, a bare socket's request, and CPU KV caches in shared memory whose bytes a test can check after a
 round trip.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -14,7 +15,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -23,6 +25,9 @@ import zmq
 from kvflow.core import empty_shared
 from kvflow.core.server.protocol import Reply, Request, decode_reply, encode_request
 from tests.support.launcher import kvflow_process
+
+if TYPE_CHECKING:
+    from kvflow.core.server.server import KVFlowServer
 
 #: vllm_flash_attn caches: NL x [2, NB, BS, NH, HS] bfloat16; a 256-token chunk is 32 KiB
 NL, NB, BS, NH, HS = 2, 64, 16, 2, 8
@@ -104,6 +109,20 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+@contextlib.contextmanager
+def serving(server: KVFlowServer) -> Iterator[KVFlowServer]:
+    """Run an in-process server's loop on a thread for the block; then stop it and check
+    that the loop ended."""
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    try:
+        yield server
+    finally:
+        server.request_stop()
+        loop.join(20)
+    assert not loop.is_alive()
 
 
 def raw_reply(endpoint: str, request: Request, payloads: tuple[Any, ...] = ()) -> Reply:

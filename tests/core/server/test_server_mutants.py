@@ -48,7 +48,15 @@ from kvflow.core.server.sharing import describe_kv_caches, describe_tensor
 from kvflow.core.server.shm import shared_memory_of
 from kvflow.events import BlockAllocation
 from kvflow.subscribers.kv_events import KVRecord
-from tests.support.ops import CHUNK, ServerProcess, raw_reply, shared_kv, tokens, wait_for
+from tests.support.ops import (
+    CHUNK,
+    ServerProcess,
+    raw_reply,
+    serving,
+    shared_kv,
+    tokens,
+    wait_for,
+)
 
 STOPPING = "kvflow server stopping: finishing in-flight work"
 STOPPED = "kvflow server stopped (event pipeline clean)"
@@ -274,19 +282,12 @@ def test_a_clean_stop_unmaps_the_instances_shared_memory() -> None:
             return sum(any(n in line for n in names) for line in lines)
 
     srv = KVFlowServer(_config())
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
-            client.register_kv_caches("mapped", kv, model_name="m")
-            prompt = tokens(CHUNK, seed=7)
-            assert client.store("mapped", prompt, list(range(16)), request_id="s") == CHUNK
-            assert client.retrieve("mapped", prompt, list(range(16, 32)), request_id="r") == CHUNK
-            assert maps() == 2 * len(kv)
-    finally:
-        srv.request_stop()
-        serving.join(20)
-    assert not serving.is_alive()
+    with serving(srv), KVFlowClient(srv.endpoint, timeout_s=5) as client:
+        client.register_kv_caches("mapped", kv, model_name="m")
+        prompt = tokens(CHUNK, seed=7)
+        assert client.store("mapped", prompt, list(range(16)), request_id="s") == CHUNK
+        assert client.retrieve("mapped", prompt, list(range(16, 32)), request_id="r") == CHUNK
+        assert maps() == 2 * len(kv)
     assert maps() == len(kv)
 
 
@@ -351,18 +352,11 @@ def test_a_registration_slower_than_the_heartbeat_timeout_does_not_reap_its_clie
         register(*args, **kwargs)
 
     srv.engine.register_kv_caches = slow_register  # type: ignore[method-assign]
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=10) as client:
-            client.register_kv_caches("slow", shared_kv(13), model_name="m")
-            time.sleep(0.25)  # the reaper looks twice or more before the client's first beat
-            assert client.store("slow", tokens(CHUNK, 13), list(range(16)), request_id="s")
-            assert client.status()["server"]["reaped_instances"] == 0
-    finally:
-        srv.request_stop()
-        serving.join(20)
-    assert not serving.is_alive()
+    with serving(srv), KVFlowClient(srv.endpoint, timeout_s=10) as client:
+        client.register_kv_caches("slow", shared_kv(13), model_name="m")
+        time.sleep(0.25)  # the reaper looks twice or more before the client's first beat
+        assert client.store("slow", tokens(CHUNK, 13), list(range(16)), request_id="s")
+        assert client.status()["server"]["reaped_instances"] == 0
 
 
 def test_a_registration_in_progress_does_not_shield_other_silent_clients() -> None:
@@ -380,13 +374,10 @@ def test_a_registration_in_progress_does_not_shield_other_silent_clients() -> No
         register(instance_id, *args, **kwargs)
 
     srv.engine.register_kv_caches = slow_register  # type: ignore[method-assign]
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    slow = KVFlowClient(srv.endpoint, timeout_s=10)
-    waiting = threading.Thread(
-        target=lambda: slow.register_kv_caches("slow", shared_kv(14), model_name="m")
-    )
-    try:
+    with serving(srv), KVFlowClient(srv.endpoint, timeout_s=10) as slow:
+        waiting = threading.Thread(
+            target=lambda: slow.register_kv_caches("slow", shared_kv(14), model_name="m")
+        )
         waiting.start()
         assert started.wait(10)
         began = time.monotonic()
@@ -401,34 +392,22 @@ def test_a_registration_in_progress_does_not_shield_other_silent_clients() -> No
         assert time.monotonic() - began < 3.5  # before the slow registration is served
         assert started.is_set() and waiting.is_alive()
         waiting.join(10)
-    finally:
-        slow.close()
-        srv.request_stop()
-        serving.join(20)
-    assert not serving.is_alive()
 
 
 def test_a_silent_client_without_instances_is_forgotten() -> None:
     """The server's table of clients drops one that owns no instance once it has been
     silent past the heartbeat timeout; a client holding an instance (and beating) stays."""
     srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=1.0))
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    try:
-        with KVFlowClient(srv.endpoint, timeout_s=10) as owner:
-            owner.register_kv_caches("kept", shared_kv(17), model_name="m")
-            with KVFlowClient(srv.endpoint, timeout_s=10) as passer:
-                passer.status()  # its only request: no instance, so no heartbeats
-            assert set(owner.status()["server"]["clients"]) == {owner.client_id, passer.client_id}
-            wait_for(
-                lambda: set(owner.status()["server"]["clients"]) == {owner.client_id}, 10,
-                what="the silent client without instances forgotten",
-            )  # fmt: skip
-            owner.unregister("kept")
-    finally:
-        srv.request_stop()
-        serving.join(20)
-    assert not serving.is_alive()
+    with serving(srv), KVFlowClient(srv.endpoint, timeout_s=10) as owner:
+        owner.register_kv_caches("kept", shared_kv(17), model_name="m")
+        with KVFlowClient(srv.endpoint, timeout_s=10) as passer:
+            passer.status()  # its only request: no instance, so no heartbeats
+        assert set(owner.status()["server"]["clients"]) == {owner.client_id, passer.client_id}
+        wait_for(
+            lambda: set(owner.status()["server"]["clients"]) == {owner.client_id}, 10,
+            what="the silent client without instances forgotten",
+        )  # fmt: skip
+        owner.unregister("kept")
 
 
 def test_a_reaped_client_without_an_id_is_named_question_mark() -> None:
@@ -447,28 +426,25 @@ def test_a_client_that_never_reads_its_replies_does_not_stall_the_server() -> No
     """Replies to a client whose queues are full are dropped (a ROUTER socket drops what
     a peer cannot take), never waited for: the loop goes on serving everyone else."""
     srv = KVFlowServer(_config())
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     mute = ctx.socket(zmq.DEALER)
     mute.setsockopt(zmq.RCVHWM, 1)
     mute.setsockopt(zmq.RCVBUF, 4096)
     mute.linger = 0
-    mute.connect(srv.endpoint)
     try:
-        ask = encode_request(Status(id=1, client="mute"))  # replies of a few KB each
-        for _ in range(5_000):  # more reply bytes than the queues between us can hold
-            mute.send_multipart(ask)
-        with KVFlowClient(srv.endpoint, timeout_s=10) as other:
-            wait_for(
-                lambda: other.status()["server"]["requests"] > 5_000, 30, what="every ask served"
-            )
+        with serving(srv):
+            mute.connect(srv.endpoint)
+            ask = encode_request(Status(id=1, client="mute"))  # replies of a few KB each
+            for _ in range(5_000):  # more reply bytes than the queues between us can hold
+                mute.send_multipart(ask)
+            with KVFlowClient(srv.endpoint, timeout_s=10) as other:
+                wait_for(
+                    lambda: other.status()["server"]["requests"] > 5_000, 30,
+                    what="every ask served",
+                )  # fmt: skip
     finally:
         mute.close()
         ctx.term()
-        srv.request_stop()
-        serving.join(20)
-    assert not serving.is_alive()
 
 
 def test_every_reaped_instance_is_counted_and_the_latest_remembered(
@@ -480,9 +456,7 @@ def test_every_reaped_instance_is_counted_and_the_latest_remembered(
     that it is not registered."""
     monkeypatch.setattr(server_module, "_REMEMBER_REAPED", 1)
     srv = KVFlowServer(replace(_config(), heartbeat_timeout_s=0.5))
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    try:
+    with serving(srv):
         with KVFlowClient(srv.endpoint, timeout_s=10) as gone:
             gone.register_kv_caches("left-0", shared_kv(14), model_name="m")
             gone.register_kv_caches("left-1", shared_kv(15), model_name="m")
@@ -496,10 +470,6 @@ def test_every_reaped_instance_is_counted_and_the_latest_remembered(
                 with pytest.raises(UnknownInstanceError) as unknown:
                     watcher.store(iid, tokens(CHUNK, 16), list(range(16)), request_id="x")
                 assert ("(reaped: " in str(unknown.value)) is reaped, str(unknown.value)
-    finally:
-        srv.request_stop()
-        serving.join(20)
-    assert not serving.is_alive()
 
 
 def test_a_re_registration_is_logged_naming_its_client_and_a_takeover(

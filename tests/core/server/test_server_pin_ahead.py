@@ -4,7 +4,6 @@ the driver); one of shared memory makes no CUDA call and goes ahead at once."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from kvflow.core.server.protocol import (
     encode_request,
 )
 from kvflow.core.server.server import KVFlowServer
-from tests.support.ops import raw_reply, shared_kv
+from tests.support.ops import raw_reply, serving, shared_kv
 from tests.support.segment_gate import SegmentGate
 
 
@@ -38,17 +37,12 @@ def growing(gate: SegmentGate) -> Iterator[KVFlowServer]:
         l1_pin_threads=1,
         observability=ObservabilityConfig(enabled=False),
     )
-    srv = KVFlowServer(config)
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    try:
-        assert gate.making.wait(10), "L1 did not start growing ahead"
-        yield srv
-    finally:
-        gate.permits.release(100)
-        srv.request_stop()
-        serving.join(30)
-    assert not serving.is_alive()
+    with serving(KVFlowServer(config)) as srv:
+        try:
+            assert gate.making.wait(10), "L1 did not start growing ahead"
+            yield srv
+        finally:
+            gate.permits.release(100)  # the server's stop waits for L1's pinning
 
 
 def test_a_shared_memory_registration_does_not_wait_for_the_pinning(
@@ -102,13 +96,7 @@ def test_a_cuda_registration_goes_ahead_when_l1_grows_on_demand() -> None:
     config = ServerConfig(port=0, l1_size_gb=0.05, observability=ObservabilityConfig(enabled=False))
     srv = KVFlowServer(config)
     assert srv.engine.status()["l1_pinning"] is None  # grows on demand
-    serving = threading.Thread(target=srv.serve_forever)
-    serving.start()
-    try:
+    with serving(srv):
         reply = raw_reply(srv.endpoint, _cuda_register())
-        assert isinstance(reply, Failed) and reply.id == 41, reply
-        assert "GPU-0" in reply.message
-    finally:
-        srv.request_stop()
-        serving.join(30)
-    assert not serving.is_alive()
+    assert isinstance(reply, Failed) and reply.id == 41, reply
+    assert "GPU-0" in reply.message

@@ -4,7 +4,6 @@ server restart withdraws what was announced."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from kvflow.integrations.vllm.kv_events import (
 from kvflow.subscribers.kv_events import KVRecord
 from tests.support.collectors import free_port
 from tests.support.engine import BLOCK, CHUNK, caches, small_engine
+from tests.support.ops import serving
 
 PER = CHUNK // BLOCK  # blocks per chunk
 
@@ -82,14 +82,10 @@ def test_a_block_is_announced_once_every_rank_reported_it() -> None:
 
 @contextmanager
 def _serving(engine: CacheEngine) -> Iterator[KVFlowServer]:
-    server = KVFlowServer(engine.config, engine=engine)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
     try:
-        yield server
+        with serving(KVFlowServer(engine.config, engine=engine)) as server:
+            yield server
     finally:
-        server.request_stop()
-        serving.join(20)
         engine.bus.stop(5.0)
 
 
