@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -293,3 +294,59 @@ def test_a_failed_segment_says_what_failed_and_that_l1_grows_on_demand(
     assert warnings == [
         "pinning L1 ahead stopped: cudaHostRegister of 1048576 bytes failed: 2; L1 grows on demand"
     ]
+
+
+class _Gate:
+    """Segments made only as permits are released; counts the threads inside `make`."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.inside = threading.Semaphore(0)  # one release per thread that entered make
+
+    def make(self, size: int) -> torch.Tensor:
+        self.inside.release()
+        assert self.permits.acquire(timeout=30), "a test forgot to release a segment"
+        return torch.empty(0, dtype=torch.uint8)
+
+
+def test_a_pause_waits_for_every_segment_being_made() -> None:
+    """With two threads each making a segment, a pause is entered only once both are
+    done: one finished is not enough."""
+    claims, gate = _Claims(2, 1 << 20), _Gate()
+    growth = PinAhead(
+        2 << 20, 1 << 20, claim=claims.claim, make=gate.make, settle=claims.settle,
+        threads=2, mode="prefault",
+    )  # fmt: skip
+    assert gate.inside.acquire(timeout=10) and gate.inside.acquire(timeout=10)
+    entered = threading.Event()
+
+    def registration() -> None:
+        with growth.paused():
+            entered.set()
+
+    holder = threading.Thread(target=registration)
+    holder.start()
+    gate.permits.release()  # one of the two segments is done
+    assert not entered.wait(0.3), "paused while the other segment was being made"
+    gate.permits.release()
+    assert entered.wait(10), "the pause was not entered once both segments were made"
+    holder.join(10)
+    growth.join(10)
+    assert growth.done
+
+
+def test_join_gives_up_after_its_timeout() -> None:
+    """`join(timeout)` returns after about that long even while a segment is being made
+    (L1's close bounds its wait so), and growth ends once the segment is released."""
+    claims, gate = _Claims(1, 1 << 20), _Gate()
+    growth = PinAhead(
+        1 << 20, 1 << 20, claim=claims.claim, make=gate.make, settle=claims.settle,
+        threads=1, mode="prefault",
+    )  # fmt: skip
+    assert gate.inside.acquire(timeout=10)
+    began = time.monotonic()
+    growth.join(0.2)
+    assert time.monotonic() - began < 5 and not growth.done
+    gate.permits.release()
+    growth.join(10)
+    assert growth.done and growth.state()["seconds"] == round(growth.state()["seconds"], 3)
