@@ -1,5 +1,5 @@
 """A real `kvflow server` process for the operations tests, an in-process server's loop on
-a thread, an HTTP probe reader, a bare socket's request, and CPU KV caches in shared memory whose bytes a test can check after a
+a thread (and an engine served so, with a client), an HTTP probe reader, a bare socket's request, and CPU KV caches in shared memory whose bytes a test can check after a
 round trip.
 """
 
@@ -22,12 +22,13 @@ import pytest
 import torch
 import zmq
 
-from kvflow.core import empty_shared
+from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.server.protocol import Reply, Request, decode_reply, encode_request
+from kvflow.core.server.server import KVFlowServer
 from tests.support.launcher import kvflow_process
 
 if TYPE_CHECKING:
-    from kvflow.core.server.server import KVFlowServer
+    from kvflow.core.engine.cache_engine import CacheEngine
 
 #: vllm_flash_attn caches: NL x [2, NB, BS, NH, HS] bfloat16; a 256-token chunk is 32 KiB
 NL, NB, BS, NH, HS = 2, 64, 16, 2, 8
@@ -123,6 +124,22 @@ def serving(server: KVFlowServer) -> Iterator[KVFlowServer]:
         server.request_stop()
         loop.join(20)
     assert not loop.is_alive()
+
+
+@contextlib.contextmanager
+def engine_served(
+    engine: CacheEngine, **client_kwargs: Any
+) -> Iterator[tuple[KVFlowClient, KVFlowServer]]:
+    """`engine` served by an in-process server (`serving`) and a client of it; the
+    engine's bus is stopped at the end."""
+    try:
+        with (
+            serving(KVFlowServer(engine.config, engine=engine)) as server,
+            KVFlowClient(server.endpoint, timeout_s=20, **client_kwargs) as client,
+        ):
+            yield client, server
+    finally:
+        engine.bus.stop(5.0)
 
 
 def raw_reply(endpoint: str, request: Request, payloads: tuple[Any, ...] = ()) -> Reply:

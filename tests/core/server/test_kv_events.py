@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +21,7 @@ from kvflow.core.server.kv_subscriber import KVEventStream
 from kvflow.subscribers.kv_events import KVRecord
 from tests.support.collectors import free_port
 from tests.support.engine import CHUNK, caches, small_engine
-
-
-@contextmanager
-def _serving(engine: CacheEngine) -> Iterator[tuple[KVFlowClient, KVFlowServer]]:
-    server = KVFlowServer(engine.config, engine=engine)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    try:
-        with KVFlowClient(server.endpoint, timeout_s=20) as client:
-            yield client, server
-    finally:
-        server.request_stop()
-        serving.join(20)
-        engine.bus.stop(5.0)
+from tests.support.ops import engine_served
 
 
 def _register(client: KVFlowClient, iid: str, model: str = "m", **kw: Any) -> dict[str, Any]:
@@ -65,7 +50,7 @@ def test_stores_and_evictions_become_numbered_records_with_owner_and_hashes() ->
     numbers its records 1, 2, 3 whatever the log's own positions."""
     # L1 holds 4 chunks of this instance (2 layers x 2 x 2 blocks x 4 tokens x heads x dim)
     engine, _ = small_engine(port=0, l1_bytes=4 * 8192)
-    with _serving(engine) as (client, _server):
+    with engine_served(engine) as (client, _server):
         _register(client, "w0", num_layers=2, num_heads=2, head_size=64)
         stream = KVEventStream(client, model_name="m")
         first = list(range(4 * CHUNK))
@@ -91,7 +76,7 @@ def test_a_filter_skips_other_models_and_numbering_stays_dense() -> None:
     """Records of a model the subscription did not ask for are not delivered, and the
     subscription's own numbers have no holes where they were."""
     engine, _ = small_engine(port=0)
-    with _serving(engine) as (client, _server):
+    with engine_served(engine) as (client, _server):
         _register(client, "wa", model="a")
         _register(client, "wb", model="b")
         only_b = KVEventStream(client, model_name="b")
@@ -112,7 +97,7 @@ def test_a_lost_reply_is_replayed_and_an_old_position_is_told_what_it_lost() -> 
     numbers (a reply lost on the way); a position the bounded log dropped gets what is
     left and how many log records were lost."""
     engine, _ = small_engine(port=0, kv_events_chunks=3)
-    with _serving(engine) as (client, _server):
+    with engine_served(engine) as (client, _server):
         _register(client, "w0")
         sub = client.subscribe_kv_events()
         for i in range(5):
@@ -138,7 +123,7 @@ def test_a_subscription_expires_with_its_client_and_belongs_to_it() -> None:
     heartbeat timeout is dropped, and the stream then resubscribes and replays from where
     it was, losing nothing the log still holds."""
     engine, _ = small_engine(port=0, heartbeat_timeout_s=0.5)
-    with _serving(engine) as (client, server):
+    with engine_served(engine) as (client, server):
         stream = KVEventStream(client, model_name="m")
         assert stream.poll().records == []
         with (
@@ -175,7 +160,7 @@ def test_disk_write_through_is_a_storage_record_and_disk_eviction_removes(
     engine, _ = small_engine(
         port=0, l2_disk_paths=(str(tmp_path),), l2_disk_size_gb=2.5 * chunk_bytes / (1 << 30)
     )
-    with _serving(engine) as (client, _server):
+    with engine_served(engine) as (client, _server):
         _register(client, "w0", num_layers=2, num_heads=1, head_size=16, dtype=torch.float32)
         stream = KVEventStream(client)
         tokens = [list(range(i * 100, i * 100 + CHUNK)) for i in range(3)]
@@ -198,7 +183,7 @@ def test_disk_write_through_is_a_storage_record_and_disk_eviction_removes(
 def test_kv_events_off_refuse_subscriptions() -> None:
     """With --kv-events-chunks 0 nothing is logged and subscribing says why."""
     engine, _ = small_engine(port=0, kv_events_chunks=0)
-    with _serving(engine) as (client, server):
+    with engine_served(engine) as (client, server):
         with pytest.raises(InvalidRequestError, match="--kv-events-chunks 0"):
             client.subscribe_kv_events()
         assert server.status()["server"]["kv_events"] is None
@@ -224,7 +209,7 @@ def test_a_server_restart_is_visible_to_the_stream() -> None:
             server.request_stop()
             serving.join(20)
         engine2, _ = small_engine(port=port)
-        with _serving(engine2) as (writer, _server2):
+        with engine_served(engine2) as (writer, _server2):
             batch = stream.poll()
             assert batch.reset == "restart" and batch.records == []
             assert stream.epoch != first_epoch

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,30 +32,14 @@ from kvflow.core.server.protocol import PROTOCOL_VERSION
 from kvflow.events import BlockAllocation, EventBus, EventType
 from kvflow.events.testing import RecordingSubscriber
 from tests.support.engine import CHUNK, caches, events_of, of_type, pairs, small_engine
+from tests.support.ops import engine_served
 from tests.support.tiers import FaultyTier, memory_tier
-
-
-@contextmanager
-def _serving(
-    engine: CacheEngine, **client_kwargs: Any
-) -> Iterator[tuple[KVFlowClient, KVFlowServer]]:
-    """`engine` served in a thread of this process, and a client of it."""
-    server = KVFlowServer(engine.config, engine=engine)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    try:
-        with KVFlowClient(server.endpoint, timeout_s=20, **client_kwargs) as client:
-            yield client, server
-    finally:
-        server.request_stop()
-        serving.join(20)
-        engine.bus.stop(5.0)
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[KVFlowClient, KVFlowServer, RecordingSubscriber]]:
     engine, recorder = small_engine(port=0)
-    with _serving(engine) as (client, server):
+    with engine_served(engine) as (client, server):
         yield client, server, recorder
 
 
@@ -171,7 +154,7 @@ def test_status_describes_the_server_its_instances_and_clients() -> None:
     and client the owner and the seconds since registration or last message."""
     before = time.monotonic()
     engine, _ = small_engine(port=0, heartbeat_timeout_s=7.0, max_message_mb=2.0)
-    with _serving(engine) as (client, server):
+    with engine_served(engine) as (client, server):
         kv, kwargs = caches("vllm_flash_attn", seed=4)
         registering = time.monotonic()
         client.register_kv_caches("w4", _shared(kv), model_name="m", **kwargs)
@@ -219,7 +202,7 @@ def test_prefetch_over_rpc_brings_l2_chunks_back_into_l1() -> None:
     prefetch_state reports them landed; bad arguments and unknown models or ids are the
     engine's errors, answered by the server's query worker."""
     engine, recorder = small_engine(port=0, l2_tiers=[memory_tier()])
-    with _serving(engine) as (client, _):
+    with engine_served(engine) as (client, _):
         kv, kwargs = caches("vllm_flash_attn", seed=5)
         client.register_kv_caches("w5", _shared(kv), model_name="m", **kwargs)
         tokens = list(range(2 * CHUNK))
@@ -249,7 +232,7 @@ def test_unregister_releases_the_instance_everywhere() -> None:
     """After unregister the instance is gone from the server's status and the engine's, its
     id is free for another client, and the reply carries the server's handling time."""
     engine, _ = small_engine(port=0)
-    with _serving(engine) as (client, server):
+    with engine_served(engine) as (client, server):
         kv, kwargs = caches("vllm_flash_attn", seed=6)
         client.register_kv_caches("w6", _shared(kv), model_name="m", **kwargs)
         client.unregister("w6")
@@ -289,7 +272,7 @@ def test_a_failed_unregister_reaches_the_client_and_is_counted() -> None:
     """An unregister the engine refuses is answered with the engine's error, counted in
     the server's errors; the server still forgets the instance."""
     engine = _BrokenUnregisterEngine(_small_config(), bus=_started_bus())
-    with _serving(engine) as (client, _):
+    with engine_served(engine) as (client, _):
         kv, kwargs = caches("vllm_flash_attn", seed=7)
         client.register_kv_caches("w7", _shared(kv), model_name="m", **kwargs)
         with pytest.raises(KVFlowError, match="cannot unregister 'w7': flush failed"):
@@ -334,7 +317,7 @@ def test_a_curve_server_ties_instances_to_client_keys(tmp_path: Path) -> None:
         }
 
     kv, kwargs = caches("vllm_flash_attn", seed=8)
-    with _serving(engine, **keyed("alice", "alice app")) as (alice, server):
+    with engine_served(engine, **keyed("alice", "alice app")) as (alice, server):
         info = alice.status()["server"]
         assert (info["authentication"], info["authorized_keys"]) == ("curve", 2)
         alice.register_kv_caches("w8", _shared(kv), model_name="m", **kwargs)
@@ -370,7 +353,7 @@ def test_an_unregister_queued_behind_a_failing_registration_succeeds() -> None:
     """Unregistering an instance whose registration is still being served: the registration
     then fails, and the unregister, served after it, has nothing to release but succeeds."""
     engine = _GatedRegisterEngine(_small_config(), _started_bus())
-    with _serving(engine) as (client, server):
+    with engine_served(engine) as (client, server):
         kv, kwargs = caches("vllm_flash_attn", seed=9)
         refused: list[str] = []
         handling_times: list[float] = []
