@@ -1,6 +1,7 @@
 """A real `kvflow server` process for the operations tests, an in-process server's loop on
-a thread (and an engine served so, with a client), an HTTP probe reader, a bare socket's request, and CPU KV caches in shared memory whose bytes a test can check after a
-round trip.
+a thread (and an engine served so, with a client), an HTTP probe reader, a bare socket's
+request, and CPU KV caches in shared memory whose bytes a test can check after a round
+trip.
 """
 
 from __future__ import annotations

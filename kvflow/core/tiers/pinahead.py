@@ -3,12 +3,13 @@
 Page-locking costs about 0.16 s per GiB (page faults, then the driver's registration;
 0.27-0.5 s when the registration faulted the pages in itself). An L1 that pinned a
 segment inside the store that needed it stalled that store for as long, once per
-segment: 100 times for a 100 GB L1. `PinAhead` instead makes every segment up to L1's capacity in the background
-from start-up, on several threads, and hands each to L1 as soon as it is pinned;
-a store meanwhile uses what is pinned (evicting if it must) and waits only when L1
-holds nothing it may evict. Progress is logged and reported by `state()`.
-Without CUDA the same growth can fault segments in instead (mode "prefault"): a
-first touch of fresh memory runs at 0.2-2.3 GB/s on a VM, far below a copy.
+segment: 100 times for a 100 GB L1. `PinAhead` instead makes every segment up to L1's
+capacity in the background from start-up, on several threads, and hands each to L1 as
+soon as it is pinned; a store meanwhile uses what is pinned (evicting if it must) and
+waits only when L1 holds nothing it may evict. Progress is logged and reported by
+`state()`. Without CUDA the same growth can fault segments in instead (mode
+"prefault"): a first touch of fresh memory runs at 0.2-2.3 GB/s on a VM, far below a
+copy.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ class PinAhead:
     """Background growth of a pool to `target` bytes in segments of `segment_bytes`.
 
     `claim()` reserves the next segment's bytes in L1 and says how many (0: nothing left
-    to grow);
-    `make(size)` pins (or, in mode "prefault", faults in) a segment with no lock held; `settle(size, segment)` hands it to L1,
-    or with None gives the claimed bytes back (False: L1 closed meanwhile and the segment
-    was not taken). A failed `make` stops the growth; L1 then grows on demand as before
-    (`failed` says why).
+    to grow); `make(size)` pins (or, in mode "prefault", faults in) a segment with no
+    lock held; `settle(size, segment)` hands it to L1, or with None gives the claimed
+    bytes back (False: L1 closed meanwhile and the segment was not taken). A failed
+    `make` stops the growth; L1 then grows on demand as before (`failed` says why).
 
     `paused()` holds the growth while another thread makes CUDA calls. `_lock` guards
     the counters (`_quiet`, its condition, signals `_holds` and `_making` changing);

@@ -114,30 +114,22 @@ def test_a_slow_l2_lookup_does_not_hold_up_other_clients() -> None:
     tier = FaultyTier(memory_tier())
     tier.hang = {"contains"}
     engine, _ = small_engine(l2_tiers=[tier], l2_timeout_s=1.5, port=0)
-    server = KVFlowServer(engine.config, engine=engine)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    try:
-        with KVFlowClient(server.endpoint) as slow, KVFlowClient(server.endpoint) as other:
-            hits: list[int] = []
-            asking = threading.Thread(
-                target=lambda: hits.append(slow.lookup(list(range(4 * CHUNK)), model_name="m"))
-            )
-            started = time.monotonic()
-            asking.start()
-            while tier.calls["contains"] == 0:  # the lookup is now waiting on the tier
-                assert time.monotonic() - started < 10
-                time.sleep(0.01)
-            t0 = time.monotonic()
-            other.status()
-            other.end_session("r")
-            assert time.monotonic() - t0 < 1.0  # not queued behind the 1.5 s lookup
-            asking.join(10)
-            assert hits == [0]  # the hung tier counted as a miss, within its timeout
-    finally:
-        server.request_stop()
-        serving.join(20)
-        engine.bus.stop(5.0)
+    with engine_served(engine) as (slow, server), KVFlowClient(server.endpoint) as other:
+        hits: list[int] = []
+        asking = threading.Thread(
+            target=lambda: hits.append(slow.lookup(list(range(4 * CHUNK)), model_name="m"))
+        )
+        started = time.monotonic()
+        asking.start()
+        while tier.calls["contains"] == 0:  # the lookup is now waiting on the tier
+            assert time.monotonic() - started < 10
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        other.status()
+        other.end_session("r")
+        assert time.monotonic() - t0 < 1.0  # not queued behind the 1.5 s lookup
+        asking.join(10)
+        assert hits == [0]  # the hung tier counted as a miss, within its timeout
 
 
 #: the most rounding to milliseconds adds to a duration
