@@ -32,6 +32,7 @@ from kvflow.core.engine.keys import KeyCache
 from kvflow.core.engine.l2_from_config import GIB, build_l2
 from kvflow.core.engine.layerwise import (
     LayerSignal,
+    Staging,
     WrittenSignal,
     cpu_gather_layers,
     cpu_scatter_layers,
@@ -822,6 +823,7 @@ class CacheEngine:
         enqueued: Callable[[Any, int], None] | None = None,
         chunk_keys: Sequence[bytes] | None = None,
         layers: LayerSignal | None = None,
+        staging: Staging | None = None,
     ) -> int:
         """Copy the consecutive L1 hits from chunk 0 into the request's blocks.
 
@@ -830,7 +832,9 @@ class CacheEngine:
         `enqueued(stream, hit_tokens)`, for a CUDA cache, is called once every copy is
         queued on `stream` (a TransferStream), before the engine waits for them: the
         server replies then, with an event recorded on that stream. With `layers`
-        the copies go layer by layer, each layer signalled there (`_retrieve_layers`).
+        the copies go layer by layer, each layer signalled there (`_retrieve_layers`),
+        and with `staging` too a layer that fits one of its slots is staged there for the
+        engine to scatter itself.
         """
         token_ids, named = keyed(token_ids, chunk_keys, self.chunk_size)
         inst = self._instance(instance_id)
@@ -841,7 +845,7 @@ class CacheEngine:
             skip_blocks = skip // inst.block_size
             result = None
             if layers is not None:
-                result = self._retrieve_layers(tx, skip_blocks, layers, enqueued)
+                result = self._retrieve_layers(tx, skip_blocks, layers, enqueued, staging)
             if result is None:  # not layerwise, or too much of it in L2 for that
                 copied = self._retrieve_l1(tx, skip_blocks)
                 self._retrieve_l2(tx, skip_blocks, copied)
@@ -970,7 +974,7 @@ class CacheEngine:
 
     def _retrieve_layers(
         self, tx: Transfer, skip_blocks: int, signal: LayerSignal,
-        enqueued: Callable[[Any, int], None] | None,
+        enqueued: Callable[[Any, int], None] | None, staging: Staging | None,
     ) -> dict[str, Any] | None:  # fmt: skip
         """A retrieve that copies layer by layer and signals each layer (docs/ENGINE.md,
         "Layerwise retrieves"). The whole hit must be held at once (layer 0 of the last
@@ -1006,11 +1010,13 @@ class CacheEngine:
         if enqueued is not None:  # the ids are checked: reply, the copies follow
             enqueued(mover.retrieve_stream, len(hits) * self.chunk_size)
         if isinstance(mover, CudaMover):
-            mover.retrieve_layers(srcs, table, skips, self.chunk_size, progress.ready)
+            mover.retrieve_layers(srcs, table, skips, self.chunk_size, progress.ready, staging)
             tx.op.end(mover.retrieve_stream, **result)
             mover.wait()
         else:
-            cpu_scatter_layers(inst.layout, self.chunk_size, srcs, table, skips, progress.ready)
+            cpu_scatter_layers(
+                inst.layout, self.chunk_size, srcs, table, skips, progress.ready, staging
+            )
             tx.op.end(None, **result)
         return result
 

@@ -34,6 +34,33 @@ class LayerSignal(Protocol):
         ...
 
 
+class Staging(Protocol):
+    """A ring of slots the engine owns, each holding one staged layer: the server copies
+    a layer's runs there (the copy engine alone, no kernel) and the engine scatters them
+    into its blocks in its own process (kvflow.core.server.staging). Without MPS a block
+    kernel the server launches waits for a GPU time slice while the engine computes."""
+
+    slot_bytes: int
+
+    def claim(self, stream: Any) -> torch.Tensor:
+        """The next slot (uint8, `slot_bytes`) once the engine has scattered what it held
+        last; work queued on `stream` (a TransferStream, None for CPU caches) after this
+        call is ordered after that scatter. Raises when the engine never frees it."""
+        ...
+
+    def staged(self, layer: int, chunk_tokens: int, stream: Any) -> None:
+        """The claimed slot holds layer `layer` of the hit's chunks (row c: chunk c's runs
+        of it, `KVLayout.layer_parts` of `chunk_tokens`), its copies queued on `stream`
+        (done, when None)."""
+        ...
+
+
+def staged_rows(slot: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """A staging slot's first `count` rows of `width` bytes: row c is chunk c's runs of a
+    layer, as the server writes them and the engine reads them (callers check the fit)."""
+    return slot[: count * width].view(count, width)
+
+
 class WrittenSignal(Protocol):
     """Where a layerwise store learns that the engine wrote a layer."""
 
@@ -84,10 +111,12 @@ def cpu_scatter_layers(
     table: np.ndarray,
     skip_blocks: Sequence[int],
     ready: Callable[[int, Any], None],
+    staging: Staging | None = None,
 ) -> None:
     """Write each layer of `srcs` into the CPU cache's blocks (row c of `table`: chunk
     c's blocks, its first skip_blocks[c] untouched), layer 0 first, each followed by
-    `ready(layer, None)`."""
+    `ready(layer, None)`. With `staging`, a layer that fits one of its slots goes there
+    instead, for the engine to scatter."""
     if not len(srcs):
         for layer in range(layout.num_layers):
             ready(layer, None)
@@ -95,6 +124,12 @@ def cpu_scatter_layers(
     buffer = _layer_buffer(layout, chunk_tokens, len(srcs))
     for layer in range(layout.num_layers):
         parts, rows = _layer_rows(layout, layer, chunk_tokens, buffer, len(srcs))
+        if staging is not None and rows.numel() <= staging.slot_bytes:
+            slot = staged_rows(staging.claim(None), len(srcs), rows.shape[1])
+            _copy_runs(slot, srcs, parts, to_rows=True)
+            staging.staged(layer, chunk_tokens, None)
+            ready(layer, None)
+            continue
         _copy_runs(rows, srcs, parts, to_rows=True)
         moves = PreparedTransfer.trusted(
             layout.layer_layout(layer), table, skip_blocks, gather=False, backend="cpu"

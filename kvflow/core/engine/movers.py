@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvflow.core.engine.direct import Copy2D, DirectLayers
+from kvflow.core.engine.layerwise import Staging
 from kvflow.core.engine.strided_copy import strided_copyto
 from kvflow.core.tiers.base import HostChunks
 from kvflow.cuda import (
@@ -237,7 +238,7 @@ class CudaMover:
         self._landed = [[DriverEvent(ks) for _ in range(self.group)] for _ in range(self.stages)]
         self._drained = [DriverEvent(ks) for _ in range(self.stages)]
         self._caller_ready = DriverEvent(ks)
-        self._direct_done = DriverEvent(ks)  # a layerwise retrieve's copies into blocks
+        self._direct_done = DriverEvent(ks)  # a layerwise retrieve's copies, kernel-free
         self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
         # retrieve groups whose scatter is held back: (group, call, stage, start, stop)
         self._held: deque[tuple[int, _RetrieveCall, int, int, int]] = deque()
@@ -369,16 +370,18 @@ class CudaMover:
         skip_blocks: Sequence[int],
         chunk_tokens: int,
         ready: Callable[[int, TransferStream], None],
+        staging: Staging | None = None,
     ) -> None:
         """Enqueue a retrieve layer by layer: per layer, its runs of every chunk are
         copied into a stage and scattered by one launch (or one per stage-full of
         chunks), then `ready(layer, kernel_stream)` marks the layer's end on the stream;
         a layer whose blocks take its bytes in order goes straight into them by a few
-        2-D copies instead (`kvflow.core.engine.direct`), marked with `ready(layer,
-        copy_stream)`: no kernel, so no wait for a time slice of the engine's GPU.
-        `table` holds checked block ids (row c: chunk c's blocks)."""
+        2-D copies instead (`kvflow.core.engine.direct`), and with `staging` one that fits
+        a slot of the engine's ring goes there for the engine to scatter, both marked with
+        `ready(layer, copy_stream)`: no kernel, so no wait for a time slice of the
+        engine's GPU. `table` holds checked block ids (row c: chunk c's blocks)."""
         with CurrentContext(self._context):
-            self._retrieve_layers(srcs, table, skip_blocks, chunk_tokens, ready)
+            self._retrieve_layers(srcs, table, skip_blocks, chunk_tokens, ready, staging)
 
     def _retrieve_layers(
         self,
@@ -387,18 +390,28 @@ class CudaMover:
         skip_blocks: Sequence[int],
         chunk_tokens: int,
         ready: Callable[[int, TransferStream], None],
+        staging: Staging | None,
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
         addresses = [srcs.address(c, self.chunk_nbytes) for c in range(len(srcs))]
         self._after_caller(cs)
         direct = DirectLayers(self.layout, table, skip_blocks, addresses, chunk_tokens)
-        any_direct = False
+        on_copy_stream = False  # the op ends on the kernel stream: after these copies too
         for layer in range(self.layout.num_layers):
             copies = direct.copies(layer)
             if copies is not None:  # the copy engine alone: no kernel to wait for a slice
                 self._copy_direct(copies, to_blocks=True)
                 ready(layer, cs)
-                any_direct = True
+                on_copy_stream = True
+                continue
+            parts = self.layout.layer_parts(layer, chunk_tokens)
+            width = sum(n for _, n in parts)
+            if staging is not None and len(srcs) * width <= staging.slot_bytes:
+                slot = staging.claim(cs)  # the engine scatters it: no kernel here either
+                self._copy_runs(slot.data_ptr(), addresses, parts, to_stage=True)
+                staging.staged(layer, chunk_tokens, cs)
+                ready(layer, cs)
+                on_copy_stream = True
                 continue
             moves = PreparedTransfer.trusted(
                 self.layout.layer_layout(layer), table, skip_blocks, gather=False,
@@ -413,7 +426,7 @@ class CudaMover:
                 moves.launch_trusted(rows, start, stop - start)
                 self._drained[s].record(ks.handle)
             ready(layer, ks)
-        if any_direct:  # the op ends on the kernel stream: after the direct copies too
+        if on_copy_stream:
             self._direct_done.record(cs.handle)
             self._direct_done.wait_on(ks.handle)
 

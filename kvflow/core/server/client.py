@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -80,11 +80,15 @@ from kvflow.core.server.protocol import (
     ropes_to_wire,
 )
 from kvflow.core.server.sharing import describe_kv_caches
+from kvflow.core.server.staging import check_slots
 from kvflow.kernels.rope import LayerRopes, RopeParams
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 #: how often a waiting call looks for a failed handshake (so a refusal is reported at once)
 _HANDSHAKE_CHECK_S = 0.1
+#: seconds between a call's `idle()` runs while it waits for its reply (a layerwise
+#: retrieve's: the engine frees staging slots the server may be waiting for)
+IDLE_POLL_S = 0.001
 #: the handshake events a client watches: refusals, drops (the peer closed the connection
 #: mid-handshake, as a server requiring CURVE often does to a plain client) and successes
 _HANDSHAKE_EVENTS = (
@@ -234,17 +238,26 @@ def _cuda_events(desc: KVCachesDesc) -> tuple[_CudaEvents, bytes, bytes] | None:
     return _CudaEvents(written, retrieved, device), written_handle, retrieved_handle
 
 
-def _client_layers(kv_caches: Any, block_size: int | None, kv_format: str | None) -> ClientLayers:
-    """One completion point per layer of `kv_caches` (InvalidRequestError for a layout
-    `KVLayout` cannot read)."""
+def _client_layers(
+    kv_caches: Any,
+    block_size: int | None,
+    kv_format: str | None,
+    staging_slots: int,
+    staging_slot_bytes: int,
+) -> ClientLayers:
+    """One completion point per layer of `kv_caches`, and a staging ring of
+    `staging_slots` x `staging_slot_bytes` unless 0 (InvalidRequestError for a layout
+    `KVLayout` cannot read, or a ring that cannot be)."""
     from kvflow.kernels import KVLayout
 
+    if staging_slots:
+        check_slots(staging_slots, staging_slot_bytes)
     try:
         layout = KVLayout.from_kv_caches(kv_caches, block_size=block_size, kv_format=kv_format)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
     cuda = layout.device.index if layout.device.type == "cuda" else None
-    return ClientLayers(layout.num_layers, cuda)
+    return ClientLayers(layout.num_layers, cuda, layout, staging_slots, staging_slot_bytes)
 
 
 class KVFlowClient:
@@ -398,9 +411,14 @@ class KVFlowClient:
             raise AuthenticationError(why)
 
     def _call(
-        self, request: Request, payloads: Sequence[np.ndarray] = (), timeout_s: float | None = None
+        self,
+        request: Request,
+        payloads: Sequence[np.ndarray] = (),
+        timeout_s: float | None = None,
+        idle: Callable[[], None] | None = None,
     ) -> Reply:
-        """Send one request and wait for its reply; raise the server's error if it failed."""
+        """Send one request and wait for its reply (calling `idle()` every IDLE_POLL_S
+        meanwhile); raise the server's error if it failed."""
         if self._closed:
             raise KVFlowError("the client is closed")
         request.id = next(self._ids)
@@ -410,7 +428,7 @@ class KVFlowClient:
         op = type(request).__name__
         conn = self._checkout()
         try:
-            reply = self._exchange(conn, frames, request.id, op, timeout)
+            reply = self._exchange(conn, frames, request.id, op, timeout, idle)
         except BaseException:  # the connection may still get this call's reply: not reused
             self._discard(conn)
             raise
@@ -421,7 +439,13 @@ class KVFlowClient:
         return reply
 
     def _exchange(
-        self, conn: _Connection, frames: Sequence[Any], request_id: int, op: str, timeout: float
+        self,
+        conn: _Connection,
+        frames: Sequence[Any],
+        request_id: int,
+        op: str,
+        timeout: float,
+        idle: Callable[[], None] | None = None,
     ) -> Reply:
         """Send a request's frames on `conn` and return its reply (skipping late replies
         to earlier calls); RequestTimeoutError or AuthenticationError on failure."""
@@ -447,7 +471,10 @@ class KVFlowClient:
                     f"no reply to {op} from the kvflow server at {self.endpoint} within"
                     f" {timeout:g} s ({hint})"
                 )
-            if not sock.poll(max(1, int(min(remaining, _HANDSHAKE_CHECK_S) * 1000))):
+            if idle is not None:
+                idle()
+            slice_s = min(remaining, _HANDSHAKE_CHECK_S, IDLE_POLL_S if idle else remaining)
+            if not sock.poll(max(1, int(slice_s * 1000))):
                 self._check_handshake(conn)
                 continue
             reply = decode_reply(sock.recv())
@@ -459,16 +486,26 @@ class KVFlowClient:
         """Server-side handling time of this thread's last completed call, in seconds."""
         return float(getattr(self._local, "server_ns", 0)) / 1e9
 
-    def _done(self, request: Request, payloads: Sequence[np.ndarray] = ()) -> int | None:
-        reply = self._call(request, payloads)
+    def _done(
+        self,
+        request: Request,
+        payloads: Sequence[np.ndarray] = (),
+        idle: Callable[[], None] | None = None,
+    ) -> int | None:
+        reply = self._call(request, payloads, idle=idle)
         if not isinstance(reply, Done):
             raise ProtocolError(
                 f"unexpected {type(reply).__name__} reply to a {type(request).__name__}"
             )
         return reply.value
 
-    def _count(self, request: Request, payloads: Sequence[np.ndarray]) -> int:
-        value = self._done(request, payloads)
+    def _count(
+        self,
+        request: Request,
+        payloads: Sequence[np.ndarray],
+        idle: Callable[[], None] | None = None,
+    ) -> int:
+        value = self._done(request, payloads, idle)
         if value is None:
             raise ProtocolError(f"the server returned no count for a {type(request).__name__}")
         return value
@@ -488,19 +525,31 @@ class KVFlowClient:
         takeover: bool = False,
         layerwise: bool = False,
         ropes: RopeParams | LayerRopes | None = None,
+        staging_slots: int = 0,
+        staging_slot_bytes: int = 0,
     ) -> None:
         """Share `kv_caches` with the server (shared memory or CUDA IPC) and register them.
 
         Registering an instance id this client (same `client_id`) already holds
         replaces that registration; one held by another client is refused
         (AlreadyRegisteredError) unless `takeover` is True. `layerwise` makes one
-        completion point per layer for `retrieve_layerwise` (kvflow.core.server.layers).
+        completion point per layer for `retrieve_layerwise` (kvflow.core.server.layers);
+        with `staging_slots` (1..64) too, a ring of that many slots of
+        `staging_slot_bytes` on the caches' device, where the server stages a layer
+        whose blocks need a scatter and this process scatters it
+        (kvflow.core.server.staging; docs/ENGINE.md, "Staging in the engine").
         `ropes` (kvflow.kernels.rope.RopeParams for every layer, or LayerRopes): the
         model's rotary embedding, which `blend_retrieve` needs (docs/BLEND.md).
         """
+        if staging_slots and not layerwise:
+            raise InvalidRequestError("staging_slots needs layerwise=True")
         wire_ropes = ropes_to_wire(ropes)
         desc = describe_kv_caches(kv_caches)
-        layers = _client_layers(kv_caches, block_size, kv_format) if layerwise else None
+        layers = (
+            _client_layers(kv_caches, block_size, kv_format, staging_slots, staging_slot_bytes)
+            if layerwise
+            else None
+        )
         shared = _cuda_events(desc)
         events, event_handle, retrieved_handle = shared if shared else (None, None, None)
         request = Register(
@@ -518,6 +567,8 @@ class KVFlowClient:
         )
         if layers is not None:
             request.layer_event_handles, request.layer_flags = layers.wire()
+            if layers.staging is not None:
+                request.layer_staging, request.layer_staging_event_handles = layers.staging.wire()
         reply = self._call(request)
         if not isinstance(reply, Registered):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
@@ -696,10 +747,19 @@ class KVFlowClient:
             instance_id, token_ids, block_ids, request_id, skip_first_n_tokens, cache_salt,
             chunk_keys,
         )  # fmt: skip
+        staging, staged = layers.staging, None
         with layers.lock:  # numbers reach the server in the order they are given
-            request.layer_seq = layers.next_seq()
-            hit = self._count(request, arrays)
-        return LayerwiseLoad(hit, layers, request.layer_seq, self.timeout_s)
+            seq = request.layer_seq = layers.next_seq()
+            if staging is None:
+                hit = self._count(request, arrays)
+            else:  # earlier loads' staged layers free the ring the server may wait on
+                try:
+                    hit = self._count(request, arrays, idle=staging.pump)
+                except BaseException:
+                    staging.drop(seq)
+                    raise
+                staged = staging.add_load(seq, arrays[1], hit, skip_first_n_tokens)
+        return LayerwiseLoad(hit, layers, seq, self.timeout_s, staged)
 
     def blend_lookup(
         self,

@@ -399,6 +399,11 @@ class RetrieveJob(_Transfer[Retrieve]):
             enqueued=self._answer_early if early else None,
             chunk_keys=self._keys,
             layers=layers.signal(request.layer_seq) if layers else None,
+            staging=(
+                layers.staging.claims(request.layer_seq, lambda: reg.retiring)
+                if layers is not None and layers.staging is not None
+                else None
+            ),
         )
         if self.answered:
             return None
@@ -500,6 +505,8 @@ class RegisterJob(Job):
                 request.layer_flags,
                 opened.cuda_device,
                 engine.num_layers(request.instance_id),
+                request.layer_staging,
+                request.layer_staging_event_handles,
             )
         except BaseException:
             engine.unregister(request.instance_id)

@@ -24,20 +24,27 @@ events one list in the same order.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
+from kvflow.core.errors import InvalidRequestError, TransferError
+from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, TensorDesc
+from kvflow.core.server.staging import (
+    ClientStaging,
+    ServerStaging,
+    StagedLoad,
+    control_words,
+    open_server_staging,
+    ring_slots,
+)
+from kvflow.kernels import KVLayout
 
 #: bytes of one layer's flag (an int64)
 FLAG_BYTES = 8
-#: seconds between polls of a CPU layer flag once spinning found it unset
-POLL_S = 50e-6
 #: the longest a layerwise store waits for the engine to mark one layer written (an engine
 #: that died mid-forward must not hold its instance's worker for ever)
 STORE_LAYER_TIMEOUT_S = 60.0
@@ -50,32 +57,34 @@ def _wait_flag(
     timeout_s: float,
     what: str,
     cancelled: Callable[[], bool] | None = None,
+    idle: Callable[[], None] | None = None,
 ) -> float:
     """Poll `flags[layer]` until it reaches `seq` (or a later one's marks); returns the
     seconds waited. TransferError at `-seq` or once `cancelled()`, RequestTimeoutError
-    after `timeout_s`."""
-    started = time.perf_counter()
-    deadline = time.monotonic() + timeout_s
-    spins = 0
-    while True:
+    after `timeout_s`; `idle()` runs between polls."""
+
+    def marked() -> bool:
         value = int(flags[layer])
-        if value >= seq or -value > seq:
-            return time.perf_counter() - started
         if value == -seq:
             raise TransferError(f"the layerwise {what} failed before layer {layer}")
-        if cancelled is not None and cancelled():
-            raise TransferError(f"the layerwise {what} was cancelled waiting for layer {layer}")
-        if time.monotonic() > deadline:
-            raise RequestTimeoutError(f"layer {layer} was not marked within {timeout_s:g} s")
-        spins += 1
-        if spins > 100:
-            time.sleep(POLL_S)
+        return value >= seq or -value > seq
+
+    return poll_until(marked, timeout_s, f"layer {layer} of the layerwise {what}", cancelled, idle)
 
 
 class ClientLayers:
-    """A client's per-layer completion points for one instance, and its retrieve numbers."""
+    """A client's per-layer completion points for one instance, its retrieve numbers and,
+    when asked for, its staging ring (kvflow.core.server.staging)."""
 
-    def __init__(self, num_layers: int, cuda_device: int | None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        cuda_device: int | None,
+        layout: KVLayout | None = None,
+        staging_slots: int = 0,
+        staging_slot_bytes: int = 0,
+    ) -> None:
+        """`layout` (the caches' KVLayout) is needed only with `staging_slots`."""
         self.num_layers = num_layers
         self.device = cuda_device
         #: retrieve events, then store events (CUDA caches)
@@ -89,10 +98,16 @@ class ClientLayers:
                     event.record(torch.cuda.current_stream(cuda_device))
         from kvflow.core.server.shm import empty_shared
 
-        self.raw = empty_shared(2 * num_layers * FLAG_BYTES, torch.uint8)
+        words = 2 * num_layers + control_words(staging_slots)
+        self.raw = empty_shared(words * FLAG_BYTES, torch.uint8)
         self.raw.zero_()
         self.flags = self.raw.view(torch.int64)[:num_layers]
-        self.store_flags = self.raw.view(torch.int64)[num_layers:]
+        self.store_flags = self.raw.view(torch.int64)[num_layers : 2 * num_layers]
+        self.staging: ClientStaging | None = None
+        if staging_slots:
+            assert layout is not None
+            control = self.raw.view(torch.int64)[2 * num_layers :]
+            self.staging = ClientStaging(layout, staging_slots, staging_slot_bytes, control)
         self._seq = self._store_seq = 0
         #: held from numbering a retrieve until its reply: numbers reach the server in order
         self.lock = threading.Lock()
@@ -131,11 +146,20 @@ class LayerwiseLoad:
     blocks once each layer's `wait_layer` returned (CUDA: once torch's current stream
     reaches the work queued after it)."""
 
-    def __init__(self, hit_tokens: int, layers: ClientLayers, seq: int, timeout_s: float):
+    def __init__(
+        self,
+        hit_tokens: int,
+        layers: ClientLayers,
+        seq: int,
+        timeout_s: float,
+        staged: StagedLoad | None = None,
+    ):
+        """`staged`: where the engine scatters the layers the server staged in its ring."""
         self.hit_tokens = hit_tokens
         self._layers = layers
         self._seq = seq
         self._timeout_s = timeout_s
+        self._staged = staged
         #: seconds the host spent in each layer's wait (on CUDA only until the layer was
         #: queued: the stream's own wait is timed on the GPU, see `layer_waits`)
         self.waited_s: dict[int, float] = {}
@@ -145,24 +169,40 @@ class LayerwiseLoad:
     def wait_layer(self, layer: int) -> None:
         """Order layer `layer`'s reads after its copies: on CPU this blocks until the
         layer landed; on CUDA until its copies are queued, then torch's current stream
-        waits for them on the GPU. TransferError if the retrieve failed before that
-        layer; RequestTimeoutError after the client's timeout."""
+        waits for them on the GPU. With a staging ring, layers staged there meanwhile
+        (this load's or others') are scattered into their blocks. TransferError if the
+        retrieve failed before that layer; RequestTimeoutError after the client's
+        timeout."""
         layers = self._layers
         if layer in self.waited_s:
             return
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
+        staging = layers.staging
         self.waited_s[layer] = _wait_flag(
-            layers.flags, layer, self._seq, self._timeout_s, "retrieve"
-        )
-        if layers.events:
+            layers.flags, layer, self._seq, self._timeout_s, "retrieve",
+            idle=staging.pump if staging is not None else None,
+        )  # fmt: skip
+        event = layers.events[layer] if layers.events else None
+        if staging is not None and self._staged is not None:
+            staging.pump()  # the layer's use, written before its flag
+            staged, scattered = staging.landed(self._staged, layer)
+            if staged:
+                event = scattered
+        if event is not None:
             stream = torch.cuda.current_stream(layers.device)
             before = torch.cuda.Event(enable_timing=True)
             after = torch.cuda.Event(enable_timing=True)
             before.record(stream)
-            stream.wait_event(layers.events[layer])
+            stream.wait_event(event)
             after.record(stream)
             self._stalls[layer] = (before, after)
+
+    @property
+    def staged_layers(self) -> list[int]:
+        """The layers the server staged in the engine's ring and this process scattered
+        (or queued the scatter of, on CUDA) so far; the others came without a ring."""
+        return sorted(self._staged.landed) if self._staged is not None else []
 
     def layer_waits(self) -> list[float]:
         """Seconds the engine waited for each layer it waited for, in layer order: the
@@ -185,28 +225,42 @@ class LayerwiseLoad:
             self.wait_layer(layer)
 
 
-def _check_flags(uint8: bool, shape: tuple[int, ...], num_layers: int) -> None:
-    """InvalidRequestError unless the flags are 2 x num_layers int64s as 1-D uint8 bytes."""
-    if not uint8 or len(shape) != 1 or shape[0] != 2 * num_layers * FLAG_BYTES:
+def _check_flags(uint8: bool, shape: tuple[int, ...], num_layers: int, slots: int) -> None:
+    """InvalidRequestError unless the flags are 2 x num_layers int64s (then the words of a
+    staging ring of `slots`) as 1-D uint8 bytes."""
+    words = 2 * num_layers + control_words(slots)
+    if not uint8 or len(shape) != 1 or shape[0] != words * FLAG_BYTES:
+        ring = f", then {control_words(slots)} for a staging ring of {slots} slots" if slots else ""
         raise InvalidRequestError(
             f"layerwise registration gives layer flags of shape {shape} for {num_layers}"
-            f" layers: expected ({2 * num_layers * FLAG_BYTES},) uint8 bytes (one int64 per"
-            " layer for retrieves, one for stores)"
+            f" layers: expected ({words * FLAG_BYTES},) uint8 bytes (one int64 per"
+            f" layer for retrieves, one for stores{ring})"
         )
 
 
 class ServerLayers:
     """The server's side of an instance's completion points (opened from the Register)."""
 
-    def __init__(self, num_layers: int, events: list[Any] | None, flags: torch.Tensor) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        events: list[Any] | None,
+        flags: torch.Tensor,
+        staging_slots: int = 0,
+    ) -> None:
         """`events`: 2 x num_layers opened events (counted by `open_server_layers`
-        before it opened them), or None for CPU caches; `flags`: the shared bytes."""
-        _check_flags(flags.dtype == torch.uint8, tuple(flags.shape), num_layers)
+        before it opened them), or None for CPU caches; `flags`: the shared bytes, with
+        the words of a staging ring of `staging_slots` (its `staging` is set once the
+        ring is opened)."""
+        _check_flags(flags.dtype == torch.uint8, tuple(flags.shape), num_layers, staging_slots)
         self.num_layers = num_layers
         self.events = events[:num_layers] if events is not None else None
         self.store_events = events[num_layers:] if events is not None else None
-        self.flags = flags.view(torch.int64)[:num_layers]
-        self.store_flags = flags.view(torch.int64)[num_layers:]
+        words = flags.view(torch.int64)
+        self.flags = words[:num_layers]
+        self.store_flags = words[num_layers : 2 * num_layers]
+        self.staging_words = words[2 * num_layers :]
+        self.staging: ServerStaging | None = None
 
     def signal(self, seq: int) -> LayerMarks:
         """The engine-side signal of retrieve number `seq`."""
@@ -258,14 +312,20 @@ def open_server_layers(
     flags: TensorDesc | None,
     cuda_device: int | None,
     num_layers: int,
+    staging: TensorDesc | None = None,
+    staging_handles: list[bytes] | None = None,
 ) -> tuple[ServerLayers | None, Any]:
-    """Open a Register's completion points: (ServerLayers or None when it asked for no
-    layerwise retrieves, what to `release()` once the instance goes, or None)."""
+    """Open a Register's completion points and staging ring (`staging`, with its events'
+    `staging_handles` on CUDA): (ServerLayers or None when it asked for no layerwise
+    retrieves, what to `release()` once the instance goes, or None)."""
     if event_handles is None and flags is None:
+        if staging is not None or staging_handles is not None:
+            raise InvalidRequestError("a staging ring goes with a layerwise registration")
         return None, None
     if flags is None or isinstance(flags.memory, CudaIpcMemory):
         raise InvalidRequestError("a layerwise registration needs layer_flags in shared memory")
-    _check_flags(flags.dtype == "uint8", flags.shape, num_layers)  # before mapping them
+    slots = ring_slots(staging) if staging is not None else 0
+    _check_flags(flags.dtype == "uint8", flags.shape, num_layers, slots)  # before mapping
     if (event_handles is not None) != (cuda_device is not None):
         raise InvalidRequestError(
             "layer_event_handles go with GPU caches, and only with them"
@@ -286,10 +346,26 @@ def open_server_layers(
 
     opened = open_kv_caches(KVCachesDesc(kind="tensor", tensors=[flags]))
     try:
-        return ServerLayers(num_layers, events, opened.kv_caches), opened
+        layers = ServerLayers(num_layers, events, opened.kv_caches, slots)
+        if staging is None:
+            return layers, opened
+        layers.staging, ring = open_server_staging(
+            staging, staging_handles, cuda_device, layers.staging_words
+        )
+        return layers, _Both(opened, ring)
     except BaseException:
         opened.release()
         raise
+
+
+class _Both:
+    """The flags' and the staging ring's mappings, released together."""
+
+    def __init__(self, flags: Any, ring: Any) -> None:
+        self._parts = (flags, ring)
+
+    def release(self) -> bool:
+        return all([part.release() for part in self._parts])
 
 
 class LayerwiseSave:

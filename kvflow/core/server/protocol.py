@@ -243,6 +243,10 @@ class Register(Request, tag="register"):
     #: layer (GPU caches) or a shared int64 flag per layer (CPU caches, as uint8 bytes)
     layer_event_handles: list[bytes] | None = None
     layer_flags: TensorDesc | None = None
+    #: a staging ring the engine owns for layerwise retrieves ([slots, slot bytes] uint8,
+    #: with the caches: kvflow.core.server.staging) and its 2 x slots events (GPU caches)
+    layer_staging: TensorDesc | None = None
+    layer_staging_event_handles: list[bytes] | None = None
     #: the model's rotary embedding, which a blend retrieve turns K with (None: no blend)
     ropes: list[RopeDesc] | None = None
 

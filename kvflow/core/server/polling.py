@@ -1,0 +1,37 @@
+"""Waiting on another process's progress through shared memory: spin a little, then poll."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvflow.core.errors import RequestTimeoutError, TransferError
+
+#: seconds between polls once spinning found nothing
+POLL_S = 50e-6
+
+
+def poll_until(
+    done: Callable[[], bool],
+    timeout_s: float,
+    waiting_for: str,
+    cancelled: Callable[[], bool] | None = None,
+    idle: Callable[[], None] | None = None,
+) -> float:
+    """Poll `done()` (spinning a little, then every POLL_S, calling `idle()` between
+    polls) until it is true; returns the seconds waited. TransferError once
+    `cancelled()`, RequestTimeoutError after `timeout_s`; `waiting_for` names what."""
+    started = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not done():
+        if cancelled is not None and cancelled():
+            raise TransferError(f"cancelled waiting for {waiting_for}")
+        if time.monotonic() > deadline:
+            raise RequestTimeoutError(f"{waiting_for}: nothing within {timeout_s:g} s")
+        if idle is not None:
+            idle()
+        spins += 1
+        if spins > 100:
+            time.sleep(POLL_S)
+    return time.perf_counter() - started

@@ -1,0 +1,302 @@
+"""A staging ring the engine owns, for layerwise retrieves whose blocks lie anywhere.
+
+A layer whose blocks do not take its bytes in order needs a scatter. Launched by the
+server, that kernel waits for a GPU time slice while the engine's process computes (no
+MPS), and the layer with it (docs/perf-journal.md, 2026-11-29). With a ring registered
+(`register_kv_caches(..., staging_slots=N, staging_slot_bytes=B)`), the server copies such
+a layer's runs into the next free slot with the copy engine alone and the engine scatters
+them into its blocks in its own process, on a stream of its own, before the layer is read.
+
+Bookkeeping lives after the layer flags in the same shared int64s: `head` (slot uses the
+server has written), `tail` (uses the engine has scattered), then one entry per slot:
+(retrieve number, layer, chunk tokens) of the use it holds. Use k takes slot k % N; the
+server writes it once `tail` > k - N (the engine scattered use k - N), its copy stream
+waiting on the slot's "scattered" event (CUDA), then records the slot's "copied" event,
+writes the entry and only then raises `head`. The engine's `pump()` scatters uses in
+order from `tail`, each once its copy stream waits on the slot's "copied" event, records
+"scattered" and raises `tail`. The engine pumps whenever it waits for a layer, so a ring
+shared by several loads of one forward pass never waits on a layer the engine is not
+waiting for: the server stays at most N staged layers ahead of the engine's waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.core.engine.layerwise import staged_rows
+from kvflow.core.engine.transfers import written_chunks
+from kvflow.core.errors import InvalidRequestError
+from kvflow.core.server.polling import poll_until
+from kvflow.core.server.protocol import CudaIpcMemory, TensorDesc
+from kvflow.kernels import KVLayout, PreparedTransfer
+
+#: most slots a ring may have (each costs three shared int64s and, on CUDA, two events)
+MAX_SLOTS = 64
+#: the longest the server waits for the engine to free a slot (an engine that stopped
+#: waiting for its layers must not hold the instance's worker for ever)
+SLOT_TIMEOUT_S = 60.0
+HEAD, TAIL, ENTRY = 0, 1, 3
+
+
+def control_words(slots: int) -> int:
+    """Shared int64s of a ring of `slots` (head, tail, an entry per slot); 0 without one."""
+    return 2 + ENTRY * slots if slots else 0
+
+
+def check_slots(slots: int, slot_bytes: int) -> None:
+    """InvalidRequestError unless a ring of `slots` x `slot_bytes` can be used."""
+    if not 1 <= slots <= MAX_SLOTS or slot_bytes < 1:
+        raise InvalidRequestError(
+            f"a staging ring needs 1..{MAX_SLOTS} slots of at least one byte, got {slots}"
+            f" slots of {slot_bytes} bytes"
+        )
+
+
+def _entry(slot: int) -> slice:
+    """Where slot `slot`'s entry lies among the control words."""
+    return slice(2 + ENTRY * slot, 2 + ENTRY * (slot + 1))
+
+
+class ServerStaging:
+    """The server's side of an instance's ring: the slots (mapped from the engine's
+    memory), the shared bookkeeping and, on CUDA, the slots' opened events."""
+
+    def __init__(self, ring: torch.Tensor, control: torch.Tensor, events: list[Any] | None) -> None:
+        """`ring`: [slots, slot bytes] uint8; `control`: its `control_words` int64s;
+        `events`: 2 x slots opened events (copied, then scattered) or None (CPU)."""
+        self.slots, self.slot_bytes = int(ring.shape[0]), int(ring.shape[1])
+        self.ring = ring
+        self.control = control
+        self.copied = events[: self.slots] if events is not None else None
+        self.scattered = events[self.slots :] if events is not None else None
+
+    def claims(self, seq: int, cancelled: Callable[[], bool]) -> SlotClaims:
+        """The `Staging` (kvflow.core.engine.layerwise) of retrieve number `seq`, given up
+        once `cancelled()`."""
+        return SlotClaims(self, seq, cancelled)
+
+
+class SlotClaims:
+    """One retrieve's use of the ring: claim the next slot, then say what it holds."""
+
+    def __init__(self, staging: ServerStaging, seq: int, cancelled: Callable[[], bool]):
+        self._staging = staging
+        self._seq = seq
+        self._cancelled = cancelled
+        self._use = -1
+        self.slot_bytes = staging.slot_bytes
+
+    def claim(self, stream: Any) -> torch.Tensor:
+        st, control = self._staging, self._staging.control
+        use = int(control[HEAD])
+        slot = use % st.slots
+        poll_until(
+            lambda: int(control[TAIL]) > use - st.slots,
+            SLOT_TIMEOUT_S,
+            f"staging slot {slot} (the engine scatters only while it waits for layers)",
+            self._cancelled,
+        )
+        if st.scattered is not None and stream is not None and use >= st.slots:
+            st.scattered[slot].wait(stream.torch)  # the engine's last read of the slot first
+        self._use = use
+        return st.ring[slot]
+
+    def staged(self, layer: int, chunk_tokens: int, stream: Any) -> None:
+        st, use = self._staging, self._use
+        slot = use % st.slots
+        if st.copied is not None and stream is not None:
+            st.copied[slot].record(stream.torch)
+        st.control[_entry(slot)] = torch.tensor([self._seq, layer, chunk_tokens])
+        st.control[HEAD] = use + 1  # after the entry: the engine reads it once it sees this
+
+
+class StagedLoad:
+    """What the engine needs to scatter a load's staged layers: its block rows, and each
+    staged layer's landing (a CUDA event on the staging stream; None on CPU, where the
+    pump scattered it already)."""
+
+    def __init__(self, block_ids: np.ndarray, hit_tokens: int, skip_tokens: int) -> None:
+        self.block_ids = block_ids
+        self.hit_tokens = hit_tokens
+        self.skip_tokens = skip_tokens
+        self.landed: dict[int, torch.cuda.Event | None] = {}
+        self.caller: torch.cuda.Event | None = None  # the engine's stream when it retrieved
+
+    def rows(self, chunk_tokens: int, block_size: int) -> tuple[np.ndarray, list[int]]:
+        """(block table of the chunks written, blocks of each left alone), as the server
+        chose them (`written_chunks`)."""
+        per_chunk = chunk_tokens // block_size
+        hit_chunks = self.hit_tokens // chunk_tokens
+        rows, skips = written_chunks(0, hit_chunks, self.skip_tokens // block_size, per_chunk)
+        table = self.block_ids[: hit_chunks * per_chunk].astype(np.int64)
+        return table.reshape(hit_chunks, per_chunk)[rows], skips
+
+
+class ClientStaging:
+    """The engine's side: the ring on the caches' device (shared memory for CPU caches),
+    its events, and `pump()`, which scatters staged layers into their loads' blocks."""
+
+    def __init__(
+        self, layout: KVLayout, slots: int, slot_bytes: int, control: torch.Tensor
+    ) -> None:
+        check_slots(slots, slot_bytes)
+        self.layout = layout
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.control = control
+        self.events: list[torch.cuda.Event] = []  # copied, then scattered (CUDA)
+        self.stream: Any = None  # the TransferStream staged layers are scattered on
+        if layout.device.type == "cuda":
+            from kvflow.core.server.ipc import make_interprocess_event
+            from kvflow.kernels.streams import new_transfer_stream
+
+            with torch.cuda.device(layout.device):
+                self.ring = torch.empty(
+                    (slots, slot_bytes), dtype=torch.uint8, device=layout.device
+                )
+                self.events = [make_interprocess_event() for _ in range(2 * slots)]
+                for event in self.events:  # an event must be recorded once to be shared
+                    event.record(torch.cuda.current_stream(layout.device))
+            # high priority: a scatter the next layer waits on starts as SMs free up
+            self.stream = new_transfer_stream(layout.device, high_priority=True)
+        else:
+            from kvflow.core.server.shm import empty_shared
+
+            self.ring = empty_shared((slots, slot_bytes), torch.uint8)
+        self._loads: dict[int, StagedLoad] = {}
+        self._dropped: set[int] = set()
+        self._lock = threading.Lock()  # one pump at a time, and the loads with it
+
+    def wire(self) -> tuple[TensorDesc, list[bytes] | None]:
+        """(the ring's description, its events' IPC handles or None) for the Register."""
+        from kvflow.core.server.sharing import describe_tensor
+
+        handles = [bytes(e.ipc_handle()) for e in self.events] if self.events else None
+        return describe_tensor(self.ring, "staging ring"), handles
+
+    def add_load(self, seq: int, block_ids: np.ndarray, hit_tokens: int, skip: int) -> StagedLoad:
+        """Retrieve number `seq` was answered: its staged layers go into `block_ids`, after
+        the work queued so far on torch's current stream."""
+        load = StagedLoad(block_ids, hit_tokens, skip)
+        if self.stream is not None:
+            load.caller = torch.cuda.Event()
+            load.caller.record(torch.cuda.current_stream(self.layout.device))
+        with self._lock:
+            self._loads[seq] = load
+        return load
+
+    def drop(self, seq: int) -> None:
+        """Retrieve number `seq` never came back (its call failed): free its slots unread."""
+        with self._lock:
+            self._dropped.add(seq)
+
+    def landed(self, load: StagedLoad, layer: int) -> tuple[bool, torch.cuda.Event | None]:
+        """(whether `layer` of `load` was staged and is scattered, or queued to be on the
+        staging stream: its CUDA event then)."""
+        with self._lock:
+            if layer not in load.landed:
+                return False, None
+            return True, load.landed[layer]
+
+    def pump(self) -> None:
+        """Scatter every staged use from `tail` on whose load has come back, in order."""
+        with self._lock:
+            control = self.control
+            while (use := int(control[TAIL])) < int(control[HEAD]):
+                slot = use % self.slots
+                seq, layer, chunk_tokens = control[_entry(slot)].tolist()
+                load = self._loads.get(seq)
+                if load is None and seq not in self._dropped:
+                    return  # its reply is still on its way to the caller
+                if load is not None:
+                    self._scatter(load, slot, layer, chunk_tokens)
+                self._forget_before(seq)
+                control[TAIL] = use + 1
+
+    def _forget_before(self, seq: int) -> None:
+        """Uses come in retrieve order: loads before `seq` have no more of them."""
+        for old in [s for s in self._loads if s < seq]:
+            del self._loads[old]
+        self._dropped = {s for s in self._dropped if s >= seq}
+
+    def _scatter(self, load: StagedLoad, slot: int, layer: int, chunk_tokens: int) -> None:
+        layout = self.layout
+        table, skips = load.rows(chunk_tokens, layout.block_size)
+        width = sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+        rows = staged_rows(self.ring[slot], len(skips), width)
+        cuda = self.stream is not None
+        moves = PreparedTransfer.trusted(
+            layout.layer_layout(layer), table, skips, gather=False,
+            backend="cuda" if cuda else "cpu", stream=self.stream,
+        )  # fmt: skip
+        if not cuda:
+            moves.launch_trusted(rows, 0, len(skips))
+            load.landed[layer] = None
+            return
+        torch_stream = self.stream.torch
+        if load.caller is not None:
+            torch_stream.wait_event(load.caller)
+            load.caller = None
+        torch_stream.wait_event(self.events[slot])  # the server's copies into the slot
+        moves.launch_trusted(rows, 0, len(skips))
+        self.events[self.slots + slot].record(torch_stream)  # the slot is free again
+        done = torch.cuda.Event()
+        done.record(torch_stream)
+        load.landed[layer] = done
+
+
+def ring_slots(ring: TensorDesc) -> int:
+    """The slots of a described ring; InvalidRequestError unless it is [slots, slot
+    bytes] uint8 within `check_slots`."""
+    if ring.dtype != "uint8" or len(ring.shape) != 2:
+        raise InvalidRequestError(
+            f"a staging ring is [slots, slot bytes] uint8, got {ring.dtype} of shape {ring.shape}"
+        )
+    slots, slot_bytes = ring.shape
+    check_slots(slots, slot_bytes)
+    return slots
+
+
+def open_server_staging(
+    ring: TensorDesc, event_handles: list[bytes] | None, cuda_device: int | None,
+    control: torch.Tensor,
+) -> tuple[ServerStaging, Any]:  # fmt: skip
+    """Open a Register's staging ring: (ServerStaging, what to `release()` once the
+    instance goes). `control`: its words in the opened layer flags."""
+    slots = ring_slots(ring)
+    on_cuda = isinstance(ring.memory, CudaIpcMemory)
+    if on_cuda != (cuda_device is not None) or (event_handles is not None) != on_cuda:
+        raise InvalidRequestError(
+            "a staging ring lives with the caches (GPU memory and its events for GPU caches,"
+            " shared memory without events for CPU caches)"
+        )
+    if int(control.numel()) != control_words(slots):
+        raise InvalidRequestError(
+            f"layer flags hold {control.numel()} staging words for a ring of {slots} slots:"
+            f" expected {control_words(slots)}"
+        )
+    events = None
+    if event_handles is not None:
+        assert cuda_device is not None
+        from kvflow.core.server.ipc import open_interprocess_event
+
+        if len(event_handles) != 2 * slots:
+            raise InvalidRequestError(
+                f"a staging ring of {slots} slots gives {len(event_handles)} events: expected"
+                f" {2 * slots} (copied, then scattered, per slot)"
+            )
+        events = [open_interprocess_event(h, cuda_device) for h in event_handles]
+    from kvflow.core.server.protocol import KVCachesDesc
+    from kvflow.core.server.sharing import open_kv_caches
+
+    opened = open_kv_caches(KVCachesDesc(kind="tensor", tensors=[ring]))
+    if opened.cuda_device is not None and opened.cuda_device != cuda_device:
+        opened.release()
+        raise InvalidRequestError(
+            f"the staging ring is on cuda:{opened.cuda_device}, the caches on cuda:{cuda_device}"
+        )
+    return ServerStaging(opened.kv_caches, control, events), opened

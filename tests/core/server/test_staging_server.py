@@ -1,0 +1,267 @@
+"""Layerwise retrieves staged in the engine's own ring, through a real `kvflow server` on
+CPU caches in shared memory (kvflow.core.server.staging)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core.errors import InvalidRequestError, TransferError, UnknownInstanceError
+from kvflow.core.server.protocol import Register
+from kvflow.core.server.sharing import describe_kv_caches, describe_tensor
+from tests.e2e.server_proc import running_server
+
+NL, NB, BS, NH, HS = 6, 96, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
+CHUNK = 32
+CHUNKS = 4
+#: one layer of the hit: K and V of CHUNK tokens a chunk, fp16
+LAYER_BYTES = CHUNKS * 2 * CHUNK * NH * HS * 2
+SRC = list(range(0, 2 * CHUNKS))
+#: blocks anywhere and out of order: no layer can go straight into them
+SHUFFLED = [61, 7, 90, 33, 12, 75, 48, 20]
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(NL):
+        t = empty_shared((2, NB, BS, NH, HS), torch.float16)
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.float16))
+        layers.append(t)
+    return layers
+
+
+def _layer(caches: list[torch.Tensor], layer: int, blocks: list[int]) -> torch.Tensor:
+    return caches[layer][:, blocks].clone()
+
+
+def _tokens(base: int) -> np.ndarray:
+    return np.arange(base, base + CHUNKS * CHUNK, dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> object:
+    log = Path(tmp_path_factory.mktemp("staging")) / "server.log"
+    with running_server(CHUNK, log) as ep:
+        yield ep
+
+
+@pytest.fixture
+def client(endpoint: str) -> object:
+    c = KVFlowClient(endpoint, timeout_s=30)
+    yield c
+    c.close()
+
+
+def _stored(client: KVFlowClient, name: str, seed: int, base: int) -> list[torch.Tensor]:
+    """Source caches registered as `name` with CHUNKS chunks of `_tokens(base)` stored."""
+    src = _caches(seed)
+    client.register_kv_caches(name, src, model_name="stg", block_size=BS)
+    assert client.store(name, _tokens(base), SRC, request_id=f"{name}-w") == CHUNKS * CHUNK
+    return src
+
+
+def test_staged_layers_land_in_blocks_anywhere(client: KVFlowClient) -> None:
+    """Each layer lands whole in shuffled blocks when its wait returns, every one of them
+    through the ring (a slot holds a layer), the second retrieve as the first."""
+    src = _stored(client, "stg-src", 1, 1000)
+    dst = _caches(2)
+    client.register_kv_caches(
+        "stg-dst", dst, model_name="stg", block_size=BS, layerwise=True,
+        staging_slots=2, staging_slot_bytes=LAYER_BYTES,
+    )  # fmt: skip
+    for attempt in range(2):
+        for t in dst:
+            t.zero_()
+        load = client.retrieve_layerwise(
+            "stg-dst", _tokens(1000), SHUFFLED, request_id=f"r{attempt}"
+        )
+        assert load.hit_tokens == CHUNKS * CHUNK
+        for layer in range(NL):
+            load.wait_layer(layer)
+            assert torch.equal(_layer(dst, layer, SHUFFLED), _layer(src, layer, SRC))
+        assert load.staged_layers == list(range(NL))
+
+
+def test_loads_waited_layer_by_layer_share_the_ring(client: KVFlowClient) -> None:
+    """Two loads asked for before the forward pass and waited layer-major (A0, B0, A1, ...)
+    through a ring of one slot: the calls and the waits free the slot for each other, and
+    both land whole."""
+    src_a = _stored(client, "stg-a", 3, 2000)
+    src_b = _stored(client, "stg-b", 4, 3000)
+    dst = _caches(5)
+    client.register_kv_caches(
+        "stg-two", dst, model_name="stg", block_size=BS, layerwise=True,
+        staging_slots=1, staging_slot_bytes=LAYER_BYTES,
+    )  # fmt: skip
+    blocks_a, blocks_b = SHUFFLED, [3, 88, 41, 16, 70, 27, 55, 9]
+    load_a = client.retrieve_layerwise("stg-two", _tokens(2000), blocks_a, request_id="a")
+    load_b = client.retrieve_layerwise("stg-two", _tokens(3000), blocks_b, request_id="b")
+    for layer in range(NL):
+        load_a.wait_layer(layer)
+        load_b.wait_layer(layer)
+    for layer in range(NL):
+        assert torch.equal(_layer(dst, layer, blocks_a), _layer(src_a, layer, SRC))
+        assert torch.equal(_layer(dst, layer, blocks_b), _layer(src_b, layer, SRC))
+    assert load_a.staged_layers == load_b.staged_layers == list(range(NL))
+
+
+def test_a_layer_larger_than_a_slot_is_scattered_by_the_server(client: KVFlowClient) -> None:
+    """A slot one byte short of a layer takes none: the server scatters every layer, and
+    they land all the same; skipped blocks stay untouched."""
+    src = _stored(client, "stg-big", 6, 4000)
+    dst = _caches(7)
+    client.register_kv_caches(
+        "stg-small", dst, model_name="stg", block_size=BS, layerwise=True,
+        staging_slots=2, staging_slot_bytes=LAYER_BYTES - 1,
+    )  # fmt: skip
+    before = _layer(dst, 0, SHUFFLED[:1])
+    load = client.retrieve_layerwise(
+        "stg-small", _tokens(4000), SHUFFLED, request_id="big", skip_first_n_tokens=BS
+    )
+    load.wait()
+    assert load.staged_layers == []
+    for layer in range(NL):
+        assert torch.equal(_layer(dst, layer, SHUFFLED[1:]), _layer(src, layer, SRC[1:]))
+    assert torch.equal(_layer(dst, 0, SHUFFLED[:1]), before)
+
+
+def test_a_skipped_prefix_is_left_alone_by_the_engines_scatter(client: KVFlowClient) -> None:
+    """With the first block skipped, the engine's scatter writes every other block of the
+    hit and leaves that one as it was."""
+    src = _stored(client, "stg-skip-src", 8, 5000)
+    dst = _caches(9)
+    client.register_kv_caches(
+        "stg-skip", dst, model_name="stg", block_size=BS, layerwise=True,
+        staging_slots=2, staging_slot_bytes=LAYER_BYTES,
+    )  # fmt: skip
+    before = [_layer(dst, layer, SHUFFLED[:1]) for layer in range(NL)]
+    load = client.retrieve_layerwise(
+        "stg-skip", _tokens(5000), SHUFFLED, request_id="skip", skip_first_n_tokens=BS
+    )
+    load.wait()
+    assert load.staged_layers == list(range(NL))
+    for layer in range(NL):
+        assert torch.equal(_layer(dst, layer, SHUFFLED[1:]), _layer(src, layer, SRC[1:]))
+        assert torch.equal(_layer(dst, layer, SHUFFLED[:1]), before[layer])
+
+
+def test_a_load_nobody_waits_for_ends_with_its_instance(client: KVFlowClient) -> None:
+    """An engine that stops waiting for layers holds the server at a full ring only until
+    its instance goes: the retrieve fails from the layer it could not stage, the server
+    serves other instances meanwhile and the instance registered again."""
+    src = _stored(client, "stg-dead-src", 10, 6000)
+    dst = _caches(11)
+    kwargs = dict(
+        model_name="stg", block_size=BS, layerwise=True, staging_slots=1,
+        staging_slot_bytes=LAYER_BYTES,
+    )  # fmt: skip
+    client.register_kv_caches("stg-dead", dst, **kwargs)
+    load = client.retrieve_layerwise("stg-dead", _tokens(6000), SHUFFLED, request_id="dead")
+    other = client.retrieve("stg-dead-src", _tokens(6000), SRC, request_id="other")
+    assert other == CHUNKS * CHUNK  # another instance's worker is free
+    client.unregister("stg-dead")
+    with pytest.raises(TransferError, match="layer 1"):
+        load.wait_layer(1)  # layer 0 took the slot; nothing scattered it before the end
+    client.register_kv_caches("stg-dead", dst, **kwargs)
+    again = client.retrieve_layerwise("stg-dead", _tokens(6000), SHUFFLED, request_id="again")
+    again.wait()
+    assert torch.equal(_layer(dst, NL - 1, SHUFFLED), _layer(src, NL - 1, SRC))
+
+
+def test_waits_from_two_threads_share_one_pump(client: KVFlowClient) -> None:
+    """Two threads waiting on two loads (each its own layers) pump the one ring in turn:
+    both land whole."""
+    src_a = _stored(client, "stg-ta", 12, 7000)
+    src_b = _stored(client, "stg-tb", 13, 8000)
+    dst = _caches(14)
+    client.register_kv_caches(
+        "stg-threads", dst, model_name="stg", block_size=BS, layerwise=True,
+        staging_slots=2, staging_slot_bytes=LAYER_BYTES,
+    )  # fmt: skip
+    blocks_b = [3, 88, 41, 16, 70, 27, 55, 9]
+    load_a = client.retrieve_layerwise("stg-threads", _tokens(7000), SHUFFLED, request_id="ta")
+    load_b = client.retrieve_layerwise("stg-threads", _tokens(8000), blocks_b, request_id="tb")
+    errors: list[BaseException] = []
+
+    def wait_b() -> None:
+        try:
+            load_b.wait()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait_b)
+    thread.start()
+    load_a.wait()
+    thread.join(30)
+    assert not thread.is_alive() and not errors
+    for layer in range(NL):
+        assert torch.equal(_layer(dst, layer, SHUFFLED), _layer(src_a, layer, SRC))
+        assert torch.equal(_layer(dst, layer, blocks_b), _layer(src_b, layer, SRC))
+
+
+@pytest.mark.parametrize(
+    ("slots", "slot_bytes", "match"),
+    [
+        (0, 1024, "1..64 slots"),
+        (65, 1024, "1..64 slots"),
+        (2, 0, "at least one byte"),
+    ],
+)
+def test_a_ring_that_cannot_be_is_refused_before_sending(
+    client: KVFlowClient, slots: int, slot_bytes: int, match: str
+) -> None:
+    dst = _caches(15)
+    kwargs = dict(layerwise=True, staging_slots=slots, staging_slot_bytes=slot_bytes)
+    if slots == 0:  # no ring asked for with a slot size: nothing to refuse
+        client.register_kv_caches("stg-none", dst, model_name="stg", block_size=BS, **kwargs)
+        return
+    with pytest.raises(InvalidRequestError, match=match):
+        client.register_kv_caches("stg-bad", dst, model_name="stg", block_size=BS, **kwargs)
+
+
+def test_a_ring_without_layerwise_is_refused(client: KVFlowClient) -> None:
+    with pytest.raises(InvalidRequestError, match="staging_slots needs layerwise=True"):
+        client.register_kv_caches(
+            "stg-plain", _caches(16), model_name="stg", block_size=BS, staging_slots=2,
+            staging_slot_bytes=LAYER_BYTES,
+        )  # fmt: skip
+
+
+def _register(client: KVFlowClient, request: Register) -> None:
+    client._call(request)  # a request kvflow's client would not build, as it is sent
+
+
+@pytest.mark.parametrize(
+    ("ring", "words", "match"),
+    [
+        (torch.uint8, 2, r"\[slots, slot bytes\] uint8"),  # 1-D
+        (torch.float16, 2, r"\[slots, slot bytes\] uint8"),
+        (torch.uint8, 3, "staging ring of 2 slots"),  # flags without the ring's words
+    ],
+)
+def test_a_bad_ring_on_the_wire_is_refused_and_the_server_serves_on(
+    client: KVFlowClient, ring: torch.dtype, words: int, match: str
+) -> None:
+    """A Register whose ring is not [slots, bytes] uint8, or whose flags lack the ring's
+    words, gets an error naming it; the instance is not registered."""
+    dst = _caches(17)
+    shape = (2 * 64,) if ring is torch.uint8 and words == 2 else (2, 64)
+    buffer = empty_shared(shape, ring)
+    flag_words = 2 * NL + (2 + 3 * 2 if words == 2 else 0)
+    flags = empty_shared(flag_words * 8, torch.uint8)
+    request = Register(
+        instance_id="stg-wire", kv_caches=describe_kv_caches(dst), model_name="stg",
+        block_size=BS, layer_flags=describe_tensor(flags, "flags"),
+        layer_staging=describe_tensor(buffer, "ring"),
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError, match=match):
+        _register(client, request)
+    with pytest.raises(UnknownInstanceError, match="'stg-wire' is not registered"):
+        client.retrieve("stg-wire", _tokens(1000), SHUFFLED, request_id="x")
+    _stored(client, f"stg-wire-after-{str(ring)[6:]}-{words}", 18, 9000)  # and the server serves on
