@@ -104,6 +104,9 @@ class Row:
     later_waits_ms: float = 0.0
     #: where the prompt's blocks were in the cache: "shuffled" or "in-order" (--blocks)
     blocks: str = "shuffled"
+    #: layers of each timed (e) the server staged in the engine's ring and the engine
+    #: scattered (--staging-slots; 0 without a ring): the median over repetitions
+    staged_layers: int = 0
     #: median over repetitions of (e) / (max((c), (d)) + one layer's copy) with the (d)
     #: timed right before that (e): steadier than the ratio of medians, since the suffix
     #: prefill drifts by 10 ms and more between runs (0 when (e) was not run)
@@ -453,6 +456,9 @@ def measure(
         first_wait_ms=_ms_median(w[0] for w in waits),
         later_waits_ms=_ms_median(sum(w[1:]) for w in waits),
         blocks="in-order" if in_order else "shuffled",
+        staged_layers=int(statistics.median(len(load.staged_layers) for _, load in timed_loads))
+        if layerwise
+        else 0,
         paired_over_floor=statistics.median(
             e / (max(copy_ms / 1e3, d) + copy_ms / 1e3 / shape.layers)
             for e, d in zip(layerwise_s, suffix_s, strict=True)
@@ -486,9 +492,12 @@ def run(args: argparse.Namespace, device: torch.device) -> list[Row]:
         for name, shape in shapes.items():
             model = build_model(shape, dtype, device)
             cache = PagedCache(shape, 2 * (lengths[-1] // BLOCK) + 16, dtype, device)
+            # a slot holds one layer of the longest prefix
+            slot_bytes = shape.kv_bytes_per_token(dtype) // shape.layers * lengths[-1]
             client.register_kv_caches(
-                f"ttft-{name}", cache.layers, model_name=f"ttft-{name}", layerwise=args.layerwise
-            )
+                f"ttft-{name}", cache.layers, model_name=f"ttft-{name}", layerwise=args.layerwise,
+                staging_slots=args.staging_slots, staging_slot_bytes=slot_bytes,
+            )  # fmt: skip
             try:
                 _last_logits(model, torch.zeros(CHUNK, dtype=torch.long, device=device))  # warm
                 for length in lengths:
@@ -525,12 +534,12 @@ def _format(rows: list[Row], header: bool = True) -> str:
     if waits and header:
         lines.append(
             f"\n{'model':<5} {'prompt':>6} {'(e) call':>9} {'layer 0 wait':>12} {'later waits':>11}"
-            f" {'e/floor paired':>14}"
+            f" {'e/floor paired':>14} {'staged':>6}"
         )
     for r in waits:
         lines.append(
             f"{r.model:<5} {r.prompt:>6} {r.layerwise_call_ms:>6.2f} ms {r.first_wait_ms:>9.2f} ms "
-            f"{r.later_waits_ms:>8.2f} ms {r.paired_over_floor:>14.2f}"
+            f"{r.later_waits_ms:>8.2f} ms {r.paired_over_floor:>14.2f} {r.staged_layers:>6}"
         )
     return "\n".join(lines)
 
@@ -579,6 +588,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where the prompt's blocks are in the cache: shuffled (default; a busy engine)"
         " or in order (a fresh engine's allocation)",
     )  # fmt: skip
+    parser.add_argument(
+        "--staging-slots", type=int, default=0, metavar="N",
+        help="with --layerwise: a ring of N slots in the engine's memory (each one layer of"
+        " the longest prefix) where the server stages layers that need a scatter, which the"
+        " engine does itself (docs/ENGINE.md, 'Staging in the engine'); 0 (default): none",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, metavar="ROWS.json", help="only draw these rows")
     parser.add_argument("--png", type=Path, help="with --plot (or a run): the PNG to write")
@@ -589,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.models if m not in SHAPES]
     if unknown or args.repeat < 1 or not args.lengths or min(args.lengths) <= CHUNK:
         parser.error(f"--models from {', '.join(SHAPES)}; --repeat >= 1; --lengths > {CHUNK}")
+    if args.staging_slots and not args.layerwise:
+        parser.error("--staging-slots goes with --layerwise")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_ttft: no CUDA device (use --device cpu)", file=sys.stderr)

@@ -56,16 +56,18 @@ def test_toy_run_on_cpu_checks_logits_and_writes_rows_and_plot(tmp_path: Path) -
     assert "(a) recompute" in done.stdout and "(b-d)/c" in done.stdout
 
 
-@pytest.mark.parametrize("blocks", ["in-order", "shuffled"])
+@pytest.mark.parametrize(("blocks", "slots"), [("in-order", 0), ("shuffled", 0), ("shuffled", 2)])
 def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
-    tmp_path: Path, blocks: str
+    tmp_path: Path, blocks: str, slots: int
 ) -> None:
     """(e) on the toy model over shared memory, with the prompt's blocks placed in order
-    (a fresh engine) or shuffled: the layerwise columns are filled and the logits agree."""
+    (a fresh engine) or shuffled, shuffled ones also through a staging ring of the
+    engine's: the layerwise columns are filled and the logits agree."""
     rows_path = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--models", "toy", "--lengths", "512",
-         "--repeat", "1", "--layerwise", "--blocks", blocks, "--json", str(rows_path)],
+         "--repeat", "1", "--layerwise", "--blocks", blocks, "--staging-slots", str(slots),
+         "--json", str(rows_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -73,6 +75,8 @@ def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
     assert row["logits_rel_err"] <= 0.05
     assert row["layerwise_ms"] > 0 and row["layerwise_call_ms"] > 0
     assert row["blocks"] == blocks
+    layers = 2  # the toy shape's
+    assert row["staged_layers"] == (layers if slots else 0)
     assert row["paired_over_floor"] > 0 and "e/floor paired" in done.stdout
     assert "(e) layerwise" in done.stdout
 
