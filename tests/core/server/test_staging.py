@@ -1,0 +1,75 @@
+"""The staging ring's bookkeeping between its two sides, in one process on CPU caches
+(kvflow.core.server.staging): uses in order, loads that never came back, loads not yet
+back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.core import empty_shared
+from kvflow.core.errors import RequestTimeoutError, TransferError
+from kvflow.core.server.layers import ClientLayers, ServerLayers
+from kvflow.core.server.staging import HEAD, TAIL, ServerStaging
+from kvflow.kernels import KVLayout
+
+NL, NB, BS, NH, HS = 2, 16, 4, 1, 4  # vllm_flash_attn: NL x [2, NB, BS, NH, HS], fp16
+CHUNK = 8  # two blocks a chunk
+LAYER_BYTES = 2 * CHUNK * NH * HS * 2  # one chunk's K and V of one layer
+
+
+def _sides(slots: int) -> tuple[list[torch.Tensor], ClientLayers, ServerStaging]:
+    caches = [empty_shared((2, NB, BS, NH, HS), torch.float16).zero_() for _ in range(NL)]
+    layout = KVLayout.from_kv_caches(caches, block_size=BS)
+    client = ClientLayers(NL, None, layout, slots, LAYER_BYTES)
+    assert client.staging is not None
+    server = ServerLayers(NL, None, client.raw, slots)
+    ring = ServerStaging(client.staging.ring, server.staging_words, None)
+    return caches, client, ring
+
+
+def _stage(ring: ServerStaging, seq: int, layer: int, value: float) -> None:
+    """The server's part: claim the next slot and fill it with one chunk of `value`."""
+    claims = ring.claims(seq, lambda: False)
+    slot = claims.claim(None)
+    slot[:LAYER_BYTES].view(torch.float16).fill_(value)
+    claims.staged(layer, CHUNK, None)
+
+
+def test_a_load_that_never_came_back_frees_its_slot_unread() -> None:
+    """A use of a retrieve whose call failed (dropped) is skipped, the next load's use is
+    scattered into its blocks; a use whose load is not back yet waits in the ring."""
+    caches, client, ring = _sides(1)
+    staging = client.staging
+    assert staging is not None
+    _stage(ring, 1, 0, 5.0)  # retrieve 1: its reply never reached the caller
+    staging.pump()
+    assert int(staging.control[TAIL]) == 0  # not back, not dropped: the use waits
+    staging.drop(1)
+    staging.pump()
+    assert int(staging.control[TAIL]) == 1 and not any(c.any() for c in caches)
+    load = staging.add_load(2, np.array([6, 3], dtype=np.int32), CHUNK, 0)
+    _stage(ring, 2, 1, 7.0)
+    staging.pump()
+    assert int(staging.control[HEAD]) == int(staging.control[TAIL]) == 2
+    assert staging.landed(load, 1) == (True, None) and staging.landed(load, 0) == (False, None)
+    assert bool((caches[1][:, [6, 3]] == 7.0).all()) and not caches[0].any()
+
+
+def test_the_server_waits_for_a_slot_until_the_engine_scatters_or_it_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full ring holds the server's next claim: cancelled, it raises TransferError; with
+    nobody scattering, RequestTimeoutError after SLOT_TIMEOUT_S."""
+    _, client, ring = _sides(1)
+    _stage(ring, 1, 0, 1.0)
+    with pytest.raises(TransferError, match="staging slot 0"):
+        ring.claims(1, lambda: True).claim(None)
+    monkeypatch.setattr("kvflow.core.server.staging.SLOT_TIMEOUT_S", 0.05)
+    with pytest.raises(RequestTimeoutError, match="staging slot 0"):
+        ring.claims(1, lambda: False).claim(None)
+    assert client.staging is not None
+    client.staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
+    client.staging.pump()
+    assert ring.claims(1, lambda: False).claim(None).numel() == LAYER_BYTES
