@@ -34,6 +34,7 @@ from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, TensorDesc
 from kvflow.kernels import KVLayout, PreparedTransfer
+from kvflow.kernels.idbuffer import IdBuffer
 
 #: most slots a ring may have (each costs three shared int64s and, on CUDA, two events)
 MAX_SLOTS = 64
@@ -163,6 +164,8 @@ class ClientStaging:
                     event.record(torch.cuda.current_stream(layout.device))
             # high priority: a scatter the next layer waits on starts as SMs free up
             self.stream = new_transfer_stream(layout.device, high_priority=True)
+            self._ids = IdBuffer(layout.device)  # each scatter's block ids, uploaded
+            self._last: torch.cuda.Event | None = None  # the last scatter queued
         else:
             from kvflow.core.server.shm import empty_shared
 
@@ -228,15 +231,18 @@ class ClientStaging:
         table, skips = load.rows(chunk_tokens, layout.block_size)
         width = sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
         rows = staged_rows(self.ring[slot], len(skips), width)
-        cuda = self.stream is not None
-        moves = PreparedTransfer.trusted(
-            layout.layer_layout(layer), table, skips, gather=False,
-            backend="cuda" if cuda else "cpu", stream=self.stream,
-        )  # fmt: skip
-        if not cuda:
-            moves.launch_trusted(rows, 0, len(skips))
+        if self.stream is None:
+            PreparedTransfer.trusted(
+                layout.layer_layout(layer), table, skips, gather=False, backend="cpu"
+            ).launch_trusted(rows, 0, len(skips))
             load.landed[layer] = None
             return
+        if self._last is not None and self._last.query():  # every upload so far was read
+            self._ids.reset()
+        moves = PreparedTransfer.trusted(
+            layout.layer_layout(layer), table, skips, gather=False, backend="cuda",
+            stream=self.stream, id_buffer=self._ids,
+        )  # fmt: skip
         torch_stream = self.stream.torch
         if load.caller is not None:
             torch_stream.wait_event(load.caller)
@@ -246,7 +252,7 @@ class ClientStaging:
         self.events[self.slots + slot].record(torch_stream)  # the slot is free again
         done = torch.cuda.Event()
         done.record(torch_stream)
-        load.landed[layer] = done
+        load.landed[layer] = self._last = done
 
 
 def ring_slots(ring: TensorDesc) -> int:
