@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from kvflow.core import KVFlowClient, empty_shared
+from kvflow.core import KVFlowClient
 from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
 from kvflow.core.server.layers import (
     ClientLayers,
@@ -20,26 +20,11 @@ from kvflow.core.server.layers import (
 )
 from kvflow.core.server.protocol import Failed, Retrieve, decode_reply, encode_request
 from tests.e2e.server_proc import running_server
+from tests.support.layer_caches import BS, CHUNK, NL, layer_blocks, shared_caches
 
-NL, NB, BS, NH, HS = 6, 64, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
-CHUNK = 32
 TOKENS = np.arange(1, 4 * CHUNK + 5, dtype=np.int32)  # 4 full chunks and a partial one
 SRC = list(range(0, 9))
 DST = list(range(20, 29))
-
-
-def _caches(seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(NL):
-        t = empty_shared((2, NB, BS, NH, HS), torch.float16)
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.float16))
-        layers.append(t)
-    return layers
-
-
-def _layer(caches: list[torch.Tensor], layer: int, blocks: list[int]) -> torch.Tensor:
-    return caches[layer][:, blocks].clone()
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +37,11 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> object:
 def test_every_layer_is_whole_once_its_wait_returns(endpoint: str) -> None:
     """Each layer's blocks hold the stored KV when its wait returns; the rest are untouched."""
     client = KVFlowClient(endpoint)
-    src, dst = _caches(1), _caches(2)
+    src, dst = shared_caches(1), shared_caches(2)
     client.register_kv_caches("lw-src", src, model_name="lw", block_size=BS)
     client.register_kv_caches("lw-dst", dst, model_name="lw", block_size=BS, layerwise=True)
     assert client.store("lw-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
-    tail = _layer(dst, 0, DST[8:])
+    tail = layer_blocks(dst, 0, DST[8:])
     for attempt in range(2):  # a second retrieve waits on its own (higher) number
         for t in dst:
             t.zero_()
@@ -65,12 +50,12 @@ def test_every_layer_is_whole_once_its_wait_returns(endpoint: str) -> None:
         assert client.last_server_time_s > 0  # the early reply carries its handling time
         for layer in range(NL):
             load.wait_layer(layer)
-            assert torch.equal(_layer(dst, layer, DST[:8]), _layer(src, layer, SRC[:8]))
+            assert torch.equal(layer_blocks(dst, layer, DST[:8]), layer_blocks(src, layer, SRC[:8]))
         assert set(load.waited_s) == set(range(NL))
         waits = load.layer_waits()
         assert len(waits) == NL and all(w >= 0 for w in waits)
         client.report_layer_waits("lw-dst", f"r{attempt}", waits)
-    assert not _layer(dst, 0, DST[8:]).any() and tail.any()  # the partial chunk: not written
+    assert not layer_blocks(dst, 0, DST[8:]).any() and tail.any()  # the partial chunk: not written
     deadline = time.monotonic() + 10  # the server's bus delivers the reports meanwhile
     while client.status()["activity"]["layer_waits"].get("layers") != 2 * NL:
         assert time.monotonic() < deadline, client.status()["activity"]["layer_waits"]
@@ -85,7 +70,7 @@ def test_a_miss_and_a_plain_instance(endpoint: str) -> None:
     """A miss signals every layer; an instance registered without layerwise is refused
     with a clear error, and the server keeps serving it."""
     client = KVFlowClient(endpoint)
-    dst, plain = _caches(3), _caches(4)
+    dst, plain = shared_caches(3), shared_caches(4)
     client.register_kv_caches("lw-miss", dst, model_name="lw", block_size=BS, layerwise=True)
     client.register_kv_caches("lw-plain", plain, model_name="lw", block_size=BS)
     other = np.arange(9000, 9000 + 2 * CHUNK, dtype=np.int32)
@@ -129,14 +114,14 @@ def test_a_layerwise_store_copies_each_layer_once_marked(endpoint: str) -> None:
     written after the request went (but before its mark) is stored as written then;
     nothing is visible before the last layer, and everything is after the reply."""
     client = KVFlowClient(endpoint)
-    src, dst = _caches(5), _caches(6)
+    src, dst = shared_caches(5), shared_caches(6)
     client.register_kv_caches("st-src", src, model_name="st", block_size=BS, layerwise=True)
     client.register_kv_caches("st-dst", dst, model_name="st", block_size=BS)
     tokens = np.arange(50_000, 50_000 + 4 * CHUNK, dtype=np.int32)
     for t in src:
         t[:, SRC].zero_()
     save = client.store_layerwise("st-src", tokens, SRC[:8], request_id="ls")
-    want = _caches(7)  # what the forward pass writes, layer by layer
+    want = shared_caches(7)  # what the forward pass writes, layer by layer
     for layer in range(NL):
         src[layer][:, SRC[:8]] = want[layer][:, SRC[:8]]
         save.layer_done(layer)
@@ -146,7 +131,7 @@ def test_a_layerwise_store_copies_each_layer_once_marked(endpoint: str) -> None:
     assert save.wait(30) == 4 * CHUNK
     assert client.retrieve("st-dst", tokens, DST[:8], request_id="back") == 4 * CHUNK
     for layer in range(NL):
-        assert torch.equal(_layer(dst, layer, DST[:8]), _layer(want, layer, SRC[:8]))
+        assert torch.equal(layer_blocks(dst, layer, DST[:8]), layer_blocks(want, layer, SRC[:8]))
     with pytest.raises(InvalidRequestError, match="layerwise=True"):
         client.store_layerwise("st-dst", tokens, DST[:8], request_id="no")
     client.close()
@@ -157,7 +142,7 @@ def test_a_store_whose_layers_never_come_ends_with_its_instance(endpoint: str) -
     until its instance goes: the store fails naming the layer, nothing becomes visible,
     and the server serves the instance registered again."""
     client = KVFlowClient(endpoint)
-    src = _caches(8)
+    src = shared_caches(8)
     client.register_kv_caches("st-dead", src, model_name="dead", block_size=BS, layerwise=True)
     tokens = np.arange(60_000, 60_000 + 2 * CHUNK, dtype=np.int32)
     save = client.store_layerwise("st-dead", tokens, SRC[:4], request_id="dead")
@@ -202,9 +187,9 @@ def test_a_layerwise_retrieve_is_answered_once(endpoint: str) -> None:
     """A layerwise retrieve replies early (before its copies end) and only then: the job
     that sent the early reply sends no second one when its copies are done."""
     client = KVFlowClient(endpoint, client_id="lw-once-owner")
-    client.register_kv_caches("lw-once-src", _caches(7), model_name="lw-once", block_size=BS)
+    client.register_kv_caches("lw-once-src", shared_caches(7), model_name="lw-once", block_size=BS)
     client.register_kv_caches(
-        "lw-once", _caches(8), model_name="lw-once", block_size=BS, layerwise=True
+        "lw-once", shared_caches(8), model_name="lw-once", block_size=BS, layerwise=True
     )
     assert client.store("lw-once-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
     request = Retrieve(
@@ -223,8 +208,10 @@ def test_the_server_refuses_a_bad_layer_number_or_a_plain_instance_naming_it(
     registered without layerwise=True, each refused with what was wrong; both instances
     are served as before."""
     client = KVFlowClient(endpoint, client_id="lw-raw-owner")
-    client.register_kv_caches("lw-raw", _caches(5), model_name="lw", block_size=BS, layerwise=True)
-    client.register_kv_caches("lw-raw-plain", _caches(6), model_name="lw", block_size=BS)
+    client.register_kv_caches(
+        "lw-raw", shared_caches(5), model_name="lw", block_size=BS, layerwise=True
+    )
+    client.register_kv_caches("lw-raw-plain", shared_caches(6), model_name="lw", block_size=BS)
     refusals = [
         ("lw-raw", -1, "layer_seq must be an integer >= 0, got -1"),
         (

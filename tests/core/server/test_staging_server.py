@@ -15,29 +15,15 @@ from kvflow.core.errors import InvalidRequestError, TransferError, UnknownInstan
 from kvflow.core.server.protocol import Register
 from kvflow.core.server.sharing import describe_kv_caches, describe_tensor
 from tests.e2e.server_proc import running_server
+from tests.support.layer_caches import BS, CHUNK, HS, NH, NL, layer_blocks, shared_caches
 
-NL, NB, BS, NH, HS = 6, 96, 16, 2, 8  # vllm_flash_attn: NL x [2, NB, BS, NH, HS]
-CHUNK = 32
 CHUNKS = 4
 #: one layer of the hit: K and V of CHUNK tokens a chunk, fp16
 LAYER_BYTES = CHUNKS * 2 * CHUNK * NH * HS * 2
 SRC = list(range(0, 2 * CHUNKS))
 #: blocks anywhere and out of order: no layer can go straight into them
-SHUFFLED = [61, 7, 90, 33, 12, 75, 48, 20]
-
-
-def _caches(seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(NL):
-        t = empty_shared((2, NB, BS, NH, HS), torch.float16)
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.float16))
-        layers.append(t)
-    return layers
-
-
-def _layer(caches: list[torch.Tensor], layer: int, blocks: list[int]) -> torch.Tensor:
-    return caches[layer][:, blocks].clone()
+SHUFFLED = [61, 7, 50, 33, 12, 45, 48, 20]
+OTHER = [3, 58, 41, 16, 40, 27, 55, 9]
 
 
 def _tokens(base: int) -> np.ndarray:
@@ -58,9 +44,21 @@ def client(endpoint: str) -> object:
     c.close()
 
 
+def _with_ring(
+    client: KVFlowClient, name: str, seed: int, slots: int, slot_bytes: int = LAYER_BYTES
+) -> list[torch.Tensor]:
+    """Destination caches registered as `name`, layerwise with a ring of `slots`."""
+    dst = shared_caches(seed)
+    client.register_kv_caches(
+        name, dst, model_name="stg", block_size=BS, layerwise=True, staging_slots=slots,
+        staging_slot_bytes=slot_bytes,
+    )  # fmt: skip
+    return dst
+
+
 def _stored(client: KVFlowClient, name: str, seed: int, base: int) -> list[torch.Tensor]:
     """Source caches registered as `name` with CHUNKS chunks of `_tokens(base)` stored."""
-    src = _caches(seed)
+    src = shared_caches(seed)
     client.register_kv_caches(name, src, model_name="stg", block_size=BS)
     assert client.store(name, _tokens(base), SRC, request_id=f"{name}-w") == CHUNKS * CHUNK
     return src
@@ -70,11 +68,7 @@ def test_staged_layers_land_in_blocks_anywhere(client: KVFlowClient) -> None:
     """Each layer lands whole in shuffled blocks when its wait returns, every one of them
     through the ring (a slot holds a layer), the second retrieve as the first."""
     src = _stored(client, "stg-src", 1, 1000)
-    dst = _caches(2)
-    client.register_kv_caches(
-        "stg-dst", dst, model_name="stg", block_size=BS, layerwise=True,
-        staging_slots=2, staging_slot_bytes=LAYER_BYTES,
-    )  # fmt: skip
+    dst = _with_ring(client, "stg-dst", 2, 2)
     for attempt in range(2):
         for t in dst:
             t.zero_()
@@ -84,7 +78,7 @@ def test_staged_layers_land_in_blocks_anywhere(client: KVFlowClient) -> None:
         assert load.hit_tokens == CHUNKS * CHUNK
         for layer in range(NL):
             load.wait_layer(layer)
-            assert torch.equal(_layer(dst, layer, SHUFFLED), _layer(src, layer, SRC))
+            assert torch.equal(layer_blocks(dst, layer, SHUFFLED), layer_blocks(src, layer, SRC))
         assert load.staged_layers == list(range(NL))
 
 
@@ -94,20 +88,16 @@ def test_loads_waited_layer_by_layer_share_the_ring(client: KVFlowClient) -> Non
     both land whole."""
     src_a = _stored(client, "stg-a", 3, 2000)
     src_b = _stored(client, "stg-b", 4, 3000)
-    dst = _caches(5)
-    client.register_kv_caches(
-        "stg-two", dst, model_name="stg", block_size=BS, layerwise=True,
-        staging_slots=1, staging_slot_bytes=LAYER_BYTES,
-    )  # fmt: skip
-    blocks_a, blocks_b = SHUFFLED, [3, 88, 41, 16, 70, 27, 55, 9]
+    dst = _with_ring(client, "stg-two", 5, 1)
+    blocks_a, blocks_b = SHUFFLED, OTHER
     load_a = client.retrieve_layerwise("stg-two", _tokens(2000), blocks_a, request_id="a")
     load_b = client.retrieve_layerwise("stg-two", _tokens(3000), blocks_b, request_id="b")
     for layer in range(NL):
         load_a.wait_layer(layer)
         load_b.wait_layer(layer)
     for layer in range(NL):
-        assert torch.equal(_layer(dst, layer, blocks_a), _layer(src_a, layer, SRC))
-        assert torch.equal(_layer(dst, layer, blocks_b), _layer(src_b, layer, SRC))
+        assert torch.equal(layer_blocks(dst, layer, blocks_a), layer_blocks(src_a, layer, SRC))
+        assert torch.equal(layer_blocks(dst, layer, blocks_b), layer_blocks(src_b, layer, SRC))
     assert load_a.staged_layers == load_b.staged_layers == list(range(NL))
 
 
@@ -115,40 +105,36 @@ def test_a_layer_larger_than_a_slot_is_scattered_by_the_server(client: KVFlowCli
     """A slot one byte short of a layer takes none: the server scatters every layer, and
     they land all the same; skipped blocks stay untouched."""
     src = _stored(client, "stg-big", 6, 4000)
-    dst = _caches(7)
-    client.register_kv_caches(
-        "stg-small", dst, model_name="stg", block_size=BS, layerwise=True,
-        staging_slots=2, staging_slot_bytes=LAYER_BYTES - 1,
-    )  # fmt: skip
-    before = _layer(dst, 0, SHUFFLED[:1])
+    dst = _with_ring(client, "stg-small", 7, 2, LAYER_BYTES - 1)
+    before = layer_blocks(dst, 0, SHUFFLED[:1])
     load = client.retrieve_layerwise(
         "stg-small", _tokens(4000), SHUFFLED, request_id="big", skip_first_n_tokens=BS
     )
     load.wait()
     assert load.staged_layers == []
     for layer in range(NL):
-        assert torch.equal(_layer(dst, layer, SHUFFLED[1:]), _layer(src, layer, SRC[1:]))
-    assert torch.equal(_layer(dst, 0, SHUFFLED[:1]), before)
+        assert torch.equal(
+            layer_blocks(dst, layer, SHUFFLED[1:]), layer_blocks(src, layer, SRC[1:])
+        )
+    assert torch.equal(layer_blocks(dst, 0, SHUFFLED[:1]), before)
 
 
 def test_a_skipped_prefix_is_left_alone_by_the_engines_scatter(client: KVFlowClient) -> None:
     """With the first block skipped, the engine's scatter writes every other block of the
     hit and leaves that one as it was."""
     src = _stored(client, "stg-skip-src", 8, 5000)
-    dst = _caches(9)
-    client.register_kv_caches(
-        "stg-skip", dst, model_name="stg", block_size=BS, layerwise=True,
-        staging_slots=2, staging_slot_bytes=LAYER_BYTES,
-    )  # fmt: skip
-    before = [_layer(dst, layer, SHUFFLED[:1]) for layer in range(NL)]
+    dst = _with_ring(client, "stg-skip", 9, 2)
+    before = [layer_blocks(dst, layer, SHUFFLED[:1]) for layer in range(NL)]
     load = client.retrieve_layerwise(
         "stg-skip", _tokens(5000), SHUFFLED, request_id="skip", skip_first_n_tokens=BS
     )
     load.wait()
     assert load.staged_layers == list(range(NL))
     for layer in range(NL):
-        assert torch.equal(_layer(dst, layer, SHUFFLED[1:]), _layer(src, layer, SRC[1:]))
-        assert torch.equal(_layer(dst, layer, SHUFFLED[:1]), before[layer])
+        assert torch.equal(
+            layer_blocks(dst, layer, SHUFFLED[1:]), layer_blocks(src, layer, SRC[1:])
+        )
+        assert torch.equal(layer_blocks(dst, layer, SHUFFLED[:1]), before[layer])
 
 
 def test_a_load_nobody_waits_for_ends_with_its_instance(client: KVFlowClient) -> None:
@@ -156,7 +142,7 @@ def test_a_load_nobody_waits_for_ends_with_its_instance(client: KVFlowClient) ->
     its instance goes: the retrieve fails from the layer it could not stage, the server
     serves other instances meanwhile and the instance registered again."""
     src = _stored(client, "stg-dead-src", 10, 6000)
-    dst = _caches(11)
+    dst = shared_caches(11)
     kwargs = dict(
         model_name="stg", block_size=BS, layerwise=True, staging_slots=1,
         staging_slot_bytes=LAYER_BYTES,
@@ -171,7 +157,7 @@ def test_a_load_nobody_waits_for_ends_with_its_instance(client: KVFlowClient) ->
     client.register_kv_caches("stg-dead", dst, **kwargs)
     again = client.retrieve_layerwise("stg-dead", _tokens(6000), SHUFFLED, request_id="again")
     again.wait()
-    assert torch.equal(_layer(dst, NL - 1, SHUFFLED), _layer(src, NL - 1, SRC))
+    assert torch.equal(layer_blocks(dst, NL - 1, SHUFFLED), layer_blocks(src, NL - 1, SRC))
 
 
 def test_waits_from_two_threads_share_one_pump(client: KVFlowClient) -> None:
@@ -179,14 +165,9 @@ def test_waits_from_two_threads_share_one_pump(client: KVFlowClient) -> None:
     both land whole."""
     src_a = _stored(client, "stg-ta", 12, 7000)
     src_b = _stored(client, "stg-tb", 13, 8000)
-    dst = _caches(14)
-    client.register_kv_caches(
-        "stg-threads", dst, model_name="stg", block_size=BS, layerwise=True,
-        staging_slots=2, staging_slot_bytes=LAYER_BYTES,
-    )  # fmt: skip
-    blocks_b = [3, 88, 41, 16, 70, 27, 55, 9]
+    dst = _with_ring(client, "stg-threads", 14, 2)
     load_a = client.retrieve_layerwise("stg-threads", _tokens(7000), SHUFFLED, request_id="ta")
-    load_b = client.retrieve_layerwise("stg-threads", _tokens(8000), blocks_b, request_id="tb")
+    load_b = client.retrieve_layerwise("stg-threads", _tokens(8000), OTHER, request_id="tb")
     errors: list[BaseException] = []
 
     def wait_b() -> None:
@@ -201,8 +182,8 @@ def test_waits_from_two_threads_share_one_pump(client: KVFlowClient) -> None:
     thread.join(30)
     assert not thread.is_alive() and not errors
     for layer in range(NL):
-        assert torch.equal(_layer(dst, layer, SHUFFLED), _layer(src_a, layer, SRC))
-        assert torch.equal(_layer(dst, layer, blocks_b), _layer(src_b, layer, SRC))
+        assert torch.equal(layer_blocks(dst, layer, SHUFFLED), layer_blocks(src_a, layer, SRC))
+        assert torch.equal(layer_blocks(dst, layer, OTHER), layer_blocks(src_b, layer, SRC))
 
 
 @pytest.mark.parametrize(
@@ -216,7 +197,7 @@ def test_waits_from_two_threads_share_one_pump(client: KVFlowClient) -> None:
 def test_a_ring_that_cannot_be_is_refused_before_sending(
     client: KVFlowClient, slots: int, slot_bytes: int, match: str
 ) -> None:
-    dst = _caches(15)
+    dst = shared_caches(15)
     kwargs = dict(layerwise=True, staging_slots=slots, staging_slot_bytes=slot_bytes)
     if slots == 0:  # no ring asked for with a slot size: nothing to refuse
         client.register_kv_caches("stg-none", dst, model_name="stg", block_size=BS, **kwargs)
@@ -228,7 +209,7 @@ def test_a_ring_that_cannot_be_is_refused_before_sending(
 def test_a_ring_without_layerwise_is_refused(client: KVFlowClient) -> None:
     with pytest.raises(InvalidRequestError, match="staging_slots needs layerwise=True"):
         client.register_kv_caches(
-            "stg-plain", _caches(16), model_name="stg", block_size=BS, staging_slots=2,
+            "stg-plain", shared_caches(16), model_name="stg", block_size=BS, staging_slots=2,
             staging_slot_bytes=LAYER_BYTES,
         )  # fmt: skip
 
@@ -250,7 +231,7 @@ def test_a_bad_ring_on_the_wire_is_refused_and_the_server_serves_on(
 ) -> None:
     """A Register whose ring is not [slots, bytes] uint8, or whose flags lack the ring's
     words, gets an error naming it; the instance is not registered."""
-    dst = _caches(17)
+    dst = shared_caches(17)
     shape = (2 * 64,) if ring is torch.uint8 and words == 2 else (2, 64)
     buffer = empty_shared(shape, ring)
     flag_words = 2 * NL + (2 + 3 * 2 if words == 2 else 0)
