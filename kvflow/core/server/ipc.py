@@ -162,3 +162,13 @@ def open_interprocess_event(handle: bytes, device: int) -> torch.cuda.Event:
         return torch.cuda.Event.from_ipc_handle(device, handle)
     except Exception as exc:  # torch raises RuntimeError for a bad handle
         raise InvalidRequestError(f"cannot open the engine's CUDA IPC event: {exc}") from None
+
+
+def open_interprocess_events(
+    handles: list[bytes], device: int, expected: int, what: str
+) -> list[torch.cuda.Event]:
+    """Open `expected` interprocess events of a Register, counted before any is opened;
+    InvalidRequestError naming `what` (their count and order) for another count."""
+    if len(handles) != expected:
+        raise InvalidRequestError(f"{what}: got {len(handles)} events, expected {expected}")
+    return [open_interprocess_event(h, device) for h in handles]

@@ -334,14 +334,13 @@ def open_server_layers(
     events = None
     if event_handles is not None:
         assert cuda_device is not None
-        from kvflow.core.server.ipc import open_interprocess_event
+        from kvflow.core.server.ipc import open_interprocess_events
 
-        if len(event_handles) != 2 * num_layers:
-            raise InvalidRequestError(
-                f"layerwise registration gives {len(event_handles)} layer events for"
-                f" {num_layers} layers (one per layer for retrieves, one for stores)"
-            )
-        events = [open_interprocess_event(h, cuda_device) for h in event_handles]
+        events = open_interprocess_events(
+            event_handles, cuda_device, 2 * num_layers,
+            f"layer events for {num_layers} layers (one per layer for retrieves, one for"
+            " stores)",
+        )  # fmt: skip
     from kvflow.core.server.sharing import open_kv_caches
 
     opened = open_kv_caches(KVCachesDesc(kind="tensor", tensors=[flags]))

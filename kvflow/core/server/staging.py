@@ -272,7 +272,8 @@ def open_server_staging(
     control: torch.Tensor,
 ) -> tuple[ServerStaging, Any]:  # fmt: skip
     """Open a Register's staging ring: (ServerStaging, what to `release()` once the
-    instance goes). `control`: its words in the opened layer flags."""
+    instance goes). `control`: its words in the opened layer flags (sized for the ring
+    by `open_server_layers`)."""
     slots = ring_slots(ring)
     on_cuda = isinstance(ring.memory, CudaIpcMemory)
     if on_cuda != (cuda_device is not None) or (event_handles is not None) != on_cuda:
@@ -280,22 +281,15 @@ def open_server_staging(
             "a staging ring lives with the caches (GPU memory and its events for GPU caches,"
             " shared memory without events for CPU caches)"
         )
-    if int(control.numel()) != control_words(slots):
-        raise InvalidRequestError(
-            f"layer flags hold {control.numel()} staging words for a ring of {slots} slots:"
-            f" expected {control_words(slots)}"
-        )
     events = None
     if event_handles is not None:
         assert cuda_device is not None
-        from kvflow.core.server.ipc import open_interprocess_event
+        from kvflow.core.server.ipc import open_interprocess_events
 
-        if len(event_handles) != 2 * slots:
-            raise InvalidRequestError(
-                f"a staging ring of {slots} slots gives {len(event_handles)} events: expected"
-                f" {2 * slots} (copied, then scattered, per slot)"
-            )
-        events = [open_interprocess_event(h, cuda_device) for h in event_handles]
+        events = open_interprocess_events(
+            event_handles, cuda_device, 2 * slots,
+            f"staging events for {slots} slots (copied, then scattered, per slot)",
+        )  # fmt: skip
     from kvflow.core.server.protocol import KVCachesDesc
     from kvflow.core.server.sharing import open_kv_caches
 
