@@ -13,14 +13,33 @@ PREFIX = "kvflow."
 def seconds(key: str, value: Any, low: float, high: float) -> float:
     """`value` as a finite number of seconds in [low, high] (numbers or numeric strings;
     booleans refused)."""
+    return amount(key, value, low, high, "seconds")
+
+
+def amount(key: str, value: Any, low: float, high: float, unit: str) -> float:
+    """`value` as a finite number of `unit` in [low, high] (numbers or numeric strings;
+    booleans refused)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}")
+        raise ValueError(f"{PREFIX}{key} must be a number of {unit}, got {value!r}")
     try:
         number = float(value)
     except ValueError:
-        raise ValueError(f"{PREFIX}{key} must be a number of seconds, got {value!r}") from None
+        raise ValueError(f"{PREFIX}{key} must be a number of {unit}, got {value!r}") from None
     if not math.isfinite(number) or not low <= number <= high:
-        raise ValueError(f"{PREFIX}{key} must be in [{low:g}, {high:g}] seconds, got {value!r}")
+        raise ValueError(f"{PREFIX}{key} must be in [{low:g}, {high:g}] {unit}, got {value!r}")
+    return number
+
+
+def whole(key: str, value: Any, low: int, high: int) -> int:
+    """`value` as a whole number in [low, high] (ints or their strings; booleans refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{PREFIX}{key} must be a whole number, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{key} must be a whole number, got {value!r}") from None
+    if not low <= number <= high:
+        raise ValueError(f"{PREFIX}{key} must be in [{low}, {high}], got {value!r}")
     return number
 
 

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvflow.integrations.extra_config import PREFIX, seconds, text
+from kvflow.core.server.staging import MAX_SLOTS
+from kvflow.integrations.extra_config import PREFIX, amount, seconds, text, whole
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -55,6 +56,12 @@ class ConnectorConfig:
     #: load layer by layer, each layer waited for right before its attention (None: on
     #: for CUDA caches, where the copy hides behind the forward pass; off on CPU)
     layerwise: bool | None = None
+    #: with layerwise loads: a staging ring of this many slots (0: none) of
+    #: `staging_slot_mb` each in the worker's GPU memory, where the server stages a layer
+    #: whose blocks need a scatter and the worker scatters it (docs/ENGINE.md, "Staging in
+    #: the engine"); a slot should hold one layer of the longest prompt
+    staging_slots: int = 0
+    staging_slot_mb: float = 0.0
     #: the prefix of the registered instance ids (`<prefix>-rank<r>`; default: vLLM's engine id)
     instance_id: str | None = None
     #: CURVE: the server's public key (NAME.key or its 40 Z85 characters) ...
@@ -78,6 +85,13 @@ class ConnectorConfig:
                 )
             values[key] = cls._parse(key, value)
         config = cls(**values)
+        if (config.staging_slots > 0) != (config.staging_slot_mb > 0):
+            raise ValueError(
+                f"{PREFIX}staging_slots and {PREFIX}staging_slot_mb go together (how many"
+                " slots, how large each)"
+            )
+        if config.staging_slots and config.layerwise is False:
+            raise ValueError(f"{PREFIX}staging_slots needs layerwise loads ({PREFIX}layerwise)")
         if (config.curve_server_key is None) != (config.curve_key is None):
             raise ValueError(
                 f"{PREFIX}curve_server_key and {PREFIX}curve_key go together (the server's"
@@ -123,4 +137,8 @@ class ConnectorConfig:
             return seconds(key, value, 0.001, 600.0)
         if key in ("load", "store", "report_allocations", "recompute_failed_loads", "layerwise"):
             return _bool(key, value)
+        if key == "staging_slots":
+            return whole(key, value, 0, MAX_SLOTS)
+        if key == "staging_slot_mb":
+            return amount(key, value, 0.0, 65536.0, "MiB")
         return text(key, value)

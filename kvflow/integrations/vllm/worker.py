@@ -75,6 +75,8 @@ class WorkerSide:
         #: tokens retrieved and stored by this worker, for tests and logs
         self.loaded_tokens = 0
         self.stored_tokens = 0
+        #: layers of layerwise loads that came through the staging ring
+        self.staged_layers = 0
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], block_size: int) -> None:
         """Register vLLM's KV caches (CPU ones are first moved into shared memory, in place)."""
@@ -106,6 +108,8 @@ class WorkerSide:
                 kv_format=KV_FORMAT,
                 takeover=True,
                 layerwise=self._layerwise,
+                staging_slots=self.config.staging_slots if self._layerwise else 0,
+                staging_slot_bytes=int(self.config.staging_slot_mb * (1 << 20)),
             )
         except Exception as exc:
             log.error(
@@ -117,13 +121,19 @@ class WorkerSide:
             )
             return
         self.registered = True
+        ring = self.config.staging_slots
         log.info(
             "kvflow: registered %d layers of %s as %s through %s%s",
             len(views),
             device,
             self.instance_id,
             how,
-            ", loading layer by layer" if self._layerwise else "",
+            (
+                ", loading layer by layer"
+                + (f" (staging ring of {self.config.staging_slots} slots)" if ring else "")
+                if self._layerwise
+                else ""
+            ),
         )
 
     def load(self, plan: StepPlan) -> None:
@@ -196,6 +206,7 @@ class WorkerSide:
         for layer in layers:
             self._wait_index(layer)
         for load, spec in self._pending:
+            self.staged_layers += len(load.staged_layers)
             self._reports.submit(self._report_waits, load, spec.req_id)
         self._pending = []
 

@@ -70,6 +70,10 @@ def test_config_reads_only_kvflow_keys() -> None:
     assert config.endpoint == "tcp://10.0.0.1:6000" and config.timeout_s == 5.0
     assert config.store is False and config.load is True and config.model_name == "m"
     assert ConnectorConfig.from_extra_config(None) == ConnectorConfig()
+    ring = ConnectorConfig.from_extra_config(
+        {"kvflow.staging_slots": "4", "kvflow.staging_slot_mb": "128"}
+    )
+    assert ring.staging_slots == 4 and ring.staging_slot_mb == 128.0
 
 
 @pytest.mark.parametrize(
@@ -83,6 +87,16 @@ def test_config_reads_only_kvflow_keys() -> None:
         ({"kvflow.load": "maybe"}, "kvflow.load must be a boolean"),
         ({"kvflow.recompute_failed_loads": 2}, "kvflow.recompute_failed_loads must be a boolean"),
         ({"kvflow.curve_key": "c.key_secret"}, "go together"),
+        ({"kvflow.staging_slots": 65, "kvflow.staging_slot_mb": 8}, r"in \[0, 64\]"),
+        ({"kvflow.staging_slots": "2.5"}, "kvflow.staging_slots must be a whole number"),
+        ({"kvflow.staging_slots": True}, "kvflow.staging_slots must be a whole number"),
+        ({"kvflow.staging_slot_mb": "lots"}, "kvflow.staging_slot_mb must be a number of MiB"),
+        ({"kvflow.staging_slots": 2}, "staging_slots and kvflow.staging_slot_mb go together"),
+        ({"kvflow.staging_slot_mb": 8}, "staging_slots and kvflow.staging_slot_mb go together"),
+        (
+            {"kvflow.staging_slots": 2, "kvflow.staging_slot_mb": 8, "kvflow.layerwise": "off"},
+            "kvflow.staging_slots needs layerwise loads",
+        ),
     ],
 )
 def test_config_refuses_bad_values(extra: dict[str, Any], message: str) -> None:
@@ -568,23 +582,27 @@ def test_cuda_caches_register_by_ipc_and_load_byte_for_byte(endpoint: str, layer
         scheduler.shutdown()
 
 
-def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str) -> None:
+@pytest.mark.parametrize("slots", [0, 1], ids=["no-ring", "ring"])
+def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str, slots: int) -> None:
     """With kvflow.layerwise each layer's blocks hold the prefix once vLLM's wait for that
     layer returns; finish_loads waits for the layers vLLM did not ask for; a layerwise
-    miss reports its blocks like any load."""
+    miss reports its blocks like any load. With a staging ring of one slot (a layer of
+    the prompt), every layer comes through it."""
     writer = WorkerSide(
-        _config(endpoint), model_name=MODEL, world_size=1, rank=0, instance_id="lw-w-rank0"
-    )
+        _config(endpoint), model_name=MODEL, world_size=1, rank=0,
+        instance_id=f"lw-w{slots}-rank0",
+    )  # fmt: skip
+    ring = {"staging_slots": slots, "staging_slot_mb": 1.0} if slots else {}
     reader = WorkerSide(
-        _config(endpoint, layerwise=True), model_name=MODEL, world_size=1, rank=0,
-        instance_id="lw-r-rank0",
+        _config(endpoint, layerwise=True, **ring), model_name=MODEL, world_size=1, rank=0,
+        instance_id=f"lw-r{slots}-rank0",
     )  # fmt: skip
     try:
         src_caches, dst_caches = _vllm_cpu_caches(), _vllm_cpu_caches()
         writer.register(src_caches, BLOCK)
         reader.register(dst_caches, BLOCK)
         src, dst = kvflow_views(src_caches, "rows"), kvflow_views(dst_caches, "rows")
-        prompt = np.arange(4000, 4000 + 2 * CHUNK, dtype=np.int32)
+        prompt = np.arange(4000 + 1000 * slots, 4000 + 1000 * slots + 2 * CHUNK, dtype=np.int32)
         a_blocks, b_blocks = [3, 7, 1, 9], [11, 12, 13, 14]
         for view in src:
             view[:, a_blocks].copy_(torch.randn_like(view[:, a_blocks]))
@@ -598,6 +616,7 @@ def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str) -> None:
         assert torch.equal(dst[-1][:, b_blocks], src[-1][:, a_blocks])
         assert reader.take_load_errors() == set()
         assert reader.loaded_tokens == 2 * CHUNK
+        assert reader.staged_layers == (len(names) if slots else 0)
         # the load's per-layer waits reach the server (in the background)
         with KVFlowClient(endpoint) as probe:
             deadline = time.monotonic() + 10
@@ -605,7 +624,8 @@ def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str) -> None:
                 assert time.monotonic() < deadline, "the layer waits never reached the server"
                 time.sleep(0.05)
 
-        missing = LoadSpec("m", np.arange(9000, 9000 + CHUNK, dtype=np.int32), [5, 6], 0)
+        absent = np.arange(9000 + 1000 * slots, 9000 + 1000 * slots + CHUNK, dtype=np.int32)
+        missing = LoadSpec("m", absent, [5, 6], 0)
         reader.load(StepPlan(loads=[missing]))
         reader.wait_layer(names[0])
         reader.finish_loads()
