@@ -727,6 +727,7 @@ class KVFlowServer:
                     "client": reg.client,
                     "worker": reg.worker.name,
                     "registered_s_ago": round(now - reg.registered_at, 3),
+                    "staging": _staging_stats(reg),
                 }
                 for reg in self._registry.all()
             },
@@ -737,3 +738,10 @@ class KVFlowServer:
             "kv_events": self.kv_events.status() if self.kv_events is not None else None,
         }
         return status
+
+
+def _staging_stats(reg: Registration) -> dict[str, Any] | None:
+    """An instance's staging ring (kvflow.core.server.staging), or None without one."""
+    layers = reg.layers
+    staging = layers.staging if layers is not None else None
+    return staging.stats() if staging is not None else None

@@ -75,6 +75,17 @@ class ServerStaging:
         self.control = control
         self.copied = events[: self.slots] if events is not None else None
         self.scattered = events[self.slots :] if events is not None else None
+        #: seconds the server waited for free slots, all claims together
+        self.waited_s = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """The ring for `kvflow status`: its size, layers staged so far, slot waits."""
+        return {
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "staged_layers": int(self.control[HEAD]),
+            "slot_wait_s": round(self.waited_s, 6),
+        }
 
     def claims(self, seq: int, cancelled: Callable[[], bool]) -> SlotClaims:
         """The `Staging` (kvflow.core.engine.layerwise) of retrieve number `seq`, given up
@@ -96,7 +107,7 @@ class SlotClaims:
         st, control = self._staging, self._staging.control
         use = int(control[HEAD])
         slot = use % st.slots
-        poll_until(
+        st.waited_s += poll_until(
             lambda: int(control[TAIL]) > use - st.slots,
             SLOT_TIMEOUT_S,
             f"staging slot {slot} (the engine scatters only while it waits for layers)",

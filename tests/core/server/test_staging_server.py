@@ -80,6 +80,10 @@ def test_staged_layers_land_in_blocks_anywhere(client: KVFlowClient) -> None:
             load.wait_layer(layer)
             assert torch.equal(layer_blocks(dst, layer, SHUFFLED), layer_blocks(src, layer, SRC))
         assert load.staged_layers == list(range(NL))
+    ring = client.status()["server"]["instances"]["stg-dst"]["staging"]
+    assert ring["slots"] == 2 and ring["slot_bytes"] == LAYER_BYTES
+    assert ring["staged_layers"] == 2 * NL and ring["slot_wait_s"] >= 0
+    assert client.status()["server"]["instances"]["stg-src"]["staging"] is None
 
 
 def test_loads_waited_layer_by_layer_share_the_ring(client: KVFlowClient) -> None:
