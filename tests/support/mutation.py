@@ -60,6 +60,13 @@ REDIS_TESTS = [
     "tests/core/tiers/test_tier_contract.py",
 ]
 
+#: the layerwise paths' CPU tests through a real server, and the ring's bookkeeping
+LAYERWISE_TESTS = [
+    "tests/core/server/test_layerwise_server.py",
+    "tests/core/server/test_staging_server.py",
+    "tests/core/server/test_staging.py",
+]
+
 # The modules issue 23 names (engine, tiers, server, bus), each with the CPU tests that
 # exercise it. A module missing here gets the test_<name>*.py files of its mirrored tests
 # folder (kvflow/core/tiers/disk.py -> tests/core/tiers/test_disk*.py), or the whole folder.
@@ -139,6 +146,10 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_server_hardening.py",
     ],
     "kvflow/core/server/shm.py": ["tests/core/server/test_shm.py"],
+    # the engine's staging ring and the layer completion points it rides on (issue 35)
+    "kvflow/core/server/staging.py": LAYERWISE_TESTS,
+    "kvflow/core/server/layers.py": LAYERWISE_TESTS,
+    "kvflow/core/server/polling.py": LAYERWISE_TESTS,
     "kvflow/core/server/curve.py": [
         "tests/core/server/test_curve.py",
         "tests/core/server/test_curve_keys.py",
@@ -290,6 +301,10 @@ MODULES = [
     "kvflow/core/server/jobs.py",
     "kvflow/core/server/registry.py",
     "kvflow/core/server/cli.py",
+    # added with the engine's staging ring (issue 35)
+    "kvflow/core/server/staging.py",
+    "kvflow/core/server/layers.py",
+    "kvflow/core/server/polling.py",
 ]
 
 
