@@ -4,6 +4,8 @@ back."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -37,24 +39,48 @@ def _stage(ring: ServerStaging, seq: int, layer: int, value: float) -> None:
     claims.staged(layer, CHUNK, None)
 
 
-def test_a_load_that_never_came_back_frees_its_slot_unread() -> None:
-    """A use of a retrieve whose call failed (dropped) is skipped, the next load's use is
-    scattered into its blocks; a use whose load is not back yet waits in the ring."""
-    caches, client, ring = _sides(1)
+def test_a_load_that_never_came_back_frees_its_slots_unread() -> None:
+    """Every use of a retrieve whose call failed (dropped) is skipped, the next load's use
+    is scattered into its blocks; a use whose load is not back yet waits in the ring."""
+    caches, client, ring = _sides(2)
     staging = client.staging
     assert staging is not None
     _stage(ring, 1, 0, 5.0)  # retrieve 1: its reply never reached the caller
+    _stage(ring, 1, 1, 5.0)
     staging.pump()
-    assert int(staging.control[TAIL]) == 0  # not back, not dropped: the use waits
+    assert int(staging.control[TAIL]) == 0  # not back, not dropped: the uses wait
     staging.drop(1)
     staging.pump()
-    assert int(staging.control[TAIL]) == 1 and not any(c.any() for c in caches)
-    load = staging.add_load(2, np.array([6, 3], dtype=np.int32), CHUNK, 0)
-    _stage(ring, 2, 1, 7.0)
+    assert int(staging.control[TAIL]) == 2 and not any(c.any() for c in caches)
+    staging.drop(2)  # another call that failed
+    _stage(ring, 2, 0, 6.0)
+    load = staging.add_load(3, np.array([6, 3], dtype=np.int32), CHUNK, 0)
+    _stage(ring, 3, 1, 7.0)
     staging.pump()
-    assert int(staging.control[HEAD]) == int(staging.control[TAIL]) == 2
+    assert int(staging.control[HEAD]) == int(staging.control[TAIL]) == 4
     assert staging.landed(load, 1) == (True, None) and staging.landed(load, 0) == (False, None)
     assert bool((caches[1][:, [6, 3]] == 7.0).all()) and not caches[0].any()
+
+
+def test_slot_waits_add_up_across_claims() -> None:
+    """The ring's stats count its uses and the seconds the server waited for free slots,
+    every claim's wait added (none while slots are free)."""
+    _, client, ring = _sides(1)
+    staging = client.staging
+    assert staging is not None
+    staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
+    _stage(ring, 1, 0, 1.0)  # a free slot: no wait
+    assert ring.stats() == {
+        "slots": 1, "slot_bytes": LAYER_BYTES, "staged_layers": 1,
+        "slot_wait_s": pytest.approx(0.0, abs=0.05),
+    }  # fmt: skip
+    for layer in (1, 0):  # each claim waits ~0.2 s for the engine's pump
+        timer = threading.Timer(0.2, staging.pump)
+        timer.start()
+        _stage(ring, 1, layer, 2.0)
+        timer.join()
+    stats = ring.stats()
+    assert stats["staged_layers"] == 3 and 0.38 <= stats["slot_wait_s"] < 30
 
 
 def test_the_server_waits_for_a_slot_until_the_engine_scatters_or_it_is_cancelled(

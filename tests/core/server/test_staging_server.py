@@ -103,6 +103,8 @@ def test_loads_waited_layer_by_layer_share_the_ring(client: KVFlowClient) -> Non
         assert torch.equal(layer_blocks(dst, layer, blocks_a), layer_blocks(src_a, layer, SRC))
         assert torch.equal(layer_blocks(dst, layer, blocks_b), layer_blocks(src_b, layer, SRC))
     assert load_a.staged_layers == load_b.staged_layers == list(range(NL))
+    # one slot for twelve layers: the server waited for the engine's pumps
+    assert client.status()["server"]["instances"]["stg-two"]["staging"]["slot_wait_s"] > 0
 
 
 def test_a_layer_larger_than_a_slot_is_scattered_by_the_server(client: KVFlowClient) -> None:
@@ -190,6 +192,18 @@ def test_waits_from_two_threads_share_one_pump(client: KVFlowClient) -> None:
         assert torch.equal(layer_blocks(dst, layer, OTHER), layer_blocks(src_b, layer, SRC))
 
 
+def test_the_largest_ring_of_the_smallest_slots_is_taken(client: KVFlowClient) -> None:
+    """64 slots of one byte are a ring: no layer fits, so the server scatters them all."""
+    src = _stored(client, "stg-tiny-src", 19, 10_000)
+    dst = _with_ring(client, "stg-tiny", 20, 64, 1)
+    load = client.retrieve_layerwise("stg-tiny", _tokens(10_000), SHUFFLED, request_id="t")
+    load.wait()
+    assert load.staged_layers == []
+    assert torch.equal(layer_blocks(dst, 0, SHUFFLED), layer_blocks(src, 0, SRC))
+    ring = client.status()["server"]["instances"]["stg-tiny"]["staging"]
+    assert (ring["slots"], ring["slot_bytes"], ring["staged_layers"]) == (64, 1, 0)
+
+
 @pytest.mark.parametrize(
     ("slots", "slot_bytes", "match"),
     [
@@ -220,6 +234,28 @@ def test_a_ring_without_layerwise_is_refused(client: KVFlowClient) -> None:
 
 def _register(client: KVFlowClient, request: Register) -> None:
     client._call(request)  # a request kvflow's client would not build, as it is sent
+
+
+def test_staging_events_with_cpu_caches_are_refused(client: KVFlowClient) -> None:
+    """A ring in shared memory for CPU caches that comes with CUDA events is refused
+    naming the rule; the instance is not registered."""
+    dst = shared_caches(21)
+    ring = empty_shared((2, 64), torch.uint8)
+    flags = empty_shared((2 * NL + 2 + 3 * 2) * 8, torch.uint8)
+    request = Register(
+        instance_id="stg-events", kv_caches=describe_kv_caches(dst), model_name="stg",
+        block_size=BS, layer_flags=describe_tensor(flags, "flags"),
+        layer_staging=describe_tensor(ring, "ring"),
+        layer_staging_event_handles=[bytes(64)] * 4,
+    )  # fmt: skip
+    rule = (
+        r"^a staging ring lives with the caches \(GPU memory and its events for GPU caches,"
+        r" shared memory without events for CPU caches\)$"
+    )
+    with pytest.raises(InvalidRequestError, match=rule):
+        _register(client, request)
+    with pytest.raises(UnknownInstanceError, match="'stg-events' is not registered"):
+        client.retrieve("stg-events", _tokens(1000), SHUFFLED, request_id="x")
 
 
 @pytest.mark.parametrize(
