@@ -230,6 +230,17 @@ class ClientStaging:
                     self._scatter(load, slot, layer, chunk_tokens)
                 self._forget_before(seq)
                 control[TAIL] = use + 1
+            if self._loads:  # every use written is scattered: forget loads that had none
+                # (all their layers went straight into blocks): the server replied to the
+                # latest load after it finished every earlier retrieve, uses included
+                self._forget_before(max(self._loads))
+
+    @property
+    def loads_held(self) -> int:
+        """Loads whose staged layers may still come (the latest answered one, and those
+        whose uses are not all scattered yet)."""
+        with self._lock:
+            return len(self._loads)
 
     def _forget_before(self, seq: int) -> None:
         """Uses come in retrieve order: loads before `seq` have no more of them."""

@@ -99,3 +99,22 @@ def test_the_server_waits_for_a_slot_until_the_engine_scatters_or_it_is_cancelle
     client.staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
     client.staging.pump()
     assert ring.claims(1, lambda: False).claim(None).numel() == LAYER_BYTES
+
+
+def test_loads_without_staged_layers_are_not_held() -> None:
+    """Loads none of whose layers came through the ring (all straight into blocks, or
+    too large for a slot) are forgotten once a later one is answered and the ring is
+    drained: an engine whose blocks are in order holds one at most."""
+    caches, client, ring = _sides(1)
+    staging = client.staging
+    assert staging is not None
+    for seq in range(1, 6):
+        staging.add_load(seq, np.array([0, 1], dtype=np.int32), CHUNK, 0)
+        staging.pump()
+        assert staging.loads_held == 1
+    staging.drop(6)  # a call that failed: its uses, if any, may still come
+    _stage(ring, 6, 0, 3.0)
+    staging.add_load(7, np.array([2, 3], dtype=np.int32), CHUNK, 0)
+    staging.pump()  # the dropped use freed unread, load 5 forgotten
+    assert staging.loads_held == 1 and int(staging.control[TAIL]) == 1
+    assert not any(c.any() for c in caches)
