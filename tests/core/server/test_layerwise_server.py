@@ -94,13 +94,15 @@ def test_flags_tell_landed_failed_and_late_apart() -> None:
     marks.failed(1)
     load = LayerwiseLoad(64, client_side, 2, timeout_s=0.05)
     load.wait_layer(0)
-    with pytest.raises(TransferError, match="layer 1"):
+    with pytest.raises(TransferError, match=r"^the layerwise retrieve failed before layer 1$"):
         load.wait_layer(1)
     earlier = LayerwiseLoad(64, client_side, 1, timeout_s=0.05)
     earlier.wait()  # a later retrieve's marks (landed or failed) mean retrieve 1 finished
     ServerLayers(3, None, raw).signal(3).ready(0, None)
     late = LayerwiseLoad(64, client_side, 4, timeout_s=0.05)
-    with pytest.raises(RequestTimeoutError, match="layer 0"):
+    with pytest.raises(
+        RequestTimeoutError, match=r"^layer 0 of the layerwise retrieve: nothing within 0\.05 s$"
+    ):
         late.wait_layer(0)
     with pytest.raises(InvalidRequestError, match="shape"):
         ServerLayers(4, None, raw)
@@ -149,7 +151,9 @@ def test_a_store_whose_layers_never_come_ends_with_its_instance(endpoint: str) -
     save.layer_done(0)
     time.sleep(0.2)  # the server waits for layer 1
     client.unregister("st-dead")
-    with pytest.raises(TransferError, match="layer 1"):
+    with pytest.raises(
+        TransferError, match=r"cancelled waiting for layer 1 of the layerwise store$"
+    ):
         save.reply.result(30)
     assert client.lookup(tokens, model_name="dead") == 0
     client.register_kv_caches("st-dead", src, model_name="dead", block_size=BS, layerwise=True)
@@ -231,3 +235,55 @@ def test_the_server_refuses_a_bad_layer_number_or_a_plain_instance_naming_it(
         fresh = np.arange(9100, 9100 + 2 * CHUNK, dtype=np.int32)  # nothing stored
         assert client.retrieve(instance, fresh, DST[:4], request_id=f"after-{seq}") == 0
     client.close()
+
+
+def test_a_second_layerwise_store_waits_for_its_own_marks(endpoint: str) -> None:
+    """Each layerwise store has its own number: the marks of the first one do not let the
+    second gather its layers before the engine writes them."""
+    client = KVFlowClient(endpoint)
+    src, dst = shared_caches(22), shared_caches(23)
+    client.register_kv_caches("st2-src", src, model_name="st2", block_size=BS, layerwise=True)
+    client.register_kv_caches("st2-dst", dst, model_name="st2", block_size=BS)
+    first = np.arange(70_000, 70_000 + 2 * CHUNK, dtype=np.int32)
+    assert client.store_layerwise("st2-src", first, SRC[:4], request_id="a").wait(30) == 2 * CHUNK
+    second = np.arange(80_000, 80_000 + 2 * CHUNK, dtype=np.int32)
+    save = client.store_layerwise("st2-src", second, SRC[:4], request_id="b")
+    time.sleep(0.3)  # the server has the request: it must wait for the marks
+    want = shared_caches(24)
+    for layer in range(NL):
+        src[layer][:, SRC[:4]] = want[layer][:, SRC[:4]]
+        save.layer_done(layer)
+    assert save.wait(30) == 2 * CHUNK
+    assert client.retrieve("st2-dst", second, DST[:4], request_id="back") == 2 * CHUNK
+    for layer in range(NL):
+        assert torch.equal(layer_blocks(dst, layer, DST[:4]), layer_blocks(want, layer, SRC[:4]))
+    client.close()
+
+
+def test_a_layer_past_the_last_is_refused_by_name(endpoint: str) -> None:
+    """Waiting for, or marking, a layer the instance does not have raises naming it."""
+    client = KVFlowClient(endpoint)
+    dst = shared_caches(25)
+    client.register_kv_caches("lw-past", dst, model_name="past", block_size=BS, layerwise=True)
+    past = f"^layer {NL} is not within the {NL}$"
+    load = client.retrieve_layerwise("lw-past", TOKENS, DST, request_id="p")
+    with pytest.raises(InvalidRequestError, match=past):
+        load.wait_layer(NL)
+    load.wait()
+    save = client.store_layerwise("lw-past", TOKENS, DST, request_id="s")
+    with pytest.raises(InvalidRequestError, match=past):
+        save.layer_done(NL)
+    save.wait(30)
+    client.close()
+
+
+def test_a_save_waits_no_longer_than_asked() -> None:
+    """`LayerwiseSave.wait(timeout)` gives up after its timeout when no reply comes."""
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from kvflow.core.server.layers import LayerwiseSave
+
+    save = LayerwiseSave(ClientLayers(2, None), 1, Future())
+    with pytest.raises(FutureTimeout):
+        save.wait(0.05)

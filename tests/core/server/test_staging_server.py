@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -263,7 +264,12 @@ def test_staging_events_with_cpu_caches_are_refused(client: KVFlowClient) -> Non
     [
         (torch.uint8, 2, r"\[slots, slot bytes\] uint8"),  # 1-D
         (torch.float16, 2, r"\[slots, slot bytes\] uint8"),
-        (torch.uint8, 3, "staging ring of 2 slots"),  # flags without the ring's words
+        (  # flags without the ring's words
+            torch.uint8,
+            3,
+            r"\(one int64 per layer for retrieves, one for stores, then 8 for a staging ring"
+            r" of 2 slots\)$",
+        ),
     ],
 )
 def test_a_bad_ring_on_the_wire_is_refused_and_the_server_serves_on(
@@ -286,3 +292,68 @@ def test_a_bad_ring_on_the_wire_is_refused_and_the_server_serves_on(
     with pytest.raises(UnknownInstanceError, match="'stg-wire' is not registered"):
         client.retrieve("stg-wire", _tokens(1000), SHUFFLED, request_id="x")
     _stored(client, f"stg-wire-after-{str(ring)[6:]}-{words}", 18, 9000)  # and the server serves on
+
+
+def _layerwise_fields(case: str, keep: list[torch.Tensor]) -> dict[str, Any]:
+    """A Register's layerwise fields for `case`; the shared tensors they describe go into
+    `keep` (freed, their names would no longer open)."""
+    flags = empty_shared(2 * NL * 8, torch.int8 if case == "int8-flags" else torch.uint8)
+    ring = empty_shared((2, 64), torch.uint8)
+    keep += [flags, ring]
+    events = [bytes(64)] * (2 * NL)
+    return {
+        "int8-flags": {"layer_flags": describe_tensor(flags, "flags")},
+        "ring-alone": {"layer_staging": describe_tensor(ring, "ring")},
+        "events-alone": {"layer_event_handles": events},
+        "events-on-cpu": {
+            "layer_event_handles": events,
+            "layer_flags": describe_tensor(flags, "flags"),
+        },
+    }[case]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (  # flags as int8 items rather than uint8 bytes
+            "int8-flags",
+            rf"^layerwise registration gives layer flags of shape \({2 * NL * 8},\) for {NL}"
+            rf" layers: expected \({2 * NL * 8},\) uint8 bytes \(one int64 per layer for"
+            r" retrieves, one for stores\)$",
+        ),
+        ("ring-alone", "^a staging ring goes with a layerwise registration$"),
+        ("events-alone", "^a layerwise registration needs layer_flags in shared memory$"),
+        (
+            "events-on-cpu",
+            r"^layer_event_handles go with GPU caches, and only with them \(these caches are"
+            r" on the CPU\)$",
+        ),
+    ],
+)
+def test_a_layerwise_registration_that_cannot_be_is_refused_by_rule(
+    client: KVFlowClient, case: str, message: str
+) -> None:
+    """A Register whose layerwise parts do not go together gets the rule it breaks; the
+    instance is not registered and the server serves on."""
+    keep = shared_caches(26)
+    request = Register(
+        instance_id="lw-wire", kv_caches=describe_kv_caches(keep), model_name="stg",
+        block_size=BS, **_layerwise_fields(case, keep),
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError, match=message):
+        _register(client, request)
+    with pytest.raises(UnknownInstanceError, match="'lw-wire' is not registered"):
+        client.retrieve("lw-wire", _tokens(1000), SHUFFLED, request_id="x")
+
+
+def test_a_later_layer_waited_first_pumps_the_ring_while_it_waits(client: KVFlowClient) -> None:
+    """Waiting for the last layer first, through a ring of one slot: the wait scatters
+    the earlier layers as the server stages them, so the last one comes, and every layer
+    is whole."""
+    src = _stored(client, "stg-late-src", 27, 11_000)
+    dst = _with_ring(client, "stg-late", 28, 1)
+    load = client.retrieve_layerwise("stg-late", _tokens(11_000), SHUFFLED, request_id="late")
+    load.wait_layer(NL - 1)
+    for layer in range(NL):
+        assert torch.equal(layer_blocks(dst, layer, SHUFFLED), layer_blocks(src, layer, SRC))
+    assert load.staged_layers == list(range(NL))
