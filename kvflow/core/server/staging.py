@@ -13,8 +13,8 @@ server has written), `tail` (uses the engine has scattered), then one entry per 
 server writes it once `tail` > k - N (the engine scattered use k - N), its copy stream
 waiting on the slot's "scattered" event (CUDA), then records the slot's "copied" event,
 writes the entry and only then raises `head`. The engine's `pump()` scatters uses in
-order from `tail`, each once its copy stream waits on the slot's "copied" event, records
-"scattered" and raises `tail`. The engine pumps whenever it waits for a layer, so a ring
+order from `tail`, each on its staging stream once that waits on the slot's "copied"
+event, records "scattered" and raises `tail`. The engine pumps whenever it waits for a layer, so a ring
 shared by several loads of one forward pass never waits on a layer the engine is not
 waiting for: the server stays at most N staged layers ahead of the engine's waits.
 """
