@@ -206,6 +206,13 @@ class WorkerSide:
         for layer in layers:
             self._wait_index(layer)
         for load, spec in self._pending:
+            if self.config.staging_slots:
+                log.info(
+                    "kvflow: layerwise load of %s: %d of %d layers came through the staging ring",
+                    spec.req_id,
+                    len(load.staged_layers),
+                    len(layers),
+                )
             self.staged_layers += len(load.staged_layers)
             self._reports.submit(self._report_waits, load, spec.req_id)
         self._pending = []

@@ -61,15 +61,18 @@ def _engine(
     endpoint: str | None,
     tp: int = 1,
     layerwise: bool = False,
+    staging_slots: int = 0,
 ) -> tuple[dict, str]:
-    """Run one engine over `prompts` (`layerwise`: the connector loads layer by layer);
-    its results and its log."""
+    """Run one engine over `prompts` (`layerwise`: the connector loads layer by layer,
+    through a staging ring of `staging_slots` slots unless 0); its results and its log."""
     (tmp / f"{name}.prompts.json").write_text(json.dumps(prompts))
     out = tmp / f"{name}.out.json"
     args = [python, str(RUNNER), str(model), str(tmp / f"{name}.prompts.json"), str(out)]
     env = engine_env()
     if layerwise:
         env["VLLM_RUN_LAYERWISE"] = "1"
+    if staging_slots:
+        env["VLLM_RUN_STAGING_SLOTS"] = str(staging_slots)
     if tp > 1:  # vLLM binds each CPU worker's threads to a NUMA node; one node here: by hand
         cores = os.cpu_count() or 1
         env["VLLM_RUN_TP"] = str(tp)
@@ -148,9 +151,21 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
         # the engines' blocks reached the L0 lifecycle subscriber's event stream
         assert activity["l0"]["allocated_blocks"] > 0, activity["l0"]
 
+        # a third engine loads the same prefix through a staging ring of its own: every
+        # layer is staged by the server and scattered by the engine's worker
+        third, log3 = _engine(
+            python, model, [longer], tmp_path, "engine3", endpoint, layerwise=True,
+            staging_slots=2,
+        )  # fmt: skip
+        assert "(staging ring of 2 slots)" in log3, log3[-4000:]
+        staged = re.findall(r"(\d+) of (\d+) layers came through the staging ring", log3)
+        assert staged and all(a == b != "0" for a, b in staged), log3[-4000:]
+        assert third["results"][0]["num_cached_tokens"] == PROMPT_TOKENS
+
     reference, _ = _engine(python, model, [longer], tmp_path, "reference", None)
     assert reference["results"][0]["num_cached_tokens"] == 0
     assert second["results"][0]["tokens"] == reference["results"][0]["tokens"]
+    assert third["results"][0]["tokens"] == reference["results"][0]["tokens"]
     assert first["results"][0]["tokens"]  # engine 1 generated too
 
 

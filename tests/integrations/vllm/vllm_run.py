@@ -41,6 +41,9 @@ def main() -> None:
                 "kvflow.endpoint": endpoint,
                 "kvflow.timeout_s": 60,
                 "kvflow.layerwise": os.environ.get("VLLM_RUN_LAYERWISE") == "1",
+                # a staging ring of this many 1 MiB slots (0: none)
+                "kvflow.staging_slots": int(os.environ.get("VLLM_RUN_STAGING_SLOTS", "0")),
+                "kvflow.staging_slot_mb": 1 if os.environ.get("VLLM_RUN_STAGING_SLOTS") else 0,
             },
         )
     started = time.monotonic()
