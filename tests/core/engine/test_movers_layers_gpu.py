@@ -129,3 +129,69 @@ def test_the_block_kernels_run_at_the_devices_greatest_priority(cuda_device: tor
 
     assert priority(mover.kernel_stream.handle) == greatest.value
     assert priority(mover.copy_stream.handle) == least.value
+
+
+def test_layers_staged_in_an_engine_ring_land_every_byte(cuda_device: torch.device) -> None:
+    """A layerwise retrieve into shuffled blocks through a ring of two slots the engine
+    owns (kvflow.core.server.staging), both sides in one process: the mover copies each
+    layer into a slot (no kernel), a pump thread scatters it as the engine would, and the
+    blocks end as the reference's; the first block stays as it was."""
+    import threading
+
+    from kvflow.core.engine.transfers import written_chunks
+    from kvflow.core.server.layers import ClientLayers, ServerLayers
+    from kvflow.core.server.staging import ServerStaging
+
+    chunks, chunk_tokens = len(SLOTS), PER_CHUNK * BLOCK
+    ids = np.random.default_rng(4).permutation(NUM_BLOCKS)[: chunks * PER_CHUNK]
+    rows, skips = written_chunks(0, chunks, 1, PER_CHUNK)  # the prompt's first block skipped
+    table = ids.reshape(chunks, PER_CHUNK).astype(np.int64)[rows]
+    target, kw = _caches(cuda_device, 5, None)
+    layout = KVLayout.from_kv_caches(target, **kw)
+    nbytes = layout.chunk_nbytes(chunk_tokens)
+    data = torch.randint(0, 255, (chunks, nbytes), dtype=torch.uint8)
+    l1 = ScatteredChunks(nbytes)
+    for c in range(chunks):
+        l1[c].copy_(data[c])
+    expected = [c.cpu() for c in target]
+    transfer_reference(
+        KVLayout.from_kv_caches(expected, **kw), data, torch.from_numpy(table),
+        torch.tensor(skips, dtype=torch.int64), gather=False,
+    )  # fmt: skip
+
+    widest = max(
+        sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+        for layer in range(layout.num_layers)
+    )
+    client = ClientLayers(layout.num_layers, cuda_device.index, layout, 2, chunks * widest)
+    staging = client.staging
+    assert staging is not None
+    words = ServerLayers(layout.num_layers, None, client.raw, 2).staging_words
+    ring = ServerStaging(staging.ring, words, staging.events)  # one process: the same events
+    load = staging.add_load(1, ids.astype(np.int32), chunks * chunk_tokens, BLOCK)
+    done = threading.Event()
+
+    def pump() -> None:
+        while not done.is_set():
+            staging.pump()
+            done.wait(0.001)
+
+    pumper = threading.Thread(target=pump)
+    pumper.start()
+    ready: list[int] = []
+    try:
+        mover = CudaMover(layout, nbytes)
+        mover.retrieve_layers(
+            l1, table, skips, chunk_tokens, lambda layer, _s: ready.append(layer),
+            ring.claims(1, lambda: False),
+        )  # fmt: skip
+        mover.wait()
+    finally:
+        done.set()
+        pumper.join()
+    staging.pump()
+    torch.cuda.synchronize()
+    assert ready == list(range(layout.num_layers))
+    assert sorted(load.landed) == list(range(layout.num_layers))
+    assert ring.stats()["staged_layers"] == layout.num_layers
+    assert same_bytes([c.cpu() for c in target], expected)
