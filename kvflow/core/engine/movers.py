@@ -404,12 +404,7 @@ class CudaMover:
                 ready(layer, cs)
                 on_copy_stream = True
                 continue
-            parts = self.layout.layer_parts(layer, chunk_tokens)
-            width = sum(n for _, n in parts)
-            if staging is not None and len(srcs) * width <= staging.slot_bytes:
-                slot = staging.claim(cs)  # the engine scatters it: no kernel here either
-                self._copy_runs(slot.data_ptr(), addresses, parts, to_stage=True)
-                staging.staged(layer, chunk_tokens, cs)
+            if staging is not None and self._stage_in(staging, layer, addresses, chunk_tokens):
                 ready(layer, cs)
                 on_copy_stream = True
                 continue
@@ -429,6 +424,19 @@ class CudaMover:
         if on_copy_stream:
             self._direct_done.record(cs.handle)
             self._direct_done.wait_on(ks.handle)
+
+    def _stage_in(
+        self, staging: Staging, layer: int, hosts: Sequence[int], chunk_tokens: int
+    ) -> bool:
+        """Copy a layer's runs of every chunk into the next slot of the engine's ring (the
+        engine scatters it: no kernel here either); False when the layer does not fit."""
+        parts = self.layout.layer_parts(layer, chunk_tokens)
+        if len(hosts) * sum(n for _, n in parts) > staging.slot_bytes:
+            return False
+        slot = staging.claim(self.copy_stream)
+        self._copy_runs(slot.data_ptr(), hosts, parts, to_stage=True)
+        staging.staged(layer, chunk_tokens, self.copy_stream)
+        return True
 
     def _layer_pieces(
         self, layer: int, count: int, chunk_tokens: int, reuse: TransferStream

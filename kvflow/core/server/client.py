@@ -80,7 +80,6 @@ from kvflow.core.server.protocol import (
     ropes_to_wire,
 )
 from kvflow.core.server.sharing import describe_kv_caches
-from kvflow.core.server.staging import check_slots
 from kvflow.kernels.rope import LayerRopes, RopeParams
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -247,11 +246,9 @@ def _client_layers(
 ) -> ClientLayers:
     """One completion point per layer of `kv_caches`, and a staging ring of
     `staging_slots` x `staging_slot_bytes` unless 0 (InvalidRequestError for a layout
-    `KVLayout` cannot read, or a ring that cannot be)."""
+    `KVLayout` cannot read, or a ring that cannot be: `ClientStaging` checks it)."""
     from kvflow.kernels import KVLayout
 
-    if staging_slots:
-        check_slots(staging_slots, staging_slot_bytes)
     try:
         layout = KVLayout.from_kv_caches(kv_caches, block_size=block_size, kv_format=kv_format)
     except ValueError as exc:

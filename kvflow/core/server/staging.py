@@ -138,15 +138,19 @@ class StagedLoad:
         self.skip_tokens = skip_tokens
         self.landed: dict[int, torch.cuda.Event | None] = {}
         self.caller: torch.cuda.Event | None = None  # the engine's stream when it retrieved
+        self._rows: tuple[np.ndarray, list[int]] | None = None  # every layer's: made once
 
     def rows(self, chunk_tokens: int, block_size: int) -> tuple[np.ndarray, list[int]]:
         """(block table of the chunks written, blocks of each left alone), as the server
-        chose them (`written_chunks`)."""
-        per_chunk = chunk_tokens // block_size
-        hit_chunks = self.hit_tokens // chunk_tokens
-        rows, skips = written_chunks(0, hit_chunks, self.skip_tokens // block_size, per_chunk)
-        table = self.block_ids[: hit_chunks * per_chunk].astype(np.int64)
-        return table.reshape(hit_chunks, per_chunk)[rows], skips
+        chose them (`written_chunks`); the same for every layer, so made at the first."""
+        if self._rows is None:
+            per_chunk = chunk_tokens // block_size
+            hit_chunks = self.hit_tokens // chunk_tokens
+            skip_blocks = self.skip_tokens // block_size
+            rows, skips = written_chunks(0, hit_chunks, skip_blocks, per_chunk)
+            table = self.block_ids[: hit_chunks * per_chunk].astype(np.int64)
+            self._rows = table.reshape(hit_chunks, per_chunk)[rows], skips
+        return self._rows
 
 
 class ClientStaging:

@@ -129,8 +129,7 @@ class WorkerSide:
             self.instance_id,
             how,
             (
-                ", loading layer by layer"
-                + (f" (staging ring of {self.config.staging_slots} slots)" if ring else "")
+                ", loading layer by layer" + (f" (staging ring of {ring} slots)" if ring else "")
                 if self._layerwise
                 else ""
             ),
