@@ -7,7 +7,9 @@ For each model shape and prompt length, in one run on one device:
                   then prefill only the rest (the last partial chunk)
   (c) copy        the same prefix bytes moved by one pinned host-to-device copy
   (d) suffix      the prefill of (b) with the prefix's KV already in the paged cache
-so (c) + (d) is the floor for (b). Medians of --repeat runs, (b) and (d) alternating;
+so (c) + (d) is the floor for (b). Every prefill reads a layer's KV from the paged
+cache as the forward reaches that layer (a pre-hook per decoder layer), as an engine's
+attention does, so (b), (d) and (e) run one and the same forward. Medians of --repeat runs, (b) and (d) alternating;
 kvflow's part, (b) - (d), is the median of each back-to-back pair's difference. The logits of (b)
 must equal those of (d) exactly (the retrieved KV is bit-exact) and those of (a)
 within bf16 tolerance; a failed check exits 1. Prints a table; `--json` keeps
@@ -222,6 +224,16 @@ class PagedCache:
         return [view[:, table.to(view.device)] for view in self.layers]
 
 
+class _InPlace:
+    """The load of (b) and (d): the KV is in the blocks before the forward starts."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Nothing to wait for."""
+
+
+IN_PLACE = _InPlace()
+
+
 @contextlib.contextmanager
 def layerwise_past(
     cache: PagedCache, model: Any, num_tokens: int, table: torch.Tensor, load: Any
@@ -363,6 +375,12 @@ def measure(
 
     requests = iter(range(1 << 30))
 
+    def suffix_logits(load: Any) -> torch.Tensor:
+        """The suffix's prefill, each layer's KV read from the blocks after
+        `load.wait_layer(layer)`."""
+        with layerwise_past(cache, model, prefix, table, load) as past:
+            return _last_logits(model, ids[prefix:], past)
+
     def with_kvflow() -> torch.Tensor:
         rid = f"{name}-{length}-r{next(requests)}"
         begin = _mark(device)
@@ -373,7 +391,7 @@ def measure(
         server_s.append(client.last_server_time_s)
         assert got == prefix, f"retrieved {got} of {prefix} tokens"
         sessions.append(rid)
-        return _last_logits(model, ids[prefix:], cache.past(model, prefix, table))
+        return suffix_logits(IN_PLACE)
 
     def end_sessions() -> None:
         """End the timed requests' sessions, outside the timing: an engine ends a session
@@ -396,7 +414,7 @@ def measure(
     landed.clear()
 
     def suffix_only() -> torch.Tensor:
-        return _last_logits(model, ids[prefix:], cache.past(model, prefix, table))
+        return suffix_logits(IN_PLACE)
 
     layer_loads: list[tuple[float, Any]] = []  # (call seconds, load) of each (e)
 
@@ -407,8 +425,7 @@ def measure(
         layer_loads.append((time.perf_counter() - began, load))
         assert load.hit_tokens == prefix, f"layerwise retrieved {load.hit_tokens} of {prefix}"
         sessions.append(rid)
-        with layerwise_past(cache, model, prefix, table, load) as past:
-            return _last_logits(model, ids[prefix:], past)
+        return suffix_logits(load)
 
     floor_logits = suffix_only()
     assert torch.equal(got_logits, floor_logits), "(b) and (d) logits differ"

@@ -43,9 +43,9 @@ class Staging(Protocol):
     slot_bytes: int
 
     def claim(self, stream: Any) -> torch.Tensor:
-        """The next slot (uint8, `slot_bytes`) once the engine has scattered what it held
-        last; work queued on `stream` (a TransferStream, None for CPU caches) after this
-        call is ordered after that scatter. Raises when the engine never frees it."""
+        """The next slot (uint8, `slot_bytes`) once the engine's scatter of what it held
+        last has run (so work queued on `stream`, a TransferStream or None for CPU caches,
+        after this call comes after it). Raises when the engine never frees it."""
         ...
 
     def staged(self, layer: int, chunk_tokens: int, stream: Any) -> None:

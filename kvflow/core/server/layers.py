@@ -7,8 +7,12 @@ layer. CUDA caches also have one interprocess CUDA event per layer, which the se
 records on its copy stream before writing the flag. The server replies before it queues
 the first layer, so its host work overlaps the engine's forward pass; `wait_layer(i)`
 polls layer i's flag on the host (the server is queueing ahead of the GPU, so this
-rarely waits) and then, on CUDA, makes the engine's stream wait on layer i's event, a
-wait on the GPU. Sequence numbers grow per instance and the server serves one
+rarely waits) and then, on CUDA, layer i's event, also on the host: the engine's host
+runs ahead of its GPU, so by the time the GPU reaches layer i the copies have usually
+landed and it does not stall. No stream of the engine's waits on the server's event: a
+stream blocked on another process's event holds the GPU's time slice while it spins,
+and the server's copies and kernels wait for the slice to end (docs/perf-journal.md,
+2026-11-30). Sequence numbers grow per instance and the server serves one
 instance's retrieves in order, so a flag at or past a retrieve's number means its layer
 was marked.
 
@@ -16,7 +20,7 @@ Stores go the other way with a second flag and (CUDA) a second event per layer: 
 engine marks layer i written once its forward pass queued layer i's KV writes
 (`LayerwiseSave.layer_done`: the event recorded on its stream, then the flag set to the
 store's number), and the server, which has had the store request since the first layer,
-gathers layer i once the flag says so, its stream waiting on the event. The flags are
+gathers layer i once the flag says so and the event has completed. The flags are
 one shared array, `num_layers` retrieve flags then `num_layers` store flags, and the
 events one list in the same order.
 """
@@ -51,7 +55,7 @@ STORE_LAYER_TIMEOUT_S = 60.0
 
 
 def _wait_flag(
-    flags: torch.Tensor,
+    flags: Any,
     layer: int,
     seq: int,
     timeout_s: float,
@@ -59,7 +63,8 @@ def _wait_flag(
     cancelled: Callable[[], bool] | None = None,
     idle: Callable[[], None] | None = None,
 ) -> float:
-    """Poll `flags[layer]` until it reaches `seq` (or a later one's marks); returns the
+    """Poll `flags[layer]` (int64s, numpy or torch) until it reaches `seq` (or a later
+    one's marks); returns the
     seconds waited. TransferError at `-seq` or once `cancelled()`, RequestTimeoutError
     after `timeout_s`; `idle()` runs between polls."""
 
@@ -101,8 +106,9 @@ class ClientLayers:
         words = 2 * num_layers + control_words(staging_slots)
         self.raw = empty_shared(words * FLAG_BYTES, torch.uint8)
         self.raw.zero_()
-        self.flags = self.raw.view(torch.int64)[:num_layers]
-        self.store_flags = self.raw.view(torch.int64)[num_layers : 2 * num_layers]
+        int64s = self.raw.view(torch.int64).numpy()  # polled per layer: numpy reads are cheap
+        self.flags = int64s[:num_layers]
+        self.store_flags = int64s[num_layers : 2 * num_layers]
         self.staging: ClientStaging | None = None
         if staging_slots:
             assert layout is not None
@@ -160,19 +166,19 @@ class LayerwiseLoad:
         self._seq = seq
         self._timeout_s = timeout_s
         self._staged = staged
-        #: seconds the host spent in each layer's wait (on CUDA only until the layer was
-        #: queued: the stream's own wait is timed on the GPU, see `layer_waits`)
+        #: seconds the host spent in each layer's wait for its flag (on CUDA the wait for
+        #: the copies themselves is timed on the GPU, see `layer_waits`)
         self.waited_s: dict[int, float] = {}
-        #: CUDA: timing events around each layer's stream wait, by layer
+        #: CUDA: timing events around each layer's wait for its copies, by layer
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
 
     def wait_layer(self, layer: int) -> None:
-        """Order layer `layer`'s reads after its copies: on CPU this blocks until the
-        layer landed; on CUDA until its copies are queued, then torch's current stream
-        waits for them on the GPU. With a staging ring, layers staged there meanwhile
-        (this load's or others') are scattered into their blocks. TransferError if the
-        retrieve failed before that layer; RequestTimeoutError after the client's
-        timeout."""
+        """Order layer `layer`'s reads after its copies: block until the layer landed
+        (on CUDA: its copies ran, or its scatter from the engine's staging ring is
+        queued, which torch's current stream then waits for). With a staging ring,
+        layers staged there meanwhile (this load's or others') are scattered into their
+        blocks. TransferError if the retrieve failed before that layer;
+        RequestTimeoutError after the client's timeout."""
         layers = self._layers
         if layer in self.waited_s:
             return
@@ -183,20 +189,43 @@ class LayerwiseLoad:
             layers.flags, layer, self._seq, self._timeout_s, "retrieve",
             idle=staging.pump if staging is not None else None,
         )  # fmt: skip
-        event = layers.events[layer] if layers.events else None
-        if staging is not None and self._staged is not None:
-            staging.pump()  # the layer's use, written before its flag
-            staged, scattered = staging.landed(self._staged, layer)
-            if staged:
-                event = scattered
-        if event is not None:
-            stream = torch.cuda.current_stream(layers.device)
-            before = torch.cuda.Event(enable_timing=True)
-            after = torch.cuda.Event(enable_timing=True)
-            before.record(stream)
-            stream.wait_event(event)
-            after.record(stream)
-            self._stalls[layer] = (before, after)
+        if not layers.events:  # CPU: the layer landed; a staged one is scattered here
+            self._scattered(layer)
+            return
+        copies = layers.events[layer]
+        if staging is None and copies.query():
+            return  # landed already: the GPU cannot stall here, and nothing to time
+        stream = torch.cuda.current_stream(layers.device)
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(stream)  # the GPU idles from here to `after` only while we wait
+        scattered = self._scattered(layer)
+        if scattered is not None:
+            stream.wait_event(scattered)  # the engine's own scatter: this process's stream
+        else:
+            poll_until(
+                copies.query, self._timeout_s, f"the copies of layer {layer}",
+                idle=staging.pump if staging is not None else None,
+            )  # fmt: skip
+        after.record(stream)
+        self._stalls[layer] = (before, after)
+
+    def _scattered(self, layer: int) -> torch.cuda.Event | None:
+        """With a staging ring: once the layer's use (written before its flag) has been
+        scattered, the event of that scatter (None on CPU, where it has run, or when the
+        layer did not come through the ring)."""
+        staging, load = self._layers.staging, self._staged
+        if staging is None or load is None:
+            return None
+        staging.pump()
+        if staging.pending(load, layer):  # the server's copies into its slot still run
+
+            def scattered() -> bool:
+                staging.pump()
+                return not staging.pending(load, layer)
+
+            poll_until(scattered, self._timeout_s, f"the staged copies of layer {layer}")
+        return staging.landed(load, layer)[1]
 
     @property
     def staged_layers(self) -> list[int]:
@@ -206,9 +235,9 @@ class LayerwiseLoad:
 
     def layer_waits(self) -> list[float]:
         """Seconds the engine waited for each layer it waited for, in layer order: the
-        host's wait on CPU; on CUDA the host's wait plus how long the stream stalled at
-        the layer's event (this synchronizes with those events: call it off the hot
-        path, once the forward pass is queued)."""
+        host's wait on CPU; on CUDA the host's wait for the layer's flag plus how long
+        the GPU idled while the host waited for the layer's copies (this synchronizes
+        with timing events: call it off the hot path, once the forward pass is queued)."""
         waits = []
         for layer in sorted(self.waited_s):
             wait = self.waited_s[layer]
@@ -304,7 +333,11 @@ class WrittenLayers:
             layers.store_flags, layer, self._seq, STORE_LAYER_TIMEOUT_S, "store", self._cancelled
         )
         if layers.store_events is not None and stream is not None:
-            layers.store_events[layer].wait(stream.torch)
+            # on the host, not by a stream wait on the engine's event (module docstring)
+            poll_until(
+                layers.store_events[layer].query, STORE_LAYER_TIMEOUT_S,
+                f"the engine's writes of layer {layer}", self._cancelled,
+            )  # fmt: skip
 
 
 def open_server_layers(

@@ -10,11 +10,15 @@ them into its blocks in its own process, on a stream of its own, before the laye
 Bookkeeping lives after the layer flags in the same shared int64s: `head` (slot uses the
 server has written), `tail` (uses the engine has scattered), then one entry per slot:
 (retrieve number, layer, chunk tokens) of the use it holds. Use k takes slot k % N; the
-server writes it once `tail` > k - N (the engine scattered use k - N), its copy stream
-waiting on the slot's "scattered" event (CUDA), then records the slot's "copied" event,
-writes the entry and only then raises `head`. The engine's `pump()` scatters uses in
-order from `tail`, each on its staging stream once that waits on the slot's "copied"
-event, records "scattered" and raises `tail`. The engine pumps whenever it waits for a layer, so a ring
+server writes it once `tail` > k - N (the engine scattered use k - N) and, on CUDA, the
+slot's "scattered" event has completed, then records the slot's "copied" event, writes
+the entry and only then raises `head`. The engine's `pump()` scatters uses in order from
+`tail`, each on its staging stream once the slot's "copied" event has completed, records
+"scattered" and raises `tail`. Neither side makes a stream wait on the other's events:
+both ask on the host (`query`). A stream of one process blocked on another process's
+event holds the GPU's time slice while it spins, and the other process's copies wait for
+the slice to end: queued ahead, the engine's waits on "copied" left a 1.9 ms gap after
+every copy of the server's (docs/perf-journal.md, 2026-11-30). The engine pumps whenever it waits for a layer, so a ring
 shared by several loads of one forward pass never waits on a layer the engine is not
 waiting for: the server stays at most N staged layers ahead of the engine's waits.
 """
@@ -107,14 +111,17 @@ class SlotClaims:
         st, control = self._staging, self._staging.control
         use = int(control[HEAD])
         slot = use % st.slots
+        scattered = st.scattered[slot] if st.scattered is not None and use >= st.slots else None
+
+        def free() -> bool:  # the engine's last read of the slot queued, then run
+            return int(control[TAIL]) > use - st.slots and (scattered is None or scattered.query())
+
         st.waited_s += poll_until(
-            lambda: int(control[TAIL]) > use - st.slots,
+            free,
             SLOT_TIMEOUT_S,
             f"staging slot {slot} (the engine scatters only while it waits for layers)",
             self._cancelled,
         )
-        if st.scattered is not None and stream is not None and use >= st.slots:
-            st.scattered[slot].wait(stream.torch)  # the engine's last read of the slot first
         self._use = use
         return st.ring[slot]
 
@@ -137,6 +144,8 @@ class StagedLoad:
         self.hit_tokens = hit_tokens
         self.skip_tokens = skip_tokens
         self.landed: dict[int, torch.cuda.Event | None] = {}
+        #: staged layers whose slots the server is still copying into (CUDA)
+        self.pending: set[int] = set()
         self.caller: torch.cuda.Event | None = None  # the engine's stream when it retrieved
         self._rows: tuple[np.ndarray, list[int]] | None = None  # every layer's: made once
 
@@ -212,6 +221,12 @@ class ClientStaging:
         with self._lock:
             self._dropped.add(seq)
 
+    def pending(self, load: StagedLoad, layer: int) -> bool:
+        """Whether the server staged `layer` of `load` in a slot it is still copying into
+        (as the last `pump()` saw it)."""
+        with self._lock:
+            return layer in load.pending
+
     def landed(self, load: StagedLoad, layer: int) -> tuple[bool, torch.cuda.Event | None]:
         """(whether `layer` of `load` was staged and is scattered, or queued to be on the
         staging stream: its CUDA event then)."""
@@ -224,12 +239,15 @@ class ClientStaging:
         """Scatter every staged use from `tail` on whose load has come back, in order."""
         with self._lock:
             control = self.control
+            self._note_pending(int(control[TAIL]), int(control[HEAD]))
             while (use := int(control[TAIL])) < int(control[HEAD]):
                 slot = use % self.slots
                 seq, layer, chunk_tokens = (int(w) for w in control[_entry(slot)])
                 load = self._loads.get(seq)
                 if load is None and seq not in self._dropped:
                     return  # its reply is still on its way to the caller
+                if load is not None and self.events and not self.events[slot].query():
+                    return  # the server's copies into the slot are still running
                 if load is not None:
                     self._scatter(load, slot, layer, chunk_tokens)
                 self._forget_before(seq)
@@ -246,6 +264,14 @@ class ClientStaging:
         with self._lock:
             return len(self._loads)
 
+    def _note_pending(self, tail: int, head: int) -> None:
+        """Mark the layers of the uses written but not scattered yet as pending."""
+        for use in range(tail, head):
+            seq, layer = (int(w) for w in self.control[_entry(use % self.slots)][:2])
+            load = self._loads.get(seq)
+            if load is not None:
+                load.pending.add(layer)
+
     def _forget_before(self, seq: int) -> None:
         """Uses come in retrieve order: loads before `seq` have no more of them."""
         for old in [s for s in self._loads if s < seq]:
@@ -254,6 +280,7 @@ class ClientStaging:
 
     def _scatter(self, load: StagedLoad, slot: int, layer: int, chunk_tokens: int) -> None:
         layout = self.layout
+        load.pending.discard(layer)
         table, skips = load.rows(chunk_tokens, layout.block_size)
         width = sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
         rows = staged_rows(self.ring[slot], len(skips), width)
@@ -273,8 +300,7 @@ class ClientStaging:
         if load.caller is not None:
             torch_stream.wait_event(load.caller)
             load.caller = None
-        torch_stream.wait_event(self.events[slot])  # the server's copies into the slot
-        moves.launch_trusted(rows, 0, len(skips))
+        moves.launch_trusted(rows, 0, len(skips))  # the slot's copies are done (pump)
         self.events[self.slots + slot].record(torch_stream)  # the slot is free again
         done = torch.cuda.Event()
         done.record(torch_stream)

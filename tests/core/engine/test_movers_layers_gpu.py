@@ -131,14 +131,20 @@ def test_the_block_kernels_run_at_the_devices_greatest_priority(cuda_device: tor
     assert priority(mover.copy_stream.handle) == least.value
 
 
-def test_layers_staged_in_an_engine_ring_land_every_byte(cuda_device: torch.device) -> None:
+def test_layers_staged_in_an_engine_ring_land_every_byte(
+    cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A layerwise retrieve into shuffled blocks through a ring of two slots the engine
     owns (kvflow.core.server.staging), both sides in one process: the mover copies each
     layer into a slot (no kernel), a pump thread scatters it as the engine would, and the
-    blocks end as the reference's; the first block stays as it was."""
+    blocks end as the reference's; the first block stays as it was. This small a table
+    would go straight into its blocks by 2-D copies, so that path is declined here."""
     import threading
 
+    from kvflow.core.engine.direct import DirectLayers
     from kvflow.core.engine.transfers import written_chunks
+
+    monkeypatch.setattr(DirectLayers, "copies", lambda _self, _layer: None)
     from kvflow.core.server.layers import ClientLayers, ServerLayers
     from kvflow.core.server.staging import ServerStaging
 
