@@ -13,6 +13,13 @@ from typing import Any
 from kvflow.core.server.staging import MAX_SLOTS
 from kvflow.integrations.extra_config import PREFIX, amount, seconds, text, whole
 
+#: the staging ring a CUDA worker loading layer by layer gets when the config names none:
+#: this many slots, each one layer of DEFAULT_SLOT_TOKENS tokens (a longer prompt's layers
+#: go the server's way); on the H200 it took a 32k prompt in shuffled blocks from 1.18 to
+#: 1.08 of its floor (docs/PERFORMANCE.md, "Layerwise: (e)")
+DEFAULT_RING_SLOTS = 4
+DEFAULT_SLOT_TOKENS = 32768
+
 
 def _bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
@@ -59,9 +66,10 @@ class ConnectorConfig:
     #: with layerwise loads: a staging ring of this many slots (0: none) of
     #: `staging_slot_mb` each in the worker's GPU memory, where the server stages a layer
     #: whose blocks need a scatter and the worker scatters it (docs/ENGINE.md, "Staging in
-    #: the engine"); a slot should hold one layer of the longest prompt
-    staging_slots: int = 0
-    staging_slot_mb: float = 0.0
+    #: the engine"); a slot should hold one layer of the longest prompt. None: on CUDA
+    #: `DEFAULT_RING_SLOTS` slots of one layer of `DEFAULT_SLOT_TOKENS` tokens, none on CPU
+    staging_slots: int | None = None
+    staging_slot_mb: float | None = None
     #: the prefix of the registered instance ids (`<prefix>-rank<r>`; default: vLLM's engine id)
     instance_id: str | None = None
     #: CURVE: the server's public key (NAME.key or its 40 Z85 characters) ...
@@ -85,10 +93,10 @@ class ConnectorConfig:
                 )
             values[key] = cls._parse(key, value)
         config = cls(**values)
-        if (config.staging_slots > 0) != (config.staging_slot_mb > 0):
+        if config.staging_slots == 0 and config.staging_slot_mb is not None:
             raise ValueError(
-                f"{PREFIX}staging_slots and {PREFIX}staging_slot_mb go together (how many"
-                " slots, how large each)"
+                f"{PREFIX}staging_slot_mb sizes the slots of a staging ring, but"
+                f" {PREFIX}staging_slots is 0 (no ring)"
             )
         if config.staging_slots and config.layerwise is False:
             raise ValueError(f"{PREFIX}staging_slots needs layerwise loads ({PREFIX}layerwise)")
@@ -140,5 +148,25 @@ class ConnectorConfig:
         if key == "staging_slots":
             return whole(key, value, 0, MAX_SLOTS)
         if key == "staging_slot_mb":
-            return amount(key, value, 0.0, 65536.0, "MiB")
+            mb = amount(key, value, 0.0, 65536.0, "MiB")
+            if mb <= 0:
+                raise ValueError(f"{PREFIX}staging_slot_mb must be more than 0 MiB, got {value!r}")
+            return mb
         return text(key, value)
+
+
+def staging_ring(
+    config: ConnectorConfig, layerwise: bool, cuda: bool, layer_token_bytes: int
+) -> tuple[int, int]:
+    """(slots, bytes per slot) of a worker's staging ring, (0, 0) for none: what the config
+    names, else on CUDA with layerwise loads DEFAULT_RING_SLOTS slots of one layer of
+    DEFAULT_SLOT_TOKENS tokens (`layer_token_bytes`: a token's bytes in the widest layer);
+    none on CPU, where the engine's own scatter only costs."""
+    slots = config.staging_slots
+    if slots is None:
+        slots = DEFAULT_RING_SLOTS if cuda else 0
+    if not layerwise or not slots:
+        return 0, 0
+    if config.staging_slot_mb is not None:
+        return slots, int(config.staging_slot_mb * (1 << 20))
+    return slots, layer_token_bytes * DEFAULT_SLOT_TOKENS

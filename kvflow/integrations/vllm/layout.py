@@ -75,3 +75,14 @@ def kvflow_views(kv_caches: Mapping[str, torch.Tensor], split: str) -> list[torc
         seen.add(id(tensor))
         views.append(kvflow_view(tensor, split, where=f"kv cache of {name}"))
     return views
+
+
+def layer_token_bytes(views: list[torch.Tensor], block_size: int) -> int:
+    """One token's bytes in the widest of kvflow's views of vLLM's layers (what a
+    staging slot needs per token to hold that layer)."""
+    from kvflow.kernels import KVLayout
+
+    layout = KVLayout.from_kv_caches(views, block_size=block_size, kv_format=KV_FORMAT)
+    return max(
+        sum(n for _, n in layout.layer_parts(layer, 1)) for layer in range(layout.num_layers)
+    )

@@ -23,8 +23,13 @@ import torch
 from kvflow.core import KVFlowClient
 from kvflow.core.server.layers import LayerwiseLoad, LayerwiseSave
 from kvflow.core.server.shm import shared_memory_of
-from kvflow.integrations.vllm.config import ConnectorConfig
-from kvflow.integrations.vllm.layout import KV_FORMAT, kvflow_views, split_for_device
+from kvflow.integrations.vllm.config import ConnectorConfig, staging_ring
+from kvflow.integrations.vllm.layout import (
+    KV_FORMAT,
+    kvflow_views,
+    layer_token_bytes,
+    split_for_device,
+)
 from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvflow.integrations.vllm.shared_kv import SharedKV
 
@@ -64,6 +69,8 @@ class WorkerSide:
         self.registered = False
         self._load_errors: set[int] = set()
         self._layerwise = False
+        #: slots of the staging ring registered with the caches (0: none)
+        self.ring_slots = 0
         #: vLLM layer name -> index of its (possibly shared) cache among the registered ones
         self._layer_index: dict[str, int] = {}
         #: this step's layerwise loads still to be waited for, with their plans
@@ -98,6 +105,10 @@ class WorkerSide:
             if device.type == "cpu":  # ValueError for a buffer that may share its pages
                 kv_caches = {name: self._shared.share(t) for name, t in kv_caches.items()}
             views = kvflow_views(kv_caches, split_for_device(device))
+            slots, slot_bytes = staging_ring(
+                self.config, self._layerwise, device.type == "cuda",
+                layer_token_bytes(views, block_size),
+            )  # fmt: skip
             self._client.register_kv_caches(
                 self.instance_id,
                 views,
@@ -108,8 +119,8 @@ class WorkerSide:
                 kv_format=KV_FORMAT,
                 takeover=True,
                 layerwise=self._layerwise,
-                staging_slots=self.config.staging_slots if self._layerwise else 0,
-                staging_slot_bytes=int(self.config.staging_slot_mb * (1 << 20)),
+                staging_slots=slots,
+                staging_slot_bytes=slot_bytes,
             )
         except Exception as exc:
             log.error(
@@ -121,18 +132,15 @@ class WorkerSide:
             )
             return
         self.registered = True
-        ring = self.config.staging_slots
+        self.ring_slots = slots
+        ring = f" (staging ring of {slots} x {slot_bytes / (1 << 20):g} MiB)" if slots else ""
         log.info(
             "kvflow: registered %d layers of %s as %s through %s%s",
             len(views),
             device,
             self.instance_id,
             how,
-            (
-                ", loading layer by layer" + (f" (staging ring of {ring} slots)" if ring else "")
-                if self._layerwise
-                else ""
-            ),
+            (", loading layer by layer" + ring if self._layerwise else ""),
         )
 
     def load(self, plan: StepPlan) -> None:
@@ -205,7 +213,7 @@ class WorkerSide:
         for layer in layers:
             self._wait_index(layer)
         for load, spec in self._pending:
-            if self.config.staging_slots:
+            if self.ring_slots:
                 log.info(
                     "kvflow: layerwise load of %s: %d of %d layers came through the staging ring",
                     spec.req_id,

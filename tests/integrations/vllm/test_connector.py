@@ -23,7 +23,7 @@ from kvflow.core import KVFlowClient
 from kvflow.core.server.shm import map_shared, shared_memory_of
 from kvflow.integrations.vllm import scheduler as scheduler_module
 from kvflow.integrations.vllm.config import ConnectorConfig
-from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views
+from kvflow.integrations.vllm.layout import kvflow_view, kvflow_views, layer_token_bytes
 from kvflow.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvflow.integrations.vllm.scheduler import SchedulerSide
 from kvflow.integrations.vllm.shared_kv import (
@@ -91,8 +91,8 @@ def test_config_reads_only_kvflow_keys() -> None:
         ({"kvflow.staging_slots": "2.5"}, "kvflow.staging_slots must be a whole number"),
         ({"kvflow.staging_slots": True}, "kvflow.staging_slots must be a whole number"),
         ({"kvflow.staging_slot_mb": "lots"}, "kvflow.staging_slot_mb must be a number of MiB"),
-        ({"kvflow.staging_slots": 2}, "staging_slots and kvflow.staging_slot_mb go together"),
-        ({"kvflow.staging_slot_mb": 8}, "staging_slots and kvflow.staging_slot_mb go together"),
+        ({"kvflow.staging_slots": 0, "kvflow.staging_slot_mb": 8}, "staging_slots is 0 .no ring."),
+        ({"kvflow.staging_slot_mb": 0}, "kvflow.staging_slot_mb must be more than 0 MiB"),
         (
             {"kvflow.staging_slots": 2, "kvflow.staging_slot_mb": 8, "kvflow.layerwise": "off"},
             "kvflow.staging_slots needs layerwise loads",
@@ -102,6 +102,31 @@ def test_config_reads_only_kvflow_keys() -> None:
 def test_config_refuses_bad_values(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_the_staging_ring_is_on_by_default_for_cuda_layerwise_workers_only() -> None:
+    """Unnamed, a CUDA worker loading layer by layer gets DEFAULT_RING_SLOTS slots of one
+    layer of DEFAULT_SLOT_TOKENS tokens; a CPU worker or one loading whole gets none; what
+    the config names wins (a size alone keeps the default count)."""
+    from kvflow.integrations.vllm.config import (
+        DEFAULT_RING_SLOTS,
+        DEFAULT_SLOT_TOKENS,
+        staging_ring,
+    )
+
+    def ring(extra: dict[str, Any], layerwise: bool = True, cuda: bool = True) -> tuple[int, int]:
+        return staging_ring(ConnectorConfig.from_extra_config(extra), layerwise, cuda, 4096)
+
+    assert ring({}) == (DEFAULT_RING_SLOTS, 4096 * DEFAULT_SLOT_TOKENS)
+    assert ring({}, cuda=False) == (0, 0)
+    assert ring({}, layerwise=False) == (0, 0)
+    assert ring({"kvflow.staging_slots": 0}) == (0, 0)
+    assert ring({"kvflow.staging_slots": 2}) == (2, 4096 * DEFAULT_SLOT_TOKENS)
+    assert ring({"kvflow.staging_slot_mb": 8}) == (DEFAULT_RING_SLOTS, 8 << 20)
+    assert ring({"kvflow.staging_slots": 2, "kvflow.staging_slot_mb": 1}, cuda=False) == (
+        2,
+        1 << 20,
+    )
 
 
 # -- layout: vLLM's manager views as kvflow's vllm_flash_attn format -----------------------
@@ -141,6 +166,7 @@ def test_views_fit_kvflows_format_and_refuse_other_shapes() -> None:
     assert len(views) == LAYERS
     layout = KVLayout.from_kv_caches(views, block_size=None, kv_format="vllm_flash_attn")
     assert (layout.num_layers, layout.num_blocks, layout.block_size) == (LAYERS, BLOCKS, BLOCK)
+    assert layer_token_bytes(views, BLOCK) == 2 * HEADS * HEAD * 4  # K and V, float32
     with pytest.raises(ValueError, match="2 \\* head_size"):
         kvflow_view(torch.zeros(4, 2, 16, 7), "rows")
     with pytest.raises(ValueError, match="split must be"):
