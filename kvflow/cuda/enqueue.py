@@ -69,8 +69,11 @@ def copy_2d_async(
             ctypes.byref(desc),
             stream,
         )
-    elif rc:
-        raise lib.fail(rc, "cuMemcpy2DAsync")
+    elif rc:  # the copy's shape in the message: a refused copy is otherwise hard to place
+        raise RuntimeError(
+            f"{lib.fail(rc, 'cuMemcpy2DAsync')}: {height} rows of {width} bytes from"
+            f" {src:#x} (pitch {src_pitch}) to {dst:#x} (pitch {dst_pitch})"
+        )
 
 
 class DriverEvent:
