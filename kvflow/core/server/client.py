@@ -563,12 +563,15 @@ class KVFlowClient:
             ropes=wire_ropes,
         )
         if layers is not None:
-            request.layer_event_handles, request.layer_flags = layers.wire()
-            if layers.staging is not None:
-                request.layer_staging, request.layer_staging_event_handles = layers.staging.wire()
+            layers.wire_into(request)
         reply = self._call(request)
         if not isinstance(reply, Registered):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
+        self._keep_registered(instance_id, events, layers)
+        self._start_heartbeat(reply.heartbeat_interval_s)
+
+    def _keep_registered(self, instance_id: str, events: Any, layers: ClientLayers | None) -> None:
+        """Hold a registered instance's CUDA events and layer completion points."""
         with self._lock:
             if events is not None:
                 self._events[instance_id] = events
@@ -576,7 +579,6 @@ class KVFlowClient:
                 self._layers[instance_id] = layers
             else:
                 self._layers.pop(instance_id, None)
-        self._start_heartbeat(reply.heartbeat_interval_s)
 
     def lookup(
         self,

@@ -36,7 +36,7 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError, TransferError
 from kvflow.core.server.polling import poll_until
-from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, TensorDesc
+from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, Register, TensorDesc
 from kvflow.core.server.staging import (
     ClientStaging,
     ServerStaging,
@@ -126,6 +126,12 @@ class ClientLayers:
 
         handles = [bytes(e.ipc_handle()) for e in self.events] if self.events else None
         return handles, describe_tensor(self.raw, "layer flags")
+
+    def wire_into(self, request: Register) -> None:
+        """Put the completion points (and the staging ring, if any) into a Register."""
+        request.layer_event_handles, request.layer_flags = self.wire()
+        if self.staging is not None:
+            request.layer_staging, request.layer_staging_event_handles = self.staging.wire()
 
     def next_seq(self) -> int:
         """The next retrieve's number (call with `lock` held)."""
