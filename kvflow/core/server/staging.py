@@ -18,9 +18,10 @@ the entry and only then raises `head`. The engine's `pump()` scatters uses in or
 both ask on the host (`query`). A stream of one process blocked on another process's
 event holds the GPU's time slice while it spins, and the other process's copies wait for
 the slice to end: queued ahead, the engine's waits on "copied" left a 1.9 ms gap after
-every copy of the server's (docs/perf-journal.md, 2026-11-30). The engine pumps whenever it waits for a layer, so a ring
-shared by several loads of one forward pass never waits on a layer the engine is not
-waiting for: the server stays at most N staged layers ahead of the engine's waits.
+every copy of the server's (docs/perf-journal.md, 2026-11-30). The engine pumps whenever
+it waits for a layer, so a ring shared by several loads of one forward pass never waits
+on a layer the engine is not waiting for: the server stays at most N staged layers
+ahead of the engine's waits.
 """
 
 from __future__ import annotations
