@@ -93,10 +93,16 @@ class ConnectorConfig:
                 )
             values[key] = cls._parse(key, value)
         config = cls(**values)
-        if config.staging_slots == 0 and config.staging_slot_mb is not None:
+        mb = config.staging_slot_mb
+        if config.staging_slots == 0 and mb:
             raise ValueError(
                 f"{PREFIX}staging_slot_mb sizes the slots of a staging ring, but"
                 f" {PREFIX}staging_slots is 0 (no ring)"
+            )
+        if mb == 0 and config.staging_slots != 0:  # 0 with 0 slots: no ring, as it always was
+            raise ValueError(
+                f"{PREFIX}staging_slot_mb must be more than 0 MiB (or 0 with"
+                f" {PREFIX}staging_slots 0: no ring), got 0"
             )
         if config.staging_slots and config.layerwise is False:
             raise ValueError(f"{PREFIX}staging_slots needs layerwise loads ({PREFIX}layerwise)")
@@ -148,10 +154,7 @@ class ConnectorConfig:
         if key == "staging_slots":
             return whole(key, value, 0, MAX_SLOTS)
         if key == "staging_slot_mb":
-            mb = amount(key, value, 0.0, 65536.0, "MiB")
-            if mb <= 0:
-                raise ValueError(f"{PREFIX}staging_slot_mb must be more than 0 MiB, got {value!r}")
-            return mb
+            return amount(key, value, 0.0, 65536.0, "MiB")
         return text(key, value)
 
 

@@ -77,12 +77,7 @@ def kvflow_views(kv_caches: Mapping[str, torch.Tensor], split: str) -> list[torc
     return views
 
 
-def layer_token_bytes(views: list[torch.Tensor], block_size: int) -> int:
-    """One token's bytes in the widest of kvflow's views of vLLM's layers (what a
-    staging slot needs per token to hold that layer)."""
-    from kvflow.kernels import KVLayout
-
-    layout = KVLayout.from_kv_caches(views, block_size=block_size, kv_format=KV_FORMAT)
-    return max(
-        sum(n for _, n in layout.layer_parts(layer, 1)) for layer in range(layout.num_layers)
-    )
+def layer_token_bytes(views: list[torch.Tensor]) -> int:
+    """One token's bytes (K and V) in the widest of kvflow's [2, blocks, block_size,
+    heads, head_size] views of vLLM's layers: what a staging slot needs per token."""
+    return max(view[:, 0, 0].numel() * view.element_size() for view in views)

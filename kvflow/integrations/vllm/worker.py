@@ -107,7 +107,7 @@ class WorkerSide:
             views = kvflow_views(kv_caches, split_for_device(device))
             slots, slot_bytes = staging_ring(
                 self.config, self._layerwise, device.type == "cuda",
-                layer_token_bytes(views, block_size),
+                layer_token_bytes(views),
             )  # fmt: skip
             self._client.register_kv_caches(
                 self.instance_id,

@@ -94,6 +94,10 @@ def test_config_reads_only_kvflow_keys() -> None:
         ({"kvflow.staging_slots": 0, "kvflow.staging_slot_mb": 8}, "staging_slots is 0 .no ring."),
         ({"kvflow.staging_slot_mb": 0}, "kvflow.staging_slot_mb must be more than 0 MiB"),
         (
+            {"kvflow.staging_slots": 2, "kvflow.staging_slot_mb": 0},
+            "kvflow.staging_slot_mb must be more than 0 MiB",
+        ),
+        (
             {"kvflow.staging_slots": 2, "kvflow.staging_slot_mb": 8, "kvflow.layerwise": "off"},
             "kvflow.staging_slots needs layerwise loads",
         ),
@@ -121,6 +125,7 @@ def test_the_staging_ring_is_on_by_default_for_cuda_layerwise_workers_only() -> 
     assert ring({}, cuda=False) == (0, 0)
     assert ring({}, layerwise=False) == (0, 0)
     assert ring({"kvflow.staging_slots": 0}) == (0, 0)
+    assert ring({"kvflow.staging_slots": 0, "kvflow.staging_slot_mb": 0}) == (0, 0)  # as before
     assert ring({"kvflow.staging_slots": 2}) == (2, 4096 * DEFAULT_SLOT_TOKENS)
     assert ring({"kvflow.staging_slot_mb": 8}) == (DEFAULT_RING_SLOTS, 8 << 20)
     assert ring({"kvflow.staging_slots": 2, "kvflow.staging_slot_mb": 1}, cuda=False) == (
@@ -166,7 +171,7 @@ def test_views_fit_kvflows_format_and_refuse_other_shapes() -> None:
     assert len(views) == LAYERS
     layout = KVLayout.from_kv_caches(views, block_size=None, kv_format="vllm_flash_attn")
     assert (layout.num_layers, layout.num_blocks, layout.block_size) == (LAYERS, BLOCKS, BLOCK)
-    assert layer_token_bytes(views, BLOCK) == 2 * HEADS * HEAD * 4  # K and V, float32
+    assert layer_token_bytes(views) == 2 * HEADS * HEAD * 4  # K and V, float32
     with pytest.raises(ValueError, match="2 \\* head_size"):
         kvflow_view(torch.zeros(4, 2, 16, 7), "rows")
     with pytest.raises(ValueError, match="split must be"):

@@ -157,7 +157,7 @@ def test_vllm_reuses_a_prefix_through_kvflow(tmp_path: Path) -> None:
             python, model, [longer], tmp_path, "engine3", endpoint, layerwise=True,
             staging_slots=2,
         )  # fmt: skip
-        assert "(staging ring of 2 slots)" in log3, log3[-4000:]
+        assert "(staging ring of 2 x 1 MiB)" in log3, log3[-4000:]
         staged = re.findall(r"(\d+) of (\d+) layers came through the staging ring", log3)
         assert staged and all(a == b != "0" for a, b in staged), log3[-4000:]
         assert third["results"][0]["num_cached_tokens"] == PROMPT_TOKENS
