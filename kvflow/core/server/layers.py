@@ -64,9 +64,8 @@ def _wait_flag(
     idle: Callable[[], None] | None = None,
 ) -> float:
     """Poll `flags[layer]` (int64s, numpy or torch) until it reaches `seq` (or a later
-    one's marks); returns the
-    seconds waited. TransferError at `-seq` or once `cancelled()`, RequestTimeoutError
-    after `timeout_s`; `idle()` runs between polls."""
+    one's marks); returns the seconds waited. TransferError at `-seq` or once
+    `cancelled()`, RequestTimeoutError after `timeout_s`; `idle()` runs between polls."""
 
     def marked() -> bool:
         value = int(flags[layer])

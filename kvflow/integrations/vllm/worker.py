@@ -204,7 +204,7 @@ class WorkerSide:
         for load, spec in self._pending:
             log.info(
                 "kvflow: layerwise load of %s: vLLM waited for %d of %d layers, %.2f ms on"
-                " the host",
+                " the host for their flags",
                 spec.req_id,
                 len(load.waited_s),
                 len(layers),
