@@ -103,6 +103,10 @@ class Chunks:
             raise ValueError(f"chunks hold {self.chunk_nbytes} bytes, not {nbytes}")
         return self.base + index * nbytes
 
+    def region(self, index: int) -> int:
+        """One buffer: one region (`HostChunks`)."""
+        return 0
+
 
 def mover_steps(
     pool: object, src_host: torch.Tensor, dst_host: torch.Tensor

@@ -42,6 +42,10 @@ class TensorChunks:
             raise ValueError(f"chunk {index} is not {nbytes} contiguous bytes")
         return int(tensor.data_ptr())
 
+    def region(self, index: int) -> int:
+        """The allocation the tensor's bytes belong to (its storage)."""
+        return int(self._tensors[index].untyped_storage().data_ptr())
+
 
 def small_engine(
     *,

@@ -41,8 +41,10 @@ class Copy2D(NamedTuple):
 
 class DirectLayers:
     """Per layer, the 2-D copies from L1 objects (host addresses `hosts`, chunk c's at
-    `hosts[c]`) into the blocks of `table` (row c: chunk c's blocks), leaving each chunk's
-    first `skip_blocks[c]` blocks untouched; None for a layer that must be staged."""
+    `hosts[c]`, in region `regions[c]`: `HostChunks.region`, all in one when not given)
+    into the blocks of `table` (row c: chunk c's blocks), leaving each chunk's first
+    `skip_blocks[c]` blocks untouched; None for a layer that must be staged. No copy
+    spans two regions (the driver refuses a copy across two registrations)."""
 
     def __init__(
         self,
@@ -52,11 +54,16 @@ class DirectLayers:
         hosts: Sequence[int],
         chunk_tokens: int,
         max_copies: int = MAX_DIRECT_COPIES,
+        *,
+        regions: Sequence[int] | None = None,
     ) -> None:
         self.layout, self.chunk_tokens, self.max_copies = layout, chunk_tokens, max_copies
         self._table = np.asarray(table, dtype=np.int64)
         self._skip = np.asarray(skip_blocks, dtype=np.int64)
         self._hosts = np.asarray(hosts, dtype=np.int64)
+        self._regions = np.asarray(
+            regions if regions is not None else [0] * len(hosts), dtype=np.int64
+        )
         #: (block stride, block bytes) -> runs relative to the host addresses and block 0
         self._runs: dict[tuple[int, int], list[Copy2D] | None] = {}
 
@@ -93,29 +100,38 @@ class DirectLayers:
         keep = index[None, :] >= self._skip[:, None]
         src = (self._hosts[:, None] + index[None, :] * block_bytes)[keep]
         dst = (self._table * block_stride)[keep]
+        region = np.broadcast_to(self._regions[:, None], keep.shape)[keep]
         if not src.size:
             return []
-        # pieces: maximal stretches of blocks contiguous on both sides
-        cut = np.flatnonzero((np.diff(src) != block_bytes) | (np.diff(dst) != block_bytes)) + 1
+        # pieces: maximal stretches of blocks contiguous on both sides, in one region
+        apart = (np.diff(src) != block_bytes) | (np.diff(dst) != block_bytes)
+        cut = np.flatnonzero(apart | (np.diff(region) != 0)) + 1
         starts = np.concatenate(([0], cut))
         widths = np.diff(np.concatenate((starts, [src.size]))) * block_bytes
-        return _rows(src[starts].tolist(), dst[starts].tolist(), widths.tolist(), self.max_copies)
+        return _rows(
+            src[starts].tolist(), dst[starts].tolist(), widths.tolist(),
+            region[starts].tolist(), self.max_copies,
+        )  # fmt: skip
 
 
-def _rows(srcs: list[int], dsts: list[int], widths: list[int], most: int) -> list[Copy2D] | None:
-    """Group pieces (source, destination, width) into 2-D copies: consecutive pieces of
-    one width whose sources and destinations each step by one pitch (at least the width,
-    so rows never overlap, at most MAX_PITCH) share a copy. None past `most` copies."""
+def _rows(
+    srcs: list[int], dsts: list[int], widths: list[int], regions: list[int], most: int
+) -> list[Copy2D] | None:
+    """Group pieces (source, destination, width, source region) into 2-D copies:
+    consecutive pieces of one width and region whose sources and destinations each step
+    by one pitch (at least the width, so rows never overlap, at most MAX_PITCH) share a
+    copy. None past `most` copies."""
     copies: list[Copy2D] = []
     i, n = 0, len(srcs)
     while i < n:
         width, stop = widths[i], i + 1
-        if stop < n and widths[stop] == width:
+        if stop < n and widths[stop] == width and regions[stop] == regions[i]:
             src_pitch, dst_pitch = srcs[stop] - srcs[i], dsts[stop] - dsts[i]
             if width <= src_pitch <= MAX_PITCH and width <= dst_pitch <= MAX_PITCH:
                 while (
                     stop < n
                     and widths[stop] == width
+                    and regions[stop] == regions[i]
                     and srcs[stop] - srcs[stop - 1] == src_pitch
                     and dsts[stop] - dsts[stop - 1] == dst_pitch
                 ):

@@ -341,8 +341,10 @@ class CudaMover:
         written: Callable[[int, TransferStream], None],
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
-        addresses = [dsts.address(c, self.chunk_nbytes) for c in range(len(dsts))]
-        direct = DirectLayers(self.layout, table, [0] * len(dsts), addresses, chunk_tokens)
+        addresses, regions = self._objects(dsts)
+        direct = DirectLayers(
+            self.layout, table, [0] * len(dsts), addresses, chunk_tokens, regions=regions
+        )
         for layer in range(self.layout.num_layers):
             copies = direct.copies(layer)
             if copies is not None:  # straight from the blocks: no kernel to wait for a slice
@@ -360,7 +362,10 @@ class CudaMover:
                 moves.launch_trusted(rows, start, stop - start)
                 self._gathered[s].record(ks.handle)
                 self._gathered[s].wait_on(cs.handle)
-                self._copy_runs(rows.data_ptr(), addresses[start:stop], parts, to_stage=False)
+                self._copy_runs(
+                    rows.data_ptr(), addresses[start:stop], regions[start:stop], parts,
+                    to_stage=False,
+                )  # fmt: skip
                 self._drained[s].record(cs.handle)
 
     def retrieve_layers(
@@ -393,9 +398,11 @@ class CudaMover:
         staging: Staging | None,
     ) -> None:
         cs, ks = self.copy_stream, self.kernel_stream
-        addresses = [srcs.address(c, self.chunk_nbytes) for c in range(len(srcs))]
+        addresses, regions = self._objects(srcs)
         self._after_caller(cs)
-        direct = DirectLayers(self.layout, table, skip_blocks, addresses, chunk_tokens)
+        direct = DirectLayers(
+            self.layout, table, skip_blocks, addresses, chunk_tokens, regions=regions
+        )
         on_copy_stream = False  # the op ends on the kernel stream: after these copies too
         for layer in range(self.layout.num_layers):
             copies = direct.copies(layer)
@@ -404,7 +411,9 @@ class CudaMover:
                 ready(layer, cs)
                 on_copy_stream = True
                 continue
-            if staging is not None and self._stage_in(staging, layer, addresses, chunk_tokens):
+            if staging is not None and self._stage_in(
+                staging, layer, addresses, regions, chunk_tokens
+            ):
                 ready(layer, cs)
                 on_copy_stream = True
                 continue
@@ -415,7 +424,10 @@ class CudaMover:
             for parts, start, stop, s, rows in self._layer_pieces(
                 layer, len(srcs), chunk_tokens, cs
             ):
-                self._copy_runs(rows.data_ptr(), addresses[start:stop], parts, to_stage=True)
+                self._copy_runs(
+                    rows.data_ptr(), addresses[start:stop], regions[start:stop], parts,
+                    to_stage=True,
+                )  # fmt: skip
                 self._landed[s][0].record(cs.handle)
                 self._landed[s][0].wait_on(ks.handle)
                 moves.launch_trusted(rows, start, stop - start)
@@ -426,7 +438,12 @@ class CudaMover:
             self._direct_done.wait_on(ks.handle)
 
     def _stage_in(
-        self, staging: Staging, layer: int, hosts: Sequence[int], chunk_tokens: int
+        self,
+        staging: Staging,
+        layer: int,
+        hosts: Sequence[int],
+        regions: Sequence[int],
+        chunk_tokens: int,
     ) -> bool:
         """Copy a layer's runs of every chunk into the next slot of the engine's ring (the
         engine scatters it: no kernel here either); False when the layer does not fit."""
@@ -434,9 +451,16 @@ class CudaMover:
         if len(hosts) * sum(n for _, n in parts) > staging.slot_bytes:
             return False
         slot = staging.claim(self.copy_stream)
-        self._copy_runs(slot.data_ptr(), hosts, parts, to_stage=True)
+        self._copy_runs(slot.data_ptr(), hosts, regions, parts, to_stage=True)
         staging.staged(layer, chunk_tokens, self.copy_stream)
         return True
+
+    def _objects(self, chunks: HostChunks) -> tuple[list[int], list[int]]:
+        """The objects' host addresses and their regions (no copy may span two)."""
+        count = range(len(chunks))
+        return [chunks.address(c, self.chunk_nbytes) for c in count], [
+            chunks.region(c) for c in count
+        ]
 
     def _layer_pieces(
         self, layer: int, count: int, chunk_tokens: int, reuse: TransferStream
@@ -457,7 +481,13 @@ class CudaMover:
             yield parts, start, stop, s, rows.view(stop - start, width)
 
     def _copy_runs(
-        self, stage: int, hosts: Sequence[int], parts: list[tuple[int, int]], *, to_stage: bool
+        self,
+        stage: int,
+        hosts: Sequence[int],
+        regions: Sequence[int],
+        parts: list[tuple[int, int]],
+        *,
+        to_stage: bool,
     ) -> None:
         """Queue on the copy stream, for each chunk (its L1 object's host address), the
         copies of its layer runs to (or from) its row of a stage starting at `stage`.
@@ -466,7 +496,7 @@ class CudaMover:
         one per part across the objects; per lone object, one across its parts."""
         width = sum(n for _, n in parts)
         part_pitch = even_pitch(parts)
-        for first, count, pitch in even_runs(hosts, width):
+        for first, count, pitch in even_runs(hosts, width, regions):
             row, host = stage + first * width, hosts[first]
             if count > 1:
                 at = 0
@@ -553,18 +583,26 @@ class _RetrieveCall:
         return self._moves
 
 
-def even_runs(hosts: Sequence[int], width: int) -> list[tuple[int, int, int]]:
+def even_runs(
+    hosts: Sequence[int], width: int, regions: Sequence[int]
+) -> list[tuple[int, int, int]]:
     """Split objects' addresses into runs one 2-D copy can cover: (first object, count,
     pitch), each run's addresses ascending by one pitch of at least `width` bytes (so
-    rows never overlap) and at most MAX_PITCH; an object that starts no run is alone
+    rows never overlap) and at most MAX_PITCH, all in one region (`HostChunks.region`:
+    a copy across two registrations is refused); an object that starts no run is alone
     (count 1, pitch 0)."""
     runs: list[tuple[int, int, int]] = []
     first, n = 0, len(hosts)
     while first < n:
         last, pitch = first, hosts[first + 1] - hosts[first] if first + 1 < n else 0
-        if width <= pitch <= MAX_PITCH:
+        region = regions[first]
+        if width <= pitch <= MAX_PITCH and regions[first + 1] == region:
             last += 1
-            while last + 1 < n and hosts[last + 1] - hosts[last] == pitch:
+            while (
+                last + 1 < n
+                and hosts[last + 1] - hosts[last] == pitch
+                and regions[last + 1] == region
+            ):
                 last += 1
         else:
             pitch = 0

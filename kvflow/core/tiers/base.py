@@ -90,6 +90,12 @@ class HostChunks(Protocol):
         """Object `index`'s page-locked host address; ValueError unless it holds `nbytes`."""
         ...
 
+    def region(self, index: int) -> int:
+        """Which page-locked region (one registration: an L1 segment) object `index` lies
+        in. One copy may span several objects only within one region: the driver refuses
+        a copy whose extent crosses from one registration into another."""
+        ...
+
 
 @runtime_checkable
 class StorageTier(Protocol):

@@ -567,3 +567,7 @@ class ObjectViews:
         if obj.nbytes != nbytes:
             raise ValueError(f"L1 object {index} holds {obj.nbytes} bytes, not {nbytes}")
         return self._l1.pool.address(obj.segment, obj.offset)
+
+    def region(self, index: int) -> int:
+        """The L1 segment object `index` lies in (each segment is pinned on its own)."""
+        return self._objs[index].segment

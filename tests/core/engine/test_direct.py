@@ -124,6 +124,34 @@ def test_no_skips_and_in_order_blocks_make_one_copy_per_part() -> None:
         assert copy.dst_pitch == PER_CHUNK * block_bytes
 
 
+def test_no_copy_spans_two_regions_of_l1() -> None:
+    """Chunks 0-1 in one pinned segment and 2-4 in another (evenly spaced all the same):
+    one copy per part and region instead of one per part (a copy across two
+    registrations is refused by the driver), every row within its copy's region, and
+    every byte still where the scatter puts it."""
+    s = _setup(KVFormat.VLLM_FLASH_ATTN, False, _in_order())
+    regions = [0, 0, 1, 1, 1]
+    whole = DirectLayers(s["layout"], _in_order(), [0] * CHUNKS, s["hosts"], s["chunk_tokens"])
+    split = DirectLayers(
+        s["layout"], _in_order(), [0] * CHUNKS, s["hosts"], s["chunk_tokens"], regions=regions
+    )
+    one, two = whole.copies(0), split.copies(0)
+    assert one is not None and two is not None
+    assert len(one) == 2 and sorted(c.height for c in two) == [2, 2, 3, 3]
+    pitch = s["hosts"][1] - s["hosts"][0]
+    for copy in two:
+        first = (copy.src - s["hosts"][0]) // pitch
+        assert len({regions[first + row] for row in range(copy.height)}) == 1
+    skipping = DirectLayers(
+        s["layout"], _in_order(), SKIPS, s["hosts"], s["chunk_tokens"], regions=regions
+    )
+    for layer in range(s["layout"].num_layers):
+        copies = skipping.copies(layer)
+        assert copies is not None
+        _run(copies)
+    assert same_bytes(s["target"], s["expected"])
+
+
 @pytest.mark.parametrize("fmt", list(KVFormat), ids=[f.value for f in KVFormat])
 def test_layouts_whose_blocks_are_out_of_order_are_left_to_the_scatter(fmt: KVFormat) -> None:
     """Head-major (HND) views and padded MLA rows do not hold a layer's bytes in block
