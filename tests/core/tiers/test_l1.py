@@ -124,6 +124,18 @@ def test_object_addresses_are_their_views_addresses_and_sizes_are_checked() -> N
     l1.release(objs)
 
 
+def test_objects_name_the_segment_they_lie_in_as_their_region() -> None:
+    """Each segment is pinned on its own, so a copy may not run from one into the next:
+    objects tell which segment (region) they lie in; two per segment here."""
+    l1 = make_l1(4, segment_bytes=2 * ALIGN)
+    store(l1, ["a", "b", "c"])
+    objs = l1.pin_prefix(["a", "b", "c"])
+    views = l1.views(objs)
+    regions = [views.region(i) for i in range(3)]
+    assert regions[0] == regions[1] != regions[2]
+    l1.release(objs)
+
+
 def test_freed_extents_coalesce_for_a_larger_object() -> None:
     """Two adjacent freed objects make room for one object of twice the size."""
     l1 = make_l1(2)
