@@ -240,7 +240,6 @@ class ClientStaging:
         """Scatter every staged use from `tail` on whose load has come back, in order."""
         with self._lock:
             control = self.control
-            self._note_pending(int(control[TAIL]), int(control[HEAD]))
             while (use := int(control[TAIL])) < int(control[HEAD]):
                 slot = use % self.slots
                 seq, layer, chunk_tokens = (int(w) for w in control[_entry(slot)])
@@ -248,6 +247,7 @@ class ClientStaging:
                 if load is None and seq not in self._dropped:
                     return  # its reply is still on its way to the caller
                 if load is not None and self.events and not self.events[slot].query():
+                    self._note_pending(use, int(control[HEAD]))
                     return  # the server's copies into the slot are still running
                 if load is not None:
                     self._scatter(load, slot, layer, chunk_tokens)
@@ -266,7 +266,8 @@ class ClientStaging:
             return len(self._loads)
 
     def _note_pending(self, tail: int, head: int) -> None:
-        """Mark the layers of the uses written but not scattered yet as pending."""
+        """Mark the layers of the uses written but not scattered yet as pending (the pump
+        stopped at `tail`, whose copies still run)."""
         for use in range(tail, head):
             seq, layer = (int(w) for w in self.control[_entry(use % self.slots)][:2])
             load = self._loads.get(seq)
