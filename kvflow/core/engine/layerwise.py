@@ -42,10 +42,10 @@ class Staging(Protocol):
 
     slot_bytes: int
 
-    def claim(self, stream: Any) -> torch.Tensor:
+    def claim(self) -> torch.Tensor:
         """The next slot (uint8, `slot_bytes`) once the engine's scatter of what it held
-        last has run (so work queued on `stream`, a TransferStream or None for CPU caches,
-        after this call comes after it). Raises when the engine never frees it."""
+        last has run, so any copy queued into it after this call comes after that
+        scatter. Raises when the engine never frees it."""
         ...
 
     def staged(self, layer: int, chunk_tokens: int, stream: Any) -> None:
@@ -125,7 +125,7 @@ def cpu_scatter_layers(
     for layer in range(layout.num_layers):
         parts, rows = _layer_rows(layout, layer, chunk_tokens, buffer, len(srcs))
         if staging is not None and rows.numel() <= staging.slot_bytes:
-            slot = staged_rows(staging.claim(None), len(srcs), rows.shape[1])
+            slot = staged_rows(staging.claim(), len(srcs), rows.shape[1])
             _copy_runs(slot, srcs, parts, to_rows=True)
             staging.staged(layer, chunk_tokens, None)
             ready(layer, None)

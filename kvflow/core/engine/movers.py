@@ -450,7 +450,7 @@ class CudaMover:
         parts = self.layout.layer_parts(layer, chunk_tokens)
         if len(hosts) * sum(n for _, n in parts) > staging.slot_bytes:
             return False
-        slot = staging.claim(self.copy_stream)
+        slot = staging.claim()
         self._copy_runs(slot.data_ptr(), hosts, regions, parts, to_stage=True)
         staging.staged(layer, chunk_tokens, self.copy_stream)
         return True

@@ -108,7 +108,7 @@ class SlotClaims:
         self._use = -1
         self.slot_bytes = staging.slot_bytes
 
-    def claim(self, stream: Any) -> torch.Tensor:
+    def claim(self) -> torch.Tensor:
         st, control = self._staging, self._staging.control
         use = int(control[HEAD])
         slot = use % st.slots

@@ -34,7 +34,7 @@ def _sides(slots: int) -> tuple[list[torch.Tensor], ClientLayers, ServerStaging]
 def _stage(ring: ServerStaging, seq: int, layer: int, value: float) -> None:
     """The server's part: claim the next slot and fill it with one chunk of `value`."""
     claims = ring.claims(seq, lambda: False)
-    slot = claims.claim(None)
+    slot = claims.claim()
     slot[:LAYER_BYTES].view(torch.float16).fill_(value)
     claims.staged(layer, CHUNK, None)
 
@@ -91,14 +91,14 @@ def test_the_server_waits_for_a_slot_until_the_engine_scatters_or_it_is_cancelle
     _, client, ring = _sides(1)
     _stage(ring, 1, 0, 1.0)
     with pytest.raises(TransferError, match="staging slot 0"):
-        ring.claims(1, lambda: True).claim(None)
+        ring.claims(1, lambda: True).claim()
     monkeypatch.setattr("kvflow.core.server.staging.SLOT_TIMEOUT_S", 0.05)
     with pytest.raises(RequestTimeoutError, match="staging slot 0"):
-        ring.claims(1, lambda: False).claim(None)
+        ring.claims(1, lambda: False).claim()
     assert client.staging is not None
     client.staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
     client.staging.pump()
-    assert ring.claims(1, lambda: False).claim(None).numel() == LAYER_BYTES
+    assert ring.claims(1, lambda: False).claim().numel() == LAYER_BYTES
 
 
 def test_loads_without_staged_layers_are_not_held() -> None:
