@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,14 @@ class UploadedTransfer:
                 self._ids = pinned.to(layout.device, non_blocking=True)  # kept while we live
             self._ids_ptr = self._ids.data_ptr()
         self._kernels: dict[int, tuple[TransferPlan, Any, int]] = {}
+
+    def for_layout(self, layout: KVLayout) -> UploadedTransfer:
+        """These ids (shared, not uploaded again) for another layout on the same device
+        (the caller checked the block size): its own plans and kernels."""
+        other = copy.copy(self)
+        other.layout = layout
+        other._kernels = {}
+        return other
 
     def _kernel(self, alignment: int) -> tuple[TransferPlan, Any, int]:
         """(plan, prepared kernel, plan table address) for staging of this alignment."""

@@ -6,6 +6,7 @@ pieces; `transfer_blocks` is the one-shot form.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -166,6 +167,22 @@ class PreparedTransfer:
             self._device = UploadedTransfer(
                 layout, ids, skip, gather=gather, stream=stream, id_buffer=id_buffer
             )
+
+    def for_layout(self, layout: KVLayout) -> PreparedTransfer:
+        """The same chunks' ids, uploaded once, moved through another layout of the same
+        block size on the same device: a layerwise transfer launches each layer through
+        that layer's own layout, and its ids need not go up once per layer."""
+        if layout.block_size != self.layout.block_size or layout.device != self.layout.device:
+            raise ValueError(
+                f"a transfer prepared for blocks of {self.layout.block_size} tokens on "
+                f"{self.layout.device} cannot move blocks of {layout.block_size} on {layout.device}"
+            )
+        other = copy.copy(self)
+        other.layout = layout
+        other.chunk_nbytes = layout.chunk_nbytes(self.per_chunk * layout.block_size)
+        if self._device is not None:
+            other._device = self._device.for_layout(layout)
+        return other
 
     def launch(self, staging: torch.Tensor, first: int = 0, count: int | None = None) -> None:
         """Move chunks [first, first + count) (default: from `first` to the end) to/from

@@ -316,3 +316,26 @@ def test_prepared_transfer_launches_groups_on_a_stream_exactly(
     stream.synchronize()
     for a, b in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_transfer_for_another_layer_reuses_its_uploaded_ids(cuda_device: torch.device) -> None:
+    """Ids uploaded with layer 0's transfer gather the last layer through `for_layout`
+    exactly as the reference does (the layerwise paths upload once per request)."""
+    seed = next(_seeds)
+    _, layout = _caches(KVFormat.VLLM_FLASH_ATTN, seed, cuda_device, num_blocks=64)
+    stream = new_transfer_stream(layout.device)
+    chunks, per_chunk = 5, 3
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(layout.num_blocks, generator=g)[: chunks * per_chunk].view(
+        chunks, per_chunk
+    )
+    last = layout.layer_layout(layout.num_layers - 1)
+    nbytes = last.chunk_nbytes(per_chunk * layout.block_size)
+    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8, device=cuda_device)
+    want = got.clone()
+    torch.cuda.synchronize(cuda_device)
+    first = PreparedTransfer(layout.layer_layout(0), ids, direction="gather", stream=stream)
+    first.for_layout(last).launch(got)
+    transfer_reference(last, want, ids, torch.zeros(chunks, dtype=torch.long), gather=True)
+    stream.synchronize()
+    assert torch.equal(got, want)

@@ -266,3 +266,38 @@ def test_prepared_scatter_rejects_a_block_repeated_across_chunks() -> None:
     layout = KVLayout.from_kv_caches(caches, **kw)
     with pytest.raises(ValueError, match="write twice"):
         PreparedTransfer(layout, torch.tensor([[1, 2], [3, 1]]), direction="scatter")
+
+
+def test_a_transfer_for_another_layer_moves_that_layer_with_the_same_ids() -> None:
+    """`for_layout(layer_layout(i))` of a transfer prepared for layer 0 moves layer i's
+    bytes exactly as a transfer prepared for layer i would, and nothing of layer 0."""
+    gen = torch.Generator().manual_seed(11)
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, generator=gen, num_blocks=32)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    chunks, per_chunk = 4, 2
+    ids, skip = _ids_and_skip(layout.num_blocks, chunks, per_chunk, seed=11)
+    first = PreparedTransfer(
+        layout.layer_layout(0), ids.numpy(), direction="gather", skip_blocks=skip
+    )
+    last = layout.num_layers - 1
+    nbytes = layout.layer_layout(last).chunk_nbytes(per_chunk * layout.block_size)
+    got = torch.full((chunks, nbytes), POISON, dtype=torch.uint8)
+    first.for_layout(layout.layer_layout(last)).launch(got)
+    want = torch.full_like(got, POISON)
+    transfer_blocks(layout.layer_layout(last), want, ids, direction="gather", skip_blocks=skip)
+    assert torch.equal(got, want)
+    layer0 = torch.full_like(got, POISON)
+    first.launch(layer0)
+    assert not torch.equal(layer0, want)  # the layers differ: the test tells them apart
+
+
+def test_a_transfer_is_not_moved_onto_blocks_of_another_size() -> None:
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_blocks=16)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    other_caches, other_kw = make_kv_caches(
+        KVFormat.VLLM_FLASH_ATTN, num_blocks=16, block_size=2 * layout.block_size
+    )
+    other = KVLayout.from_kv_caches(other_caches, **other_kw)
+    moves = PreparedTransfer(layout, torch.arange(6).view(3, 2), direction="gather")
+    with pytest.raises(ValueError, match=f"blocks of {layout.block_size} tokens"):
+        moves.for_layout(other)

@@ -345,6 +345,7 @@ class CudaMover:
         direct = DirectLayers(
             self.layout, table, [0] * len(dsts), addresses, chunk_tokens, regions=regions
         )
+        gathers: PreparedTransfer | None = None
         for layer in range(self.layout.num_layers):
             copies = direct.copies(layer)
             if copies is not None:  # straight from the blocks: no kernel to wait for a slice
@@ -352,10 +353,13 @@ class CudaMover:
                 self._copy_direct(copies, to_blocks=False)
                 continue
             written(layer, ks)
-            moves = PreparedTransfer.trusted(
-                self.layout.layer_layout(layer), table, gather=True, backend="cuda",
-                stream=ks, id_buffer=self._ids,
-            )  # fmt: skip
+            layer_layout = self.layout.layer_layout(layer)
+            if gathers is None:  # the ids go up once, for every layer gathered here
+                gathers = PreparedTransfer.trusted(
+                    layer_layout, table, gather=True, backend="cuda", stream=ks,
+                    id_buffer=self._ids,
+                )  # fmt: skip
+            moves = gathers.for_layout(layer_layout)
             for parts, start, stop, s, rows in self._layer_pieces(
                 layer, len(dsts), chunk_tokens, ks
             ):
@@ -404,6 +408,7 @@ class CudaMover:
             self.layout, table, skip_blocks, addresses, chunk_tokens, regions=regions
         )
         on_copy_stream = False  # the op ends on the kernel stream: after these copies too
+        scatters: PreparedTransfer | None = None
         for layer in range(self.layout.num_layers):
             copies = direct.copies(layer)
             if copies is not None:  # the copy engine alone: no kernel to wait for a slice
@@ -417,10 +422,13 @@ class CudaMover:
                 ready(layer, cs)
                 on_copy_stream = True
                 continue
-            moves = PreparedTransfer.trusted(
-                self.layout.layer_layout(layer), table, skip_blocks, gather=False,
-                backend="cuda", stream=ks, id_buffer=self._ids,
-            )  # fmt: skip
+            layer_layout = self.layout.layer_layout(layer)
+            if scatters is None:  # the ids go up once, for every layer scattered here
+                scatters = PreparedTransfer.trusted(
+                    layer_layout, table, skip_blocks, gather=False, backend="cuda",
+                    stream=ks, id_buffer=self._ids,
+                )  # fmt: skip
+            moves = scatters.for_layout(layer_layout)
             for parts, start, stop, s, rows in self._layer_pieces(
                 layer, len(srcs), chunk_tokens, cs
             ):

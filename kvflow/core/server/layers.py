@@ -195,42 +195,42 @@ class LayerwiseLoad:
             idle=staging.pump if staging is not None else None,
         )  # fmt: skip
         if not layers.events:  # CPU: the layer landed; a staged one is scattered here
-            self._scattered(layer)
+            if staging is not None:
+                staging.pump()
             return
-        copies = layers.events[layer]
-        if staging is None and copies.query():
-            return  # landed already: the GPU cannot stall here, and nothing to time
+        if self._landed(layer):  # the host need not wait: the GPU cannot stall on it
+            self._after_scatter(layer, None)
+            return
         stream = torch.cuda.current_stream(layers.device)
         before = torch.cuda.Event(enable_timing=True)
         after = torch.cuda.Event(enable_timing=True)
         before.record(stream)  # the GPU idles from here to `after` only while we wait
-        scattered = self._scattered(layer)
-        if scattered is not None:
-            stream.wait_event(scattered)  # the engine's own scatter: this process's stream
-        else:
-            poll_until(
-                copies.query, self._timeout_s, f"the copies of layer {layer}",
-                idle=staging.pump if staging is not None else None,
-            )  # fmt: skip
+        poll_until(lambda: self._landed(layer), self._timeout_s, f"the copies of layer {layer}")
+        self._after_scatter(layer, stream)
         after.record(stream)
         self._stalls[layer] = (before, after)
 
-    def _scattered(self, layer: int) -> torch.cuda.Event | None:
-        """With a staging ring: once the layer's use (written before its flag) has been
-        scattered, the event of that scatter (None on CPU, where it has run, or when the
-        layer did not come through the ring)."""
+    def _landed(self, layer: int) -> bool:
+        """Whether layer `layer` (its flag raised) can be read once `_after_scatter` ordered
+        the reads: its copies ran or, staged in the ring, its scatter is queued (the pump,
+        run here, queues the scatters of staged layers whose copies ran)."""
         staging, load = self._layers.staging, self._staged
-        if staging is None or load is None:
-            return None
-        staging.pump()
-        if staging.pending(load, layer):  # the server's copies into its slot still run
+        if staging is not None and load is not None:
+            staging.pump()
+            if staging.landed(load, layer)[0]:
+                return True
+            if staging.pending(load, layer):  # staged: the server's copies still run
+                return False
+        return bool(self._layers.events[layer].query())
 
-            def scattered() -> bool:
-                staging.pump()
-                return not staging.pending(load, layer)
-
-            poll_until(scattered, self._timeout_s, f"the staged copies of layer {layer}")
-        return staging.landed(load, layer)[1]
+    def _after_scatter(self, layer: int, stream: Any) -> None:
+        """Order torch's current stream (or `stream`) after the layer's scatter from the
+        ring, if it came through it: an event of this process's own staging stream."""
+        staging, load = self._layers.staging, self._staged
+        if staging is not None and load is not None:
+            scattered = staging.landed(load, layer)[1]
+            if scattered is not None:
+                (stream or torch.cuda.current_stream(self._layers.device)).wait_event(scattered)
 
     @property
     def staged_layers(self) -> list[int]:

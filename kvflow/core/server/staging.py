@@ -39,7 +39,6 @@ from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, TensorDesc
 from kvflow.kernels import KVLayout, PreparedTransfer
-from kvflow.kernels.idbuffer import IdBuffer
 
 #: most slots a ring may have (each costs three shared int64s and, on CUDA, two events)
 MAX_SLOTS = 64
@@ -148,6 +147,9 @@ class StagedLoad:
         #: staged layers whose slots the server is still copying into (CUDA)
         self.pending: set[int] = set()
         self.caller: torch.cuda.Event | None = None  # the engine's stream when it retrieved
+        #: the scatter of its first staged layer, whose ids (uploaded with it, kept with
+        #: the load) every later layer's scatter reuses
+        self.moves: PreparedTransfer | None = None
         self._rows: tuple[np.ndarray, list[int]] | None = None  # every layer's: made once
 
     def rows(self, chunk_tokens: int, block_size: int) -> tuple[np.ndarray, list[int]]:
@@ -189,8 +191,6 @@ class ClientStaging:
                     event.record(torch.cuda.current_stream(layout.device))
             # high priority: a scatter the next layer waits on starts as SMs free up
             self.stream = new_transfer_stream(layout.device, high_priority=True)
-            self._ids = IdBuffer(layout.device)  # each scatter's block ids, uploaded
-            self._last: torch.cuda.Event | None = None  # the last scatter queued
         else:
             from kvflow.core.server.shm import empty_shared
 
@@ -286,18 +286,17 @@ class ClientStaging:
         table, skips = load.rows(chunk_tokens, layout.block_size)
         width = sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
         rows = staged_rows(self.ring[slot], len(skips), width)
+        layer_layout = layout.layer_layout(layer)
+        if load.moves is None:  # the load's ids, uploaded once for all its layers
+            load.moves = PreparedTransfer.trusted(
+                layer_layout, table, skips, gather=False,
+                backend="cpu" if self.stream is None else "cuda", stream=self.stream,
+            )  # fmt: skip
+        moves = load.moves.for_layout(layer_layout)
         if self.stream is None:
-            PreparedTransfer.trusted(
-                layout.layer_layout(layer), table, skips, gather=False, backend="cpu"
-            ).launch_trusted(rows, 0, len(skips))
+            moves.launch_trusted(rows, 0, len(skips))
             load.landed[layer] = None
             return
-        if self._last is not None and self._last.query():  # every upload so far was read
-            self._ids.reset()
-        moves = PreparedTransfer.trusted(
-            layout.layer_layout(layer), table, skips, gather=False, backend="cuda",
-            stream=self.stream, id_buffer=self._ids,
-        )  # fmt: skip
         torch_stream = self.stream.torch
         if load.caller is not None:
             torch_stream.wait_event(load.caller)
@@ -306,7 +305,7 @@ class ClientStaging:
         self.events[self.slots + slot].record(torch_stream)  # the slot is free again
         done = torch.cuda.Event()
         done.record(torch_stream)
-        load.landed[layer] = self._last = done
+        load.landed[layer] = done
 
 
 def ring_slots(ring: TensorDesc) -> int:
