@@ -105,6 +105,12 @@ class DriverEvent:
         with CurrentContext(self.context):
             _call("cuEventRecord", 0, libcuda().cuEventRecord, self.handle, 0)
 
+    def query(self) -> bool:
+        """Whether the recorded point has passed (a host check that never blocks), from
+        any thread: the event's context is made current for the call when it is not."""
+        with CurrentContext(self.context):
+            return libcuda().query(self.handle)
+
     def wait_on(self, stream: int) -> None:
         """Make `stream` wait (on the GPU) until the recorded point has passed."""
         _call(

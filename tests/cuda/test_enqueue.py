@@ -66,6 +66,26 @@ def test_an_event_orders_one_stream_after_another(cuda_device: torch.device) -> 
     assert bool((out == 20.0).all())
 
 
+def test_an_event_is_asked_on_the_host_from_any_thread(cuda_device: torch.device) -> None:
+    """`query` is False while the stream runs ~0.1 s of work before the recorded point
+    and True once it passed, also from a thread with no context current."""
+    stream = new_transfer_stream(cuda_device)
+    done = DriverEvent(stream.handle)
+    with torch.cuda.stream(stream.torch):
+        torch.cuda._sleep(200_000_000)
+    done.record(stream.handle)
+    answers: list[bool] = []
+    thread = threading.Thread(target=lambda: answers.append(done.query()))
+    thread.start()
+    thread.join()
+    assert answers == [False] and not done.query()
+    stream.synchronize()
+    thread = threading.Thread(target=lambda: answers.append(done.query()))
+    thread.start()
+    thread.join()
+    assert answers == [False, True] and done.query()
+
+
 def test_a_fresh_thread_records_on_the_default_stream_and_copies(cuda_device: torch.device) -> None:
     """A thread where torch never ran CUDA work has no current context; the calls make
     the stream's (or event's) context current instead of failing."""

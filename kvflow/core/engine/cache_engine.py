@@ -530,6 +530,7 @@ class CacheEngine:
         cache_salt: str | None = None,
         chunk_keys: Sequence[bytes] | None = None,
         layers: WrittenSignal | None = None,
+        enqueued: Callable[[Any, int], None] | None = None,
     ) -> int:
         """Copy the full chunks missing from L1 into it; returns tokens of the request held.
 
@@ -541,6 +542,13 @@ class CacheEngine:
         already there, or being written by a concurrent store) or, with L2 tiers, in L2 or
         being written to it. Without L2 it stops at the first chunk L1 had no room for;
         with L2 a request larger than (free) L1 streams through it (`_stream_store`).
+
+        `enqueued(stream, held_tokens)`, for a CUDA cache, is called once every copy of a
+        store that went to L1 whole (not layerwise, not streamed) is queued on `stream`,
+        before the engine waits for them: the server answers then, with an event
+        recorded on that stream, and the caller waits for that event. From then on L1
+        shows the chunks to every read made after their copies ran, even before the
+        engine's own wait returns (`L1Cache.commit_when_done`).
         """
         token_ids, named = keyed(token_ids, chunk_keys, self.chunk_size)
         inst = self._instance(instance_id)
@@ -555,7 +563,7 @@ class CacheEngine:
                     self._blend.record_store(tx.indexing)
                     return held
                 inst.mover.flush()
-                self._end_store(tx, plan)
+                self._end_store(tx, plan, enqueued)
         # once the lock is free: the write-through may wait for backlog room
         self._publish_written(inst, plan, request_id)
         self._blend.record_store(tx.indexing)
@@ -612,15 +620,22 @@ class CacheEngine:
             rows = [i for i, _ in new]
             tx.inst.mover.store(rows_of(tx.ids.table, rows), self.l1.views([o for _, o in new]))
 
-    def _end_store(self, tx: Transfer, plan: WritePlan, **extra: Any) -> None:
+    def _end_store(
+        self, tx: Transfer, plan: WritePlan,
+        enqueued: Callable[[Any, int], None] | None = None, **extra: Any,
+    ) -> None:  # fmt: skip
         """A store's end once its copies are queued: its evictions and END published and its
-        blend indexing begun while they run, then the wait for them, then the plan committed
-        (visible at once)."""
+        blend indexing begun while they run, `enqueued` told (the server answers; L1 then
+        commits the plan at the first read after the copies), then the wait for them, then
+        the plan committed (visible at once)."""
         mover = tx.inst.mover
         result = {**self._store_result(tx.inst, plan), **extra}
         self._tell_evictions(tx)
         tx.op.end(mover.store_stream, **result)
         self._prepare_index(tx, result["chunk_hashes"])
+        if enqueued is not None and mover.store_stream is not None:
+            self.l1.commit_when_done(plan, mover.queued_done())
+            enqueued(mover.store_stream, plan.covered * self.chunk_size)
         mover.wait()
         self.l1.commit(plan)
         tx.plan = None
@@ -677,7 +692,7 @@ class CacheEngine:
             mover.store_layers(table, dsts, self.chunk_size, written.wait_written)
         else:
             cpu_gather_layers(inst.layout, self.chunk_size, table, dsts, written)
-        self._end_store(tx, plan, layerwise=True)
+        self._end_store(tx, plan, None, layerwise=True)
         return plan
 
     def _stream_store(self, tx: Transfer, plan: WritePlan) -> int:

@@ -57,6 +57,10 @@ HEAD_BYTES = 64 << 20
 BlockRows = Callable[[], np.ndarray]
 
 
+def _always_true() -> bool:
+    return True
+
+
 class Mover(Protocol):
     """Copies chunks for one instance; enqueue then `wait()` (CPU movers finish at once).
 
@@ -89,6 +93,11 @@ class Mover(Protocol):
     def flush(self) -> None:
         """Queue every step the op still holds back (a retrieve's later scatters), so the
         op's last step is on its stream; call once its enqueueing is done, before END."""
+        ...
+
+    def queued_done(self) -> Callable[[], bool]:
+        """A check, true once every step of a store queued so far has run (it never
+        blocks): what L1 commits a store's plan by when the store answered early."""
         ...
 
     def wait(self) -> None:
@@ -191,6 +200,10 @@ class CpuMover:
 
     def flush(self) -> None:
         return None
+
+    def queued_done(self) -> Callable[[], bool]:
+        """Every copy ran inside its call."""
+        return _always_true
 
     def wait(self) -> None:
         return None
@@ -553,6 +566,12 @@ class CudaMover:
                 self._landed[s][stop - start - 1].wait_on(ks.handle)
                 moves.launch_trusted(stage, start, stop - start)
             self._drained[s].record(ks.handle)
+
+    def queued_done(self) -> Callable[[], bool]:
+        """A driver event recorded where a store ends (the copy stream), asked on the host."""
+        done = DriverEvent(self.copy_stream.handle)
+        done.record(self.store_stream.handle)
+        return done.query
 
     def flush(self) -> None:
         """Queue the held scatters; the op's last group goes chunk by chunk, so after its

@@ -206,7 +206,15 @@ class _CudaEvents(NamedTuple):
 
     written: Any  # recorded by a store: the engine's KV writes before it are done
     retrieved: Any  # recorded by the server once a retrieve's copies are queued
+    stored: Any  # recorded by the server once a store's copies are queued
     device: int
+    handles: tuple[bytes, bytes, bytes]  # the three's IPC handles, in that order
+
+    def wire_into(self, request: Register) -> None:
+        """Put the events' IPC handles into a Register."""
+        request.event_handle, request.retrieve_event_handle, request.store_event_handle = (
+            self.handles
+        )
 
     def stream(self) -> Any:
         """torch's current stream on the caches' device."""
@@ -215,9 +223,9 @@ class _CudaEvents(NamedTuple):
         return torch.cuda.current_stream(self.device)
 
 
-def _cuda_events(desc: KVCachesDesc) -> tuple[_CudaEvents, bytes, bytes] | None:
+def _cuda_events(desc: KVCachesDesc) -> _CudaEvents | None:
     """For caches in CUDA memory: their interprocess events, made on their device (the
-    store one recorded once now), and the IPC handles of both for the Register."""
+    "written" one recorded once now); None for other caches."""
     device = next(
         (t.memory.device_index for t in desc.tensors if isinstance(t.memory, CudaIpcMemory)),
         None,
@@ -231,10 +239,13 @@ def _cuda_events(desc: KVCachesDesc) -> tuple[_CudaEvents, bytes, bytes] | None:
     with torch.cuda.device(device):
         written = make_interprocess_event()
         written.record(torch.cuda.current_stream(device))
-        written_handle = bytes(written.ipc_handle())
-        retrieved = make_interprocess_event()
-        retrieved_handle = bytes(retrieved.ipc_handle())
-    return _CudaEvents(written, retrieved, device), written_handle, retrieved_handle
+        retrieved, stored = make_interprocess_event(), make_interprocess_event()
+        handles = (
+            bytes(written.ipc_handle()),
+            bytes(retrieved.ipc_handle()),
+            bytes(stored.ipc_handle()),
+        )
+    return _CudaEvents(written, retrieved, stored, device, handles)
 
 
 def _client_layers(
@@ -547,8 +558,7 @@ class KVFlowClient:
             if layerwise
             else None
         )
-        shared = _cuda_events(desc)
-        events, event_handle, retrieved_handle = shared if shared else (None, None, None)
+        events = _cuda_events(desc)
         request = Register(
             instance_id=instance_id,
             kv_caches=desc,
@@ -557,11 +567,11 @@ class KVFlowClient:
             rank=rank,
             block_size=block_size,
             kv_format=kv_format,
-            event_handle=event_handle,
-            retrieve_event_handle=retrieved_handle,
             takeover=takeover,
             ropes=wire_ropes,
         )
+        if events is not None:
+            events.wire_into(request)
         if layers is not None:
             layers.wire_into(request)
         reply = self._call(request)
@@ -658,7 +668,10 @@ class KVFlowClient:
         request = Store(
             instance_id=instance_id, request_id=request_id, cache_salt=cache_salt, keyed=keyed
         )
-        return self._count(request, (tokens, blocks))
+        held = self._count(request, (tokens, blocks))
+        if events is not None:  # the server may reply once the copies are queued, after
+            events.stored.synchronize()  # recording this event: the blocks are free after it
+        return held
 
     def store_layerwise(
         self,

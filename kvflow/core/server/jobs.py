@@ -345,13 +345,31 @@ class _Transfer(_InstanceJob[_Transferred]):
 
 class StoreJob(_Transfer[Store]):
     """Copy blocks into the cache, after the engine's writes to them (its IPC event) or,
-    layerwise, each layer once the engine marks it written."""
+    layerwise, each layer once the engine marks it written. With the client's store
+    event (CUDA caches) it replies once the copies are queued (`_answer_early`), so a
+    later error can only be logged; the client waits for the event."""
 
-    def run(self) -> Reply:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        reg: Registration,
+        request: Store,
+        arrays: tuple[np.ndarray, ...],
+        started: int,
+        identity: bytes,
+    ) -> None:
+        super().__init__(engine, reg, request, arrays, started)
+        self._identity = identity
+
+    def __str__(self) -> str:
+        return f"store {self._request.request_id!r}"
+
+    def run(self) -> Reply | None:
         reg, request = self._reg, self._request
         layers = _layers_of(reg, request)
         if reg.event is not None and layers is None:  # the engine's writes first
             reg.event.synchronize()
+        early = reg.stored is not None and layers is None
         value = self._engine.store(
             reg.instance_id,
             self._tokens,
@@ -362,8 +380,20 @@ class StoreJob(_Transfer[Store]):
             layers=(
                 layers.store_waits(request.layer_seq, lambda: reg.retiring) if layers else None
             ),
+            enqueued=self._answer_early if early else None,
         )
+        if self.answered:
+            return None
         return Done(id=request.id, value=value, server_ns=since(self.started))
+
+    def _answer_early(self, stream: Any, held_tokens: int) -> None:
+        """The copies are queued: mark their end with the client's store event and reply
+        now; the client waits on the host for the event, so the reply's trip and this
+        store's end (the wait, L1's commit, its events) overlap the copies."""
+        self._reg.stored.record(stream.torch)
+        done = Done(id=self.request_id, value=held_tokens, server_ns=since(self.started))
+        self._reg.worker.answer(self._identity, done)
+        self.answered = True
 
 
 class RetrieveJob(_Transfer[Retrieve]):
@@ -480,7 +510,7 @@ class RegisterJob(Job):
     def _serve(self, opened: OpenedKVCaches) -> None:
         """Register the mapped caches with the engine and fill in the registration."""
         request, engine, reg = self._request, self._engine, self._reg
-        event = retrieved = None
+        event = retrieved = stored = None
         if opened.cuda_device is not None:
             from kvflow.core.server.ipc import open_interprocess_event
 
@@ -489,6 +519,8 @@ class RegisterJob(Job):
                 event = open_interprocess_event(request.event_handle, device)
             if request.retrieve_event_handle is not None:
                 retrieved = open_interprocess_event(request.retrieve_event_handle, device)
+            if request.store_event_handle is not None:
+                stored = open_interprocess_event(request.store_event_handle, device)
         engine.register_kv_caches(
             request.instance_id,
             opened.kv_caches,
@@ -511,7 +543,7 @@ class RegisterJob(Job):
         except BaseException:
             engine.unregister(request.instance_id)
             raise
-        reg.opened, reg.event, reg.retrieved = opened, event, retrieved
+        reg.opened, reg.event, reg.retrieved, reg.stored = opened, event, retrieved, stored
         reg.layers, reg.layers_opened = layers, layers_opened
         reg.served_at = time.monotonic()
 

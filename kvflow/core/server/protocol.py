@@ -237,6 +237,10 @@ class Register(Request, tag="register"):
     #: IPC handle of a second one the server records when a retrieve's copies are queued,
     #: replying then; the client's stream waits on it (GPU caches; None: reply when done).
     retrieve_event_handle: bytes | None = None
+    #: and a third one a store records once its copies are queued, replying then; the
+    #: client waits for it on the host before its store returns (GPU caches; None: reply
+    #: once the copies are done)
+    store_event_handle: bytes | None = None
     #: take over the instance id even when another (dead) client still holds it
     takeover: bool = False
     #: layerwise retrieves (kvflow.core.server.layers): one interprocess CUDA event per

@@ -34,6 +34,8 @@ class Registration:
     event: Any = None
     #: the client's event a retrieve records once its copies are queued (CUDA caches)
     retrieved: Any = None
+    #: the client's event a store records once its copies are queued (CUDA caches)
+    stored: Any = None
     #: per-layer completion points of layerwise retrieves, and what maps them
     layers: ServerLayers | None = None
     layers_opened: Any = None
@@ -46,6 +48,7 @@ class Registration:
     def release(self) -> None:
         """Unmap the instance's memory and drop its CUDA events now (idempotent)."""
         opened, self.opened, self.event, self.retrieved = self.opened, None, None, None
+        self.stored = None
         layers_opened, self.layers, self.layers_opened = self.layers_opened, None, None
         if opened is not None:
             opened.release()

@@ -473,7 +473,7 @@ class KVFlowServer:
                 return StatusResult(id=rid, status=state, server_ns=since(started))
             case Store():
                 reg = self._owned(request.instance_id, request.client, "Store")
-                store = StoreJob(engine, reg, request, arrays, started)
+                store = StoreJob(engine, reg, request, arrays, started, identity)
                 self._drain.check("store")  # a drain refuses new ones, waits for these
                 reg.worker.submit(identity, store, self._drain)
                 return None

@@ -75,6 +75,8 @@ class WritePlan:
     evicted_chunks: int = 0
     evicted_bytes: int = 0
     evicted_keys: list[Hashable] = field(default_factory=list)
+    #: made visible (`commit` runs once per plan, whoever gets there first)
+    committed: bool = False
 
 
 class HostChunks(Protocol):
@@ -170,6 +172,11 @@ class HostTier(StorageTier, Protocol):
 
     def commit(self, plan: WritePlan) -> None:
         """Make the plan's new objects visible (their bytes are written)."""
+        ...
+
+    def commit_when_done(self, plan: WritePlan, done: Callable[[], bool]) -> None:
+        """Commit `plan` at the first read that finds `done()` true (its copies ran), if
+        `commit` has not come first."""
         ...
 
     def abort(self, plan: WritePlan) -> None:

@@ -95,6 +95,9 @@ class L1Cache:
         self._reserved = 0  # bytes of segments allocated
         self._usage = 0
         self._writing = 0
+        #: plans whose copies were only queued: each committed by the first read after its
+        #: `done()` (`commit_when_done`), or by `commit`
+        self._landing: list[tuple[WritePlan, Callable[[], bool]]] = []
         self.evicted_chunks = 0
         self.evicted_bytes = 0
         want_ahead = self.pool.slow_to_make if pin_ahead is None else pin_ahead
@@ -280,18 +283,43 @@ class L1Cache:
                     obj.pins -= 1
 
     def commit(self, plan: WritePlan) -> None:
-        """Make the plan's new objects visible and refresh the covered prefix's recency."""
+        """Make the plan's new objects visible and refresh the covered prefix's recency
+        (once: a plan `commit_when_done` already committed is left as it is)."""
         with self._lock:
-            for _, obj in plan.new:
-                obj.ready = True
-                self._lru[obj.key] = obj
-                self._writing -= 1
-            covered = [o for k in plan.keys[: plan.covered] if (o := self._index.get(k))]
-            self._touch(covered)
+            self._commit(plan)
+
+    def commit_when_done(self, plan: WritePlan, done: Callable[[], bool]) -> None:
+        """Commit `plan` at the first read of L1 that finds `done()` true (its copies ran),
+        unless `commit` comes first: a store that answers once its copies are queued
+        (the caller waits for them itself) is seen by every read the caller makes next."""
+        with self._lock:
+            self._landing.append((plan, done))
+
+    def _settle(self) -> None:
+        """Commit the plans whose copies ran (call with the lock held, before a read)."""
+        if self._landing:
+            for plan in [plan for plan, done in self._landing if done()]:
+                self._commit(plan)
+
+    def _commit(self, plan: WritePlan) -> None:
+        if self._landing:
+            self._landing = [entry for entry in self._landing if entry[0] is not plan]
+        if plan.committed:
+            return
+        plan.committed = True
+        for _, obj in plan.new:
+            obj.ready = True
+            self._lru[obj.key] = obj
+            self._writing -= 1
+        covered = [o for k in plan.keys[: plan.covered] if (o := self._index.get(k))]
+        self._touch(covered)
 
     def abort(self, plan: WritePlan) -> None:
-        """Free the plan's new objects; none of them was ever visible."""
+        """Free the plan's new objects; none of them was ever visible (a plan whose
+        copies may have failed is no longer committed by a read)."""
         with self._lock:
+            if self._landing:
+                self._landing = [entry for entry in self._landing if entry[0] is not plan]
             for _, new in plan.new:
                 obj: L1Object = new
                 if not obj.ready and self._index.get(obj.key) is obj:
@@ -303,6 +331,7 @@ class L1Cache:
     def pin_prefix(self, keys: Sequence[Hashable]) -> list[L1Object]:
         """Pin the longest prefix of keys whose objects are readable; unpin() after use."""
         with self._lock:
+            self._settle()
             out: list[L1Object] = []
             for key in keys:
                 obj = self._index.get(key)
@@ -323,6 +352,7 @@ class L1Cache:
         """Consecutive chunks from 0 whose every key (one per rank) is readable."""
         get = self._index.get
         with self._lock:
+            self._settle()
             hits: list[L1Object] = []
             n = 0
             for keys in chunk_keys:
@@ -345,6 +375,7 @@ class L1Cache:
     def contains(self, keys: Sequence[Hashable]) -> Future[list[bool]]:
         """Which keys have a readable object."""
         with self._lock:
+            self._settle()
             return completed([(o := self._index.get(k)) is not None and o.ready for k in keys])
 
     def store(self, items: Sequence[tuple[Hashable, torch.Tensor]]) -> Future[StoreOutcome]:
@@ -514,6 +545,7 @@ class L1Cache:
     def stats(self) -> dict[str, int]:
         """usage/capacity/objects (readable)/writing/evictions/host bytes reserved."""
         with self._lock:
+            self._settle()
             return {
                 "usage_bytes": self._usage,
                 "capacity_bytes": self.capacity_bytes,

@@ -76,3 +76,74 @@ def test_a_server_stopped_while_l1_is_pinned_ahead_exits_cleanly() -> None:
     srv = ServerProcess("--l1-size-gb", "4", "--disable-observability")
     assert srv.stop() == 0, "".join(srv.lines)
     assert not any("terminate called" in line for line in srv.lines), "".join(srv.lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_a_store_waits_for_the_writes_still_queued_on_the_callers_stream() -> None:
+    """The KV a store reads is what the engine's stream wrote before the call, even when
+    those writes still wait behind ~0.1 s of other work on the GPU."""
+    import torch
+
+    from kvflow.core import KVFlowClient
+    from tests.core.server.test_server import ServerProcess
+
+    srv = ServerProcess("--disable-observability")
+    try:
+        kv = torch.zeros(2, 64, 16, 2, 64, device="cuda", dtype=torch.float16)
+        with KVFlowClient(srv.endpoint, timeout_s=60) as client:
+            client.register_kv_caches("w", [kv], model_name="m")
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)  # the writes below queue behind this
+            kv[:, :16].fill_(3.0)
+            tokens = list(range(256))
+            assert client.store("w", tokens, list(range(16)), request_id="s") == 256
+            assert client.retrieve("w", tokens, list(range(16, 32)), request_id="r") == 256
+            torch.cuda.synchronize()
+            assert bool((kv[:, 16:32] == 3.0).all())
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_a_store_returns_once_its_copies_ran_and_is_seen_by_the_next_lookup() -> None:
+    """The server answers a store once its copies are queued; the client waits for them
+    before returning, so the engine may overwrite the blocks at once (0.5 GiB in flight:
+    a client that did not wait would have the fill below race the copies), and a lookup
+    made right after counts every chunk (L1 commits the store at the first read after
+    its copies, before the server's own wait for them returns)."""
+    import torch
+
+    from kvflow.core import KVFlowClient
+    from tests.core.server.test_server import ServerProcess
+
+    layers, blocks, block_size, stored = 16, 1100, 16, 512
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "1.5")
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        caches = [
+            torch.randn(2, blocks, block_size, 8, 128, device="cuda", generator=gen,
+                        dtype=torch.bfloat16)
+            for _ in range(layers)
+        ]  # fmt: skip
+        src, dst = list(range(stored)), list(range(stored, 2 * stored))
+        tokens = list(range(stored * block_size))
+        with KVFlowClient(srv.endpoint, timeout_s=120) as client:
+            client.register_kv_caches("e", caches, model_name="m")
+            for round_ in range(3):
+                want = [c[:, src].clone() for c in caches]
+                torch.cuda.synchronize()
+                ids = [t + round_ * len(tokens) for t in tokens]
+                assert client.store("e", ids, src, request_id=f"s{round_}") == len(ids)
+                assert client.lookup(ids, model_name="m") == len(ids)
+                for c in caches:  # the engine reuses the blocks at once
+                    c[:, src] = 0
+                assert client.retrieve("e", ids, dst, request_id=f"r{round_}") == len(ids)
+                torch.cuda.synchronize()
+                for layer, (c, w) in enumerate(zip(caches, want, strict=True)):
+                    assert torch.equal(c[:, dst], w), f"round {round_}: layer {layer} differs"
+                for c in caches:
+                    c[:, src] = torch.randn_like(c[:, src])
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)

@@ -35,6 +35,45 @@ def test_objects_being_written_are_invisible_until_commit() -> None:
     assert l1.stats()["objects"] == 2 and l1.stats()["writing"] == 0
 
 
+def test_a_plan_committed_when_done_appears_at_the_first_read_after_its_copies() -> None:
+    """`commit_when_done`: invisible while `done()` is false; the first read after it
+    turns true commits the plan (every kind of read); the store's own `commit` later
+    changes nothing (no second count of the objects being written)."""
+    l1 = make_l1(4)
+    copied = [False]
+    plan = l1.prepare_write(["a", "b"], ALIGN)
+    l1.commit_when_done(plan, lambda: copied[0])
+    assert l1.count_prefix([["a"]]) == 0
+    assert l1.pin_prefix(["a"]) == []
+    assert l1.contains(["a"]).result() == [False]
+    assert l1.stats()["writing"] == 2
+    copied[0] = True
+    assert l1.count_prefix([["a"], ["b"]]) == 2
+    l1.commit(plan)
+    assert l1.stats()["objects"] == 2 and l1.stats()["writing"] == 0
+    for read in (
+        lambda m: m.pin_prefix(["c"]) != [],
+        lambda m: m.contains(["c"]).result() == [True],
+        lambda m: m.stats()["objects"] == 1,
+    ):
+        other = make_l1(2)
+        flag = [False]
+        later = other.prepare_write(["c"], ALIGN)
+        other.commit_when_done(later, lambda flag=flag: flag[0])
+        assert not read(other)
+        flag[0] = True
+        assert read(other)
+
+
+def test_an_aborted_plan_is_not_committed_when_its_copies_end_later() -> None:
+    l1 = make_l1(2)
+    plan = l1.prepare_write(["a"], ALIGN)
+    l1.commit_when_done(plan, lambda: True)
+    l1.abort(plan)
+    assert l1.count_prefix([["a"]]) == 0
+    assert l1.stats()["usage_bytes"] == 0 and l1.stats()["writing"] == 0
+
+
 def test_abort_leaves_nothing_visible_and_frees_the_bytes() -> None:
     """A failed store's objects vanish and their bytes become free again."""
     l1 = make_l1(2)
