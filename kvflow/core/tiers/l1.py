@@ -566,6 +566,7 @@ class L1Cache:
             self._grown.notify_all()
             self._index.clear()
             self._lru.clear()
+            self._landing.clear()
             self._space.clear()
             self._reserved = self._usage = self._writing = 0
             self.pool.release()

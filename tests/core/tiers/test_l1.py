@@ -65,6 +65,16 @@ def test_a_plan_committed_when_done_appears_at_the_first_read_after_its_copies()
         assert read(other)
 
 
+def test_a_plan_landing_when_l1_closes_is_forgotten() -> None:
+    """Close forgets a plan whose copies were only queued: no read after it commits one."""
+    l1 = make_l1(2)
+    plan = l1.prepare_write(["a"], ALIGN)
+    l1.commit_when_done(plan, lambda: True)
+    l1.close()
+    assert l1.count_prefix([["a"]]) == 0
+    assert l1.stats()["objects"] == 0 and l1.stats()["writing"] == 0
+
+
 def test_an_aborted_plan_is_not_committed_when_its_copies_end_later() -> None:
     l1 = make_l1(2)
     plan = l1.prepare_write(["a"], ALIGN)
