@@ -41,6 +41,7 @@ from kvflow.core.server.addresses import endpoint_host
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, LayerwiseSave
+from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import (
     AdminRequest,
     AllocationRecord,
@@ -670,7 +671,9 @@ class KVFlowClient:
         )
         held = self._count(request, (tokens, blocks))
         if events is not None:  # the server may reply once the copies are queued, after
-            events.stored.synchronize()  # recording this event: the blocks are free after it
+            # recording this event: the blocks are free once it completed. Polled, not
+            # synchronized: a server that died meanwhile leaves a timeout, not a hang
+            poll_until(events.stored.query, self.timeout_s, f"the copies of store {request_id!r}")
         return held
 
     def store_layerwise(

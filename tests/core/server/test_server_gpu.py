@@ -147,3 +147,57 @@ def test_a_store_returns_once_its_copies_ran_and_is_seen_by_the_next_lookup() ->
                     c[:, src] = torch.randn_like(c[:, src])
     finally:
         assert srv.stop() == 0, "".join(srv.lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
+def test_a_store_whose_server_dies_after_replying_ends_without_hanging() -> None:
+    """The server is killed the moment it answered a 0.5 GiB store (its copies queued, not
+    done): the client's wait for them ends within its timeout, returning or raising,
+    and never hangs on the dead server's event."""
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from kvflow.core import KVFlowClient
+    from kvflow.core.errors import KVFlowError
+    from tests.core.server.test_server import ServerProcess
+
+    layers, blocks, block_size, stored = 16, 600, 16, 512
+    srv = ServerProcess("--disable-observability", "--l1-size-gb", "1")
+    try:
+        caches = [
+            torch.randn(2, blocks, block_size, 8, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(layers)
+        ]
+        with KVFlowClient(srv.endpoint, timeout_s=5) as client:
+            client.register_kv_caches("k", caches, model_name="m")
+            real_count = client._count
+
+            def count_then_kill(*args: object, **kwargs: object) -> int:
+                held = real_count(*args, **kwargs)  # type: ignore[arg-type]
+                srv.proc.send_signal(signal.SIGKILL)
+                return held
+
+            client._count = count_then_kill  # type: ignore[method-assign]
+            torch.cuda.synchronize()
+            ended: list[str] = []
+
+            def store() -> None:
+                try:
+                    client.store("k", list(range(stored * block_size)), list(range(stored)),
+                                 request_id="s")  # fmt: skip
+                    ended.append("returned")
+                except KVFlowError as exc:
+                    ended.append(type(exc).__name__)
+
+            waiter = threading.Thread(target=store, daemon=True)
+            began = time.monotonic()
+            waiter.start()
+            waiter.join(5 + 10)
+            assert not waiter.is_alive(), "the store still waits for a dead server's copies"
+            assert ended and time.monotonic() - began < 5 + 10, ended
+    finally:
+        srv.stop(signal.SIGKILL)
