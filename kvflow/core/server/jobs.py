@@ -327,7 +327,10 @@ class BlendRetrieveJob(_InstanceJob[BlendRetrieve]):
 
 class _Transfer(_InstanceJob[_Transferred]):
     """What a store and a retrieve share: the tokens (or chunk keys, chunk_keys.py) and
-    blocks."""
+    blocks, and the reply sent before the job ends, once its copies are queued."""
+
+    #: what the job is called in the log
+    kind = "transfer"
 
     def __init__(
         self,
@@ -336,11 +339,25 @@ class _Transfer(_InstanceJob[_Transferred]):
         request: _Transferred,
         arrays: tuple[np.ndarray, ...],
         started: int,
+        identity: bytes,
     ) -> None:
         super().__init__(engine, reg, request, started)
         tokens, self._blocks = arrays
         self._keys = keys_from_wire(tokens) if request.keyed else None
         self._tokens = None if self._keys is not None else tokens
+        self._identity = identity
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self._request.request_id!r}"
+
+    def _reply_now(self, event: Any, stream: Any, value: int) -> None:
+        """Record the client's `event` on `stream` (when both are given), then send the
+        reply while the job goes on: the client waits for the event, not for the job."""
+        if stream is not None and event is not None:
+            event.record(stream.torch)
+        done = Done(id=self.request_id, value=value, server_ns=since(self.started))
+        self._reg.worker.answer(self._identity, done)
+        self.answered = True
 
 
 class StoreJob(_Transfer[Store]):
@@ -349,20 +366,7 @@ class StoreJob(_Transfer[Store]):
     event (CUDA caches) it replies once the copies are queued (`_answer_early`), so a
     later error can only be logged; the client waits for the event."""
 
-    def __init__(
-        self,
-        engine: CacheEngine,
-        reg: Registration,
-        request: Store,
-        arrays: tuple[np.ndarray, ...],
-        started: int,
-        identity: bytes,
-    ) -> None:
-        super().__init__(engine, reg, request, arrays, started)
-        self._identity = identity
-
-    def __str__(self) -> str:
-        return f"store {self._request.request_id!r}"
+    kind = "store"
 
     def run(self) -> Reply | None:
         reg, request = self._reg, self._request
@@ -390,30 +394,14 @@ class StoreJob(_Transfer[Store]):
         """The copies are queued: mark their end with the client's store event and reply
         now; the client waits on the host for the event, so the reply's trip and this
         store's end (the wait, L1's commit, its events) overlap the copies."""
-        self._reg.stored.record(stream.torch)
-        done = Done(id=self.request_id, value=held_tokens, server_ns=since(self.started))
-        self._reg.worker.answer(self._identity, done)
-        self.answered = True
+        self._reply_now(self._reg.stored, stream, held_tokens)
 
 
 class RetrieveJob(_Transfer[Retrieve]):
     """Copy cached chunks into blocks. With CUDA caches or layerwise, it replies as soon
     as the copies are queued (`_answer_early`), so a later error can only be logged."""
 
-    def __init__(
-        self,
-        engine: CacheEngine,
-        reg: Registration,
-        request: Retrieve,
-        arrays: tuple[np.ndarray, ...],
-        started: int,
-        identity: bytes,
-    ) -> None:
-        super().__init__(engine, reg, request, arrays, started)
-        self._identity = identity
-
-    def __str__(self) -> str:
-        return f"retrieve {self._request.request_id!r}"
+    kind = "retrieve"
 
     def run(self) -> Reply | None:
         reg, request = self._reg, self._request
@@ -444,12 +432,7 @@ class RetrieveJob(_Transfer[Retrieve]):
         stream and reply now; the client's stream waits on the event, and the reply's
         trip overlaps the copy. A layerwise retrieve of CPU caches (stream None) replies
         before its copies; the client polls its layer flags."""
-        reg = self._reg
-        if stream is not None and reg.retrieved is not None:
-            reg.retrieved.record(stream.torch)
-        done = Done(id=self.request_id, value=hit_tokens, server_ns=since(self.started))
-        reg.worker.answer(self._identity, done)
-        self.answered = True
+        self._reply_now(self._reg.retrieved, stream, hit_tokens)
         # this thread goes on queueing copies holding the GIL: hand it over so the
         # loop sends the reply now, not a switch interval later
         time.sleep(0)
