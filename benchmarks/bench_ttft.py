@@ -138,8 +138,8 @@ class Row:
 
 def _mark(device: torch.device) -> Any:
     """A timing event recorded on the current CUDA stream (None on the CPU). Recorded
-    before a retrieve on an idle stream and after it (behind the wait on the server's
-    event), their interval is the time until the retrieved KV landed."""
+    before a retrieve on an idle stream and after it (which returns once the copies
+    landed), their interval is the time until the retrieved KV landed."""
     if device.type != "cuda":
         return None
     event = torch.cuda.Event(enable_timing=True)

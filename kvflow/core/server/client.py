@@ -723,12 +723,14 @@ class KVFlowClient:
         cache_salt: str | None = None,
         chunk_keys: Sequence[bytes] | None = None,
     ) -> int:
-        """Copy stored chunks into the request's blocks; returns the hit prefix in tokens.
-        With `chunk_keys` (token_ids None) the chunks are named by those keys, as in lookup.
+        """Copy stored chunks into the request's blocks; returns the hit prefix in tokens,
+        valid in the blocks once this returns. With `chunk_keys` (token_ids None) the
+        chunks are named by those keys, as in lookup.
 
-        For CUDA caches the server replies once the copies are queued, and the copies
-        are ordered before the work torch's current stream queues after this returns
-        (like a torch op: read the blocks on the host only after synchronizing it).
+        For CUDA caches the server replies once the copies are queued, after recording
+        the instance's retrieve event, and this polls the event on the host within the
+        client's timeout (a stream made to wait on another process's event would hold
+        back that process's copies, and wait for ever if the server died meanwhile).
         """
         request, arrays = _retrieve_request(
             instance_id, token_ids, block_ids, request_id, skip_first_n_tokens, cache_salt,
@@ -737,7 +739,9 @@ class KVFlowClient:
         hit = self._count(request, arrays)
         events = self._cuda_events(instance_id)
         if events is not None:  # the server recorded it after queueing the copies
-            events.stream().wait_event(events.retrieved)
+            poll_until(
+                events.retrieved.query, self.timeout_s, f"the copies of retrieve {request_id!r}"
+            )
         return hit
 
     def retrieve_layerwise(

@@ -429,8 +429,9 @@ class RetrieveJob(_Transfer[Retrieve]):
 
     def _answer_early(self, stream: Any, hit_tokens: int) -> None:
         """The copies are queued: mark their end with the client's event on the copy
-        stream and reply now; the client's stream waits on the event, and the reply's
-        trip overlaps the copy. A layerwise retrieve of CPU caches (stream None) replies
+        stream and reply now; the client polls the event on the host (a layerwise one,
+        each layer's), and the reply's trip overlaps the copy. A layerwise retrieve of CPU
+        caches (stream None) replies
         before its copies; the client polls its layer flags."""
         self._reply_now(self._reg.retrieved, stream, hit_tokens)
         # this thread goes on queueing copies holding the GIL: hand it over so the

@@ -151,10 +151,12 @@ def test_a_store_returns_once_its_copies_ran_and_is_seen_by_the_next_lookup() ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-def test_a_store_whose_server_dies_after_replying_ends_without_hanging() -> None:
-    """The server is killed the moment it answered a 0.5 GiB store (its copies queued, not
-    done): the client's wait for them ends within its timeout, returning or raising,
-    and never hangs on the dead server's event."""
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+def test_a_transfer_whose_server_dies_after_replying_ends_without_hanging(op: str) -> None:
+    """The server is killed the moment it answered a 0.5 GiB store or retrieve (its copies
+    queued, not done): the client's wait for them ends within its timeout, returning or
+    raising, and neither it nor the engine's stream hangs on the dead server's event (a
+    synchronize on it does, and so would a stream made to wait on it)."""
     import signal
     import threading
     import time
@@ -165,15 +167,18 @@ def test_a_store_whose_server_dies_after_replying_ends_without_hanging() -> None
     from kvflow.core.errors import KVFlowError
     from tests.core.server.test_server import ServerProcess
 
-    layers, blocks, block_size, stored = 16, 600, 16, 512
+    layers, blocks, block_size, moved = 16, 1100, 16, 512
     srv = ServerProcess("--disable-observability", "--l1-size-gb", "1")
     try:
         caches = [
             torch.randn(2, blocks, block_size, 8, 128, device="cuda", dtype=torch.bfloat16)
             for _ in range(layers)
         ]
+        tokens = list(range(moved * block_size))
         with KVFlowClient(srv.endpoint, timeout_s=5) as client:
             client.register_kv_caches("k", caches, model_name="m")
+            if op == "retrieve":
+                assert client.store("k", tokens, list(range(moved)), request_id="s") == len(tokens)
             real_count = client._count
 
             def count_then_kill(*args: object, **kwargs: object) -> int:
@@ -185,19 +190,22 @@ def test_a_store_whose_server_dies_after_replying_ends_without_hanging() -> None
             torch.cuda.synchronize()
             ended: list[str] = []
 
-            def store() -> None:
+            def transfer() -> None:
                 try:
-                    client.store("k", list(range(stored * block_size)), list(range(stored)),
-                                 request_id="s")  # fmt: skip
+                    if op == "store":
+                        client.store("k", tokens, list(range(moved)), request_id="s")
+                    else:
+                        client.retrieve("k", tokens, list(range(moved, 2 * moved)), request_id="r")
+                    torch.cuda.current_stream().synchronize()  # the engine's next work runs
                     ended.append("returned")
                 except KVFlowError as exc:
                     ended.append(type(exc).__name__)
 
-            waiter = threading.Thread(target=store, daemon=True)
+            waiter = threading.Thread(target=transfer, daemon=True)
             began = time.monotonic()
             waiter.start()
             waiter.join(5 + 10)
-            assert not waiter.is_alive(), "the store still waits for a dead server's copies"
+            assert not waiter.is_alive(), f"the {op} still waits for a dead server's copies"
             assert ended and time.monotonic() - began < 5 + 10, ended
     finally:
         srv.stop(signal.SIGKILL)
