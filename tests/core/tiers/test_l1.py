@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -65,6 +68,32 @@ def test_a_plan_committed_when_done_appears_at_the_first_read_after_its_copies()
         assert read(other)
 
 
+def test_committing_one_landing_plan_leaves_the_others_landing() -> None:
+    """Two stores answered early: the first committed by its own store, the second still
+    committed by the first read after its copies."""
+    l1 = make_l1(4)
+    first, second = l1.prepare_write(["a"], ALIGN), l1.prepare_write(["b"], ALIGN)
+    copied = [False]
+    l1.commit_when_done(first, lambda: False)
+    l1.commit_when_done(second, lambda: copied[0])
+    l1.commit(first)
+    assert l1.count_prefix([["b"]]) == 0
+    copied[0] = True
+    assert l1.count_prefix([["b"]]) == 1
+
+
+def test_a_committed_plan_is_not_held_any_longer() -> None:
+    """L1 lets go of a landing plan once it is committed (no plan kept per store)."""
+    l1 = make_l1(2)
+    plan = l1.prepare_write(["a"], ALIGN)
+    l1.commit_when_done(plan, lambda: False)
+    l1.commit(plan)
+    held = weakref.ref(plan)
+    del plan
+    gc.collect()
+    assert held() is None
+
+
 def test_a_plan_landing_when_l1_closes_is_forgotten() -> None:
     """Close forgets a plan whose copies were only queued: no read after it commits one."""
     l1 = make_l1(2)
@@ -76,12 +105,16 @@ def test_a_plan_landing_when_l1_closes_is_forgotten() -> None:
 
 
 def test_an_aborted_plan_is_not_committed_when_its_copies_end_later() -> None:
+    """An aborted plan stays invisible; another store's landing plan is still committed
+    by the next read."""
     l1 = make_l1(2)
-    plan = l1.prepare_write(["a"], ALIGN)
+    plan, other = l1.prepare_write(["a"], ALIGN), l1.prepare_write(["b"], ALIGN)
     l1.commit_when_done(plan, lambda: True)
+    l1.commit_when_done(other, lambda: True)
     l1.abort(plan)
     assert l1.count_prefix([["a"]]) == 0
-    assert l1.stats()["usage_bytes"] == 0 and l1.stats()["writing"] == 0
+    assert l1.count_prefix([["b"]]) == 1
+    assert l1.stats()["usage_bytes"] == ALIGN and l1.stats()["writing"] == 0
 
 
 def test_abort_leaves_nothing_visible_and_frees_the_bytes() -> None:
