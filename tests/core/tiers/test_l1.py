@@ -117,6 +117,29 @@ def test_an_aborted_plan_is_not_committed_when_its_copies_end_later() -> None:
     assert l1.stats()["usage_bytes"] == ALIGN and l1.stats()["writing"] == 0
 
 
+def test_a_plan_names_the_objects_it_evicted_for_room() -> None:
+    """A full L1 evicts its least recent objects for a new plan, which names their keys
+    (what the KV-event stream reports as removed)."""
+    l1 = make_l1(2)
+    assert store(l1, ["a", "b"]) == 2
+    plan = l1.prepare_write(["c", "d"], ALIGN)
+    assert plan.covered == 2
+    assert sorted(plan.evicted_keys) == ["a", "b"]
+    assert (plan.evicted_chunks, plan.evicted_bytes) == (2, 2 * ALIGN)
+
+
+def test_an_object_of_one_byte_is_stored() -> None:
+    """The smallest object is one byte: it is planned, written and read back."""
+    l1 = make_l1(2)
+    plan = l1.prepare_write(["x"], 1)
+    assert plan.covered == 1 and len(plan.new) == 1
+    l1.view(plan.new[0][1]).fill_(7)
+    l1.commit(plan)
+    objs = l1.pin_prefix(["x"])
+    assert [bytes(l1.view(o).numpy()) for o in objs] == [b"\x07"]
+    l1.release(objs)
+
+
 def test_abort_leaves_nothing_visible_and_frees_the_bytes() -> None:
     """A failed store's objects vanish and their bytes become free again."""
     l1 = make_l1(2)
