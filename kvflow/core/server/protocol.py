@@ -235,7 +235,8 @@ class Register(Request, tag="register"):
     #: IPC handle of the engine's interprocess CUDA event (GPU caches only).
     event_handle: bytes | None = None
     #: IPC handle of a second one the server records when a retrieve's copies are queued,
-    #: replying then; the client's stream waits on it (GPU caches; None: reply when done).
+    #: replying then; the client waits for it on the host (GPU caches; None: reply when
+    #: done).
     retrieve_event_handle: bytes | None = None
     #: and a third one a store records once its copies are queued, replying then; the
     #: client waits for it on the host before its store returns (GPU caches; None: reply

@@ -301,9 +301,13 @@ class L1Cache:
             for plan in [plan for plan, done in self._landing if done()]:
                 self._commit(plan)
 
-    def _commit(self, plan: WritePlan) -> None:
+    def _forget_landing(self, plan: WritePlan) -> None:
+        """No read commits `plan` any more (committed or aborted; call with the lock held)."""
         if self._landing:
             self._landing = [entry for entry in self._landing if entry[0] is not plan]
+
+    def _commit(self, plan: WritePlan) -> None:
+        self._forget_landing(plan)
         if plan.committed:
             return
         plan.committed = True
@@ -318,8 +322,7 @@ class L1Cache:
         """Free the plan's new objects; none of them was ever visible (a plan whose
         copies may have failed is no longer committed by a read)."""
         with self._lock:
-            if self._landing:
-                self._landing = [entry for entry in self._landing if entry[0] is not plan]
+            self._forget_landing(plan)
             for _, new in plan.new:
                 obj: L1Object = new
                 if not obj.ready and self._index.get(obj.key) is obj:
