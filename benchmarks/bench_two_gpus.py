@@ -3,9 +3,12 @@ against plain pinned copies on the same GPUs.
 
 A world_size=N model (an 8B-like shape split by tensor parallelism: each rank holds
 8/N of the KV heads... for N=2, 4 heads) registers one instance per GPU (rank r on
-cuda:r) with one `kvflow server` subprocess. In the same run it times:
+cuda:r) with one `kvflow server` subprocess. Each rank runs in a process of its own,
+as a tensor-parallel engine's workers do (`--rank-threads`: a thread each in this
+process, their clients then share its interpreter). In the same run it times:
   rank r alone  each rank by itself stores, then retrieves, --tokens fresh tokens
-  all ranks     every rank at once (one thread and client each, started together)
+  all ranks     every rank at once (started together; from the first call to the last
+                return, as the ranks timed them)
   ceilings      plain pinned copies (torch, the same bytes, one thread and stream per
                 GPU) device-to-host and host-to-device, each GPU alone and all at once;
                 and all at once in L1's pattern (chunk-sized copies, registered memory)
@@ -30,6 +33,7 @@ server it says what a process per GPU would buy.
     python benchmarks/bench_two_gpus.py --same-gpu      # one GPU: the flow, not the scaling
     python benchmarks/bench_two_gpus.py --in-process    # the engine without a server
     python benchmarks/bench_two_gpus.py --server-per-rank  # a server process per GPU
+    python benchmarks/bench_two_gpus.py --rank-threads  # the ranks as threads of this one
     python benchmarks/bench_two_gpus.py --device cpu --tokens 4096 --repeat 1
 """
 
@@ -38,13 +42,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +67,10 @@ BLOCK = 16
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # 8B shape: 8 KV heads, split over the ranks
 WARMUP = 3  # untimed all-rank store rounds that fill L1
 CEILING_REPS = 5
+
+#: a call's (began, ended) on the host's monotonic clock (perf_counter: one clock for
+#: every process of the host)
+Span = tuple[float, float]
 
 
 class Rank:
@@ -76,6 +88,7 @@ class Rank:
         from kvflow.core import KVFlowClient, empty_shared
 
         self.rank, self.device = rank, device
+        self.pid = os.getpid()
         shape = (2, blocks, BLOCK, KV_HEADS // world, HEAD_DIM)
         gen = torch.Generator(device=device).manual_seed(rank)
         if device.type == "cpu":
@@ -97,15 +110,17 @@ class Rank:
             self.instance, self.layers, model_name="two-gpus", world_size=world, rank=rank
         )
 
-    def store(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> None:
+    def store(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> Span:
+        """Store `tokens` from `table`; (began, ended) on the host's monotonic clock."""
         began = time.perf_counter()
         stored = self.client.store(self.instance, tokens, table, request_id=rid)
         self._timed(rid, began)
         assert stored == len(tokens)
+        return began, time.perf_counter()
 
-    def retrieve(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> None:
-        """Retrieve into `table` and wait until the copies landed: a CUDA retrieve
-        returns once they are queued, with this device's current stream waiting on them."""
+    def retrieve(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> Span:
+        """Retrieve into `table` and wait until the copies landed (a CUDA retrieve returns
+        once they landed, or with this device's current stream waiting on them)."""
         began = time.perf_counter()
         got = self.client.retrieve(self.instance, tokens, table, request_id=rid)
         self._timed(rid, began)
@@ -113,6 +128,7 @@ class Rank:
             torch.cuda.current_stream(self.device).synchronize()
         assert got == len(tokens), f"rank {self.rank} retrieved {got} of {len(tokens)}"
         self.sessions.append(rid)
+        return began, time.perf_counter()
 
     def _timed(self, rid: str, began: float) -> None:
         """Keep a call's round trip next to the server's own time of it (through a server)."""
@@ -136,19 +152,100 @@ class Rank:
             self.client.close()
 
 
-def _together(jobs: list[Callable[[], None]]) -> float:
-    """Run the jobs on one thread each, released at once; seconds until the last ends."""
+def _serve_rank(
+    conn: Connection, rank: int, world: int, device: str, blocks: int, endpoint: str
+) -> None:
+    """A rank process's loop: build the rank, then run the parent's calls one by one,
+    answering (True, result) or (False, the traceback) over `conn`."""
+    try:
+        me = Rank(rank, world, torch.device(device), blocks, endpoint)
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        return
+    conn.send((True, me.pid))
+    while True:
+        op, args = conn.recv()
+        try:
+            if op in ("store", "retrieve"):
+                tokens, table, rid = args
+                result: Any = getattr(me, op)(
+                    torch.from_numpy(tokens), torch.from_numpy(table), rid
+                )
+            elif op == "same_blocks":
+                result = me.same_blocks(*(torch.from_numpy(a) for a in args))
+            elif op == "end_sessions":
+                result = me.end_sessions()
+            else:  # close
+                me.close()
+                conn.send((True, me.calls))
+                return
+        except BaseException:
+            conn.send((False, traceback.format_exc()))
+            continue
+        conn.send((True, result))
+
+
+class RankProcess:
+    """A rank in a process of its own, as a tensor-parallel engine's workers are, so its
+    client's host work shares no interpreter with the other ranks'; takes Rank's calls,
+    each run in the child (spawned: CUDA does not survive a fork)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, blocks: int, endpoint: str):
+        self.rank = rank
+        self.calls: list[tuple[str, float, float]] = []
+        context = multiprocessing.get_context("spawn")
+        self._conn, theirs = context.Pipe()
+        self._process = context.Process(
+            target=_serve_rank,
+            args=(theirs, rank, world, str(device), blocks, endpoint),
+            daemon=True,  # a rank left behind by a failed run ends with the benchmark
+        )
+        self._process.start()
+        theirs.close()
+        self.pid: int = self._answer()
+
+    def _answer(self) -> Any:
+        ok, result = self._conn.recv()
+        if not ok:
+            raise AssertionError(f"rank {self.rank}'s process failed:\n{result}")
+        return result
+
+    def _call(self, op: str, *args: Any) -> Any:
+        self._conn.send((op, args))
+        return self._answer()
+
+    def store(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> Span:
+        return self._call("store", tokens.numpy(), table.numpy(), rid)  # type: ignore[no-any-return]
+
+    def retrieve(self, tokens: torch.Tensor, table: torch.Tensor, rid: str) -> Span:
+        return self._call("retrieve", tokens.numpy(), table.numpy(), rid)  # type: ignore[no-any-return]
+
+    def end_sessions(self) -> None:
+        self._call("end_sessions")
+
+    def same_blocks(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool(self._call("same_blocks", a.numpy(), b.numpy()))
+
+    def close(self) -> None:
+        self.calls = self._call("close")
+        self._process.join(timeout=60)
+
+
+def _together(jobs: list[Callable[[], Any]]) -> tuple[float, list[Any]]:
+    """Run the jobs on one thread each, released at once; (seconds until the last ends,
+    each job's result)."""
     start = threading.Barrier(len(jobs) + 1)
     errors: list[BaseException] = []
+    results: list[Any] = [None] * len(jobs)
 
-    def body(job: Callable[[], None]) -> None:
+    def body(i: int) -> None:
         start.wait()
         try:
-            job()
+            results[i] = jobs[i]()
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
 
-    threads = [threading.Thread(target=body, args=(job,)) for job in jobs]
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(jobs))]
     for thread in threads:
         thread.start()
     start.wait()
@@ -157,18 +254,21 @@ def _together(jobs: list[Callable[[], None]]) -> float:
         thread.join()
     if errors:
         raise errors[0]
-    return time.perf_counter() - began
+    return time.perf_counter() - began, results
 
 
-def _round(ranks: list[Rank], op: str, toks: torch.Tensor, table: torch.Tensor, tag: str) -> float:
-    """`op` ("store" or "retrieve") on every rank in `ranks` at once; seconds taken."""
-    took = _together([partial(getattr(r, op), toks, table, f"{tag}-{r.rank}") for r in ranks])
+def _round(
+    ranks: Sequence[Rank | RankProcess], op: str, toks: torch.Tensor, table: torch.Tensor, tag: str
+) -> float:
+    """`op` ("store" or "retrieve") on every rank in `ranks` at once; seconds from the
+    first rank's call to the last one's return, as the ranks timed them."""
+    _, spans = _together([partial(getattr(r, op), toks, table, f"{tag}-{r.rank}") for r in ranks])
     for r in ranks:
         r.end_sessions()
-    return took
+    return float(max(end for _, end in spans) - min(begin for begin, _ in spans))
 
 
-def _trip_figures(ranks: list[Rank]) -> dict[str, float]:
+def _trip_figures(ranks: Sequence[Rank | RankProcess]) -> dict[str, float]:
     """Each rank alone, per op: the median round trip of its timed calls and of the
     server's own time of them (ms); none without a server."""
     out = {}
@@ -216,7 +316,7 @@ def pinned_copy_gbps(
 
         for i in range(len(devices)):
             copy(i)  # warm
-        took = [_together([partial(copy, i) for i in range(len(devices))])
+        took = [_together([partial(copy, i) for i in range(len(devices))])[0]
                 for _ in range(CEILING_REPS)]  # fmt: skip
         out[name] = len(devices) * nbytes / statistics.median(took) / 1e9
     for pool in pools:
@@ -281,7 +381,22 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         tempfile.TemporaryDirectory() as tmp,
         _backends(args, max(1.0, l1_gib), Path(tmp) / "server.log") as endpoints,
     ):
-        ranks = [Rank(r, world, devices[r], blocks, endpoints[r]) for r in range(world)]
+        ranks: list[Rank | RankProcess] = []
+        if args.in_process or args.rank_threads:
+            ranks += [Rank(r, world, devices[r], blocks, endpoints[r]) for r in range(world)]
+        else:
+            ranks += [RankProcess(r, world, devices[r], blocks, str(endpoints[r]))
+                      for r in range(world)]  # fmt: skip
+        # SPEC 3's all-ranks lookup: asked of the one server (or engine) every rank uses
+        asker = contextlib.ExitStack()
+        lookup = None
+        if not args.server_per_rank:
+            from kvflow.core import KVFlowClient
+
+            engine = endpoints[0]
+            if isinstance(engine, str):
+                engine = asker.enter_context(contextlib.closing(KVFlowClient(engine)))
+            lookup = partial(engine.lookup, model_name="two-gpus", world_size=world)
         try:
             order = torch.randperm(blocks, generator=gen)
             src, dst = order[:n_blocks], order[n_blocks : 2 * n_blocks]
@@ -292,12 +407,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             # SPEC 3: a prefix is a hit only once every rank stored it (in one server)
             check = tokens()
             for r in ranks:
-                if not args.server_per_rank:
-                    hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
+                if lookup is not None:
+                    hit = lookup(check)
                     assert hit == 0, f"lookup before rank {r.rank} stored: {hit}"
                 r.store(check, src, f"check-{r.rank}")
-            if not args.server_per_rank:
-                hit = ranks[0].client.lookup(check, model_name="two-gpus", world_size=world)
+            if lookup is not None:
+                hit = lookup(check)
                 assert hit == args.tokens, f"lookup after every rank stored: {hit}"
             _round(ranks, "retrieve", check, dst, "check-r")
             for r in ranks:
@@ -314,9 +429,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         finally:
             for r in ranks:
                 r.close()
+            asker.close()
         trips = _trip_figures(ranks)
     nbytes = args.tokens * per_token
     out: dict[str, float] = {"bytes_per_rank": float(nbytes), "ranks": float(world), **trips}
+    # the processes other than this one the ranks ran in (0: threads of this process)
+    out["rank_processes"] = float(len({r.pid for r in ranks} - {os.getpid()}))
     for phase in phases:
         n = world if phase == "all" else 1
         for op in ("store", "retrieve"):
@@ -350,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every rank on cuda:0 (checks the flow on a one-GPU machine)")  # fmt: skip
     parser.add_argument("--in-process", action="store_true",
                         help="drive a CacheEngine in this process instead of a server")  # fmt: skip
+    parser.add_argument("--rank-threads", action="store_true",
+                        help="every rank a thread of this process (their clients share one"
+                             " interpreter), not a process each as an engine's TP workers")  # fmt: skip
     parser.add_argument("--server-per-rank", action="store_true",
                         help="one server per rank, each with its share of L1")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -365,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--same-gpu needs --device cuda")
     if args.in_process and args.server_per_rank:
         parser.error("--server-per-rank and --in-process exclude each other")
+    if args.in_process and args.rank_threads:
+        parser.error("--in-process runs every rank as a thread already (no --rank-threads)")
     if args.in_process and args.server_flag:
         parser.error("--server-flag needs a server (not --in-process)")
     need = 1 if args.same_gpu else args.ranks
@@ -391,6 +514,13 @@ def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
         else ", a server per rank" if args.server_per_rank
         else ", through one server"
     )  # fmt: skip
+    if not args.in_process:
+        processes = int(out["rank_processes"])
+        where += (
+            f", a process per rank ({processes})"
+            if processes
+            else ", ranks as threads of one process"
+        )
     print(f"{args.tokens} tokens = {gib:.3f} GiB per rank per op, {args.ranks} ranks, {where}")
     ceilings = "all_store_ceiling_gbps" in out
     head = f"{'phase':<7} {'op':<9} {'GB/s':>8}"

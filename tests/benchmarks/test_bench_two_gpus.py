@@ -1,5 +1,6 @@
 """benchmarks/bench_two_gpus.py over shared memory: a world_size=2 model with one instance
-per rank through one real server subprocess, both ranks storing and retrieving at once;
+per rank (each rank a process of its own, or a thread) through one real server
+subprocess, both ranks storing and retrieving at once;
 its checks (a lookup hits only once both ranks stored, retrieved blocks equal the stored
 ones on each rank) must hold. The GB/s figures are GPU measurements (docs/PERFORMANCE.md)."""
 
@@ -20,10 +21,12 @@ SCRIPT = ROOT / "benchmarks" / "bench_two_gpus.py"
 @pytest.mark.parametrize(
     ("flags", "through"),
     [
-        ([], "through one server"),
+        ([], "through one server, a process per rank (2)"),
+        (["--rank-threads"], "through one server, ranks as threads of one process"),
         (["--in-process"], "one engine in this process"),
-        (["--server-per-rank"], "a server per rank"),
+        (["--server-per-rank"], "a server per rank, a process per rank (2)"),
     ],
+    ids=["rank-processes", "rank-threads", "in-process", "server-per-rank"],
 )
 def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
     tmp_path: Path, flags: list[str], through: str
@@ -46,6 +49,7 @@ def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
             assert row is not None and float(row.group(1)) > 0, done.stdout
     figures = json.loads(out.read_text())
     assert figures["ranks"] == 2
+    assert figures["rank_processes"] == (0 if "process per rank" not in through else 2)
     for op in ("store", "retrieve"):
         assert figures[f"{op}_scaling"] == figures[f"all_{op}_gbps"] / figures[f"rank0_{op}_gbps"]
         assert f"{op} all/rank0:" in done.stdout
@@ -69,8 +73,14 @@ def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
         (["--ranks", "3"], "--ranks must be 2, 4 or 8"),
         (["--in-process", "--server-flag=--disable-observability"], "--server-flag needs a server"),
         (["--in-process", "--server-per-rank"], "exclude each other"),
+        (["--in-process", "--rank-threads"], "runs every rank as a thread already"),
     ],
-    ids=["ranks-that-do-not-split-the-heads", "server-flags-in-process", "per-rank-in-process"],
+    ids=[
+        "ranks-that-do-not-split-the-heads",
+        "server-flags-in-process",
+        "per-rank-in-process",
+        "rank-threads-in-process",
+    ],
 )
 def test_usage_errors_exit_2_naming_what_is_wrong(flags: list[str], message: str) -> None:
     done = subprocess.run(
