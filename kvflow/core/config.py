@@ -174,8 +174,9 @@ class ServerConfig:
     #: long a thread waiting for the GIL waits before the running one must hand it over.
     #: A rank's thread that released it for a moment (a lock, a short numpy call) waits up
     #: to this long to take it back while another rank's thread runs Python: two ranks'
-    #: stores scaled 1.54x at CPython's 5 ms, 1.67-1.75x at 0.2 (docs/SERVER.md, Many GPUs)
-    switch_interval_ms: float = 0.2
+    #: stores scaled 1.54x at CPython's 5 ms, 1.69-1.71x at 0.2, 1.74-1.79x at 0.05 and no
+    #: better at 0.02 or 0.01 (docs/SERVER.md, Many GPUs)
+    switch_interval_ms: float = 0.05
     #: chunk hashes the KV-event replay log keeps for subscribers (0 = KV events off)
     kv_events_chunks: int = 1 << 16
     #: stored chunks the blend index keeps findable by their own tokens (docs/BLEND.md;

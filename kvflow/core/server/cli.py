@@ -126,7 +126,7 @@ OPTIONS = (
         "switch_interval_ms",
         _S,
         float,
-        "the server process's thread switch interval in ms (default 0.2; CPython's is 5):"
+        "the server process's thread switch interval in ms (default 0.05; CPython's is 5):"
         " how long a thread waiting for the GIL waits before the running one hands it over",
     ),
     _Option(

@@ -127,7 +127,7 @@ def test_a_prefaulting_server_faults_l1_in_at_start_and_reports_it() -> None:
 
 
 def test_the_server_process_takes_the_gil_in_turns_at_its_switch_interval() -> None:
-    """`kvflow server` sets its process's switch interval (0.2 ms unless told otherwise, not
+    """`kvflow server` sets its process's switch interval (0.05 ms unless told otherwise, not
     CPython's 5) and reports the one in force; a server built inside another process
     (tests, an embedding) leaves that process's interpreter alone."""
     with ServerProcess("--l1-size-gb", "0.25", "--switch-interval-ms", "0.5") as srv:
@@ -136,7 +136,7 @@ def test_the_server_process_takes_the_gil_in_turns_at_its_switch_interval() -> N
         client.close()
     with ServerProcess("--l1-size-gb", "0.25") as srv:
         client = KVFlowClient(srv.endpoint)
-        assert client.status()["server"]["switch_interval_ms"] == 0.2
+        assert client.status()["server"]["switch_interval_ms"] == 0.05
         client.close()
     from kvflow.core.server.server import KVFlowServer
 
