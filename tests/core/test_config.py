@@ -97,7 +97,7 @@ INF, NAN = float("inf"), float("nan")
         ("l2_disk_size_gb", [INF, NAN, 1e300, 0], r"\(0, 1048576\] GiB"),
         ("heartbeat_timeout_s", [INF, NAN, 1e300, 1e-6, 0.4, 86401, 0], r"\[0.5, 86400\] seconds"),
         ("max_message_mb", [INF, NAN, 1e300, 1e-9, 0, 2049], r"\[0.0625, 2048\] MiB"),
-        ("switch_interval_ms", [INF, NAN, 1e300, 0, 0.0099, -1, 100.5, True], r"\[0.01, 100\] ms"),
+        ("switch_interval_ms", [INF, NAN, 1e300, 0, 0.049, -1, 100.5, True], r"\[0.05, 100\] ms"),
         ("l2_timeout_s", [INF, NAN, 1e300, 1e-9, 0, 601], r"\[0.001, 600\] seconds"),
         ("l2_redis_timeout_s", [INF, NAN, 1e300, 1e-9, 0, 601], r"\[0.001, 600\] seconds"),
     ],
@@ -138,6 +138,6 @@ def test_float_bounds_are_inclusive_and_small_l1_stays_allowed() -> None:
                  l2_redis_timeout_s=600, l1_size_gb=(1 << 20) / (1 << 30))  # fmt: skip
     ServerConfig(heartbeat_timeout_s=86400, max_message_mb=2048, l1_size_gb=1 << 20,
                  l2_disk_size_gb=1 << 20, switch_interval_ms=100)  # fmt: skip
-    ServerConfig(switch_interval_ms=0.01)
+    ServerConfig(switch_interval_ms=0.05)
     ObservabilityConfig(tracing_ttl_s=1, export_interval_s=0.1)
     ObservabilityConfig(tracing_ttl_s=86400, export_interval_s=86400)
