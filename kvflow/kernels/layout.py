@@ -82,6 +82,8 @@ class KVLayout:
     plan_cache: dict[Any, Any] = field(default_factory=dict, repr=False)
     #: one-layer layouts made by `layer_layout`, by layer
     layer_cache: dict[int, KVLayout] = field(default_factory=dict, repr=False)
+    #: layouts of runs of layers made by `span_layout`, by (first layer, layers)
+    span_cache: dict[tuple[int, int], KVLayout] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_kv_caches(
@@ -177,6 +179,41 @@ class KVLayout:
                 first = offset + group.layers.index(layer) * run
                 return [(first + kv * len(group.layers) * run, run) for kv in range(group.kv_size)]
         raise ValueError(f"layer {layer} is not within the {self.num_layers} layers")
+
+    def span_fits(self, first: int, count: int) -> bool:
+        """Whether layers [first, first + count) lie next to each other in one group, so
+        that their part of a chunk is one run per kv (`span_parts`)."""
+        if count < 1 or first < 0 or first + count > self.num_layers:
+            return False
+        for group in self.groups:
+            if first in group.layers:
+                at = group.layers.index(first)
+                return group.layers[at : at + count] == tuple(range(first, first + count))
+        return False
+
+    def span_layout(self, first: int, count: int) -> KVLayout:
+        """The layout of layers [first, first + count) alone (`span_fits`), whose chunk is
+        `span_parts` back to back: a layerwise transfer may move several layers in one
+        launch. One layer's is `layer_layout`'s."""
+        if count == 1:
+            return self.layer_layout(first)
+        sub = self.span_cache.get((first, count))
+        if sub is None:
+            if not self.span_fits(first, count):
+                raise ValueError(f"layers {first}..{first + count - 1} are not one span of a group")
+            sub = KVLayout._from_views(self.format, list(self.block_views[first : first + count]))
+            self.span_cache[(first, count)] = sub
+        return sub
+
+    def span_parts(self, first: int, count: int, chunk_tokens: int) -> list[tuple[int, int]]:
+        """(byte offset, byte count) of layers [first, first + count)'s part of one chunk, in
+        the order `span_layout` lays them out: per kv one run covering all of them (the
+        layers lie next to each other in their group's [kv, layers, tokens, row])."""
+        if count == 1:
+            return self.layer_parts(first, chunk_tokens)
+        if not self.span_fits(first, count):
+            raise ValueError(f"layers {first}..{first + count - 1} are not one span of a group")
+        return [(offset, count * n) for offset, n in self.layer_parts(first, chunk_tokens)]
 
     def stride_desc(self, layer: int, kv: int) -> StrideDesc:
         """Base pointer and byte strides (block, token, head) of one (layer, kv)."""

@@ -301,3 +301,45 @@ def test_a_transfer_is_not_moved_onto_blocks_of_another_size() -> None:
     moves = PreparedTransfer(layout, torch.arange(6).view(3, 2), direction="gather")
     with pytest.raises(ValueError, match=f"blocks of {layout.block_size} tokens"):
         moves.for_layout(other)
+
+
+@pytest.mark.parametrize(
+    "fmt", [KVFormat.VLLM_FLASH_ATTN, KVFormat.VLLM_MLA], ids=lambda f: f.value
+)
+def test_a_span_of_layers_gathers_the_runs_span_parts_names(fmt: KVFormat) -> None:
+    """Gathering with `span_layout(first, count)` writes, per chunk, exactly the bytes of a
+    whole chunk's gather at `span_parts`: several layers move in one launch as their
+    one-layer transfers would, and every span is one run per kv."""
+    gen = torch.Generator().manual_seed(12)
+    caches, kw = make_kv_caches(fmt, generator=gen, num_blocks=32, num_layers=5)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    chunks, per_chunk = 3, 2
+    tokens = per_chunk * layout.block_size
+    ids, skip = _ids_and_skip(layout.num_blocks, chunks, per_chunk, seed=12)
+    whole = torch.full((chunks, layout.chunk_nbytes(tokens)), POISON, dtype=torch.uint8)
+    transfer_blocks(layout, whole, ids, direction="gather", skip_blocks=skip)
+    for first, count in [(0, 1), (1, 2), (1, 4), (0, 5)]:
+        parts = layout.span_parts(first, count, tokens)
+        assert len(parts) == (1 if fmt.is_mla else 2)
+        span = layout.span_layout(first, count)
+        assert span.chunk_nbytes(tokens) == sum(n for _, n in parts)
+        got = torch.full((chunks, span.chunk_nbytes(tokens)), POISON, dtype=torch.uint8)
+        prepared = PreparedTransfer(layout.layer_layout(0), ids.numpy(), direction="gather",
+                                    skip_blocks=skip)  # fmt: skip
+        prepared.for_layout(span).launch(got)
+        want = torch.cat([whole[:, offset : offset + n] for offset, n in parts], dim=1)
+        assert torch.equal(got, want), (first, count)
+
+
+def test_only_layers_next_to_each_other_in_one_group_make_a_span() -> None:
+    """Layers of two groups (another head count every other layer) or past the last layer
+    are no span: `span_fits` says so and the span's layout and parts refuse them."""
+    specs = [(4, 16, torch.float16), (2, 8, torch.float16), (4, 16, torch.float16)]
+    caches, kw = make_kv_caches(KVFormat.VLLM_FLASHINFER, layer_specs=specs)
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    assert layout.span_fits(0, 1) and not layout.span_fits(0, 2)
+    assert not layout.span_fits(2, 2) and not layout.span_fits(-1, 1) and not layout.span_fits(0, 0)
+    with pytest.raises(ValueError, match="not one span"):
+        layout.span_layout(0, 2)
+    with pytest.raises(ValueError, match="not one span"):
+        layout.span_parts(1, 2, layout.block_size)

@@ -35,10 +35,11 @@ class LayerSignal(Protocol):
 
 
 class Staging(Protocol):
-    """A ring of slots the engine owns, each holding one staged layer: the server copies
-    a layer's runs there (the copy engine alone, no kernel) and the engine scatters them
-    into its blocks in its own process (kvflow.core.server.staging). Without MPS a block
-    kernel the server launches waits for a GPU time slice while the engine computes."""
+    """A ring of slots the engine owns, each holding a staged span of layers: the server
+    copies the layers' runs there (the copy engine alone, no kernel) and the engine
+    scatters them into its blocks in its own process, one launch a span
+    (kvflow.core.server.staging). Without MPS a block kernel the server launches waits
+    for a GPU time slice while the engine computes."""
 
     slot_bytes: int
 
@@ -48,17 +49,42 @@ class Staging(Protocol):
         scatter. Raises when the engine never frees it."""
         ...
 
-    def staged(self, layer: int, chunk_tokens: int, stream: Any) -> None:
-        """The claimed slot holds layer `layer` of the hit's chunks (row c: chunk c's runs
-        of it, `KVLayout.layer_parts` of `chunk_tokens`), its copies queued on `stream`
-        (done, when None)."""
+    def staged(self, first_layer: int, layers: int, chunk_tokens: int, stream: Any) -> None:
+        """The claimed slot holds layers [first_layer, first_layer + layers) of the hit's
+        chunks (row c: chunk c's runs of them, `KVLayout.span_parts` of `chunk_tokens`),
+        its copies queued on `stream` (done, when None)."""
         ...
 
 
 def staged_rows(slot: torch.Tensor, count: int, width: int) -> torch.Tensor:
     """A staging slot's first `count` rows of `width` bytes: row c is chunk c's runs of a
-    layer, as the server writes them and the engine reads them (callers check the fit)."""
+    span of layers, as the server writes them and the engine reads them (callers check
+    the fit)."""
     return slot[: count * width].view(count, width)
+
+
+def stage_span(
+    layout: KVLayout,
+    layer: int,
+    chunks: int,
+    chunk_tokens: int,
+    slot_bytes: int,
+    staged: Callable[[int], bool],
+) -> int:
+    """How many layers from `layer` on go into one slot of `slot_bytes` (0: not even
+    `layer` fits). At most `layer` of them (at least one), so the first layers, which the
+    forward pass reads soonest, go alone and the spans grow as the engine's reads fall
+    behind the copies: fewer scatters for the engine to launch, one each a span. A span
+    holds only layers next to each other in one group (`KVLayout.span_fits`), every one
+    of which `staged(l)` says the ring takes (not copied straight into its blocks)."""
+    width = sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+    count = min(slot_bytes // max(1, chunks * width), max(1, layer), layout.num_layers - layer)
+    if count < 1:
+        return 0
+    span = 1
+    while span < count and layout.span_fits(layer, span + 1) and staged(layer + span):
+        span += 1
+    return span
 
 
 class WrittenSignal(Protocol):
@@ -116,26 +142,38 @@ def cpu_scatter_layers(
     """Write each layer of `srcs` into the CPU cache's blocks (row c of `table`: chunk
     c's blocks, its first skip_blocks[c] untouched), layer 0 first, each followed by
     `ready(layer, None)`. With `staging`, a layer that fits one of its slots goes there
-    instead, for the engine to scatter."""
+    instead, for the engine to scatter, with the layers after it that share the slot
+    (`stage_span`)."""
     if not len(srcs):
         for layer in range(layout.num_layers):
             ready(layer, None)
         return
     buffer = _layer_buffer(layout, chunk_tokens, len(srcs))
-    for layer in range(layout.num_layers):
-        parts, rows = _layer_rows(layout, layer, chunk_tokens, buffer, len(srcs))
-        if staging is not None and rows.numel() <= staging.slot_bytes:
-            slot = staged_rows(staging.claim(), len(srcs), rows.shape[1])
+    layer = 0
+    while layer < layout.num_layers:
+        span = 0
+        if staging is not None:
+            span = stage_span(
+                layout, layer, len(srcs), chunk_tokens, staging.slot_bytes, lambda _: True
+            )
+        if span:
+            assert staging is not None
+            parts = layout.span_parts(layer, span, chunk_tokens)
+            slot = staged_rows(staging.claim(), len(srcs), sum(n for _, n in parts))
             _copy_runs(slot, srcs, parts, to_rows=True)
-            staging.staged(layer, chunk_tokens, None)
-            ready(layer, None)
+            staging.staged(layer, span, chunk_tokens, None)
+            for each in range(layer, layer + span):
+                ready(each, None)
+            layer += span
             continue
+        parts, rows = _layer_rows(layout, layer, chunk_tokens, buffer, len(srcs))
         _copy_runs(rows, srcs, parts, to_rows=True)
         moves = PreparedTransfer.trusted(
             layout.layer_layout(layer), table, skip_blocks, gather=False, backend="cpu"
         )
         moves.launch_trusted(rows, 0, len(srcs))
         ready(layer, None)
+        layer += 1
 
 
 def cpu_gather_layers(

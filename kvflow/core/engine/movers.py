@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvflow.core.engine.direct import Copy2D, DirectLayers
-from kvflow.core.engine.layerwise import Staging
+from kvflow.core.engine.layerwise import Staging, stage_span
 from kvflow.core.engine.strided_copy import strided_copyto
 from kvflow.core.tiers.base import HostChunks
 from kvflow.cuda import (
@@ -422,18 +422,23 @@ class CudaMover:
         )
         on_copy_stream = False  # the op ends on the kernel stream: after these copies too
         scatters: PreparedTransfer | None = None
-        for layer in range(self.layout.num_layers):
+        layer = 0
+        while layer < self.layout.num_layers:
             copies = direct.copies(layer)
             if copies is not None:  # the copy engine alone: no kernel to wait for a slice
                 self._copy_direct(copies, to_blocks=True)
                 ready(layer, cs)
                 on_copy_stream = True
+                layer += 1
                 continue
-            if staging is not None and self._stage_in(
-                staging, layer, addresses, regions, chunk_tokens
-            ):
-                ready(layer, cs)
+            span = 0
+            if staging is not None:
+                span = self._stage_in(staging, layer, direct, addresses, regions, chunk_tokens)
+            if span:
+                for each in range(layer, layer + span):
+                    ready(each, cs)
                 on_copy_stream = True
+                layer += span
                 continue
             layer_layout = self.layout.layer_layout(layer)
             if scatters is None:  # the ids go up once, for every layer scattered here
@@ -454,6 +459,7 @@ class CudaMover:
                 moves.launch_trusted(rows, start, stop - start)
                 self._drained[s].record(ks.handle)
             ready(layer, ks)
+            layer += 1
         if on_copy_stream:
             self._direct_done.record(cs.handle)
             self._direct_done.wait_on(ks.handle)
@@ -462,19 +468,25 @@ class CudaMover:
         self,
         staging: Staging,
         layer: int,
+        direct: DirectLayers,
         hosts: Sequence[int],
         regions: Sequence[int],
         chunk_tokens: int,
-    ) -> bool:
-        """Copy a layer's runs of every chunk into the next slot of the engine's ring (the
-        engine scatters it: no kernel here either); False when the layer does not fit."""
-        parts = self.layout.layer_parts(layer, chunk_tokens)
-        if len(hosts) * sum(n for _, n in parts) > staging.slot_bytes:
-            return False
-        slot = staging.claim()
-        self._copy_runs(slot.data_ptr(), hosts, regions, parts, to_stage=True)
-        staging.staged(layer, chunk_tokens, self.copy_stream)
-        return True
+    ) -> int:
+        """Copy the runs of every chunk of a span of layers from `layer` on (`stage_span`:
+        those that fit one slot and do not go straight into their blocks) into the next
+        slot of the engine's ring (the engine scatters it: no kernel here either); returns
+        the span's layers, 0 when `layer` does not fit a slot."""
+        span = stage_span(
+            self.layout, layer, len(hosts), chunk_tokens, staging.slot_bytes,
+            lambda later: direct.copies(later) is None,
+        )  # fmt: skip
+        if span:
+            parts = self.layout.span_parts(layer, span, chunk_tokens)
+            slot = staging.claim()
+            self._copy_runs(slot.data_ptr(), hosts, regions, parts, to_stage=True)
+            staging.staged(layer, span, chunk_tokens, self.copy_stream)
+        return span
 
     def _objects(self, chunks: HostChunks) -> tuple[list[int], list[int]]:
         """The objects' host addresses and their regions (no copy may span two)."""

@@ -9,7 +9,11 @@ them into its blocks in its own process, on a stream of its own, before the laye
 
 Bookkeeping lives after the layer flags in the same shared int64s: `head` (slot uses the
 server has written), `tail` (uses the engine has scattered), then one entry per slot:
-(retrieve number, layer, chunk tokens) of the use it holds. Use k takes slot k % N; the
+(retrieve number, first layer, layers, chunk tokens) of the use it holds. A use holds a
+span of layers next to each other (`stage_span`: the first layers alone, then as many as
+a slot takes), scattered by one launch: at 8k tokens of an 8B shape a 128 MiB slot takes
+four layers, and the engine's host, which runs the forward pass, launches a quarter of
+the scatters. Use k takes slot k % N; the
 server writes it once `tail` > k - N (the engine scattered use k - N) and, on CUDA, the
 slot's "scattered" event has completed, then records the slot's "copied" event, writes
 the entry and only then raises `head`. The engine's `pump()` scatters uses in order from
@@ -45,7 +49,7 @@ MAX_SLOTS = 64
 #: the longest the server waits for the engine to free a slot (an engine that stopped
 #: waiting for its layers must not hold the instance's worker for ever)
 SLOT_TIMEOUT_S = 60.0
-HEAD, TAIL, ENTRY = 0, 1, 3
+HEAD, TAIL, ENTRY = 0, 1, 4
 
 
 def control_words(slots: int) -> int:
@@ -81,13 +85,16 @@ class ServerStaging:
         self.scattered = events[self.slots :] if events is not None else None
         #: seconds the server waited for free slots, all claims together
         self.waited_s = 0.0
+        #: layers staged so far (a slot's use holds one or more)
+        self.staged_layers = 0
 
     def stats(self) -> dict[str, Any]:
         """The ring for `kvflow status`: its size, layers staged so far, slot waits."""
         return {
             "slots": self.slots,
             "slot_bytes": self.slot_bytes,
-            "staged_layers": int(self.control[HEAD]),
+            "staged_layers": self.staged_layers,
+            "slot_uses": int(self.control[HEAD]),
             "slot_wait_s": round(self.waited_s, 6),
         }
 
@@ -125,12 +132,13 @@ class SlotClaims:
         self._use = use
         return st.ring[slot]
 
-    def staged(self, layer: int, chunk_tokens: int, stream: Any) -> None:
+    def staged(self, first_layer: int, layers: int, chunk_tokens: int, stream: Any) -> None:
         st, use = self._staging, self._use
         slot = use % st.slots
         if st.copied is not None and stream is not None:
             st.copied[slot].record(stream.torch)
-        st.control[_entry(slot)] = (self._seq, layer, chunk_tokens)
+        st.control[_entry(slot)] = (self._seq, first_layer, layers, chunk_tokens)
+        st.staged_layers += layers
         st.control[HEAD] = use + 1  # after the entry: the engine reads it once it sees this
 
 
@@ -242,7 +250,7 @@ class ClientStaging:
             control = self.control
             while (use := int(control[TAIL])) < int(control[HEAD]):
                 slot = use % self.slots
-                seq, layer, chunk_tokens = (int(w) for w in control[_entry(slot)])
+                seq, first, layers, chunk_tokens = (int(w) for w in control[_entry(slot)])
                 load = self._loads.get(seq)
                 if load is None and seq not in self._dropped:
                     return  # its reply is still on its way to the caller
@@ -250,7 +258,7 @@ class ClientStaging:
                     self._note_pending(use, int(control[HEAD]))
                     return  # the server's copies into the slot are still running
                 if load is not None:
-                    self._scatter(load, slot, layer, chunk_tokens)
+                    self._scatter(load, slot, range(first, first + layers), chunk_tokens)
                 self._forget_before(seq)
                 control[TAIL] = use + 1
             if self._loads:  # every use written is scattered: forget loads that had none
@@ -269,10 +277,10 @@ class ClientStaging:
         """Mark the layers of the uses written but not scattered yet as pending (the pump
         stopped at `tail`, whose copies still run)."""
         for use in range(tail, head):
-            seq, layer = (int(w) for w in self.control[_entry(use % self.slots)][:2])
+            seq, first, layers = (int(w) for w in self.control[_entry(use % self.slots)][:3])
             load = self._loads.get(seq)
             if load is not None:
-                load.pending.add(layer)
+                load.pending.update(range(first, first + layers))
 
     def _forget_before(self, seq: int) -> None:
         """Uses come in retrieve order: loads before `seq` have no more of them."""
@@ -280,22 +288,24 @@ class ClientStaging:
             del self._loads[old]
         self._dropped = {s for s in self._dropped if s >= seq}
 
-    def _scatter(self, load: StagedLoad, slot: int, layer: int, chunk_tokens: int) -> None:
+    def _scatter(self, load: StagedLoad, slot: int, span: range, chunk_tokens: int) -> None:
+        """Scatter a slot's span of layers into `load`'s blocks: one launch (CPU: the copy
+        done here), its end one event on the staging stream for every layer of it."""
         layout = self.layout
-        load.pending.discard(layer)
+        load.pending.difference_update(span)
         table, skips = load.rows(chunk_tokens, layout.block_size)
-        width = sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
+        width = sum(n for _, n in layout.span_parts(span.start, len(span), chunk_tokens))
         rows = staged_rows(self.ring[slot], len(skips), width)
-        layer_layout = layout.layer_layout(layer)
+        span_layout = layout.span_layout(span.start, len(span))
         if load.moves is None:  # the load's ids, uploaded once for all its layers
             load.moves = PreparedTransfer.trusted(
-                layer_layout, table, skips, gather=False,
+                span_layout, table, skips, gather=False,
                 backend="cpu" if self.stream is None else "cuda", stream=self.stream,
             )  # fmt: skip
-        moves = load.moves.for_layout(layer_layout)
+        moves = load.moves.for_layout(span_layout)
         if self.stream is None:
             moves.launch_trusted(rows, 0, len(skips))
-            load.landed[layer] = None
+            load.landed.update(dict.fromkeys(span))
             return
         torch_stream = self.stream.torch
         if load.caller is not None:
@@ -305,7 +315,7 @@ class ClientStaging:
         self.events[self.slots + slot].record(torch_stream)  # the slot is free again
         done = torch.cuda.Event()
         done.record(torch_stream)
-        load.landed[layer] = done
+        load.landed.update(dict.fromkeys(span, done))
 
 
 def ring_slots(ring: TensorDesc) -> int:

@@ -169,3 +169,29 @@ def test_a_layerwise_store_that_fails_midway_leaves_nothing_visible() -> None:
     assert engine.lookup(TOKENS, model_name="m") == 0
     assert engine.store("src", TOKENS, SRC_BLOCKS, request_id="w2") == 3 * CHUNK
     engine.close()
+
+
+def test_a_slot_takes_a_growing_span_of_layers_that_lie_together() -> None:
+    """`stage_span`: the first layers alone, then as many as the slot takes, at most the
+    layer's index; never a layer past a group's end, past the last layer or one the ring
+    does not take (it goes straight into its blocks); 0 when not even one fits."""
+    from kvflow.core.engine.layerwise import stage_span
+    from kvflow.kernels import KVFormat, KVLayout
+    from kvflow.kernels.synthetic import make_kv_caches
+
+    kv, kw = make_kv_caches(KVFormat.VLLM_FLASH_ATTN, num_layers=8, num_blocks=8)
+    layout = KVLayout.from_kv_caches(kv, **kw)
+    tokens = 2 * layout.block_size
+    width = sum(n for _, n in layout.layer_parts(0, tokens))
+    every = lambda _: True  # noqa: E731
+    spans = [stage_span(layout, layer, 3, tokens, 4 * 3 * width, every) for layer in range(8)]
+    assert spans == [1, 1, 2, 3, 4, 3, 2, 1]
+    assert stage_span(layout, 4, 3, tokens, 4 * 3 * width - 1, every) == 3  # 3 fit
+    assert stage_span(layout, 4, 3, tokens, 3 * width - 1, every) == 0
+    assert stage_span(layout, 4, 3, tokens, 4 * 3 * width, lambda layer: layer != 6) == 2
+    specs = [(2, 8, torch.float16)] * 3 + [(1, 8, torch.float16)] * 3
+    mixed, kw = make_kv_caches(KVFormat.VLLM_FLASHINFER, layer_specs=specs)
+    layout = KVLayout.from_kv_caches(mixed, **kw)
+    tokens = layout.block_size
+    assert stage_span(layout, 2, 1, tokens, 1 << 20, every) == 1  # the group ends at 2
+    assert stage_span(layout, 3, 1, tokens, 1 << 20, every) == 3

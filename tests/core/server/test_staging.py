@@ -36,7 +36,7 @@ def _stage(ring: ServerStaging, seq: int, layer: int, value: float) -> None:
     claims = ring.claims(seq, lambda: False)
     slot = claims.claim()
     slot[:LAYER_BYTES].view(torch.float16).fill_(value)
-    claims.staged(layer, CHUNK, None)
+    claims.staged(layer, 1, CHUNK, None)
 
 
 def test_a_load_that_never_came_back_frees_its_slots_unread() -> None:
@@ -71,7 +71,7 @@ def test_slot_waits_add_up_across_claims() -> None:
     staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
     _stage(ring, 1, 0, 1.0)  # a free slot: no wait
     assert ring.stats() == {
-        "slots": 1, "slot_bytes": LAYER_BYTES, "staged_layers": 1,
+        "slots": 1, "slot_bytes": LAYER_BYTES, "staged_layers": 1, "slot_uses": 1,
         "slot_wait_s": pytest.approx(0.0, abs=0.05),
     }  # fmt: skip
     for layer in (1, 0):  # each claim waits ~0.2 s for the engine's pump
@@ -80,7 +80,8 @@ def test_slot_waits_add_up_across_claims() -> None:
         _stage(ring, 1, layer, 2.0)
         timer.join()
     stats = ring.stats()
-    assert stats["staged_layers"] == 3 and 0.38 <= stats["slot_wait_s"] < 30
+    assert stats["staged_layers"] == stats["slot_uses"] == 3
+    assert 0.38 <= stats["slot_wait_s"] < 30
 
 
 def test_the_server_waits_for_a_slot_until_the_engine_scatters_or_it_is_cancelled(

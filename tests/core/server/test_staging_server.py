@@ -15,6 +15,7 @@ from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import InvalidRequestError, TransferError, UnknownInstanceError
 from kvflow.core.server.protocol import Register
 from kvflow.core.server.sharing import describe_kv_caches, describe_tensor
+from kvflow.core.server.staging import control_words
 from tests.e2e.server_proc import running_server
 from tests.support.layer_caches import BS, CHUNK, HS, NH, NL, layer_blocks, shared_caches
 
@@ -83,8 +84,23 @@ def test_staged_layers_land_in_blocks_anywhere(client: KVFlowClient) -> None:
         assert load.staged_layers == list(range(NL))
     ring = client.status()["server"]["instances"]["stg-dst"]["staging"]
     assert ring["slots"] == 2 and ring["slot_bytes"] == LAYER_BYTES
-    assert ring["staged_layers"] == 2 * NL and ring["slot_wait_s"] >= 0
+    assert ring["staged_layers"] == ring["slot_uses"] == 2 * NL and ring["slot_wait_s"] >= 0
     assert client.status()["server"]["instances"]["stg-src"]["staging"] is None
+
+
+def test_a_slot_of_several_layers_takes_spans_of_them(client: KVFlowClient) -> None:
+    """A ring whose slots hold four layers of the hit: layers 0 and 1 come alone, then
+    spans of two (2-3, 4-5), each scattered by one launch; every layer lands whole when
+    its wait returns, and the status counts six layers in four uses of the ring."""
+    src = _stored(client, "stg-span-src", 31, 12_000)
+    dst = _with_ring(client, "stg-span", 32, 2, slot_bytes=4 * LAYER_BYTES)
+    load = client.retrieve_layerwise("stg-span", _tokens(12_000), SHUFFLED, request_id="sp")
+    for layer in range(NL):
+        load.wait_layer(layer)
+        assert torch.equal(layer_blocks(dst, layer, SHUFFLED), layer_blocks(src, layer, SRC))
+    assert load.staged_layers == list(range(NL))
+    ring = client.status()["server"]["instances"]["stg-span"]["staging"]
+    assert (ring["staged_layers"], ring["slot_uses"]) == (NL, 4)
 
 
 def test_loads_waited_layer_by_layer_share_the_ring(client: KVFlowClient) -> None:
@@ -242,7 +258,7 @@ def test_staging_events_with_cpu_caches_are_refused(client: KVFlowClient) -> Non
     naming the rule; the instance is not registered."""
     dst = shared_caches(21)
     ring = empty_shared((2, 64), torch.uint8)
-    flags = empty_shared((2 * NL + 2 + 3 * 2) * 8, torch.uint8)
+    flags = empty_shared((2 * NL + control_words(2)) * 8, torch.uint8)
     request = Register(
         instance_id="stg-events", kv_caches=describe_kv_caches(dst), model_name="stg",
         block_size=BS, layer_flags=describe_tensor(flags, "flags"),
@@ -267,7 +283,7 @@ def test_staging_events_with_cpu_caches_are_refused(client: KVFlowClient) -> Non
         (  # flags without the ring's words
             torch.uint8,
             3,
-            r"\(one int64 per layer for retrieves, one for stores, then 8 for a staging ring"
+            r"\(one int64 per layer for retrieves, one for stores, then 10 for a staging ring"
             r" of 2 slots\)$",
         ),
     ],
@@ -280,7 +296,7 @@ def test_a_bad_ring_on_the_wire_is_refused_and_the_server_serves_on(
     dst = shared_caches(17)
     shape = (2 * 64,) if ring is torch.uint8 and words == 2 else (2, 64)
     buffer = empty_shared(shape, ring)
-    flag_words = 2 * NL + (2 + 3 * 2 if words == 2 else 0)
+    flag_words = 2 * NL + (control_words(2) if words == 2 else 0)
     flags = empty_shared(flag_words * 8, torch.uint8)
     request = Register(
         instance_id="stg-wire", kv_caches=describe_kv_caches(dst), model_name="stg",
