@@ -89,7 +89,8 @@ class ServerStaging:
         self.staged_layers = 0
 
     def stats(self) -> dict[str, Any]:
-        """The ring for `kvflow status`: its size, layers staged so far, slot waits."""
+        """The ring for `kvflow status`: its size, layers staged so far and the slot uses
+        that held them, slot waits."""
         return {
             "slots": self.slots,
             "slot_bytes": self.slot_bytes,
