@@ -257,7 +257,10 @@ class ClientStaging:
                     return  # its reply is still on its way to the caller
                 if load is not None and self.events and not self.events[slot].query():
                     self._note_pending(use, int(control[HEAD]))
-                    return  # the server's copies into the slot are still running
+                    # the server's copies into the slot are still running, and the
+                    # engine's host waits for them: send the load's block ids up now
+                    self._ids_up(load, first, layers, chunk_tokens)
+                    return
                 if load is not None:
                     self._scatter(load, slot, range(first, first + layers), chunk_tokens)
                 self._forget_before(seq)
@@ -294,29 +297,38 @@ class ClientStaging:
         done here), its end one event on the staging stream for every layer of it."""
         layout = self.layout
         load.pending.difference_update(span)
-        table, skips = load.rows(chunk_tokens, layout.block_size)
+        moves = self._ids_up(load, span.start, len(span), chunk_tokens)
+        moves = moves.for_layout(layout.span_layout(span.start, len(span)))
         width = sum(n for _, n in layout.span_parts(span.start, len(span), chunk_tokens))
-        rows = staged_rows(self.ring[slot], len(skips), width)
-        span_layout = layout.span_layout(span.start, len(span))
-        if load.moves is None:  # the load's ids, uploaded once for all its layers
-            load.moves = PreparedTransfer.trusted(
-                span_layout, table, skips, gather=False,
-                backend="cpu" if self.stream is None else "cuda", stream=self.stream,
-            )  # fmt: skip
-        moves = load.moves.for_layout(span_layout)
+        count = moves.num_chunks
+        rows = staged_rows(self.ring[slot], count, width)
         if self.stream is None:
-            moves.launch_trusted(rows, 0, len(skips))
+            moves.launch_trusted(rows, 0, count)
             load.landed.update(dict.fromkeys(span))
             return
         torch_stream = self.stream.torch
         if load.caller is not None:
             torch_stream.wait_event(load.caller)
             load.caller = None
-        moves.launch_trusted(rows, 0, len(skips))  # the slot's copies are done (pump)
+        moves.launch_trusted(rows, 0, count)  # the slot's copies are done (pump)
         self.events[self.slots + slot].record(torch_stream)  # the slot is free again
         done = torch.cuda.Event()
         done.record(torch_stream)
         load.landed.update(dict.fromkeys(span, done))
+
+    def _ids_up(
+        self, load: StagedLoad, first: int, layers: int, chunk_tokens: int
+    ) -> PreparedTransfer:
+        """`load`'s scatter, its block ids uploaded once for all its layers: at its first
+        staged span, while that span's copies still run if the engine waits for them
+        (`pump`), else when the span is scattered."""
+        if load.moves is None:
+            table, skips = load.rows(chunk_tokens, self.layout.block_size)
+            load.moves = PreparedTransfer.trusted(
+                self.layout.span_layout(first, layers), table, skips, gather=False,
+                backend="cpu" if self.stream is None else "cuda", stream=self.stream,
+            )  # fmt: skip
+        return load.moves
 
 
 def ring_slots(ring: TensorDesc) -> int:
