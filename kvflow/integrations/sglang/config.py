@@ -20,7 +20,8 @@ from kvflow.integrations.extra_config import PREFIX, seconds, text
 class StorageConfig:
     """The `kvflow.*` keys of the extra config (docs/SGLANG.md, Config keys)."""
 
-    #: the kvflow server's ZMQ endpoint
+    #: the kvflow server's ZMQ endpoint, or a comma-separated list of one server per
+    #: rank of kvflow's world (rank 0's first: `server_of`)
     endpoint: str = "tcp://127.0.0.1:5555"
     #: the longest one batch (exists, get or set) waits for the server; then it failed
     timeout_s: float = 5.0
@@ -64,13 +65,34 @@ class StorageConfig:
                 seconds(key, value, 0.001, 3600.0) if key == "timeout_s" else text(key, value)
             )
         config = cls(**values)
-        if not config.endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(
-                f"{PREFIX}endpoint must look like tcp://HOST:PORT, got {config.endpoint!r}"
-            )
+        for endpoint in config.endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(
+                    f"{PREFIX}endpoint must look like tcp://HOST:PORT (or a comma-separated"
+                    f" list of them, one server per rank), got {endpoint!r}"
+                )
         if (config.curve_server_key is None) != (config.curve_key is None):
             raise ValueError(
                 f"{PREFIX}curve_server_key and {PREFIX}curve_key go together (the server's"
                 " public key and this client's NAME.key_secret)"
             )
         return config
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The endpoint's servers: one, or one per rank."""
+        return tuple(part.strip() for part in self.endpoint.split(","))
+
+    def server_of(self, world_size: int, rank: int) -> tuple[str, bool]:
+        """(the server rank `rank` of a world of `world_size` talks to, whether it is that
+        rank's own): the one endpoint, or the rank's of a list, which must name one server
+        per rank (ValueError naming both counts otherwise)."""
+        servers = self.endpoints
+        if len(servers) == 1:
+            return servers[0], False
+        if len(servers) != world_size:
+            raise ValueError(
+                f"{PREFIX}endpoint lists {len(servers)} servers but this model's KV has"
+                f" {world_size} ranks: list one server per rank, rank 0's first"
+            )
+        return servers[rank], True

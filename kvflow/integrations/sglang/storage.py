@@ -82,12 +82,13 @@ class KVFlowHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         self.storage_config = storage_config
         self.config = StorageConfig.from_extra_config(storage_config.extra_config)
-        self.client = KVFlowClient(
-            self.config.endpoint,
-            timeout_s=self.config.timeout_s,
-            curve_server_key=self.config.curve_server_key,
-            curve_key=self.config.curve_key,
-        )
+        #: the server this rank talks to: the endpoint's first until the rank is known
+        #: (`register_mem_pool_host`), then, with a server per rank, the rank's own
+        self.endpoint = self.config.endpoints[0]
+        self.client = self._client_of(self.endpoint)
+        #: the ranks a lookup counts: all of the world's (None), or with a server per
+        #: rank only this one, which is all its server holds
+        self._ranks: list[int] | None = None
         self.identity: RankIdentity | None = None
         self.views: HostPoolViews | None = None
         self.page_bytes = 0
@@ -96,6 +97,14 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         self._ids = itertools.count()
         self._stats = _Stats()
         self._shared: torch.Tensor | None = None
+
+    def _client_of(self, endpoint: str) -> KVFlowClient:
+        return KVFlowClient(
+            endpoint,
+            timeout_s=self.config.timeout_s,
+            curve_server_key=self.config.curve_server_key,
+            curve_key=self.config.curve_key,
+        )
 
     # -- the host pool ---------------------------------------------------------------
 
@@ -121,6 +130,12 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         self.identity = rank_identity(
             self.storage_config, self.config, mem_pool_host.dtype, is_mla_pool(mem_pool_host)
         )
+        endpoint, own = self.config.server_of(self.identity.world_size, self.identity.rank)
+        if own:
+            self._ranks = [self.identity.rank]
+        if endpoint != self.endpoint:
+            self.client.close()
+            self.endpoint, self.client = endpoint, self._client_of(endpoint)
         self.page_bytes = views.page_size * int(mem_pool_host.get_size_per_token())
         try:
             self._register()
@@ -138,7 +153,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
         chunk = self.client.status().get("chunk_size")
         if chunk != page:
             raise ValueError(
-                f"the kvflow server at {self.config.endpoint} stores chunks of {chunk} tokens"
+                f"the kvflow server at {self.endpoint} stores chunks of {chunk} tokens"
                 f" but SGLang's pages hold {page}: start it with --chunk-size {page}"
             )
         self.client.register_kv_caches(
@@ -174,8 +189,9 @@ class KVFlowHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Pages of the longest prefix of `keys` every rank of this world holds (one lookup);
-        0 when the server cannot say."""
+        """Pages of the longest prefix of `keys` every rank of this world holds (one lookup;
+        with a server per rank, this rank alone: SGLang takes the least of its TP ranks'
+        answers); 0 when the server cannot say."""
         if not keys or self.identity is None:
             return 0
         ident = self.identity
@@ -183,6 +199,7 @@ class KVFlowHiCacheStorage(HiCacheStorage):
             hit = self.client.lookup(
                 None, model_name=ident.model_name, world_size=ident.world_size,
                 cache_salt=self.config.cache_salt, chunk_keys=[chunk_key(k) for k in keys],
+                ranks=self._ranks,
             )  # fmt: skip
         except Exception as exc:
             log.warning("kvflow: lookup of %d pages failed: %s", len(keys), exc)

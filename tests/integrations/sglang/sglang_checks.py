@@ -31,6 +31,7 @@ synthetic.allow_torchvision_without_its_operators()  # before SGLang imports tor
 import torch  # noqa: E402
 
 from kvflow.integrations.sglang import KVFlowHiCacheStorage  # noqa: E402
+from kvflow.integrations.sglang.storage import chunk_key  # noqa: E402
 from kvflow.integrations.sglang.synthetic import (  # noqa: E402
     build_backend,
     extra_config,
@@ -267,6 +268,55 @@ def tensor_parallel_ranks_model_and_salt_keep_kv_apart() -> None:
             assert page_bytes(dst, d) == page_bytes(src, s)
         writer.close()
         reader.close()
+
+
+@check
+def a_server_per_rank_holds_that_ranks_shard() -> None:
+    """`kvflow.endpoint` listing two servers: TP rank r registers, stores and loads with
+    the r-th only (the other never sees it), and its lookup counts only its own rank, so
+    each rank finds a prefix its server holds even though the other server has no part of
+    it; a second TP=2 engine loads each rank's pages byte for byte from its own server. A
+    list of the wrong length stops the backend at attach, naming both counts."""
+    from kvflow.core import KVFlowClient
+
+    with kvflow_server(PAGE) as ep0, kvflow_server(PAGE) as ep1:
+        both = f"{ep0},{ep1}"
+        names = page_keys(3, "per-rank")
+        pools = [mha_pool("page_first", heads=1) for _ in range(2)]
+        for r, pool in enumerate(pools):
+            fill(pool, seed=40 + r)  # the ranks' shards differ
+        ranks = [build_backend(p, both, tp_size=2, tp_rank=r) for r, p in enumerate(pools)]
+        hosts = [p.alloc(3 * PAGE) for p in pools]
+        assert ranks[0].batch_set_v1(names, hosts[0]) == [True] * 3
+        assert ranks[0].batch_exists(names) == 3  # its server holds rank 0, all it asks
+        assert ranks[1].batch_exists(names) == 0
+        assert ranks[1].batch_set_v1(names, hosts[1]) == [True] * 3
+        assert ranks[1].batch_exists(names) == 3
+        for rank, ep in enumerate((ep0, ep1)):
+            with KVFlowClient(ep) as client:
+                held = client.status()["server"]["instances"]
+                assert [i for i in held if f"-tp{rank}-" in i] and len(held) == 1, held
+                # the whole world's prefix: this server holds one rank of two, never both
+                assert client.lookup(None, model_name=ranks[0].identity.model_name,
+                                     world_size=2, chunk_keys=[chunk_key(n) for n in names]
+                                     ) == 0  # fmt: skip
+        readers = [mha_pool("page_first", heads=1) for _ in range(2)]
+        second = [build_backend(p, both, tp_size=2, tp_rank=r) for r, p in enumerate(readers)]
+        for rank in range(2):
+            got = readers[rank].alloc(3 * PAGE)
+            assert second[rank].batch_get_v1(names, got) == [True] * 3
+            pairs = zip(pages_of(pools[rank], hosts[rank]), pages_of(readers[rank], got),
+                        strict=True)  # fmt: skip
+            for s, d in pairs:
+                assert page_bytes(readers[rank], d) == page_bytes(pools[rank], s)
+        for backend in (*ranks, *second):
+            backend.close()
+        try:
+            build_backend(mha_pool("page_first", heads=1), both, tp_size=4, tp_rank=1)
+        except ValueError as exc:
+            assert "lists 2 servers but this model's KV has 4 ranks" in str(exc), exc
+        else:
+            raise AssertionError("a list of two servers for four ranks was accepted")
 
 
 @check

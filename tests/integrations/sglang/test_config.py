@@ -35,6 +35,8 @@ def test_defaults_and_values() -> None:
         ({**BASE, "kvflow.timeout_s": True}, "kvflow.timeout_s"),
         ({**BASE, "kvflow.timeout_s": "soon"}, "kvflow.timeout_s"),
         ({**BASE, "kvflow.endpoint": "127.0.0.1:5555"}, "tcp://HOST:PORT"),
+        ({**BASE, "kvflow.endpoint": "tcp://a:1,b:2"}, "got 'b:2'"),
+        ({**BASE, "kvflow.endpoint": "tcp://a:1,"}, "got ''"),
         ({**BASE, "kvflow.model_name": ""}, "kvflow.model_name"),
         ({**BASE, "kvflow.curve_key": "k"}, "go together"),
         ({**BASE, "kvflow.salt": "x"}, "kvflow.cache_salt"),
@@ -43,3 +45,17 @@ def test_defaults_and_values() -> None:
 def test_bad_configs_name_the_key(extra: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
         StorageConfig.from_extra_config(extra)
+
+
+def test_a_list_of_servers_gives_each_rank_its_own() -> None:
+    """One endpoint serves every rank (and counts every rank in a lookup); a list names
+    one server per rank, rank 0's first, and must have one for each rank of the world."""
+    one = _config(endpoint="tcp://h:1")
+    assert one.server_of(4, 3) == ("tcp://h:1", False)
+    listed = _config(endpoint="tcp://h:1, tcp://h:2,ipc:///tmp/k3")
+    assert listed.endpoints == ("tcp://h:1", "tcp://h:2", "ipc:///tmp/k3")
+    assert [listed.server_of(3, r) for r in range(3)] == [
+        ("tcp://h:1", True), ("tcp://h:2", True), ("ipc:///tmp/k3", True),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"lists 3 servers but this model's KV has 2 ranks"):
+        listed.server_of(2, 0)
