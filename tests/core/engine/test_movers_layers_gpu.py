@@ -134,14 +134,17 @@ def test_the_block_kernels_run_at_the_devices_greatest_priority(cuda_device: tor
     assert priority(mover.copy_stream.handle) == least.value
 
 
+@pytest.mark.parametrize(("slot_layers", "uses"), [(1, 4), (4, 3)])
 def test_layers_staged_in_an_engine_ring_land_every_byte(
-    cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch
+    cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch, slot_layers: int, uses: int
 ) -> None:
     """A layerwise retrieve into shuffled blocks through a ring of two slots the engine
     owns (kvflow.core.server.staging), both sides in one process: the mover copies each
-    layer into a slot (no kernel), a pump thread scatters it as the engine would, and the
-    blocks end as the reference's; the first block stays as it was. This small a table
-    would go straight into its blocks by 2-D copies, so that path is declined here."""
+    layer into a slot (no kernel), or with slots of four layers spans of them (layers 0
+    and 1 alone, then 2-3), a pump thread scatters each slot as the engine would (one
+    launch a span), and the blocks end as the reference's; the first block stays as it
+    was. This small a table would go straight into its blocks by 2-D copies, so that path
+    is declined here."""
     import threading
 
     from kvflow.core.engine.direct import DirectLayers
@@ -172,7 +175,9 @@ def test_layers_staged_in_an_engine_ring_land_every_byte(
         sum(n for _, n in layout.layer_parts(layer, chunk_tokens))
         for layer in range(layout.num_layers)
     )
-    client = ClientLayers(layout.num_layers, cuda_device.index, layout, 2, chunks * widest)
+    client = ClientLayers(
+        layout.num_layers, cuda_device.index, layout, 2, slot_layers * chunks * widest
+    )
     staging = client.staging
     assert staging is not None
     words = ServerLayers(layout.num_layers, None, client.raw, 2).staging_words
@@ -203,4 +208,5 @@ def test_layers_staged_in_an_engine_ring_land_every_byte(
     assert ready == list(range(layout.num_layers))
     assert sorted(load.landed) == list(range(layout.num_layers))
     assert ring.stats()["staged_layers"] == layout.num_layers
+    assert ring.stats()["slot_uses"] == uses
     assert same_bytes([c.cpu() for c in target], expected)

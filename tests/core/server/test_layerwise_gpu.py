@@ -13,14 +13,15 @@ PREFIX_BLOCKS = 512
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
-@pytest.mark.parametrize("order", ["in-order", "shuffled", "staged"])
+@pytest.mark.parametrize("order", ["in-order", "shuffled", "staged", "staged-spans"])
 def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
     """Reads queued after `wait_layer(i)` see layer i whole (0.5 GiB in flight, so the last
     layers land tens of ms after the reply); the same reads queued without the waits,
     right after the call returns, catch copies still in flight: the waits do the ordering.
     Destination blocks in order take the direct copies (each layer marked on the copy
     stream), shuffled ones the server's staging ring and the block kernel (the kernel
-    stream), or ("staged") a ring of the engine's, scattered on the engine's own stream."""
+    stream), or ("staged") a ring of the engine's, scattered on the engine's own stream,
+    ("staged-spans") with slots of four layers, most of them scattered in spans."""
     import random
 
     import torch
@@ -41,7 +42,10 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
             dst = random.Random(0).sample(range(PREFIX_BLOCKS, NB), PREFIX_BLOCKS)
         tokens = list(range(PREFIX_BLOCKS * BS))
         layer_bytes = caches[0][:, src].numel() * caches[0].element_size()
-        ring = {"staging_slots": 4, "staging_slot_bytes": layer_bytes} if order == "staged" else {}
+        per_slot = {"staged": 1, "staged-spans": 4}.get(order, 0)
+        ring = (
+            {"staging_slots": 4, "staging_slot_bytes": per_slot * layer_bytes} if per_slot else {}
+        )
         with KVFlowClient(srv.endpoint, timeout_s=120) as client:
             client.register_kv_caches("lw", caches, model_name="m", layerwise=True, **ring)
             assert client.store("lw", tokens, src, request_id="s") == len(tokens)
