@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ T = TypeVar("T")
 
 #: segments copied to the GPU at once by a blend retrieve (their bytes staged together)
 STAGE_SEGMENTS = 8
+#: stores whose hashing the indexing thread keeps for the other ranks of their engine
+HASHED_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,11 @@ class Blender:
         self._last: Future[Any] | None = None
         self._deferred: list[PreparedStore] = []
         self._closed = False
+        #: the last stores' hashing by (last chunk key, chunks): the ranks of a
+        #: tensor-parallel engine store the same tokens at once, and the chunk keys chain
+        #: the tokens from the first, so the hashing of one serves them all (the indexing
+        #: thread's alone: no lock)
+        self._hashed: OrderedDict[tuple[bytes, int], StoredChunks] = OrderedDict()
 
     # -- the index --------------------------------------------------------------------------
 
@@ -152,11 +160,22 @@ class Blender:
         copies, and `record_store` once they are committed. None: nothing to index."""
         if not hashes:
             return None
-        chunks = self._submit(stored_chunks, tokens.copy(), self.chunk_size, len(hashes))
+        chunks = self._submit(self._hash_stored, tokens.copy(), hashes[-1], len(hashes))
         if chunks is None:
             return None
         owner = (inst.model_name, inst.world_size, salt)
         return PreparedStore(owner, inst.rank, list(hashes), chunks)
+
+    def _hash_stored(self, tokens: np.ndarray, last_key: bytes, count: int) -> StoredChunks:
+        """The hashing of a store's first `count` chunks (`stored_chunks`), or the same
+        chunks' hashing another rank's store just did (on the indexing thread)."""
+        key = (last_key, count)
+        found = self._hashed.get(key)
+        if found is None:
+            found = self._hashed[key] = stored_chunks(tokens, self.chunk_size, count)
+            while len(self._hashed) > HASHED_KEPT:
+                self._hashed.popitem(last=False)
+        return found
 
     def record_store(self, prepared: PreparedStore | None) -> None:
         """Make a prepared store's committed chunks findable: inserted on the indexing thread

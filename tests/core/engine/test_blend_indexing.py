@@ -100,3 +100,39 @@ def test_index_changes_after_close_are_dropped() -> None:
     engine.close()
     engine._blend.forget([ObjectKey(b"k" * 32, "m", 1, 0, None)])  # a lookup racing close
     engine._blend.indexed()
+
+
+def test_the_ranks_of_one_engine_hash_a_prompt_they_store_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two ranks of a world of two store the same prompt: its chunks are hashed for the
+    blend index once, and a blend lookup for the world finds them; a second prompt of the
+    same length, stored by both, is hashed anew and found at its own tokens."""
+    import kvflow.core.engine.blend as blend
+
+    hashed: list[int] = []
+    stored_chunks = blend.stored_chunks
+
+    def counted(tokens: np.ndarray, chunk_size: int, count: int) -> Any:
+        hashed.append(count)
+        return stored_chunks(tokens, chunk_size, count)
+
+    monkeypatch.setattr(blend, "stored_chunks", counted)
+    model = Model()
+    chunk_nbytes = sum(c[:, :1].nbytes for c in model.caches()) * CHUNK // BLOCK
+    engine, _ = small_engine(l1_bytes=16 * chunk_nbytes)
+    for rank in range(2):
+        engine.register_kv_caches(
+            f"r{rank}", model.caches(), model_name="m", world_size=2, rank=rank, block_size=BLOCK
+        )
+    rng = np.random.default_rng(5)
+    for n, prompt in enumerate((_tokens(rng, 2), _tokens(rng, 2))):
+        for rank in range(2):
+            stored = engine.store(f"r{rank}", prompt, _blocks(2), request_id=f"s{n}{rank}")
+            assert stored == 2 * CHUNK
+        found = engine.blend_lookup(
+            np.concatenate([_tokens(rng, 1), prompt]), model_name="m", world_size=2
+        )
+        assert [s.original_start for s in found.segments] == [0, CHUNK], n
+    assert hashed == [2, 2]
+    engine.close()
