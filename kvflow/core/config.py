@@ -180,7 +180,8 @@ class ServerConfig:
     #: chunk hashes the KV-event replay log keeps for subscribers (0 = KV events off)
     kv_events_chunks: int = 1 << 16
     #: stored chunks the blend index keeps findable by their own tokens (docs/BLEND.md;
-    #: about 400 bytes each, plus a fixed 16 MiB filter once the first chunk is indexed)
+    #: about 400 bytes each, plus a fixed 16 MiB filter once the first chunk is indexed);
+    #: 0 = blend off: stores index nothing (the index is nearly half a store's host work)
     blend_index_chunks: int = 1 << 18
     #: L2 on local disk: directories (one or more; empty = no disk tier) and their total size
     l2_disk_paths: tuple[str, ...] = ()
@@ -241,9 +242,9 @@ class ServerConfig:
         if isinstance(kc, bool) or not isinstance(kc, int) or not 0 <= kc <= 1 << 26:
             raise ValueError(f"--kv-events-chunks must be an integer in [0, {1 << 26}], got {kc!r}")
         bc = self.blend_index_chunks
-        if isinstance(bc, bool) or not isinstance(bc, int) or not 1 <= bc <= 1 << 26:
+        if isinstance(bc, bool) or not isinstance(bc, int) or not 0 <= bc <= 1 << 26:
             raise ValueError(
-                f"--blend-index-chunks must be an integer in [1, {1 << 26}], got {bc!r}"
+                f"--blend-index-chunks must be an integer in [0, {1 << 26}], got {bc!r}"
             )
         mi = self.max_instances
         if isinstance(mi, bool) or not isinstance(mi, int) or not 1 <= mi <= 4096:

@@ -141,3 +141,13 @@ def test_float_bounds_are_inclusive_and_small_l1_stays_allowed() -> None:
     ServerConfig(switch_interval_ms=0.05)
     ObservabilityConfig(tracing_ttl_s=1, export_interval_s=0.1)
     ObservabilityConfig(tracing_ttl_s=86400, export_interval_s=86400)
+
+
+@pytest.mark.parametrize("bad", [-1, (1 << 26) + 1, True, 1.5])
+def test_the_blend_index_bound_is_a_count_from_zero(bad: Any) -> None:
+    """--blend-index-chunks takes 0 (blend off) to 2**26 chunks, nothing else."""
+    assert ServerConfig(blend_index_chunks=0).blend_index_chunks == 0
+    with pytest.raises(
+        ValueError, match=r"--blend-index-chunks must be an integer in \[0, 67108864\]"
+    ):
+        ServerConfig(blend_index_chunks=bad)

@@ -138,7 +138,9 @@ class Blender:
         self.chunk_size = chunk_size
         self.prefix_lookup = prefix_lookup
         self.rank_nbytes = rank_nbytes
-        self.index = BlendIndex(capacity_chunks)
+        #: whether stores are indexed and blend lookups served (capacity 0: blend off)
+        self.enabled = capacity_chunks > 0
+        self.index = BlendIndex(max(1, capacity_chunks))
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-blend-index")
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
@@ -158,7 +160,7 @@ class Blender:
         """Hash, on the indexing thread, the chunks a store of `inst` is writing (`hashes`:
         chunks 0.. of `tokens`, copied here); the store calls it before it waits for its
         copies, and `record_store` once they are committed. None: nothing to index."""
-        if not hashes:
+        if not hashes or not self.enabled:
             return None
         chunks = self._submit(self._hash_stored, tokens.copy(), hashes[-1], len(hashes))
         if chunks is None:
@@ -226,6 +228,8 @@ class Blender:
     def forget(self, keys: Sequence[Any]) -> None:
         """Drop chunks whose objects left every tier from the index (`keys`: ObjectKeys,
         or the plain tuples L1 keeps them as), after the stores recorded before."""
+        if not self.enabled:
+            return
         by_owner: dict[Owner, list[bytes]] = {}
         for key in keys:
             by_owner.setdefault((key[1], key[2], key[4]), []).append(key[0])
@@ -237,6 +241,14 @@ class Blender:
         for owner, hashes in by_owner.items():
             self.index.remove(owner, hashes)
 
+    def _check_on(self, what: str) -> None:
+        """InvalidRequestError naming the switch when the server runs with blend off."""
+        if not self.enabled:
+            raise InvalidRequestError(
+                f"a blend {what} needs the blend index, which this server runs without"
+                " (--blend-index-chunks 0)"
+            )
+
     # -- lookup -----------------------------------------------------------------------------
 
     def lookup(
@@ -244,7 +256,9 @@ class Blender:
         request_id: str | None, prefetch: bool,
     ) -> BlendHit:  # fmt: skip
         """The prefix hit (a LOOKUP pair, as `CacheEngine.lookup`), then one
-        BLEND_LOOKUP pair for the stored chunks found past it."""
+        BLEND_LOOKUP pair for the stored chunks found past it; InvalidRequestError with
+        blend off."""
+        self._check_on("lookup")
         prefix = self.prefix_lookup(
             token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
             request_id=request_id, prefetch=prefetch, chunk_keys=None,
@@ -315,6 +329,7 @@ class Blender:
         inside the prompt and its blocks, none overlapping, each one's tokens those of its
         stored chunk (when the index still knows it; one it forgot is skipped). Returns
         (the segments to copy, the prompt offsets of those skipped, the block ids as int64)."""
+        self._check_on("retrieve")
         if inst.ropes is None:
             raise InvalidRequestError(
                 f"instance {inst.instance_id!r} registered no rotary parameters (ropes): a blend"

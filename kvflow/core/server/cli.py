@@ -103,8 +103,9 @@ OPTIONS = (
         "blend_index_chunks",
         _S,
         int,
-        "stored chunks the blend index keeps findable anywhere in a prompt, 1..2**26"
-        " (default 262144, about 100 MiB; least recently stored or found go first)",
+        "stored chunks the blend index keeps findable anywhere in a prompt, 0..2**26"
+        " (default 262144, about 100 MiB; least recently stored or found go first;"
+        " 0: blend off, stores index nothing)",
     ),
     _Option(
         "--max-message-mb",

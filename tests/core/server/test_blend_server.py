@@ -311,6 +311,37 @@ def test_index_bound_and_lookups_on_the_query_worker(tmp_path: Path) -> None:
         assert srv.stop() == 0, srv.log()
 
 
+#: the end of a blend request's error on a server run with blend off
+OFF = r" \(--blend-index-chunks 0\)$"
+
+
+def test_a_server_with_blend_off_indexes_nothing_and_says_so() -> None:
+    """--blend-index-chunks 0: stores and prefix retrieves work as ever, while a blend
+    lookup or retrieve is refused naming the switch (the index is nearly half a store's
+    host work; a server nobody asks for blends saves it), and the server serves on."""
+    srv = ServerProcess(
+        "--disable-observability", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25",
+        "--blend-index-chunks", "0",
+    )  # fmt: skip
+    try:
+        with KVFlowClient(srv.endpoint, timeout_s=20) as client:
+            assert client.status()["config"]["blend_index_chunks"] == 0
+            docs = Docs(client)  # stores its documents: the stores work
+            prompt = docs.prompt()
+            rule = "needs the blend index, which this server runs without" + OFF
+            with pytest.raises(InvalidRequestError, match="a blend lookup " + rule):
+                client.blend_lookup(prompt, model_name=docs.model_name)
+            segments = [(3 * CHUNK, b"\0" * 32, 2 * CHUNK)]
+            with pytest.raises(InvalidRequestError, match="a blend retrieve " + rule):
+                client.blend_retrieve(
+                    docs.dst_id, prompt, docs.blocks(prompt), segments, request_id="off"
+                )
+            assert client.lookup(prompt, model_name=docs.model_name) == CHUNK  # the system prompt
+            docs.close()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_ropes_survive_the_wire() -> None:
     """Every RopeParams field, both scalings and NoPE groups come back equal."""
     llama = RopeParams(
