@@ -86,6 +86,18 @@ def layer_ropes(ropes: Any, num_layers: int) -> LayerRopes | None:
     raise InvalidRequestError(f"ropes must be RopeParams or LayerRopes, got {type(ropes).__name__}")
 
 
+def _after(
+    deferred: Sequence[tuple[Callable[..., None], tuple[Any, ...]]],
+    fn: Callable[..., T] | None,
+    *args: Any,
+) -> T | None:
+    """One job of the indexing thread: the deferred changes, each on its own (`_logged`),
+    then `fn(*args)` when given."""
+    for change, change_args in deferred:
+        _logged(change, *change_args)
+    return None if fn is None else _logged(fn, *args)
+
+
 def _logged(fn: Callable[..., T], *args: Any) -> T | None:
     """One indexing job; a failure is logged and gives None, never raised into a later
     lookup (the store itself went through; a chunk listed but gone is skipped by lookups)."""
@@ -115,14 +127,14 @@ class Blender:
 
     Index changes run on a thread of their own, in the order the engine made them, and
     out of the stores' way: a store's chunks are hashed there while its copies run (the
-    store waits with the GIL released), and once committed their insertion waits for the
-    thread's next job (the next store's hashing or a forget, again while copies run), so
-    no indexing competes for the GIL with a store that just returned (a 16-chunk store's
-    was 1-4 % of it on an H200). A blend lookup first submits what is left and waits for
-    it, so it sees every store that returned.
+    store waits with the GIL released), and once committed their insertion, like the
+    removal of chunks evicted meanwhile, goes with the thread's next job (the next store's
+    hashing, again while copies run): one hand-off per store, and no indexing competes
+    for the GIL with a store that just returned. A blend lookup first submits what is left
+    and waits for it, so it sees every store that returned and every chunk forgotten.
 
-    Lock rule: `_lock` guards `_last` (the newest indexing job), `_deferred` (committed
-    stores whose insertion is not submitted yet) and `_closed`, and is held while
+    Lock rule: `_lock` guards `_last` (the newest indexing job), `_deferred` (index
+    changes not submitted yet) and `_closed`, and is held while
     submitting, so the thread gets the jobs in the engine's order; the index locks itself;
     L1, the tiering and the bus are thread-safe.
     """
@@ -144,7 +156,9 @@ class Blender:
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-blend-index")
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
-        self._deferred: list[PreparedStore] = []
+        #: index changes that go ahead of the indexing thread's next job (a committed
+        #: store's insertion, evicted chunks' removal), in the engine's order
+        self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._closed = False
         #: the last stores' hashing by (last chunk key, chunks): the ranks of a
         #: tensor-parallel engine store the same tokens at once, and the chunk keys chain
@@ -183,26 +197,29 @@ class Blender:
         """Make a prepared store's committed chunks findable: inserted on the indexing thread
         ahead of its next job, or of the next lookup's wait (`indexed`)."""
         if prepared is not None:
-            with self._lock:
-                if not self._closed:
-                    self._deferred.append(prepared)
+            self._defer(self._insert, prepared)
+
+    def _defer(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the indexing thread ahead of its next job, in this order."""
+        with self._lock:
+            if not self._closed:
+                self._deferred.append((fn, args))
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T | None] | None:
-        """Queue the deferred insertions, then `fn(*args)`, on the indexing thread; None
-        once closed (the index goes with the engine)."""
+        """Queue the deferred changes, then `fn(*args)`, on the indexing thread as one job
+        (a job's hand-off costs about as much CPU as hashing a few chunks); None once
+        closed (the index goes with the engine)."""
         with self._lock:
             if self._closed:
                 return None
-            self._submit_deferred()
-            job = self._indexer.submit(_logged, fn, *args)
+            job = self._indexer.submit(_after, self._take_deferred(), fn, *args)
             self._last = job
         return job
 
-    def _submit_deferred(self) -> None:
-        """Queue the deferred insertions (the caller holds `_lock`)."""
-        for prepared in self._deferred:
-            self._last = self._indexer.submit(_logged, self._insert, prepared)
-        self._deferred.clear()
+    def _take_deferred(self) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
+        """The deferred changes, now owned by the caller's job (holds `_lock`)."""
+        deferred, self._deferred = self._deferred, []
+        return deferred
 
     def _insert(self, prepared: PreparedStore) -> None:
         """One committed store's insertion, once its hashing is done (its own earlier job)."""
@@ -213,7 +230,8 @@ class Blender:
     def indexed(self) -> None:
         """Wait until the stores recorded and the chunks forgotten so far are in the index."""
         with self._lock:
-            self._submit_deferred()
+            if self._deferred and not self._closed:
+                self._last = self._indexer.submit(_after, self._take_deferred(), None)
             last = self._last
         if last is not None:
             last.result()
@@ -234,7 +252,7 @@ class Blender:
         for key in keys:
             by_owner.setdefault((key[1], key[2], key[4]), []).append(key[0])
         if by_owner:
-            self._submit(self._remove, by_owner)
+            self._defer(self._remove, by_owner)
 
     def _remove(self, by_owner: dict[Owner, list[bytes]]) -> None:
         """Forget chunks by owner (the indexing thread's side of `forget`)."""
