@@ -80,9 +80,8 @@ class KVLayout:
     groups: tuple[LayerGroup, ...]
     block_views: tuple[tuple[torch.Tensor, ...], ...] = field(repr=False)
     plan_cache: dict[Any, Any] = field(default_factory=dict, repr=False)
-    #: one-layer layouts made by `layer_layout`, by layer
-    layer_cache: dict[int, KVLayout] = field(default_factory=dict, repr=False)
-    #: layouts of runs of layers made by `span_layout`, by (first layer, layers)
+    #: layouts of one layer or a run of layers (`layer_layout`, `span_layout`), by (first
+    #: layer, layers)
     span_cache: dict[tuple[int, int], KVLayout] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -161,13 +160,7 @@ class KVLayout:
     def layer_layout(self, layer: int) -> KVLayout:
         """The layout of one layer alone, whose chunk is that layer's part of a chunk of
         this layout (`layer_parts`): a layerwise transfer moves one layer per launch."""
-        sub = self.layer_cache.get(layer)
-        if sub is None:
-            if not 0 <= layer < self.num_layers:
-                raise ValueError(f"layer {layer} is not within the {self.num_layers} layers")
-            sub = KVLayout._from_views(self.format, [self.block_views[layer]])
-            self.layer_cache[layer] = sub
-        return sub
+        return self.span_layout(layer, 1)
 
     def layer_parts(self, layer: int, chunk_tokens: int) -> list[tuple[int, int]]:
         """(byte offset, byte count) of each of a layer's K/V parts inside one chunk, in
@@ -194,11 +187,11 @@ class KVLayout:
     def span_layout(self, first: int, count: int) -> KVLayout:
         """The layout of layers [first, first + count) alone (`span_fits`), whose chunk is
         `span_parts` back to back: a layerwise transfer may move several layers in one
-        launch. One layer's is `layer_layout`'s."""
-        if count == 1:
-            return self.layer_layout(first)
+        launch."""
         sub = self.span_cache.get((first, count))
         if sub is None:
+            if count == 1 and not 0 <= first < self.num_layers:
+                raise ValueError(f"layer {first} is not within the {self.num_layers} layers")
             if not self.span_fits(first, count):
                 raise ValueError(f"layers {first}..{first + count - 1} are not one span of a group")
             sub = KVLayout._from_views(self.format, list(self.block_views[first : first + count]))

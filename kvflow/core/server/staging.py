@@ -299,9 +299,8 @@ class ClientStaging:
         load.pending.difference_update(span)
         moves = self._ids_up(load, span.start, len(span), chunk_tokens)
         moves = moves.for_layout(layout.span_layout(span.start, len(span)))
-        width = sum(n for _, n in layout.span_parts(span.start, len(span), chunk_tokens))
-        count = moves.num_chunks
-        rows = staged_rows(self.ring[slot], count, width)
+        count = moves.num_chunks  # a row a chunk, the span's runs of it (`span_parts`)
+        rows = staged_rows(self.ring[slot], count, moves.chunk_nbytes)
         if self.stream is None:
             moves.launch_trusted(rows, 0, count)
             load.landed.update(dict.fromkeys(span))
