@@ -1,8 +1,10 @@
-"""GPU: layerwise retrieves through a server process, each layer ordered by its IPC event."""
+"""GPU: layerwise retrieves and stores through a server process, each layer ordered by its
+IPC event, on cuda:0 and (gpu2) on cuda:1 with cuda:0's context current."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvflow.kernels import cuda_available
 
@@ -14,7 +16,7 @@ PREFIX_BLOCKS = 512
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
 @pytest.mark.parametrize("order", ["in-order", "shuffled", "staged", "staged-spans"])
-def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
+def test_each_layer_is_read_only_after_its_copy(order: str, cuda_device: torch.device) -> None:
     """Reads queued after `wait_layer(i)` see layer i whole (0.5 GiB in flight, so the last
     layers land tens of ms after the reply); the same reads queued without the waits,
     right after the call returns, catch copies still in flight: the waits do the ordering.
@@ -24,16 +26,14 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
     ("staged-spans") with slots of four layers, most of them scattered in spans."""
     import random
 
-    import torch
-
     from kvflow.core import KVFlowClient
     from tests.core.server.test_server import ServerProcess
 
     srv = ServerProcess("--disable-observability", "--l1-size-gb", "1.5")
     try:
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        gen = torch.Generator(device=cuda_device).manual_seed(0)
         caches = [
-            torch.randn(2, NB, BS, NH, HS, device="cuda", generator=gen, dtype=torch.bfloat16)
+            torch.randn(2, NB, BS, NH, HS, device=cuda_device, generator=gen, dtype=torch.bfloat16)
             for _ in range(NL)
         ]
         src = list(range(PREFIX_BLOCKS))
@@ -53,7 +53,7 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
             for waits in (True, False):
                 for c in caches:
                     c[:, dst] = 0
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(cuda_device)
                 load = client.retrieve_layerwise("lw", tokens, dst, request_id=f"r{waits}")
                 assert load.hit_tokens == len(tokens)
                 seen = []
@@ -61,7 +61,7 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
                     if waits:
                         load.wait_layer(layer)
                     seen.append(caches[layer][:, dst].clone())
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(cuda_device)
                 equal = [torch.equal(s, w) for s, w in zip(seen, want, strict=True)]
                 if waits:
                     assert all(equal), (
@@ -70,7 +70,7 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
                 else:
                     assert not all(equal), "no copy was in flight: this test proves nothing here"
                 load.wait()
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(cuda_device)
                 assert all(torch.equal(c[:, dst], w) for c, w in zip(caches, want, strict=True))
                 assert load.staged_layers == (list(range(NL)) if ring else [])
     finally:
@@ -80,7 +80,9 @@ def test_each_layer_is_read_only_after_its_copy(order: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
 @pytest.mark.parametrize("order", ["in-order", "shuffled"])
-def test_a_layerwise_store_reads_each_layer_after_its_writes(order: str) -> None:
+def test_a_layerwise_store_reads_each_layer_after_its_writes(
+    order: str, cuda_device: torch.device
+) -> None:
     """Each layer is written on the engine's stream behind a GPU sleep, then marked: the
     server's gather must wait for it on the GPU (its event), so what is stored is what
     the stream wrote, not what the blocks held when the mark was set on the host.
@@ -88,16 +90,15 @@ def test_a_layerwise_store_reads_each_layer_after_its_writes(order: str) -> None
     ones gathered by the block kernel (the kernel stream waits)."""
     import random
 
-    import torch
-
     from kvflow.core import KVFlowClient
     from tests.core.server.test_server import ServerProcess
 
     srv = ServerProcess("--disable-observability", "--l1-size-gb", "1.5")
     try:
-        gen = torch.Generator(device="cuda").manual_seed(1)
+        gen = torch.Generator(device=cuda_device).manual_seed(1)
         caches = [
-            torch.zeros(2, NB, BS, NH, HS, device="cuda", dtype=torch.bfloat16) for _ in range(NL)
+            torch.zeros(2, NB, BS, NH, HS, device=cuda_device, dtype=torch.bfloat16)
+            for _ in range(NL)
         ]
         src = list(range(PREFIX_BLOCKS))
         if order == "shuffled":
@@ -105,21 +106,22 @@ def test_a_layerwise_store_reads_each_layer_after_its_writes(order: str) -> None
         dst = list(range(PREFIX_BLOCKS, 2 * PREFIX_BLOCKS))
         tokens = list(range(PREFIX_BLOCKS * BS))
         want = [
-            torch.randn(2, PREFIX_BLOCKS, BS, NH, HS, device="cuda", generator=gen,
+            torch.randn(2, PREFIX_BLOCKS, BS, NH, HS, device=cuda_device, generator=gen,
                         dtype=torch.bfloat16)
             for _ in range(NL)
         ]  # fmt: skip
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(cuda_device)
         with KVFlowClient(srv.endpoint, timeout_s=120) as client:
             client.register_kv_caches("lws", caches, model_name="m", layerwise=True)
             save = client.store_layerwise("lws", tokens, src, request_id="s")
             for layer in range(NL):
-                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the layer's write
+                with torch.cuda.device(cuda_device):
+                    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the layer's write
                 caches[layer][:, src] = want[layer]
                 save.layer_done(layer)
             assert save.wait(60) == len(tokens)
             assert client.retrieve("lws", tokens, dst, request_id="r") == len(tokens)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(cuda_device)
             bad = [i for i in range(NL) if not torch.equal(caches[i][:, dst], want[i])]
             assert not bad, f"layers stored before their writes: {bad}"
     finally:
