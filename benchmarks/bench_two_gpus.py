@@ -269,17 +269,19 @@ def _round(
 
 
 def _trip_figures(ranks: Sequence[Rank | RankProcess]) -> dict[str, float]:
-    """Each rank alone, per op: the median round trip of its timed calls and of the
-    server's own time of them (ms); none without a server."""
+    """Each rank alone and in the all-ranks rounds, per op: the median round trip of its
+    timed calls and of the server's own time of them (ms); none without a server. A
+    rank's calls that take longer with the others running than alone say the ranks
+    slow each other down inside the calls, not only in starting them."""
     out = {}
     for r in ranks:
-        for op in ("store", "retrieve"):
-            calls = [c for c in r.calls if c[0].startswith(f"rank{r.rank}{op[0]}")]
-            if calls:
-                out[f"rank{r.rank}_{op}_round_trip_ms"] = 1e3 * statistics.median(
-                    c[1] for c in calls
-                )
-                out[f"rank{r.rank}_{op}_server_ms"] = 1e3 * statistics.median(c[2] for c in calls)
+        for phase, prefix in ((f"rank{r.rank}", f"rank{r.rank}"), ("all", f"all_rank{r.rank}")):
+            for op in ("store", "retrieve"):
+                calls = [c for c in r.calls if c[0].startswith(f"{phase}{op[0]}")]
+                if calls:
+                    trips, server = [c[1] for c in calls], [c[2] for c in calls]
+                    out[f"{prefix}_{op}_round_trip_ms"] = 1e3 * statistics.median(trips)
+                    out[f"{prefix}_{op}_server_ms"] = 1e3 * statistics.median(server)
     return out
 
 
@@ -535,11 +537,12 @@ def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
     for op in ("store", "retrieve"):
         print(f"{op} all/rank0: {out[f'{op}_scaling']:.2f}")
     for r in range(args.ranks):
-        if f"rank{r}_store_round_trip_ms" in out:
-            print(f"rank{r} alone, medians: " + "; ".join(
-                f"{op} round trip {out[f'rank{r}_{op}_round_trip_ms']:.2f} ms, in the server"
-                f" {out[f'rank{r}_{op}_server_ms']:.2f}" for op in ("store", "retrieve")
-            ))  # fmt: skip
+        for prefix, when in ((f"rank{r}", "alone"), (f"all_rank{r}", "with the others")):
+            if f"{prefix}_store_round_trip_ms" in out:
+                print(f"rank{r} {when}, medians: " + "; ".join(
+                    f"{op} round trip {out[f'{prefix}_{op}_round_trip_ms']:.2f} ms, in the"
+                    f" server {out[f'{prefix}_{op}_server_ms']:.2f}" for op in ("store", "retrieve")
+                ))  # fmt: skip
     if ceilings:
         print("all GPUs, L1's copy pattern (chunk-sized pieces, registered memory):"
               f" {out['all_store_pieces_gbps']:.2f} GB/s device-to-host,"

@@ -53,18 +53,20 @@ def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
     for op in ("store", "retrieve"):
         assert figures[f"{op}_scaling"] == figures[f"all_{op}_gbps"] / figures[f"rank0_{op}_gbps"]
         assert f"{op} all/rank0:" in done.stdout
-    # through a server, each rank alone: its calls' round trip and the server's share of it
+    # through a server, each rank alone and with the others: its calls' round trip and the
+    # server's share of it
     served = "--in-process" not in flags
     for rank in (0, 1):
-        line = re.search(rf"^rank{rank} alone, medians: store round trip ([\d.]+) ms, in the"
-                         rf" server ([\d.]+); retrieve round trip ([\d.]+) ms, in the server"
-                         rf" ([\d.]+)$", done.stdout, re.M)  # fmt: skip
-        assert (line is not None) == served, done.stdout
-        for op in ("store", "retrieve"):
-            keys = (f"rank{rank}_{op}_round_trip_ms", f"rank{rank}_{op}_server_ms")
-            assert all(k in figures for k in keys) == served
-            if served:
-                assert 0 < figures[keys[1]] < figures[keys[0]]
+        for prefix, when in ((f"rank{rank}", "alone"), (f"all_rank{rank}", "with the others")):
+            line = re.search(rf"^rank{rank} {when}, medians: store round trip ([\d.]+) ms, in"
+                             rf" the server ([\d.]+); retrieve round trip ([\d.]+) ms, in the"
+                             rf" server ([\d.]+)$", done.stdout, re.M)  # fmt: skip
+            assert (line is not None) == served, done.stdout
+            for op in ("store", "retrieve"):
+                keys = (f"{prefix}_{op}_round_trip_ms", f"{prefix}_{op}_server_ms")
+                assert all(k in figures for k in keys) == served
+                if served:
+                    assert 0 < figures[keys[1]] < figures[keys[0]]
 
 
 @pytest.mark.parametrize(
