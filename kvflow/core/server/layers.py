@@ -176,6 +176,10 @@ class LayerwiseLoad:
         self.waited_s: dict[int, float] = {}
         #: CUDA: timing events around each layer's wait for its copies, by layer
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        #: the ring's scatter of the layer `_landed` last found landed (None: not staged)
+        self._scattered: torch.cuda.Event | None = None
+        #: the last scatter event a stream was made to wait for, with that stream
+        self._ordered: tuple[torch.cuda.Event, Any] | None = None
 
     def wait_layer(self, layer: int) -> None:
         """Order layer `layer`'s reads after its copies: block until the layer landed
@@ -199,38 +203,45 @@ class LayerwiseLoad:
                 staging.pump()
             return
         if self._landed(layer):  # the host need not wait: the GPU cannot stall on it
-            self._after_scatter(layer, None)
+            self._after_scatter(None)
             return
         stream = torch.cuda.current_stream(layers.device)
         before = torch.cuda.Event(enable_timing=True)
         after = torch.cuda.Event(enable_timing=True)
         before.record(stream)  # the GPU idles from here to `after` only while we wait
         poll_until(lambda: self._landed(layer), self._timeout_s, f"the copies of layer {layer}")
-        self._after_scatter(layer, stream)
+        self._after_scatter(stream)
         after.record(stream)
         self._stalls[layer] = (before, after)
 
     def _landed(self, layer: int) -> bool:
         """Whether layer `layer` (its flag raised) can be read once `_after_scatter` ordered
         the reads: its copies ran or, staged in the ring, its scatter is queued (the pump,
-        run here, queues the scatters of staged layers whose copies ran)."""
+        run here, queues the scatters of staged layers whose copies ran; the scatter's
+        event is kept for `_after_scatter`)."""
         staging, load = self._layers.staging, self._staged
+        self._scattered = None
         if staging is not None and load is not None:
             staging.pump()
-            if staging.landed(load, layer)[0]:
+            landed, self._scattered = staging.landed(load, layer)
+            if landed:
                 return True
             if staging.pending(load, layer):  # staged: the server's copies still run
                 return False
         return bool(self._layers.events[layer].query())
 
-    def _after_scatter(self, layer: int, stream: Any) -> None:
-        """Order torch's current stream (or `stream`) after the layer's scatter from the
-        ring, if it came through it: an event of this process's own staging stream."""
-        staging, load = self._layers.staging, self._staged
-        if staging is not None and load is not None:
-            scattered = staging.landed(load, layer)[1]
-            if scattered is not None:
-                (stream or torch.cuda.current_stream(self._layers.device)).wait_event(scattered)
+    def _after_scatter(self, stream: Any) -> None:
+        """Order torch's current stream (or `stream`) after the scatter `_landed` found for
+        the layer, if it came through the ring: an event of this process's own staging
+        stream, one for all layers of a span, which a stream already ordered after it for
+        the span's first layer need not wait for again."""
+        scattered = self._scattered
+        if scattered is None:
+            return
+        stream = stream or torch.cuda.current_stream(self._layers.device)
+        if self._ordered != (scattered, stream):
+            stream.wait_event(scattered)
+            self._ordered = (scattered, stream)
 
     @property
     def staged_layers(self) -> list[int]:

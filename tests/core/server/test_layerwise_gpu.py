@@ -16,14 +16,18 @@ PREFIX_BLOCKS = 512
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU and pycuda")
 @pytest.mark.parametrize("order", ["in-order", "shuffled", "staged", "staged-spans"])
-def test_each_layer_is_read_only_after_its_copy(order: str, cuda_device: torch.device) -> None:
+def test_each_layer_is_read_only_after_its_copy(
+    order: str, cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Reads queued after `wait_layer(i)` see layer i whole (0.5 GiB in flight, so the last
     layers land tens of ms after the reply); the same reads queued without the waits,
     right after the call returns, catch copies still in flight: the waits do the ordering.
     Destination blocks in order take the direct copies (each layer marked on the copy
     stream), shuffled ones the server's staging ring and the block kernel (the kernel
     stream), or ("staged") a ring of the engine's, scattered on the engine's own stream,
-    ("staged-spans") with slots of four layers, most of them scattered in spans."""
+    ("staged-spans") with slots of four layers, most of them scattered in spans: the
+    engine's stream then waits once per span (layers 0, 1, 2-3, 4-7, 8-11, 12-15), not once
+    per layer."""
     import random
 
     from kvflow.core import KVFlowClient
@@ -50,10 +54,19 @@ def test_each_layer_is_read_only_after_its_copy(order: str, cuda_device: torch.d
             client.register_kv_caches("lw", caches, model_name="m", layerwise=True, **ring)
             assert client.store("lw", tokens, src, request_id="s") == len(tokens)
             want = [c[:, src].clone() for c in caches]
+            stream_waits: list[int] = []  # the streams made to wait for an event
+            real_wait = torch.cuda.Stream.wait_event
+
+            def counted(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+                stream_waits.append(stream.cuda_stream)
+                real_wait(stream, event)
+
             for waits in (True, False):
                 for c in caches:
                     c[:, dst] = 0
                 torch.cuda.synchronize(cuda_device)
+                stream_waits.clear()
+                monkeypatch.setattr(torch.cuda.Stream, "wait_event", counted)
                 load = client.retrieve_layerwise("lw", tokens, dst, request_id=f"r{waits}")
                 assert load.hit_tokens == len(tokens)
                 seen = []
@@ -63,7 +76,12 @@ def test_each_layer_is_read_only_after_its_copy(order: str, cuda_device: torch.d
                     seen.append(caches[layer][:, dst].clone())
                 torch.cuda.synchronize(cuda_device)
                 equal = [torch.equal(s, w) for s, w in zip(seen, want, strict=True)]
+                monkeypatch.undo()
                 if waits:
+                    if per_slot:  # the engine's stream waits once per scatter
+                        engine_stream = torch.cuda.current_stream(cuda_device).cuda_stream
+                        scatters = NL if per_slot == 1 else 6
+                        assert stream_waits.count(engine_stream) == scatters, stream_waits
                     assert all(equal), (
                         f"layers read early: {[i for i, e in enumerate(equal) if not e]}"
                     )
