@@ -3,6 +3,9 @@ and inserted once it succeeded, ahead of any later index change, never on its re
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -41,10 +44,12 @@ def _blocks(chunks: int, first: int = 0) -> list[int]:
 
 
 def test_a_stores_chunks_are_inserted_with_the_next_index_use(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After a store returns, nothing of it is left for the indexing thread to insert until
-    the index is used next (here a lookup, which then finds the chunks)."""
+    the index is used next (here a lookup, which then finds the chunks); no index job
+    fails on the way (the lookup's own job has nothing to run after the insertion)."""
+    caplog.set_level(logging.ERROR, logger="kvflow.engine")
     inserted: list[int] = []
     insert = BlendIndex.insert
 
@@ -62,6 +67,7 @@ def test_a_stores_chunks_are_inserted_with_the_next_index_use(
     assert inserted == []
     assert _found(engine, rng, stored) == [0, CHUNK]
     assert inserted == [2]
+    assert not [r.getMessage() for r in caplog.records if "blend_index" in r.getMessage()]
     engine.close()
 
 
@@ -92,6 +98,27 @@ def test_a_failed_store_indexes_nothing(monkeypatch: pytest.MonkeyPatch) -> None
     assert _found(engine, rng, stored) == []
     assert len(engine._blend.index) == 0
     engine.close()
+
+
+def test_close_finishes_the_indexing_submitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the engine waits for the index jobs already queued (a store's hashing that
+    is still running) before it returns."""
+    import kvflow.core.engine.blend as blend
+
+    finished = threading.Event()
+    stored_chunks = blend.stored_chunks
+
+    def slow(tokens: np.ndarray, chunk_size: int, count: int) -> Any:
+        time.sleep(0.3)
+        hashing = stored_chunks(tokens, chunk_size, count)
+        finished.set()
+        return hashing
+
+    monkeypatch.setattr(blend, "stored_chunks", slow)
+    engine, rng = _stored(8)
+    assert engine.store("i", _tokens(rng, 1), _blocks(1), request_id="s") == CHUNK
+    engine.close()
+    assert finished.is_set()
 
 
 def test_index_changes_after_close_are_dropped() -> None:
@@ -135,4 +162,40 @@ def test_the_ranks_of_one_engine_hash_a_prompt_they_store_once(
         )
         assert [s.original_start for s in found.segments] == [0, CHUNK], n
     assert hashed == [2, 2]
+    engine.close()
+
+
+def test_the_hashing_of_the_last_stores_is_kept_oldest_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The indexing thread keeps the hashing of the last HASHED_KEPT stores: after rank 0
+    stored one more prompt than that, rank 1 storing the newest HASHED_KEPT of them hashes
+    none anew (the oldest went, not the newest), and storing the oldest hashes it again."""
+    import kvflow.core.engine.blend as blend
+
+    hashed: list[int] = []
+    stored_chunks = blend.stored_chunks
+
+    def counted(tokens: np.ndarray, chunk_size: int, count: int) -> Any:
+        hashed.append(int(tokens[0]))
+        return stored_chunks(tokens, chunk_size, count)
+
+    monkeypatch.setattr(blend, "stored_chunks", counted)
+    model = Model()
+    chunk_nbytes = sum(c[:, :1].nbytes for c in model.caches()) * CHUNK // BLOCK
+    engine, _ = small_engine(l1_bytes=4 * blend.HASHED_KEPT * chunk_nbytes)
+    for rank in range(2):
+        engine.register_kv_caches(
+            f"r{rank}", model.caches(), model_name="m", world_size=2, rank=rank, block_size=BLOCK
+        )
+    prompts = [np.full(CHUNK, n, dtype=np.int32) for n in range(blend.HASHED_KEPT + 1)]
+    for n, prompt in enumerate(prompts):
+        assert engine.store("r0", prompt, _blocks(1), request_id=f"a{n}") == CHUNK
+    for n, prompt in enumerate(prompts[1:], start=1):
+        assert engine.store("r1", prompt, _blocks(1), request_id=f"b{n}") == CHUNK
+    engine._blend.indexed()
+    assert hashed == list(range(len(prompts)))  # rank 1's stores reused every hashing
+    assert engine.store("r1", prompts[0], _blocks(1), request_id="b0") == CHUNK
+    engine._blend.indexed()
+    assert hashed == [*range(len(prompts)), 0]  # the oldest had gone
     engine.close()
