@@ -63,6 +63,8 @@ _TRANSFERS = {
     "retrieve": ("kvflow.retrieve", "retrieve"),
     "blend_retrieve": ("kvflow.blend.retrieve", "blend retrieve"),
 }
+#: transfers whose END may come on a GPU stream, with `queued_ns`
+_QUEUED_ON_STREAM = ("store", "retrieve")
 _TRANSFER_ENDS = {
     _ET.STORE_END: "store",
     _ET.RETRIEVE_END: "retrieve",
@@ -248,6 +250,17 @@ class MetricsSubscriber:
                 description=f"{words} bytes / duration of successful {words}s, in 1e9 bytes/s",
                 explicit_bucket_boundaries_advisory=GB_PER_S,
             )
+        # the host's part of a transfer whose copies run on a GPU stream (END `queued_ns`)
+        self._queued = {
+            op: hist(
+                f"{_TRANSFERS[op][0]}.queued",
+                unit="s",
+                description=f"Host time of a {op} from START until its copies were queued on"
+                " the GPU (the rest of its duration is the copies)",
+                explicit_bucket_boundaries_advisory=OP_SECONDS,
+            )
+            for op in _QUEUED_ON_STREAM
+        }
 
     def _build_l1_instruments(self, meter: Any) -> None:
         self._l1_counters = {
@@ -434,6 +447,10 @@ class MetricsSubscriber:
         add(adds, self._tokens[operation], labels, attrs.get("tokens") or 0)
         nbytes = attrs.get("bytes") or 0
         add(adds, self._bytes[operation], labels, nbytes)
+        queued_ns = attrs.get("queued_ns")
+        queued = self._queued.get(operation)
+        if queued is not None and isinstance(queued_ns, int) and queued_ns >= 0:
+            queued.record(queued_ns * _NS, labels)
         if pending is None:
             return
         duration_ns = max(ev.ts_ns - pending.ts, 0)

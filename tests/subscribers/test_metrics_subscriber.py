@@ -56,6 +56,26 @@ def test_store_and_retrieve_metrics(cap: MetricsCapture) -> None:
     assert cap.histogram("kvflow.retrieve.throughput").sum == pytest.approx(4.0)
 
 
+def test_the_host_part_of_a_transfer_is_its_queued_time(cap: MetricsCapture) -> None:
+    """An END that carries `queued_ns` (its copies ran on a GPU stream) feeds
+    kvflow.<op>.queued with it; ENDs without it (CPU caches) feed nothing there."""
+    sub = MetricsSubscriber(cap.provider)
+    s = EventScript()
+    s.op("store", 0.0, 0.011, "r1", start_attrs=STORE, **STORE, tokens=512, bytes=8_000_000,
+         queued_ns=2_000_000)  # fmt: skip
+    s.op("store", 1.0, 1.011, "r2", start_attrs=STORE, **STORE, tokens=512, bytes=8_000_000,
+         queued_ns=5_000_000)  # fmt: skip
+    s.op("retrieve", 2.0, 2.011, "r2", start_attrs=STORE, **STORE, tokens=512, bytes=8_000_000,
+         queued_ns=1_500_000)  # fmt: skip
+    s.op("store", 3.0, 3.011, "r3", start_attrs=STORE, **STORE, tokens=512, bytes=8_000_000)
+    sub.on_events(s.events)
+    queued = cap.histogram("kvflow.store.queued", **STORE)
+    assert (queued.count, queued.sum) == (2, pytest.approx(0.007))
+    assert tuple(queued.explicit_bounds) == OP_SECONDS
+    assert cap.histogram("kvflow.retrieve.queued", **STORE).sum == pytest.approx(0.0015)
+    assert cap.histogram("kvflow.store.duration", outcome="ok", **STORE).count == 3
+
+
 def test_failed_operation_counts_as_error_without_throughput(cap: MetricsCapture) -> None:
     """An END with an error counts under outcome=error and records no throughput.
 

@@ -49,12 +49,16 @@ class Op:
             self.bus.publish(self.start)
 
     def end(self, stream: Any = None, **result: Any) -> None:
-        """Publish START and the successful END (on `stream` when the work runs on one)."""
+        """Publish START and the successful END (on `stream` when the work runs on one:
+        the END then also says, as `queued_ns`, how long the host took from START to have
+        that work queued, so what follows is the device's)."""
         if self.ended:
             return
         self.ended = True
         self.publish_start()
         attrs = {**self.attrs, **result, "ok": True, "error": None}
+        if stream is not None:
+            attrs["queued_ns"] = max(now_ns() - self.start.ts_ns, 0)
         self.bus.publish_on_stream(
             stream, Event(self.end_type, 0, self.session_id, self.op_id, attrs)
         )

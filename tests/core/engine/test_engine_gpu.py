@@ -53,6 +53,9 @@ def test_cuda_round_trip_with_skip_is_bit_exact(
     done = [(s, e) for s, e in pairs(events)]
     assert [e.attrs["ok"] for _, e in done] == [True, True]
     assert all(e.ts_ns >= s.ts_ns for s, e in done)
+    # each END, stamped on its stream, says how long the host took to queue the copies:
+    # within the op's duration (give or take the GPU clock's conversion, 1 ms here)
+    assert all(0 < e.attrs["queued_ns"] <= e.ts_ns - s.ts_ns + 1_000_000 for s, e in done)
     assert [e.type for e in events if e.type == EventType.L1_WRITE]
     engine.close()
 
