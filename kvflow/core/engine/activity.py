@@ -149,6 +149,10 @@ class ActivityTally:
             else:
                 totals["tokens"] += _int(attrs.get("tokens"))
                 totals["bytes"] += _int(attrs.get("bytes"))
+                queued = attrs.get("queued_ns")  # its copies ran on a GPU stream
+                if isinstance(queued, int) and queued >= 0:
+                    totals["queued_ops"] += 1
+                    totals["queued_ns"] += queued
         elif op == "l2_store":
             tier = self._tier(attrs)
             tier["store_requests"] += 1
@@ -215,7 +219,9 @@ class ActivityTally:
         """The totals as plain JSON-able dicts (in-flight = STARTs without their END yet).
 
         `ops` has store, retrieve and lookup totals, and blend_lookup and blend_retrieve
-        ones once such an op has ended; each lookup kind has its `hit_tokens_by_tier`."""
+        ones once such an op has ended; each lookup kind has its `hit_tokens_by_tier`; a
+        store or retrieve whose END carried `queued_ns` (copies on a GPU stream) adds it
+        to `queued_ns`, counted in `queued_ops`."""
         with self._lock:
             ops: dict[str, dict[str, Any]] = {op: dict(t) for op, t in self._ops.items()}
             inflight = {op: max(n - self._ended[op], 0) for op, n in self._started.items()}

@@ -17,6 +17,13 @@ GB = 1e9
 OPS = ("store", "retrieve", "lookup", "blend_lookup", "blend_retrieve")
 #: the lookup kinds whose hit rates the views show: prefix lookups, blend lookups
 LOOKUPS = ("lookup", "blend_lookup")
+#: the operations whose END may say how long the host took to queue their copies
+QUEUED_OPS = ("store", "retrieve")
+#: an operation's totals `Rates` differentiate (those an operation lacks read as 0)
+_OP_TOTALS = (
+    "requests", "errors", "tokens", "bytes", "requested_tokens", "hit_tokens",
+    "queued_ops", "queued_ns",
+)  # fmt: skip
 
 
 def _num(mapping: Any, *path: str) -> float:
@@ -144,11 +151,7 @@ def _totals(activity: Mapping[str, Any]) -> dict[str, float]:
     """The counts `Rates` differentiate: per operation (blend ones 0 before the first),
     L1 traffic and L0 block reports."""
     ops = activity.get("ops") or {}
-    totals = {
-        f"{op}.{key}": _num(ops, op, key)
-        for op in OPS
-        for key in ("requests", "errors", "tokens", "bytes", "requested_tokens", "hit_tokens")
-    }
+    totals = {f"{op}.{key}": _num(ops, op, key) for op in OPS for key in _OP_TOTALS}
     for kind in ("written", "read", "evicted"):
         totals[f"l1.{kind}_bytes"] = _num(activity, "l1", f"{kind}_bytes")
         totals[f"l1.{kind}_chunks"] = _num(activity, "l1", f"{kind}_chunks")
@@ -224,6 +227,12 @@ class Rates:
     def gb_s(self, op: str) -> float:
         """GB/s (1e9 bytes/s) moved by `store` (GPU -> L1) or `retrieve` (L1 -> GPU)."""
         return self.per_s[f"{op}.bytes"] / GB
+
+    def queued_s(self, op: str) -> float | None:
+        """Mean host time of the interval's `op`s (store, retrieve) from START until their
+        copies were queued on a GPU stream; None without such ops (CPU caches)."""
+        ops = self.per_s[f"{op}.queued_ops"]
+        return self.per_s[f"{op}.queued_ns"] / ops / 1e9 if ops else None
 
 
 def _interval_hit_rate(a: Snapshot, b: Snapshot, op: str) -> float | None:

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from kvflow.core.observe import units
 from kvflow.core.observe.connect import add_connection_args, connect, parse_args, seconds_in
-from kvflow.core.observe.snapshot import LOOKUPS, OPS, Rates, Snapshot
+from kvflow.core.observe.snapshot import LOOKUPS, OPS, QUEUED_OPS, Rates, Snapshot
 
 _INFLIGHT = (
     "store", "retrieve", "lookup", "blend_lookup", "blend_retrieve", "prefetch", "l2_store",
@@ -57,12 +57,14 @@ def _header(snap: Snapshot, interval_s: float) -> Text:
 
 
 def _requests(rates: Rates | None) -> Table:
+    """Per operation: rates, GB/s moved and, for stores and retrieves of GPU caches, the
+    host's part of each (START until its copies were queued; `-` for CPU caches)."""
     table = Table(title="Requests", box=box.SIMPLE, title_justify="left", expand=False)
-    for column in ("op", "req/s", "errors/s", "tokens/s", "GB/s"):
+    for column in ("op", "req/s", "errors/s", "tokens/s", "GB/s", "host/op"):
         table.add_column(column, justify="left" if column == "op" else "right")
     for op in OPS:
         if rates is None:
-            table.add_row(op, "…", "…", "…", "…")
+            table.add_row(op, "…", "…", "…", "…", "…" if op in QUEUED_OPS else "")
             continue
         tokens = rates.per_s[f"{op}.requested_tokens" if op in LOOKUPS else f"{op}.tokens"]
         moved = "" if op in LOOKUPS else units.gb_s(rates.gb_s(op))
@@ -72,6 +74,7 @@ def _requests(rates: Rates | None) -> Table:
             units.rate(rates.per_s[f"{op}.errors"]),
             units.rate(tokens),
             moved,
+            units.seconds(rates.queued_s(op)) if op in QUEUED_OPS else "",
         )
     return table
 
