@@ -1,14 +1,17 @@
-"""`kvflow top` shows the host's part of stores and retrieves of GPU caches: the mean time
-from START until their copies were queued (END `queued_ns`), over the refresh interval."""
+"""`kvflow top` and `kvflow report` show the host's part of stores and retrieves of GPU
+caches: the mean time from START until their copies were queued (END `queued_ns`), over
+the refresh interval or the report's."""
 
 from __future__ import annotations
 
+import re
 import time
 
 from rich.console import Console
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.observe.report import summary
 from kvflow.core.observe.snapshot import Rates, Snapshot
 from kvflow.core.observe.top import render
 from tests.support.engine import CHUNK
@@ -55,5 +58,9 @@ def test_the_host_time_per_op_is_the_intervals_mean_queued_time() -> None:
         assert _row(screen, "store")[-2:] == ["2", "ms"], screen
         assert _row(screen, "retrieve")[-1] == "-", screen
         assert _row(screen, "lookup")[-1] != "-", screen  # a lookup has no such column
+        table = summary([before, after])
+        assert re.search(r"^\| store \| 2 \| 0 \|.* \| 2 ms \|$", table, re.M), table
+        assert re.search(r"^\| retrieve \| 1 \| 0 \|.* \| - \|$", table, re.M), table
+        assert re.search(r"^\| lookup \| 0 \| 0 \|.* \|  \|$", table, re.M), table
     finally:
         engine.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvflow.core.observe import units
 from kvflow.core.observe.connect import add_connection_args, connect, parse_args, seconds_in
-from kvflow.core.observe.snapshot import GB, LOOKUPS, OPS, Rates, Snapshot
+from kvflow.core.observe.snapshot import GB, LOOKUPS, OPS, QUEUED_OPS, Rates, Snapshot
 from kvflow.core.server.client import KVFlowClient
 
 LIFECYCLE_PNG = "l0_lifecycle.png"
@@ -81,14 +81,16 @@ def summary(snaps: Sequence[Snapshot]) -> str:
 
 
 def _operations(snaps: Sequence[Snapshot], whole: Rates, delta: dict[str, float]) -> list[str]:
-    """The operations table: requests, errors, tokens and GB moved over the interval."""
+    """The operations table: requests, errors, tokens and GB moved over the interval, and
+    for stores and retrieves of GPU caches the mean host time until their copies were
+    queued (`-` for CPU caches)."""
     steps = [Rates.between(a, b) for a, b in pairwise(snaps)]
     lines = [
         "",
         "## Operations over the interval",
         "",
-        "| op | requests | errors | req/s | tokens | GB moved | mean GB/s | peak GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | requests | errors | req/s | tokens | GB moved | mean GB/s | peak GB/s | host/op |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for op in OPS:
         looks = op in LOOKUPS
@@ -96,9 +98,11 @@ def _operations(snaps: Sequence[Snapshot], whole: Rates, delta: dict[str, float]
         moved = "" if looks else f"{delta[f'{op}.bytes'] / GB:.4g}"
         mean = "" if looks else f"{whole.gb_s(op):.4g}"
         peak = "" if looks else f"{max((r.gb_s(op) for r in steps), default=0.0):.4g}"
+        host = units.seconds(whole.queued_s(op)) if op in QUEUED_OPS else ""
         lines.append(
             f"| {op} | {delta[f'{op}.requests']:.0f} | {delta[f'{op}.errors']:.0f} | "
-            f"{whole.per_s[f'{op}.requests']:.4g} | {tokens:.0f} | {moved} | {mean} | {peak} |"
+            f"{whole.per_s[f'{op}.requests']:.4g} | {tokens:.0f} | {moved} | {mean} | {peak}"
+            f" | {host} |"
         )
     return lines
 
