@@ -48,3 +48,22 @@ def text(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{PREFIX}{key} must be a non-empty string, got {value!r}")
     return value
+
+
+def split_endpoints(endpoint: str) -> tuple[str, ...]:
+    """The servers a `kvflow.endpoint` value names: one, or a comma-separated list of one
+    per rank."""
+    return tuple(part.strip() for part in endpoint.split(","))
+
+
+def endpoint_list(key: str, value: Any) -> str:
+    """`value` as a ZMQ endpoint or a comma-separated list of them (`split_endpoints`),
+    each tcp://... or ipc://... (the first that is not is named)."""
+    listed = text(key, value)
+    for part in split_endpoints(listed):
+        if not part.startswith(("tcp://", "ipc://")):
+            raise ValueError(
+                f"{PREFIX}{key} must look like tcp://HOST:PORT (or a comma-separated list of"
+                f" them, one server per rank), got {part!r}"
+            )
+    return listed

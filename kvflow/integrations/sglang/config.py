@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvflow.integrations.extra_config import PREFIX, seconds, text
+from kvflow.integrations.extra_config import PREFIX, endpoint_list, seconds, split_endpoints, text
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,11 @@ class StorageConfig:
                     f"unknown extra-config key {full_key!r}; known:"
                     f" {', '.join(PREFIX + k for k in sorted(known))}"
                 )
-            values[key] = (
-                seconds(key, value, 0.001, 3600.0) if key == "timeout_s" else text(key, value)
-            )
+            if key == "timeout_s":
+                values[key] = seconds(key, value, 0.001, 3600.0)
+            else:
+                values[key] = endpoint_list(key, value) if key == "endpoint" else text(key, value)
         config = cls(**values)
-        for endpoint in config.endpoints:
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise ValueError(
-                    f"{PREFIX}endpoint must look like tcp://HOST:PORT (or a comma-separated"
-                    f" list of them, one server per rank), got {endpoint!r}"
-                )
         if (config.curve_server_key is None) != (config.curve_key is None):
             raise ValueError(
                 f"{PREFIX}curve_server_key and {PREFIX}curve_key go together (the server's"
@@ -81,7 +76,7 @@ class StorageConfig:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """The endpoint's servers: one, or one per rank."""
-        return tuple(part.strip() for part in self.endpoint.split(","))
+        return split_endpoints(self.endpoint)
 
     def server_of(self, world_size: int, rank: int) -> tuple[str, bool]:
         """(the server rank `rank` of a world of `world_size` talks to, whether it is that

@@ -11,7 +11,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvflow.core.server.staging import MAX_SLOTS
-from kvflow.integrations.extra_config import PREFIX, amount, seconds, text, whole
+from kvflow.integrations.extra_config import (
+    PREFIX,
+    amount,
+    endpoint_list,
+    seconds,
+    split_endpoints,
+    text,
+    whole,
+)
 
 #: the staging ring a CUDA worker loading layer by layer gets when the config names none:
 #: this many slots, each one layer of DEFAULT_SLOT_TOKENS tokens (a longer prompt's layers
@@ -29,11 +37,6 @@ def _bool(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{PREFIX}{key} must be a boolean, got {value!r}")
-
-
-def _split_endpoints(endpoint: str) -> tuple[str, ...]:
-    """The endpoints of a `kvflow.endpoint` value: one, or a comma-separated list."""
-    return tuple(part.strip() for part in endpoint.split(","))
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class ConnectorConfig:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """The endpoint, or each rank's when `endpoint` lists one per rank."""
-        return _split_endpoints(self.endpoint)
+        return split_endpoints(self.endpoint)
 
     def rank_endpoints(self, world_size: int) -> tuple[str, ...]:
         """One endpoint for the whole engine, or one per rank (ValueError unless the list
@@ -137,14 +140,7 @@ class ConnectorConfig:
     @staticmethod
     def _parse(key: str, value: Any) -> Any:
         if key == "endpoint":
-            endpoint = text(key, value)
-            for part in _split_endpoints(endpoint):
-                if not part.startswith(("tcp://", "ipc://")):
-                    raise ValueError(
-                        f"{PREFIX}endpoint must look like tcp://HOST:PORT (or a comma-separated"
-                        f" list of such, one per rank), got {value!r}"
-                    )
-            return endpoint
+            return endpoint_list(key, value)
         if key == "timeout_s":
             return seconds(key, value, 0.001, 86400.0)
         if key == "lookup_timeout_s":
