@@ -23,6 +23,8 @@ L2_DISK_SHARDINGS = ("by_gpu",)
 REDIS_SCHEMES = ("redis://", "rediss://")
 #: fields whose values are credentials: never printed, logged or shown by status
 SECRET_FIELDS = ("l2_redis_username", "l2_redis_password")
+#: most rank shards of one server (processes; one per GPU is the point)
+MAX_SHARDS = 64
 #: bounds of the float settings (inclusive); sizes are in GiB (2**30 bytes) and are > 0
 MAX_SIZE_GIB = 1 << 20  # 1 PiB: above any machine's memory or disk, far below an overflow
 HEARTBEAT_TIMEOUT_S_RANGE = (0.5, 86400.0)  # the client beats every quarter of it
@@ -219,6 +221,14 @@ class ServerConfig:
     probe_port: int = 0
     #: L1 byte limits per tenant: entries salt:NAME=GIB or model:NAME=GIB
     l1_quotas: tuple[str, ...] = ()
+    #: processes serving the ranks behind this one endpoint: shard i holds every rank r
+    #: with r % shards == i (1 = one process; docs/SERVER.md, Shards)
+    shards: int = 1
+    #: a shard's own socket, set by its front: an ipc:// path in the front's private
+    #: directory (None: listen on --host/--port)
+    shard_endpoint: str | None = None
+    #: a shard's front authenticates clients with CURVE: client ids start with their key
+    shard_keyed_clients: bool = False
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
@@ -251,11 +261,21 @@ class ServerConfig:
             raise ValueError(f"--max-instances must be an integer in 1..4096, got {mi!r}")
         self._check_l2()
         self._check_operations()
+        self._check_shards()
         if (self.curve_secret_key is None) != (self.curve_authorized_keys is None):
             raise ValueError(
                 "--curve-secret-key and --curve-authorized-keys go together: give both"
                 " (the server's key pair and the directory of authorised client keys) or neither"
             )
+
+    def _check_shards(self) -> None:
+        """The shard count, and a shard's socket."""
+        n = self.shards
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SHARDS:
+            raise ValueError(f"--shards must be an integer in 1..{MAX_SHARDS}, got {n!r}")
+        where = self.shard_endpoint
+        if where is not None and (not isinstance(where, str) or not where.startswith("ipc://")):
+            raise ValueError(f"a shard listens on an ipc:// endpoint, got {where!r}")
 
     def _check_operations(self) -> None:
         """The probe endpoint, the admin keys and the tenant quotas."""

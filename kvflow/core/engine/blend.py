@@ -33,7 +33,7 @@ from kvflow.core.engine.blend_index import (
 from kvflow.core.engine.instances import Instance
 from kvflow.core.engine.ops import Op
 from kvflow.core.engine.tiering import Tiering
-from kvflow.core.engine.validation import check_salt
+from kvflow.core.engine.validation import check_ranks, check_salt
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.tiers.base import HostTier, ObjectKey
 from kvflow.events import EventBus, EventType
@@ -142,7 +142,8 @@ class Blender:
     def __init__(
         self, *, l1: HostTier, tiering: Tiering | None, bus: EventBus, chunk_size: int,
         prefix_lookup: Callable[..., int],
-        rank_nbytes: Callable[[str, int], tuple[list[int], list[int]]], capacity_chunks: int,
+        rank_nbytes: Callable[[str, int, Sequence[int]], tuple[list[int], list[int]]],
+        capacity_chunks: int,
     ) -> None:  # fmt: skip
         self.l1 = l1
         self.tiering = tiering
@@ -271,24 +272,25 @@ class Blender:
 
     def lookup(
         self, token_ids: Any, *, model_name: str, world_size: int, cache_salt: str | None,
-        request_id: str | None, prefetch: bool,
+        request_id: str | None, prefetch: bool, ranks: Sequence[int] | None = None,
     ) -> BlendHit:  # fmt: skip
         """The prefix hit (a LOOKUP pair, as `CacheEngine.lookup`), then one
-        BLEND_LOOKUP pair for the stored chunks found past it; InvalidRequestError with
-        blend off."""
+        BLEND_LOOKUP pair for the stored chunks found past it that every rank of `ranks`
+        (default all) holds; InvalidRequestError with blend off."""
         self._check_on("lookup")
         prefix = self.prefix_lookup(
             token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
-            request_id=request_id, prefetch=prefetch, chunk_keys=None,
+            request_id=request_id, prefetch=prefetch, chunk_keys=None, ranks=ranks,
         )  # fmt: skip
+        counted = check_ranks(ranks, world_size)
         tokens = as_int32_array(token_ids, "token_ids")
         self.indexed()
         attrs = {"model_name": model_name, "tokens": len(tokens), "prefix_tokens": prefix}
         op = Op(self.bus, EventType.BLEND_LOOKUP_START, request_id, attrs)
         try:
             owner = (model_name, world_size, check_salt(cache_salt))
-            found = self.index.find(owner, world_size, tokens, self.chunk_size, start=prefix)
-            held, by_tier = self._held(owner, found, request_id, prefetch)
+            found = self.index.find(owner, counted, tokens, self.chunk_size, start=prefix)
+            held, by_tier = self._held(owner, counted, found, request_id, prefetch)
         except BaseException as exc:
             op.fail(exc, blend_hit_tokens=0, segments=0)
             raise
@@ -300,14 +302,14 @@ class Blender:
         return hit
 
     def _held(
-        self, owner: Owner, found: list[BlendSegment], session_id: str | None, prefetch: bool
-    ) -> tuple[list[BlendSegment], dict[str, int]]:
-        """The segments every rank holds in some tier, and their tokens per tier (the
-        slowest each needs); chunks no rank holds leave the index; L2 ones are prefetched."""
+        self, owner: Owner, ranks: Sequence[int], found: list[BlendSegment],
+        session_id: str | None, prefetch: bool,
+    ) -> tuple[list[BlendSegment], dict[str, int]]:  # fmt: skip
+        """The segments every rank of `ranks` holds in some tier, and their tokens per tier
+        (the slowest each needs); chunks none holds leave the index; L2 ones are prefetched."""
         model_name, world_size, salt = owner
         rows = [
-            [ObjectKey(s.chunk_hash, model_name, world_size, r, salt) for r in range(world_size)]
-            for s in found
+            [ObjectKey(s.chunk_hash, model_name, world_size, r, salt) for r in ranks] for s in found
         ]
         keys = [k for row in rows for k in row]
         where = self._residency(keys)
@@ -324,7 +326,7 @@ class Blender:
                     fetch.append(row)
         self.forget(gone)
         if prefetch and fetch and self.tiering is not None:
-            nbytes, missing = self.rank_nbytes(model_name, world_size)
+            nbytes, missing = self.rank_nbytes(model_name, world_size, ranks)
             if not missing:
                 self.tiering.prefetch(
                     fetch, nbytes, model_name=model_name, trigger="blend",

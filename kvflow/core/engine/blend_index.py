@@ -219,13 +219,14 @@ class BlendIndex:
         return removed
 
     def find(
-        self, owner: Owner, world_size: int, tokens: np.ndarray, chunk_size: int, start: int = 0
-    ) -> list[BlendSegment]:
+        self, owner: Owner, ranks: Sequence[int], tokens: np.ndarray, chunk_size: int,
+        start: int = 0,
+    ) -> list[BlendSegment]:  # fmt: skip
         """Non-overlapping stored chunks in tokens[start:], leftmost first: each window
-        whose fingerprint is indexed, whose digest matches and that every rank of the
-        world stored; a window overlapping a taken one is skipped."""
+        whose fingerprint is indexed, whose digest matches and that every rank of `ranks`
+        stored; a window overlapping a taken one is skipped."""
         prints = window_fingerprints(tokens[start:], chunk_size)
-        everyone = (1 << world_size) - 1
+        everyone = sum(1 << r for r in ranks)
         with self._lock:
             table = self._by_owner.get(owner)
             if not table or not len(prints) or self._counts is None:

@@ -385,16 +385,18 @@ class CacheEngine:
         world_size: int = 1,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> str:
         """Start loading the request's L2-resident prefix into L1; returns a prefetch id.
 
         Non-blocking. L1 objects are allocated from the layout desc registered for each
-        rank of (model_name, world_size), so no engine tensor is touched; a model whose
-        ranks were never registered is an error. `prefetch_state(id)` reports progress.
+        rank of (model_name, world_size) (of `ranks` only, when given: a server holding
+        some ranks of an engine), so no engine tensor is touched; a model whose ranks were
+        never registered is an error. `prefetch_state(id)` reports progress.
         """
         return self._queries.prefetch(
             token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
-            request_id=request_id,
+            request_id=request_id, ranks=ranks,
         )  # fmt: skip
 
     def prefetch_state(self, prefetch_id: str) -> dict[str, Any]:
@@ -1046,13 +1048,15 @@ class CacheEngine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         prefetch: bool = True,
+        ranks: Sequence[int] | None = None,
     ) -> BlendHit:
         """The prefix hit as `lookup` gives it (its LOOKUP pair), plus the stored chunks
         found anywhere past it, at any token offset (one BLEND_LOOKUP pair): those every
-        rank holds in some tier, none overlapping; L2-held ones start loading into L1."""
+        rank (of `ranks`, default all) holds in some tier, none overlapping; L2-held ones
+        start loading into L1."""
         return self._blend.lookup(
             token_ids, model_name=model_name, world_size=world_size, cache_salt=cache_salt,
-            request_id=request_id, prefetch=prefetch,
+            request_id=request_id, prefetch=prefetch, ranks=ranks,
         )  # fmt: skip
 
     def blend_retrieve(

@@ -123,24 +123,25 @@ class Queries:
 
     def prefetch(
         self, token_ids: Any, *, model_name: str, world_size: int, cache_salt: str | None,
-        request_id: str | None,
+        request_id: str | None, ranks: Sequence[int] | None = None,
     ) -> str:  # fmt: skip
-        """Start loading the request's L2-resident prefix into L1 (`CacheEngine.prefetch`);
-        returns the prefetch id."""
+        """Start loading the request's L2-resident prefix of every rank (of `ranks`,
+        default all) into L1 (`CacheEngine.prefetch`); returns the prefetch id."""
         salt = self._check(token_ids, model_name, world_size, cache_salt, request_id)
+        counted = check_ranks(ranks, world_size)
         tiering = self.tiering
         if tiering is None:
             raise InvalidRequestError(
                 "prefetch needs an L2 tier; none is configured (start the server with --l2-disk)"
             )
-        nbytes, missing = self.rank_nbytes(model_name, world_size)
+        nbytes, missing = self.rank_nbytes(model_name, world_size, counted)
         if missing:
             raise UnknownInstanceError(
                 f"model {model_name!r} world_size {world_size} rank(s) {missing} never registered "
                 "KV caches: prefetch needs their layout"
             )
         hashes = self._hashes(token_ids, request_id)
-        rows = self._tier_rows(hashes, model_name, world_size, range(world_size), salt)
+        rows = self._tier_rows(hashes, model_name, world_size, counted, salt)
         hit, _, where = tiering.hit_rows(rows)
         return tiering.prefetch(
             rows[:hit], nbytes, model_name=model_name, trigger="api", session_id=request_id,

@@ -12,7 +12,9 @@ import ipaddress
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
+
+import zmq
 
 from kvflow.core.config import ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
@@ -65,6 +67,31 @@ def _is_loopback(peer: str | None) -> bool:
         return ipaddress.ip_address(peer.strip("[]").split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+class AdminCaller(NamedTuple):
+    """Who sent an admin request: its CURVE key (CURVE on), its peer address (None on a
+    transport without one), and the text logs and ADMIN events name it by."""
+
+    key: str | None
+    peer: str | None
+    text: str
+
+    @classmethod
+    def of(cls, request: AdminRequest, frame: zmq.Frame, curve: bool) -> AdminCaller:
+        """The caller of `request`, read from its first frame's metadata."""
+        key = str(frame.get("User-Id")) if curve else None
+        try:
+            peer: str | None = str(frame.get("Peer-Address"))
+        except zmq.ZMQError:  # a transport without peer addresses (inproc): no admin
+            peer = None
+        name = request.client or "?"
+        if key is not None and name.startswith(f"{key} "):  # the owner form "KEY CLIENT_ID"
+            name = name[len(key) + 1 :]
+        text = f"{name} at {peer or '?'}"
+        if key is not None:
+            text = f"{text} with CURVE key {key}"
+        return cls(key, peer, text)
 
 
 class AdminAuth:

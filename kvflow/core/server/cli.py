@@ -276,6 +276,14 @@ OPTIONS = (
         " a list); a tenant over its limit evicts its own objects first",
     ),
     _Option(
+        "--shards",
+        "shards",
+        _S,
+        int,
+        "processes serving the ranks behind this endpoint, rank r on shard r %% N (default"
+        " 1; one per GPU of a tensor-parallel engine: docs/SERVER.md, Shards)",
+    ),
+    _Option(
         "--disable-observability",
         "enabled",
         _O,

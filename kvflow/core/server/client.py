@@ -627,15 +627,17 @@ class KVFlowClient:
         world_size: int = 1,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> str:
-        """Start loading the request's L2-resident prefix into the server's L1; returns
-        the prefetch id `prefetch_state` takes."""
+        """Start loading the request's L2-resident prefix of every rank (of `ranks`,
+        default all) into the server's L1; returns the prefetch id `prefetch_state` takes."""
         tokens = as_int32_array(token_ids, "token_ids")
         request = Prefetch(
             model_name=model_name,
             world_size=world_size,
             cache_salt=cache_salt,
             request_id=request_id,
+            ranks=None if ranks is None else list(ranks),
         )
         reply = self._call(request, (tokens,))
         if not isinstance(reply, PrefetchStarted):
@@ -789,14 +791,16 @@ class KVFlowClient:
         cache_salt: str | None = None,
         request_id: str | None = None,
         prefetch: bool = True,
+        ranks: Sequence[int] | None = None,
     ) -> BlendHit:
         """The prefix hit as `lookup` gives it, plus the stored chunks found anywhere past
-        it, at any token offset, that every rank holds in some tier (docs/BLEND.md);
-        L2-held ones start loading into L1 unless `prefetch` is False."""
+        it, at any token offset, that every rank (of `ranks`, default all) holds in some
+        tier (docs/BLEND.md); L2-held ones start loading into L1 unless `prefetch` is False."""
         tokens = as_int32_array(token_ids, "token_ids")
         request = BlendLookup(
             model_name=model_name, world_size=world_size, cache_salt=cache_salt,
             request_id=request_id, prefetch=prefetch,
+            ranks=None if ranks is None else list(ranks),
         )  # fmt: skip
         reply = self._call(request, (tokens,))
         if not isinstance(reply, BlendFound):

@@ -234,8 +234,9 @@ class QueryJob(Job):
             )  # fmt: skip
             return Done(id=request.id, value=hit, server_ns=since(self.started))
         prefetch_id = self._engine.prefetch(
-            tokens, model_name=model, world_size=world, cache_salt=salt, request_id=rid
-        )
+            tokens, model_name=model, world_size=world, cache_salt=salt, request_id=rid,
+            ranks=request.ranks,
+        )  # fmt: skip
         return PrefetchStarted(
             id=request.id, prefetch_id=prefetch_id, server_ns=since(self.started)
         )
@@ -258,7 +259,7 @@ class BlendLookupJob(Job):
         hit = self._engine.blend_lookup(
             self._tokens, model_name=request.model_name, world_size=request.world_size,
             cache_salt=request.cache_salt, request_id=request.request_id,
-            prefetch=request.prefetch,
+            prefetch=request.prefetch, ranks=request.ranks,
         )  # fmt: skip
         segments = [
             SegmentFound(s.offset, s.length, s.chunk_hash, s.original_start) for s in hit.segments

@@ -276,6 +276,8 @@ class Prefetch(Request, tag="prefetch"):
     world_size: int = 1
     cache_salt: str | None = None
     request_id: str | None = None
+    #: load only these ranks' chunks (None: all): a server that holds some ranks
+    ranks: list[int] | None = None
 
 
 class PrefetchQuery(Request, tag="prefetch_state"):
@@ -326,6 +328,8 @@ class BlendLookup(Request, tag="blend_lookup"):
     request_id: str | None = None
     #: start loading the segments that lie in L2 into L1
     prefetch: bool = True
+    #: find only chunks these ranks of the world hold (None: all): a server that holds some
+    ranks: list[int] | None = None
 
 
 class BlendRetrieve(Request, tag="blend_retrieve"):

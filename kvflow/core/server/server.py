@@ -15,10 +15,8 @@ the engine (bus and exporters).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -39,9 +37,8 @@ from kvflow.core.errors import (
     ProtocolError,
     UnknownInstanceError,
 )
-from kvflow.core.server.addresses import bare_host
-from kvflow.core.server.admin import AdminAuth, AdminOps, DrainState
-from kvflow.core.server.curve import CurveServer
+from kvflow.core.server.admin import AdminAuth, AdminCaller, AdminOps, DrainState
+from kvflow.core.server.intake import read_request
 from kvflow.core.server.jobs import (
     AdminJob,
     BlendLookupJob,
@@ -57,6 +54,7 @@ from kvflow.core.server.jobs import (
     since,
 )
 from kvflow.core.server.kv_streams import KVSubscriptions
+from kvflow.core.server.listen import close_listener, listen
 from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
@@ -84,7 +82,6 @@ from kvflow.core.server.protocol import (
     SubscribeKVEvents,
     Unregister,
     UnsubscribeKVEvents,
-    decode_request,
     encode_reply,
     peek_id,
     ropes_from_wire,
@@ -96,7 +93,6 @@ from kvflow.subscribers.kv_events import KVEventLog, RecordFilter
 log = logging.getLogger("kvflow.server")
 
 _TICK_S = 0.1
-_MAX_FRAMES = 8
 _BATCH = 64
 _REMEMBER_REAPED = 1024
 _FORCED_CLOSE_S = 5.0
@@ -122,55 +118,6 @@ def _log_through(handlers: Sequence[logging.Handler], msg: str, *args: Any) -> N
     for handler in handlers:
         if record.levelno >= handler.level:
             handler.handle(record)
-
-
-def _check_host(host: str) -> None:
-    """OSError naming --host unless it resolves (ZMQ would take an unknown name for a
-    network interface and answer "No such device")."""
-    if host == "*":
-        return
-    try:
-        socket.getaddrinfo(host, None)
-    except socket.gaierror as exc:
-        raise OSError(
-            f"--host {host!r} cannot be resolved ({exc.strerror}); give an IP address or a "
-            "host name of this machine"
-        ) from None
-
-
-def _bind_address(host: str) -> tuple[str, bool]:
-    """How ZMQ binds `host` (bare), and whether that needs its IPv6 option: an IPv6
-    address goes in brackets, on a socket with IPv6 on."""
-    try:
-        ipv6 = ipaddress.ip_address(host).version == 6
-    except ValueError:
-        return host, False
-    return (f"[{host}]", True) if ipv6 else (host, False)
-
-
-def _loopback_only(host: str) -> bool:
-    """Whether every address `host` (bare) names is a loopback one ("*" is every interface)."""
-    if host == "*":
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    infos = socket.getaddrinfo(host, None)
-    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
-
-
-def _check_exposure(config: ServerConfig, host: str) -> None:
-    """ValueError unless the server listens on loopback only (`host`: --host, bare), uses
-    CURVE, or is told not to care."""
-    if config.curve or config.insecure_listen or _loopback_only(host):
-        return
-    raise ValueError(
-        f"--host {config.host} accepts connections from other machines, and without"
-        " authentication any of them could store, retrieve and read KV: give"
-        " --curve-secret-key and --curve-authorized-keys (make keys with `kvflow keygen`),"
-        " or --insecure-listen to accept every client that reaches the port"
-    )
 
 
 def _cuda_ipc_mappings() -> int:
@@ -242,34 +189,18 @@ class KVFlowServer:
             self._probes = self._start_probes()
 
     def _listen(self) -> None:
-        """Make the ROUTER socket, secure it with CURVE if configured and bind it; OSError
-        naming the address when it cannot listen there (sockets closed)."""
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.linger = 1000
-        # Frames up to twice the limit get an error reply; ZMQ drops larger ones (and the peer).
-        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
-        port = "*" if self.config.port == 0 else str(self.config.port)
-        #: CURVE keys and the authenticator, when clients must authenticate
-        self._curve: CurveServer | None = None
-        host = bare_host(self.config.host)
+        """Make the client socket (`listen.listen`): the public one, or a shard's private
+        socket behind its front (ShardedServer)."""
         try:
-            _check_host(host)
-            _check_exposure(self.config, host)
-            if self.config.curve_secret_key and self.config.curve_authorized_keys:
-                self._curve = CurveServer(
-                    self._ctx, self.config.curve_secret_key, self.config.curve_authorized_keys
-                )
-                self._curve.secure(self._router)
+            self._router, self._curve = listen(self._ctx, self.config, self._max_bytes)
+        except BaseException:
+            self._ctx.term()
+            raise
+        try:
             #: who may call admin operations (docs/OPERATIONS.md)
             self._admin_auth = AdminAuth(self.config)
-            address, self._router.ipv6 = _bind_address(host)
-            self._router.bind(f"tcp://{address}:{port}")
-        except BaseException as exc:
+        except BaseException:
             self._close_sockets()
-            if isinstance(exc, (zmq.ZMQError, OSError)):
-                raise OSError(
-                    f"cannot listen on {self.config.host}:{self.config.port}: {exc}"
-                ) from None
             raise
 
     def _start_workers(self) -> None:
@@ -316,9 +247,7 @@ class KVFlowServer:
 
     def _close_sockets(self) -> None:
         """Close the client socket, stop the authenticator and end the context (no waiting)."""
-        self._router.close(0)
-        if self._curve is not None:
-            self._curve.stop()
+        close_listener(self._router, self._curve)
         self._ctx.term()
 
     def request_stop(self) -> None:
@@ -440,20 +369,11 @@ class KVFlowServer:
         header = frames[0].buffer if frames else b""
         request_id = peek_id(header)
         try:
-            if len(frames) > _MAX_FRAMES:
-                raise ProtocolError(f"message has {len(frames)} frames, at most {_MAX_FRAMES}")
-            size = sum(len(f) for f in frames)
-            if size > self._max_bytes:
-                raise ProtocolError(
-                    f"message of {size} bytes exceeds the server's limit of {self._max_bytes}"
-                    " bytes (--max-message-mb)"
-                )
-            request, arrays = decode_request([f.buffer for f in frames])
-            if self._curve is not None:  # the key ZAP authenticated: no other client has it
-                request.client = f"{frames[0].get('User-Id')} {request.client}"
+            request, arrays = read_request(frames, self._max_bytes, self._curve is not None)
             self._last_seen[request.client] = time.monotonic()
             if isinstance(request, AdminRequest):
-                return self._admin_call(identity, request, frames[0], started)
+                self._admin_call(identity, request, frames[0], started)
+                return None
             return self._dispatch(identity, request, arrays, started)
         except Exception as exc:
             return self._errors.failed(request_id, exc, started)
@@ -554,23 +474,17 @@ class KVFlowServer:
 
     def _admin_call(
         self, identity: bytes, request: AdminRequest, frame: zmq.Frame, started: int
-    ) -> Reply | None:
-        """Refuse a caller who is no admin; run an admin's request on the admin worker."""
-        key = str(frame.get("User-Id")) if self._curve is not None else None
-        try:
-            peer: str | None = str(frame.get("Peer-Address"))
-        except zmq.ZMQError:  # a transport without peer addresses (inproc): no admin
-            peer = None
-        name = request.client or "?"
-        if key is not None and name.startswith(f"{key} "):  # the owner form "KEY CLIENT_ID"
-            name = name[len(key) + 1 :]
-        caller = f"{name} at {peer or '?'}"
-        if key is not None:
-            caller = f"{caller} with CURVE key {key}"
-        if not self._admin_auth.allowed(key, peer):
-            raise self._admin.refuse(request, caller, self._admin_auth.why_not())
-        self._admin_worker.submit(identity, AdminJob(self._admin, request, caller, started))
-        return None
+    ) -> None:
+        """Refuse a caller who is no admin; run an admin's request on the admin worker. A
+        shard runs what its front let through, for the caller the front names."""
+        if self.config.shard_endpoint is not None:
+            text = request.client
+        else:
+            caller = AdminCaller.of(request, frame, self._curve is not None)
+            if not self._admin_auth.allowed(caller.key, caller.peer):
+                raise self._admin.refuse(request, caller.text, self._admin_auth.why_not())
+            text = caller.text
+        self._admin_worker.submit(identity, AdminJob(self._admin, request, text, started))
 
     def _registration(self, instance_id: str) -> Registration:
         reg = self._registry.get(instance_id)
@@ -636,7 +550,7 @@ class KVFlowServer:
             )
         if (
             old is not None
-            and self._curve is not None
+            and (self._curve is not None or self.config.shard_keyed_clients)
             and _key_of(old.client) != _key_of(request.client)
         ):
             raise PermissionDeniedError(

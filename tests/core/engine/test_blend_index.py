@@ -53,7 +53,7 @@ def test_a_document_is_found_wherever_it_moved() -> None:
     index.add(OWNER, 0, stored, CHUNK, _hashes("s", len(stored) // CHUNK))
     question = _tokens(4, 7)
     prompt = np.concatenate([system, question, doc_b, doc_a, question])
-    found = index.find(OWNER, 1, prompt, CHUNK, start=2 * CHUNK)
+    found = index.find(OWNER, [0], prompt, CHUNK, start=2 * CHUNK)
     b_at, a_at = 2 * CHUNK + 7, 2 * CHUNK + 7 + 2 * CHUNK
     assert [(s.offset, s.original_start) for s in found] == [
         (b_at, 5 * CHUNK), (b_at + CHUNK, 6 * CHUNK),
@@ -71,7 +71,7 @@ def test_segments_never_overlap_and_start_after_the_prefix() -> None:
     repeated = np.tile(_tokens(5, 4), 3 * CHUNK // 4)  # every window of it looks alike
     index = BlendIndex()
     index.add(OWNER, 0, repeated, CHUNK, _hashes("r", 3))
-    found = index.find(OWNER, 1, repeated, CHUNK, start=3)
+    found = index.find(OWNER, [0], repeated, CHUNK, start=3)
     starts = [s.offset for s in found]
     assert starts[0] >= 3
     assert all(b - a >= CHUNK for a, b in itertools.pairwise(starts))
@@ -90,8 +90,8 @@ def test_a_fingerprint_collision_is_rejected_by_the_digest(monkeypatch: pytest.M
     stored, other = _tokens(6, CHUNK), _tokens(7, 3 * CHUNK)
     index = BlendIndex()
     index.add(OWNER, 0, stored, CHUNK, _hashes("c", 1))
-    assert index.find(OWNER, 1, other, CHUNK) == []
-    hit = index.find(OWNER, 1, np.concatenate([other[:5], stored]), CHUNK)
+    assert index.find(OWNER, [0], other, CHUNK) == []
+    hit = index.find(OWNER, [0], np.concatenate([other[:5], stored]), CHUNK)
     assert [(s.offset, s.original_start) for s in hit] == [(5, 0)]
 
 
@@ -100,11 +100,13 @@ def test_owners_are_apart_and_every_rank_must_hold_the_chunk() -> None:
     index = BlendIndex()
     tp = ("m", 2, "salt")
     index.add(tp, 0, tokens, CHUNK, _hashes("t", 2))
-    assert index.find(tp, 2, tokens, CHUNK) == [], "rank 1 has not stored it yet"
+    assert index.find(tp, [0, 1], tokens, CHUNK) == [], "rank 1 has not stored it yet"
+    assert len(index.find(tp, [0], tokens, CHUNK)) == 2, "a server asked for rank 0 only"
+    assert index.find(tp, [1], tokens, CHUNK) == []
     index.add(tp, 1, tokens, CHUNK, _hashes("t", 2))
-    assert len(index.find(tp, 2, tokens, CHUNK)) == 2
-    assert index.find(("m", 2, "other salt"), 2, tokens, CHUNK) == []
-    assert index.find(("other model", 2, "salt"), 2, tokens, CHUNK) == []
+    assert len(index.find(tp, [0, 1], tokens, CHUNK)) == 2
+    assert index.find(("m", 2, "other salt"), [0, 1], tokens, CHUNK) == []
+    assert index.find(("other model", 2, "salt"), [0, 1], tokens, CHUNK) == []
 
 
 def test_removed_and_overflowing_chunks_are_forgotten() -> None:
@@ -112,25 +114,25 @@ def test_removed_and_overflowing_chunks_are_forgotten() -> None:
     index = BlendIndex(capacity_chunks=3)
     index.add(OWNER, 0, tokens, CHUNK, _hashes("o", 4))
     assert len(index) == 3
-    assert [s.original_start for s in index.find(OWNER, 1, tokens, CHUNK)] == [
+    assert [s.original_start for s in index.find(OWNER, [0], tokens, CHUNK)] == [
         CHUNK,
         2 * CHUNK,
         3 * CHUNK,
     ]
     assert index.remove(OWNER, _hashes("o", 4)[2:3]) == 1
     assert index.remove(OWNER, _hashes("o", 4)[2:3]) == 0
-    assert [s.original_start for s in index.find(OWNER, 1, tokens, CHUNK)] == [CHUNK, 3 * CHUNK]
+    assert [s.original_start for s in index.find(OWNER, [0], tokens, CHUNK)] == [CHUNK, 3 * CHUNK]
     index.remove(OWNER, _hashes("o", 4))
-    assert len(index) == 0 and index.find(OWNER, 1, tokens, CHUNK) == []
+    assert len(index) == 0 and index.find(OWNER, [0], tokens, CHUNK) == []
 
 
 def test_a_chunk_found_is_kept_over_one_never_found() -> None:
     tokens = _tokens(10, 3 * CHUNK)
     index = BlendIndex(capacity_chunks=3)
     index.add(OWNER, 0, tokens, CHUNK, _hashes("k", 3))
-    index.find(OWNER, 1, tokens[:CHUNK], CHUNK)  # chunk 0 used: now the newest
+    index.find(OWNER, [0], tokens[:CHUNK], CHUNK)  # chunk 0 used: now the newest
     index.add(OWNER, 0, _tokens(11, CHUNK), CHUNK, _hashes("n", 1))
-    assert [s.original_start for s in index.find(OWNER, 1, tokens, CHUNK)] == [0, 2 * CHUNK]
+    assert [s.original_start for s in index.find(OWNER, [0], tokens, CHUNK)] == [0, 2 * CHUNK]
 
 
 def test_a_bad_capacity_is_refused() -> None:
