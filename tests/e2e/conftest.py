@@ -38,3 +38,11 @@ def kvflow_client(kvflow_server: str) -> Iterator[KVFlowClient]:
     """A client of the session's server, as an engine worker holds one."""
     with KVFlowClient(kvflow_server, timeout_s=30.0) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def kvflow_sharded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A `kvflow server --shards 2` subprocess (rank r on shard r % 2); yields its endpoint."""
+    log_path = tmp_path_factory.mktemp("kvflow-sharded") / "server.log"
+    with running_server(CHUNK_SIZE, log_path, ["--shards", "2"]) as endpoint:
+        yield endpoint

@@ -43,6 +43,7 @@ def _rank_devices(device: str) -> list[torch.device]:
     return [torch.device("cuda", rank) for rank in range(WORLD_SIZE)]
 
 
+@pytest.mark.parametrize("server", ["one process", "sharded"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("layout", paged_kv.LAYOUTS)
@@ -50,13 +51,17 @@ def test_a_fresh_pair_of_ranks_continues_from_the_heads_both_ranks_stored(
     layout: str,
     dtype_name: str,
     device: str,
-    kvflow_server: str,
+    server: str,
+    request: pytest.FixtureRequest,
     model_for: ModelFor,
     requests: Requests,
 ) -> None:
     """The prefix is a hit only once both ranks stored their heads; a new pair of ranks
     (new instances, caches and block table) retrieves it, and the merged heads are the
-    prefill's bit for bit: the continuation equals the original KV's exactly."""
+    prefill's bit for bit: the continuation equals the original KV's exactly. Sharded:
+    through `--shards 2`, each rank on a shard process of its own behind one endpoint."""
+    fixture = "kvflow_server" if server == "one process" else "kvflow_sharded_server"
+    kvflow_server: str = request.getfixturevalue(fixture)
     dtype = DTYPES[dtype_name]
     devices = _rank_devices(device)
     model = model_for(dtype, "cpu" if device == "cpu" else "cuda:0")

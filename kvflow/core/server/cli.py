@@ -497,7 +497,7 @@ def resolve(argv: list[str], environ: dict[str, str] | None = None) -> ServerCon
         raise UsageError(str(exc)) from None
 
 
-def _configure_logging(config: ObservabilityConfig) -> LoggingSetup | None:
+def configure_server_logging(config: ObservabilityConfig) -> LoggingSetup | None:
     """Render the server's own logs like the event logs.
 
     With event logs on, the engine's pipeline installs that rendering; otherwise
@@ -509,14 +509,20 @@ def _configure_logging(config: ObservabilityConfig) -> LoggingSetup | None:
 
 
 def _serve(config: ServerConfig) -> int:
+    from kvflow.core.server.front import ShardedServer
     from kvflow.core.server.server import KVFlowServer
 
-    logging_setup = _configure_logging(config.observability)
+    server: KVFlowServer | ShardedServer
+    if config.shards > 1:  # the front has no event pipeline to render its lines
+        obs = config.observability
+        logging_setup: LoggingSetup | None = configure_logging(obs.log_level, obs.log_format)
+    else:
+        logging_setup = configure_server_logging(config.observability)
     # the process is the server's own: its ranks' threads take the GIL in turns this often
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
     try:
-        server = KVFlowServer(config)
-    except (OSError, ValueError) as exc:  # a port in use; an L2 path refused (names its flag)
+        server = ShardedServer(config) if config.shards > 1 else KVFlowServer(config)
+    except (OSError, ValueError, RuntimeError) as exc:  # a port in use; an L2 path refused
         print(f"kvflow server: error: {exc}", file=sys.stderr)
         if logging_setup is not None:
             logging_setup.close()
@@ -532,6 +538,10 @@ def _serve(config: ServerConfig) -> int:
     finally:
         if logging_setup is not None:
             logging_setup.close()
+    failed = server.failed if isinstance(server, ShardedServer) else None
+    if failed:
+        print(f"kvflow server: error: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from kvflow.core.tiers.pinahead import MODE_WORDS
 
@@ -92,13 +92,20 @@ class Probes:
         return True, {"status": "ready"}
 
 
-class ProbeServer:
-    """Serves `Probes` on host:port on a daemon thread; `close()` frees the port.
+class Verdicts(Protocol):
+    """What a probe endpoint serves: a server's `Probes`, or a sharded front's."""
 
-    Port 0 binds a free port (read `port` after construction).
+    def health(self) -> Verdict: ...
+
+    def readiness(self) -> Verdict: ...
+
+
+class ProbeServer:
+    """Serves a server's `Verdicts` on host:port on a daemon thread; `close()` frees the
+    port. Port 0 binds a free port (read `port` after construction).
     """
 
-    def __init__(self, probes: Probes, host: str, port: int) -> None:
+    def __init__(self, probes: Verdicts, host: str, port: int) -> None:
         routes: dict[str, Callable[[], Verdict]] = {
             "/healthz": probes.health,
             "/readyz": probes.readiness,

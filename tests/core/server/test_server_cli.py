@@ -21,7 +21,7 @@ import pytest
 from kvflow.core import CacheEngine, KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import KVFlowError
-from kvflow.core.server.cli import OPTIONS, UsageError, _configure_logging, main, resolve
+from kvflow.core.server.cli import OPTIONS, UsageError, configure_server_logging, main, resolve
 from kvflow.core.tiers.quota import salt_label
 from tests.support.ops import ServerProcess, wait_for
 
@@ -339,7 +339,7 @@ def test_a_busy_prometheus_port_exits_1_naming_the_flag(
 def test_server_log_lines_in_json_carry_tracebacks(capsys: pytest.CaptureFixture[str]) -> None:
     """With event logs off, the server's own JSON log lines (set up by the CLI) render an
     exception as its traceback text (issue 18, item 5)."""
-    setup = _configure_logging(ObservabilityConfig(logging_enabled=False))
+    setup = configure_server_logging(ObservabilityConfig(logging_enabled=False))
     assert setup is not None
     try:
         try:
