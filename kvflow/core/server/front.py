@@ -192,10 +192,7 @@ class ShardedServer:
 
     def serve_forever(self) -> None:
         """Route requests until `request_stop` or a shard's death, then stop the shards."""
-        log.info(
-            "kvflow server listening on %s (protocol %d, %d shards)",
-            self.endpoint, PROTOCOL_VERSION, self._n,
-        )  # fmt: skip
+        log.info("kvflow server listening on %s (protocol %d)", self.endpoint, PROTOCOL_VERSION)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         for sock in self._sockets:
@@ -211,17 +208,19 @@ class ShardedServer:
                         self._shard_replies(index)
                 if self._router in ready:
                     self._serve_batch()
-                if any(s.sentinel in ready for s in self._shards):
-                    self._shard_died()
+                for shard in self._shards:
+                    if shard.sentinel in ready:
+                        self._shard_died(shard)
+                        break
                 if time.monotonic() >= self._next_status:
                     self._next_status = time.monotonic() + _STATUS_EVERY_S
                     self._ask_status()
         finally:
             self.close()
 
-    def _shard_died(self) -> None:
+    def _shard_died(self, dead: Shard) -> None:
         """Fail every call in flight and stop: a dead shard's ranks are gone."""
-        dead = next(s for s in self._shards if not s.alive)
+        dead.join(5.0)  # its sentinel fires as it exits, a moment before it can be reaped
         self.failed = f"shard {dead.index} (pid {dead.pid}) exited with code {dead.exitcode}"
         log.error("kvflow server stopping: %s", self.failed)
         reason = KVFlowError(f"the kvflow server is stopping: {self.failed}")

@@ -145,6 +145,10 @@ class Shard:
             self._process.join(5.0)
             raise (ValueError if kind == "ValueError" else OSError)(f"{what}: {text}")
 
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the process to end."""
+        self._process.join(timeout_s)
+
     def terminate(self) -> None:
         """Send SIGTERM once: the shard finishes its in-flight work and exits (a second
         one would make it stop waiting for that work)."""

@@ -1,0 +1,276 @@
+"""A sharded server (`kvflow server --shards 2`): one endpoint, rank r's KV on shard
+process r % 2, every request routed or fanned out by the front (docs/SERVER.md, Shards).
+
+A real subprocess server and real clients (one per rank, as a tensor-parallel engine's
+workers hold them); CPU caches in shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow.core import KVFlowClient
+from kvflow.core.errors import InvalidRequestError, KVFlowError, UnknownInstanceError
+from kvflow.core.server.protocol import AdminClear, AdminQuota
+from kvflow.core.server.shm import empty_shared
+from tests.support import ops
+from tests.support.collectors import free_port
+
+NL, NB, BS, NH, HS = 2, 64, 16, 2, 8
+CHUNK = 256
+WORLD = 2
+
+
+def _server(*flags: str) -> ops.ServerProcess:
+    return ops.ServerProcess("--shards", "2", "--l1-size-gb", "0.25", *flags)
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sharded-disk")
+
+
+@pytest.fixture(scope="module")
+def server(disk: Path) -> Iterator[ops.ServerProcess]:
+    srv = _server("--l2-disk", str(disk), "--l2-disk-size-gb", "0.5")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert srv.log().count("kvflow server stopped (event pipeline clean)") == 2, srv.log()
+
+
+@pytest.fixture
+def ranks(server: ops.ServerProcess) -> Iterator[list[KVFlowClient]]:
+    """One client per rank, as the workers of a tensor-parallel engine hold them."""
+    clients = [KVFlowClient(server.endpoint, timeout_s=20) for _ in range(WORLD)]
+    yield clients
+    for c in clients:
+        c.close()
+
+
+def _kv(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    kv = [empty_shared((2, NB, BS, NH, HS), torch.bfloat16) for _ in range(NL)]
+    for t in kv:
+        t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+    return kv
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return random.Random(seed).choices(range(32000), k=n)
+
+
+def _model(name: str) -> str:
+    return f"{name}-{os.getpid()}-{random.randrange(1 << 30)}"
+
+
+def _register(
+    clients: list[KVFlowClient], model: str
+) -> tuple[list[str], list[list[torch.Tensor]]]:
+    iids, caches = [], []
+    for rank, client in enumerate(clients):
+        kv = _kv(rank + 1)
+        iid = f"{model}-rank{rank}"
+        client.register_kv_caches(iid, kv, model_name=model, world_size=WORLD, rank=rank)
+        iids.append(iid)
+        caches.append(kv)
+    return iids, caches
+
+
+def _shard_instances(client: KVFlowClient) -> list[set[str]]:
+    return [set(s["server"]["instances"]) for s in client.status()["shards"]]
+
+
+def test_a_prefix_is_a_hit_once_every_rank_s_shard_holds_it(ranks: list[KVFlowClient]) -> None:
+    """Rank r registers on shard r; a lookup counts every rank (the least of the shards'
+    answers), a lookup of ranks=[0] asks shard 0 alone; both ranks retrieve bit-exact."""
+    model = _model("hit")
+    iids, caches = _register(ranks, model)
+    shards = _shard_instances(ranks[0])
+    assert iids[0] in shards[0] and iids[0] not in shards[1]
+    assert iids[1] in shards[1] and iids[1] not in shards[0]
+    tokens = _tokens(2 * CHUNK + 10, seed=3)
+    ranks[0].store(iids[0], tokens, list(range(32)), request_id="s0")
+    assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD) == 0, "rank 1 lacks it"
+    assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD, ranks=[0]) == 2 * CHUNK
+    assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD, ranks=[1]) == 0
+    ranks[1].store(iids[1], tokens, list(range(32)), request_id="s1")
+    assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD) == 2 * CHUNK
+    for rank, client in enumerate(ranks):
+        got = client.retrieve(iids[rank], tokens, list(range(32, 64)), request_id=f"r{rank}")
+        assert got == 2 * CHUNK
+        for layer in caches[rank]:
+            assert torch.equal(layer[:, 32:64], layer[:, 0:32])
+    ranks[0].end_session("s0")
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
+        with pytest.raises(UnknownInstanceError):
+            client.store(iids[rank], tokens, list(range(32)), request_id="gone")
+
+
+def test_an_instance_registered_again_as_another_rank_moves_shard(
+    ranks: list[KVFlowClient],
+) -> None:
+    """Re-registering an instance id as rank 1 leaves shard 0 (as a one-process server
+    replaces the old registration) and serves it on shard 1."""
+    client, model = ranks[0], _model("move")
+    iid = f"{model}-moving"
+    client.register_kv_caches(iid, _kv(5), model_name=model, world_size=WORLD, rank=0)
+    assert [iid in s for s in _shard_instances(client)] == [True, False]
+    kv = _kv(6)
+    client.register_kv_caches(iid, kv, model_name=model, world_size=WORLD, rank=1)
+    assert [iid in s for s in _shard_instances(client)] == [False, True]
+    tokens = _tokens(CHUNK, seed=6)
+    assert client.store(iid, tokens, list(range(16)), request_id="m") == CHUNK
+    assert client.lookup(tokens, model_name=model, world_size=WORLD, ranks=[1]) == CHUNK
+    client.unregister(iid)
+
+
+def test_bad_ranks_are_refused_with_the_reason(ranks: list[KVFlowClient]) -> None:
+    tokens = _tokens(CHUNK, seed=7)
+    with pytest.raises(InvalidRequestError, match="rank"):
+        ranks[0].lookup(tokens, model_name="m", world_size=WORLD, ranks=[2])
+    with pytest.raises(InvalidRequestError, match="rank"):
+        ranks[0].lookup(tokens, model_name="m", world_size=WORLD, ranks=[])
+    with pytest.raises(KVFlowError, match="prefetch"):
+        ranks[0].prefetch_state("0/nothing,1/nothing")
+    with pytest.raises(KVFlowError, match="prefetch"):
+        ranks[0].prefetch_state("not a sharded id")
+
+
+def test_a_prefetch_loads_every_shard_s_ranks_back(ranks: list[KVFlowClient]) -> None:
+    """With L1 cleared, a prefetch starts on both shards under one id; its state adds
+    their chunks up and is done once both are."""
+    model = _model("prefetch")
+    iids, _ = _register(ranks, model)
+    tokens = _tokens(2 * CHUNK, seed=8)
+    for rank, client in enumerate(ranks):
+        client.store(iids[rank], tokens, list(range(32)), request_id=f"p{rank}")
+    deadline = time.monotonic() + 20
+    while ranks[0].status()["shards"][1]["l2"]["write_through"].get("pending", 0):
+        assert time.monotonic() < deadline, "L2 writes did not finish"
+        time.sleep(0.05)
+    cleared = ranks[0].admin(AdminClear(model_name=model, tiers=["l1"]))
+    assert len(cleared["shards"]) == 2
+    pid = ranks[0].prefetch(tokens, model_name=model, world_size=WORLD)
+    assert sorted(part.split("/")[0] for part in pid.split(",")) == ["0", "1"]
+    state = ranks[0].prefetch_state(pid)
+    while state["state"] != "done":
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+        state = ranks[0].prefetch_state(pid)
+    assert state["prefetch_id"] == pid
+    assert state["chunks"] == 2 * WORLD and state["landed_tokens"] == 2 * CHUNK
+    assert ranks[1].lookup(tokens, model_name=model, world_size=WORLD, prefetch=False) == 2 * CHUNK
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
+
+
+def test_admin_operations_reach_every_shard(ranks: list[KVFlowClient]) -> None:
+    """A clear empties both shards; a tenant quota is split between them like L1."""
+    model = _model("admin")
+    iids, _ = _register(ranks, model)
+    tokens = _tokens(CHUNK, seed=9)
+    for rank, client in enumerate(ranks):
+        client.store(iids[rank], tokens, list(range(16)), request_id=f"a{rank}")
+    assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD) == CHUNK
+    ranks[0].admin(AdminClear(model_name=model))
+    for rank in range(WORLD):
+        assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD, ranks=[rank]) == 0
+    ranks[0].admin(AdminQuota(kind="model", name=model, limit_gb=0.5))
+    for shard in ranks[0].status()["shards"]:
+        (row,) = [t for t in shard["server"]["tenants"] if t["tenant"] == model]
+        assert row["limit_bytes"] == 1 << 28, "0.5 GiB over two shards: 0.25 GiB each"
+    ranks[0].admin(AdminQuota(kind="model", name=model, limit_gb=None))
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
+
+
+def test_kv_events_are_subscribed_per_rank(ranks: list[KVFlowClient]) -> None:
+    """A subscription names its rank and reads that rank's shard; one without a rank is
+    refused with what to do instead."""
+    with pytest.raises(InvalidRequestError, match="rank="):
+        ranks[0].subscribe_kv_events()
+    model = _model("events")
+    sub = ranks[0].subscribe_kv_events(model_name=model, rank=1)
+    assert sub.subscription.startswith("1:")
+    iids, _ = _register(ranks, model)
+    tokens = _tokens(CHUNK, seed=10)
+    for rank, client in enumerate(ranks):
+        client.store(iids[rank], tokens, list(range(16)), request_id=f"e{rank}")
+    poll = ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+    stored = [r for r in poll.records if r.kind == "stored" and r.tier == "l1"]
+    assert stored and {r.rank for r in poll.records} == {1}
+    ranks[0].unsubscribe_kv_events(sub.subscription)
+    with pytest.raises(KVFlowError):
+        ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
+
+
+def test_status_is_the_front_s_and_every_shard_s(ranks: list[KVFlowClient]) -> None:
+    status = ranks[0].status()
+    front = status["server"]
+    assert front["shards"] == 2 and len(front["shard_pids"]) == 2
+    assert [s["server"]["pid"] for s in status["shards"]] == front["shard_pids"]
+    assert all(s["config"]["l1_size_gb"] == 0.125 for s in status["shards"])
+
+
+def test_a_killed_shard_stops_the_whole_server() -> None:
+    """SIGKILL of shard 1: the front stops the other shard and exits 1, naming it."""
+    srv = _server()
+    with KVFlowClient(srv.endpoint, timeout_s=10) as client:
+        pids = client.status()["server"]["shard_pids"]
+    os.kill(pids[1], signal.SIGKILL)
+    assert srv.proc.wait(30) == 1, srv.log()
+    srv.stop()
+    assert "shard 1" in srv.log() and "exited with code -9" in srv.log()
+    deadline = time.monotonic() + 10
+    while _alive(pids[0]):
+        assert time.monotonic() < deadline, "shard 0 outlived its front"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def test_a_shard_that_cannot_start_stops_the_start(tmp_path: Path) -> None:
+    """A disk path that is a file: the shards cannot make their directories; the server
+    exits at once with the shard's reason."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RuntimeError, match="shard 0"):
+        _server("--l2-disk", str(blocker))
+
+
+def test_probes_answer_for_the_shards() -> None:
+    port = free_port()
+    with _server("--probe-port", str(port)) as srv:
+        deadline = time.monotonic() + 20
+        code, body = ops.get_json(f"http://127.0.0.1:{port}/readyz")
+        while code != 200:
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+            code, body = ops.get_json(f"http://127.0.0.1:{port}/readyz")
+        assert ops.get_json(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        with KVFlowClient(srv.endpoint, timeout_s=10) as client:
+            assert client.status()["server"]["probe_port"] == port
