@@ -36,6 +36,41 @@ def _num(mapping: Any, *path: str) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
+def _added(maps: list[dict[str, float]]) -> dict[str, float]:
+    """The maps' values added up key by key."""
+    out: dict[str, float] = {}
+    for m in maps:
+        for key, value in m.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _added_usage(usages: list[TierUsage]) -> TierUsage:
+    """One tier's fill over several shards."""
+    return TierUsage(
+        sum(u.usage_bytes for u in usages),
+        sum(u.capacity_bytes for u in usages),
+        sum(u.objects for u in usages),
+        sum(u.evicted_chunks for u in usages),
+    )
+
+
+def _joined_summary(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Distribution summaries (counts, sums, maximum, quantiles "pNN...") of several
+    shards as one: counts and sums added, the maximum and quantiles the largest (None
+    where no shard has one)."""
+    out: dict[str, Any] = {}
+    for key in sorted({k for s in summaries for k in s}):
+        values = [v for s in summaries if isinstance(v := s.get(key), (int, float))]
+        if not values:
+            out[key] = None
+        elif key.startswith("max") or (key[:1] == "p" and key[1:2].isdigit()):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values)
+    return out
+
+
 @dataclass
 class TierUsage:
     """A storage tier's fill: bytes held, capacity, objects, evicted objects so far."""
@@ -77,7 +112,11 @@ class Snapshot:
 
     @classmethod
     def of(cls, status: Mapping[str, Any]) -> Snapshot:
-        """Read a `KVFlowClient.status()` reply (or `CacheEngine.status()`)."""
+        """Read a `KVFlowClient.status()` reply (or `CacheEngine.status()`); a sharded
+        server's (its shards' statuses under "shards") reads as their sum (`joined`)."""
+        shards = status.get("shards")
+        if isinstance(shards, list) and shards:
+            return cls.joined([cls.of(s) for s in shards], status.get("server") or {})
         activity = status.get("activity") or {}
         ops = activity.get("ops") or {}
         l2_activity = activity.get("l2") or {}
@@ -127,6 +166,36 @@ class Snapshot:
             l2_writes=l2_writes,
             layer_waits=dict(activity.get("layer_waits") or {}),
             blend_hit_by_tier=_by_tier(ops, "blend_lookup"),
+        )
+
+    @classmethod
+    def joined(cls, parts: list[Snapshot], front: Mapping[str, Any]) -> Snapshot:
+        """A sharded server's numbers: its shards' added up, on their common clock (the
+        host's monotonic one); a distribution's quantiles and maximum are the worst
+        shard's, an upper bound of the whole server's."""
+        first = parts[0]
+        tier_names = sorted({name for p in parts for name in p.tiers})
+        l2_names = sorted({name for p in parts for name in p.l2_bytes})
+        l0_names = sorted({name for p in parts for name in p.l0})
+        empty = TierUsage(0.0, 0.0, 0.0, 0.0)
+        return cls(
+            at_s=max(p.at_s for p in parts),
+            uptime_s=_num(front, "uptime_s") or first.uptime_s,
+            endpoint=str(front.get("endpoint", first.endpoint)),
+            totals=_added([p.totals for p in parts]),
+            hit_by_tier=_added([p.hit_by_tier for p in parts]),
+            l2_bytes={n: _added([p.l2_bytes.get(n, {}) for p in parts]) for n in l2_names},
+            inflight=_added([p.inflight for p in parts]),
+            tiers={n: _added_usage([p.tiers.get(n, empty) for p in parts]) for n in tier_names},
+            bus={**_added([p.bus for p in parts]), "lag_s": max(p.bus["lag_s"] for p in parts)},
+            l0={n: _joined_summary([p.l0.get(n) or {} for p in parts]) for n in l0_names},
+            l0_sample_rate=first.l0_sample_rate,
+            instances=sum(p.instances for p in parts),
+            observed=any(p.observed for p in parts),
+            models=sorted({m for p in parts for m in p.models}),
+            l2_writes=_added([p.l2_writes for p in parts]),
+            layer_waits=_joined_summary([p.layer_waits for p in parts]),
+            blend_hit_by_tier=_added([p.blend_hit_by_tier for p in parts]),
         )
 
     def hit_rate(self, op: str = "lookup") -> float | None:

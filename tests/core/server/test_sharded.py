@@ -19,6 +19,7 @@ import torch
 
 from kvflow.core import KVFlowClient
 from kvflow.core.errors import InvalidRequestError, KVFlowError, UnknownInstanceError
+from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server.protocol import AdminClear, AdminQuota
 from kvflow.core.server.shm import empty_shared
 from tests.support import ops
@@ -274,3 +275,24 @@ def test_probes_answer_for_the_shards() -> None:
         assert ops.get_json(f"http://127.0.0.1:{port}/healthz")[0] == 200
         with KVFlowClient(srv.endpoint, timeout_s=10) as client:
             assert client.status()["server"]["probe_port"] == port
+
+
+def test_top_reads_a_sharded_server_as_the_sum_of_its_shards(ranks: list[KVFlowClient]) -> None:
+    """`kvflow top` and `kvflow report` read the status through Snapshot.of: a sharded
+    status is its shards' numbers added up (L1 capacity: both shares), not the front's
+    empty own part."""
+    model = _model("top")
+    iids, _ = _register(ranks, model)
+    tokens = _tokens(CHUNK, seed=11)
+    for rank, client in enumerate(ranks):
+        client.store(iids[rank], tokens, list(range(16)), request_id=f"t{rank}")
+    status = ranks[0].status()
+    whole = Snapshot.of(status)
+    parts = [Snapshot.of(s) for s in status["shards"]]
+    assert all(p.totals["store.requests"] >= 1 for p in parts)
+    assert whole.totals["store.requests"] == sum(p.totals["store.requests"] for p in parts)
+    assert whole.tiers["l1"].capacity_bytes == 0.25 * (1 << 30)
+    assert whole.instances == sum(p.instances for p in parts) >= 2
+    assert model in whole.models and whole.endpoint == ranks[0].endpoint
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
