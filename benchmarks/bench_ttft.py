@@ -30,6 +30,7 @@ import contextlib
 import functools
 import inspect
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -277,12 +278,12 @@ def kvflow_server(l1_gib: float, log: Path, *flags: str, chunk_size: int = CHUNK
         proc = subprocess.Popen(cmd, stderr=out, stdout=out, text=True)
     try:
         deadline = time.monotonic() + 180
-        while "listening on" not in log.read_text():
+        # the public endpoint's line (a sharded server's shards log their ipc:// ones)
+        while (found := re.search(r"listening on (tcp://\S+)", log.read_text())) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kvflow server did not start:\n{log.read_text()}")
             time.sleep(0.1)
-        endpoint = log.read_text().split("listening on ")[1].split()[0]
-        yield endpoint
+        yield found.group(1)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -22,7 +22,9 @@ one GPU's host link (all/one near 1.0 is expected). `--in-process` drives one
 `CacheEngine` in the benchmark's process instead of a server (same calls, no RPC, no
 server loop): its scaling against the server's, in the same kind of run, says how much
 of a shortfall is the server's and how much the engine's and the copies'.
-`--server-per-rank` starts one server per rank (each with its share of L1) and gives
+`--shards N` starts the one server with N rank shards (`kvflow server --shards N`: a
+process per GPU behind one endpoint; SPEC section 3's lookup is asked of it as of any
+server). `--server-per-rank` starts one server per rank (each with its share of L1) and gives
 rank r its own: a tensor-parallel rank only ever reads its own shard of the KV, so
 separate servers lose no hits between the ranks of one engine (SPEC section 3's
 all-ranks lookup then has no single server to ask, and is not checked); against one
@@ -32,6 +34,7 @@ server it says what a process per GPU would buy.
     python benchmarks/bench_two_gpus.py --ranks 4       # needs four
     python benchmarks/bench_two_gpus.py --same-gpu      # one GPU: the flow, not the scaling
     python benchmarks/bench_two_gpus.py --in-process    # the engine without a server
+    python benchmarks/bench_two_gpus.py --shards 2      # one server, a shard per GPU
     python benchmarks/bench_two_gpus.py --server-per-rank  # a server process per GPU
     python benchmarks/bench_two_gpus.py --rank-threads  # the ranks as threads of this one
     python benchmarks/bench_two_gpus.py --device cpu --tokens 4096 --repeat 1
@@ -343,7 +346,8 @@ def _backends(
             ]
         return
     if not args.in_process:
-        with kvflow_server(l1_gib, log, *args.server_flag) as endpoint:
+        shards = ["--shards", str(args.shards)] if args.shards > 1 else []
+        with kvflow_server(l1_gib, log, *shards, *args.server_flag) as endpoint:
             yield [endpoint] * args.ranks
         return
     from kvflow.core.config import ObservabilityConfig, ServerConfig
@@ -475,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                              " interpreter), not a process each as an engine's TP workers")  # fmt: skip
     parser.add_argument("--server-per-rank", action="store_true",
                         help="one server per rank, each with its share of L1")  # fmt: skip
+    parser.add_argument("--shards", type=int, default=1,
+                        help="the server's rank shards (kvflow server --shards)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--server-flag", action="append", default=[],
                         help="a further `kvflow server` flag (repeatable), e.g."
@@ -488,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--same-gpu needs --device cuda")
     if args.in_process and args.server_per_rank:
         parser.error("--server-per-rank and --in-process exclude each other")
+    if args.shards > 1 and (args.in_process or args.server_per_rank):
+        parser.error("--shards needs the one server (not --in-process or --server-per-rank)")
     if args.in_process and args.rank_threads:
         parser.error("--in-process runs every rank as a thread already (no --rank-threads)")
     if args.in_process and args.server_flag:
@@ -514,6 +522,7 @@ def _print_table(out: dict[str, float], args: argparse.Namespace) -> None:
     where += (
         ", one engine in this process" if args.in_process
         else ", a server per rank" if args.server_per_rank
+        else f", through one server of {args.shards} shards" if args.shards > 1
         else ", through one server"
     )  # fmt: skip
     if not args.in_process:

@@ -25,8 +25,9 @@ SCRIPT = ROOT / "benchmarks" / "bench_two_gpus.py"
         (["--rank-threads"], "through one server, ranks as threads of one process"),
         (["--in-process"], "one engine in this process"),
         (["--server-per-rank"], "a server per rank, a process per rank (2)"),
+        (["--shards", "2"], "through one server of 2 shards, a process per rank (2)"),
     ],
-    ids=["rank-processes", "rank-threads", "in-process", "server-per-rank"],
+    ids=["rank-processes", "rank-threads", "in-process", "server-per-rank", "shards"],
 )
 def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
     tmp_path: Path, flags: list[str], through: str
@@ -76,12 +77,14 @@ def test_two_ranks_on_cpu_pass_the_checks_and_report_every_phase(
         (["--in-process", "--server-flag=--disable-observability"], "--server-flag needs a server"),
         (["--in-process", "--server-per-rank"], "exclude each other"),
         (["--in-process", "--rank-threads"], "runs every rank as a thread already"),
+        (["--server-per-rank", "--shards", "2"], "--shards needs the one server"),
     ],
     ids=[
         "ranks-that-do-not-split-the-heads",
         "server-flags-in-process",
         "per-rank-in-process",
         "rank-threads-in-process",
+        "shards-per-rank",
     ],
 )
 def test_usage_errors_exit_2_naming_what_is_wrong(flags: list[str], message: str) -> None:
