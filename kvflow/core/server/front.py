@@ -81,7 +81,8 @@ log = logging.getLogger("kvflow.server.front")
 
 _TICK_S = 0.1
 _BATCH = 64
-#: how often the front asks every shard for its status (probes read the last answers)
+#: how often the front asks every shard for its status, with probes on (they read the
+#: last answers; a status takes a shard's loop a few milliseconds)
 _STATUS_EVERY_S = 1.0
 #: instances whose shard the front remembers (an instance reaped by its shard stays
 #: routed there until this many newer ones push it out)
@@ -212,7 +213,7 @@ class ShardedServer:
                     if shard.sentinel in ready:
                         self._shard_died(shard)
                         break
-                if time.monotonic() >= self._next_status:
+                if self._probes is not None and time.monotonic() >= self._next_status:
                     self._next_status = time.monotonic() + _STATUS_EVERY_S
                     self._ask_status()
         finally:
