@@ -173,6 +173,22 @@ def _tokens_or_keys(token_ids: Any, chunk_keys: Any) -> tuple[np.ndarray, bool]:
     return keys_to_wire(chunk_keys), True
 
 
+#: the requests a sharded server's shard may take straight from the client: an
+#: instance's transfers and reports (registration and unregistration go through the
+#: front, which routes by them)
+_DIRECT = (Store, Retrieve, BlendRetrieve, ReportAllocations, ReportLayerWaits)
+
+
+def reachable_ipc(endpoint: str) -> bool:
+    """Whether this process can connect to ipc:// `endpoint`: its socket file exists here
+    and is writable (a client in another container or of another user sees no such file,
+    or may not write it, and keeps going through the front)."""
+    if not endpoint.startswith("ipc://"):
+        return False
+    path = endpoint[len("ipc://") :]
+    return os.path.exists(path) and os.access(path, os.W_OK)
+
+
 def _close_pair(sock: zmq.Socket[Any], monitor: zmq.Socket[Any] | None) -> None:
     """Close a socket and its monitor (monitoring stops first, so no event is left queued)."""
     if monitor is not None:
@@ -191,11 +207,12 @@ class _Connection:
     connections are reused by whichever thread calls next: threads that come and go (a
     thread per request) neither open a connection per call nor leak one each."""
 
-    __slots__ = ("drops", "monitor", "sock")
+    __slots__ = ("drops", "endpoint", "monitor", "sock")
 
-    def __init__(self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any], endpoint: str) -> None:
         self.sock = sock
         self.monitor = monitor
+        self.endpoint = endpoint
         self.drops = 0
 
     def close(self) -> None:
@@ -325,9 +342,12 @@ class KVFlowClient:
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._lock = threading.Lock()
-        #: every open connection, and those no call is using (the lock guards both)
+        #: every open connection, and those no call is using by endpoint (the lock guards
+        #: both): the server's, and a sharded server's shards its instances live on
         self._connections: set[_Connection] = set()
-        self._idle: list[_Connection] = []
+        self._idle: dict[str, list[_Connection]] = {}
+        #: instances a sharded server lets this client reach on their shard directly
+        self._direct: dict[str, str] = {}
         self._events: dict[str, _CudaEvents] = {}  # per instance with CUDA caches
         self._layers: dict[str, ClientLayers] = {}  # per instance registered layerwise
         self._store_sender: ThreadPoolExecutor | None = None
@@ -339,14 +359,15 @@ class KVFlowClient:
 
     # -- transport ------------------------------------------------------------------------
 
-    def _checkout(self) -> _Connection:
-        """An idle connection, or a new one; the caller gives it back (`_checkin`) or, if
-        the call failed on it, closes it (`_discard`)."""
+    def _checkout(self, endpoint: str) -> _Connection:
+        """An idle connection to `endpoint`, or a new one; the caller gives it back
+        (`_checkin`) or, if the call failed on it, closes it (`_discard`)."""
         with self._lock:
             if self._closed:
                 raise KVFlowError("the client is closed")
-            if self._idle:
-                return self._idle.pop()
+            idle = self._idle.get(endpoint)
+            if idle:
+                return idle.pop()
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
         # No ZMQ_IMMEDIATE: with it, a reply that arrives just before the server
@@ -356,11 +377,11 @@ class KVFlowClient:
         # a server on an IPv6 address (tcp://[::1]:5555) needs it; only then, for with it
         # on ZMQ resolves a name such as localhost to its first address, maybe ::1, where
         # a server on 127.0.0.1 does not listen
-        sock.ipv6 = (endpoint_host(self.endpoint) or "").startswith("[")
+        sock.ipv6 = (endpoint_host(endpoint) or "").startswith("[")
         if self._curve is not None:
             secure_client(sock, *self._curve)
-        conn = _Connection(sock, sock.get_monitor_socket(_HANDSHAKE_EVENTS))
-        sock.connect(self.endpoint)
+        conn = _Connection(sock, sock.get_monitor_socket(_HANDSHAKE_EVENTS), endpoint)
+        sock.connect(endpoint)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -374,7 +395,7 @@ class KVFlowClient:
         """Give a connection back after a completed call (closed if the client is)."""
         with self._lock:
             if conn in self._connections:
-                self._idle.append(conn)
+                self._idle.setdefault(conn.endpoint, []).append(conn)
                 return
         conn.close()
 
@@ -435,7 +456,7 @@ class KVFlowClient:
         frames = encode_request(request, payloads)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         op = type(request).__name__
-        conn = self._checkout()
+        conn = self._checkout(self._endpoint_of(request))
         try:
             reply = self._exchange(conn, frames, request.id, op, timeout, idle)
         except BaseException:  # the connection may still get this call's reply: not reused
@@ -446,6 +467,14 @@ class KVFlowClient:
         if isinstance(reply, Failed):
             raise ERRORS_BY_CODE.get(reply.code, KVFlowError)(reply.message)
         return reply
+
+    def _endpoint_of(self, request: Request) -> str:
+        """Where `request` goes: an instance's transfers and reports to its shard when a
+        sharded server said so, everything else to the server."""
+        if isinstance(request, _DIRECT):
+            with self._lock:
+                return self._direct.get(request.instance_id, self.endpoint)
+        return self.endpoint
 
     def _exchange(
         self,
@@ -578,12 +607,19 @@ class KVFlowClient:
         reply = self._call(request)
         if not isinstance(reply, Registered):
             raise ProtocolError(f"unexpected {type(reply).__name__} reply to a Register")
-        self._keep_registered(instance_id, events, layers)
+        self._keep_registered(instance_id, events, layers, reply.endpoint)
         self._start_heartbeat(reply.heartbeat_interval_s)
 
-    def _keep_registered(self, instance_id: str, events: Any, layers: ClientLayers | None) -> None:
-        """Hold a registered instance's CUDA events and layer completion points."""
+    def _keep_registered(
+        self, instance_id: str, events: Any, layers: ClientLayers | None, shard: str | None
+    ) -> None:
+        """Hold a registered instance's CUDA events, layer completion points and the shard
+        endpoint to send its transfers to (when this process can reach it)."""
         with self._lock:
+            if shard is not None and reachable_ipc(shard):
+                self._direct[instance_id] = shard
+            else:
+                self._direct.pop(instance_id, None)
             if events is not None:
                 self._events[instance_id] = events
             if layers is not None:
@@ -892,6 +928,7 @@ class KVFlowClient:
         """Unregister an instance (after its queued transfers finish on the server)."""
         self._done(Unregister(instance_id=instance_id))
         with self._lock:
+            self._direct.pop(instance_id, None)
             self._events.pop(instance_id, None)
             self._layers.pop(instance_id, None)
 
@@ -995,7 +1032,7 @@ class KVFlowClient:
             sender.shutdown(wait=True)
         with self._lock:
             self._closed = True
-            connections, self._connections, self._idle = self._connections, set(), []
+            connections, self._connections, self._idle = self._connections, set(), {}
         for conn in connections:
             conn.close()
         self._ctx.term()

@@ -58,6 +58,7 @@ from kvflow.core.server.protocol import (
     Prefetch,
     PrefetchQuery,
     Register,
+    Registered,
     Reply,
     ReportAllocations,
     ReportLayerWaits,
@@ -351,7 +352,18 @@ class ShardedServer:
         self._routes.move_to_end(iid)
         while len(self._routes) > _MAX_ROUTES:
             self._routes.popitem(last=False)
-        call([(shard, request)], arrays)
+        call([(shard, request)], arrays, after=self._direct(shard))
+
+    def _direct(self, shard: int) -> Callable[[Reply], None]:
+        """Tell a registered client its instance's shard, which it may then send the
+        instance's transfers to itself: no CURVE here, so the shard's socket, reachable by
+        this user's processes only, exposes nothing the front does not."""
+
+        def tell(reply: Reply) -> None:
+            if isinstance(reply, Registered) and self._curve is None:
+                reply.endpoint = self._shards[shard].endpoint
+
+        return tell
 
     def _unrouted(self, instance_id: str, shard: int) -> Callable[[Reply], None]:
         def forget(reply: Reply) -> None:

@@ -477,6 +477,9 @@ class Registered(Reply, tag="registered"):
     """Registration accepted; the client must heartbeat at least this often."""
 
     heartbeat_interval_s: float
+    #: a sharded server's shard serving the instance (ipc://, this host): the client may
+    #: send the instance's stores and retrieves there directly, one hop fewer (None: here)
+    endpoint: str | None = None
 
 
 class StatusResult(Reply, tag="status"):

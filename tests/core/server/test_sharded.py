@@ -20,6 +20,7 @@ import torch
 from kvflow.core import KVFlowClient
 from kvflow.core.errors import InvalidRequestError, KVFlowError, UnknownInstanceError
 from kvflow.core.observe.snapshot import Snapshot
+from kvflow.core.server.client import reachable_ipc
 from kvflow.core.server.protocol import AdminClear, AdminQuota
 from kvflow.core.server.shm import empty_shared
 from tests.support import ops
@@ -85,6 +86,14 @@ def _register(
     return iids, caches
 
 
+def _l2_written(client: KVFlowClient) -> None:
+    """Wait until every shard's L2 writes are done."""
+    deadline = time.monotonic() + 20
+    while any(s["l2"]["in_flight"]["write_through"]["calls"] for s in client.status()["shards"]):
+        assert time.monotonic() < deadline, "L2 writes did not finish"
+        time.sleep(0.05)
+
+
 def _shard_instances(client: KVFlowClient) -> list[set[str]]:
     return [set(s["server"]["instances"]) for s in client.status()["shards"]]
 
@@ -98,7 +107,10 @@ def test_a_prefix_is_a_hit_once_every_rank_s_shard_holds_it(ranks: list[KVFlowCl
     assert iids[0] in shards[0] and iids[0] not in shards[1]
     assert iids[1] in shards[1] and iids[1] not in shards[0]
     tokens = _tokens(2 * CHUNK + 10, seed=3)
+    before = ranks[0].status()["server"]["requests"]
     ranks[0].store(iids[0], tokens, list(range(32)), request_id="s0")
+    after = ranks[0].status()["server"]["requests"]
+    assert after == before + 1, "the store went to its shard directly, not through the front"
     assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD) == 0, "rank 1 lacks it"
     assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD, ranks=[0]) == 2 * CHUNK
     assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD, ranks=[1]) == 0
@@ -154,10 +166,8 @@ def test_a_prefetch_loads_every_shard_s_ranks_back(ranks: list[KVFlowClient]) ->
     tokens = _tokens(2 * CHUNK, seed=8)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(32)), request_id=f"p{rank}")
+    _l2_written(ranks[0])
     deadline = time.monotonic() + 20
-    while ranks[0].status()["shards"][1]["l2"]["write_through"].get("pending", 0):
-        assert time.monotonic() < deadline, "L2 writes did not finish"
-        time.sleep(0.05)
     cleared = ranks[0].admin(AdminClear(model_name=model, tiers=["l1"]))
     assert len(cleared["shards"]) == 2
     pid = ranks[0].prefetch(tokens, model_name=model, world_size=WORLD)
@@ -182,6 +192,7 @@ def test_admin_operations_reach_every_shard(ranks: list[KVFlowClient]) -> None:
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(16)), request_id=f"a{rank}")
     assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD) == CHUNK
+    _l2_written(ranks[0])  # a write landing after the clear would bring the chunk back
     ranks[0].admin(AdminClear(model_name=model))
     for rank in range(WORLD):
         assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD, ranks=[rank]) == 0
@@ -296,3 +307,13 @@ def test_top_reads_a_sharded_server_as_the_sum_of_its_shards(ranks: list[KVFlowC
     assert model in whole.models and whole.endpoint == ranks[0].endpoint
     for rank, client in enumerate(ranks):
         client.unregister(iids[rank])
+
+
+def test_only_an_ipc_socket_this_process_may_write_is_reached_directly(tmp_path: Path) -> None:
+    sock = tmp_path / "shard-0"
+    assert not reachable_ipc(f"ipc://{sock}"), "no such socket here (another container)"
+    sock.write_text("")
+    assert reachable_ipc(f"ipc://{sock}")
+    sock.chmod(0o400)
+    assert os.access(sock, os.W_OK) or not reachable_ipc(f"ipc://{sock}")
+    assert not reachable_ipc("tcp://127.0.0.1:5555")
