@@ -280,7 +280,7 @@ OPTIONS = (
         "shards",
         _S,
         int,
-        "processes serving the ranks behind this endpoint, rank r on shard r %% N (default"
+        "processes serving the ranks behind this endpoint, rank r on shard r mod N (default"
         " 1; one per GPU of a tensor-parallel engine: docs/SERVER.md, Shards)",
     ),
     _Option(
