@@ -85,6 +85,9 @@ _BATCH = 64
 #: how often the front asks every shard for its status, with probes on (they read the
 #: last answers; a status takes a shard's loop a few milliseconds)
 _STATUS_EVERY_S = 1.0
+#: calls the front waits on at once: past it the oldest is forgotten (a shard that hangs
+#: must not grow the front without bound; its clients time out either way)
+_MAX_CALLS = 1 << 16
 #: instances whose shard the front remembers (an instance reaped by its shard stays
 #: routed there until this many newer ones push it out)
 _MAX_ROUTES = 1 << 16
@@ -332,6 +335,10 @@ class ShardedServer:
         front_id = self._next_id
         self._next_id += 1
         header = encode_header(msgspec.structs.replace(part, id=front_id))
+        if len(self._calls) >= _MAX_CALLS:
+            oldest = next(iter(self._calls))
+            log.warning("%d calls in flight: forgetting the oldest (a shard hangs?)", _MAX_CALLS)
+            del self._calls[oldest]
         self._calls[front_id] = (call, slot)
         self._sockets[shard].send_multipart([header, *(a.data for a in arrays)], copy=False)
 

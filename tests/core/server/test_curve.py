@@ -462,3 +462,29 @@ def test_a_wrong_server_key_is_refused_not_timed_out(
     with client, pytest.raises(AuthenticationError, match="its key differs"):
         client.status()
     assert time.monotonic() - started < 8
+
+
+def test_a_sharded_server_authenticates_at_its_front(keys: dict[str, Path]) -> None:
+    """`--shards 2` with CURVE: the front checks every key, the shards still tell keys
+    apart (another key may not take an instance over), and no client is sent around the
+    front to a shard: each store is one more request the front saw."""
+    flags = ["--curve-secret-key", str(keys["server"]), "--curve-authorized-keys"]
+    with ServerProcess("--shards", "2", *flags, str(keys["authorized"])) as srv:
+        kv, tokens = _kv(), list(range(CHUNK))
+        with _client(srv, keys, "alice") as alice, _client(srv, keys, "bob") as bob:
+            alice.register_kv_caches("a-1", kv, model_name="m", world_size=2, rank=1)
+            before = _requests(srv, keys)
+            assert alice.store("a-1", tokens, FIRST, request_id="s") == CHUNK
+            assert _requests(srv, keys) == before + 2, "the store went through the front"
+            assert alice.lookup(tokens, model_name="m", world_size=2, ranks=[1]) == CHUNK
+            with pytest.raises(AlreadyRegisteredError):
+                bob.register_kv_caches("a-1", kv, model_name="m", world_size=2, rank=1)
+            with pytest.raises(PermissionDeniedError, match="another CURVE key"):
+                bob.register_kv_caches(
+                    "a-1", kv, model_name="m", world_size=2, rank=1, takeover=True
+                )
+            with pytest.raises(PermissionDeniedError):
+                bob.store("a-1", tokens, SECOND, request_id="b")
+            alice.unregister("a-1")
+        with _client(srv, keys, "mallory") as mallory, pytest.raises(AuthenticationError):
+            mallory.status()

@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from kvflow.core import KVFlowClient
-from kvflow.core.errors import InvalidRequestError, KVFlowError, UnknownInstanceError
+from kvflow.core.errors import (
+    InvalidRequestError,
+    KVFlowError,
+    RequestTimeoutError,
+    UnknownInstanceError,
+)
 from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server.client import reachable_ipc
 from kvflow.core.server.protocol import AdminClear, AdminQuota
@@ -233,6 +238,22 @@ def test_status_is_the_front_s_and_every_shard_s(ranks: list[KVFlowClient]) -> N
     assert front["shards"] == 2 and len(front["shard_pids"]) == 2
     assert [s["server"]["pid"] for s in status["shards"]] == front["shard_pids"]
     assert all(s["config"]["l1_size_gb"] == 0.125 for s in status["shards"])
+
+
+def test_a_hung_shard_holds_up_only_what_needs_it(ranks: list[KVFlowClient]) -> None:
+    """SIGSTOP of shard 1: a lookup of rank 0 is still answered, one that needs rank 1
+    times out for its client; once the shard runs again, so does everything."""
+    model, tokens = _model("hang"), _tokens(CHUNK, seed=12)
+    pids = ranks[0].status()["server"]["shard_pids"]
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        with KVFlowClient(ranks[0].endpoint, timeout_s=1.0) as quick:
+            assert quick.lookup(tokens, model_name=model, world_size=WORLD, ranks=[0]) == 0
+            with pytest.raises(RequestTimeoutError):
+                quick.lookup(tokens, model_name=model, world_size=WORLD)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert ranks[1].lookup(tokens, model_name=model, world_size=WORLD) == 0
 
 
 def test_a_killed_shard_stops_the_whole_server() -> None:
