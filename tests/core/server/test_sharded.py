@@ -27,13 +27,11 @@ from kvflow.core.errors import (
 from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server.client import reachable_ipc
 from kvflow.core.server.protocol import AdminClear, AdminQuota
-from kvflow.core.server.shm import empty_shared
 from tests.support import ops
 from tests.support.collectors import free_port
 
-NL, NB, BS, NH, HS = 2, 64, 16, 2, 8
-CHUNK = 256
 WORLD = 2
+CHUNK = ops.CHUNK
 
 
 def _server(*flags: str) -> ops.ServerProcess:
@@ -62,18 +60,6 @@ def ranks(server: ops.ServerProcess) -> Iterator[list[KVFlowClient]]:
         c.close()
 
 
-def _kv(seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    kv = [empty_shared((2, NB, BS, NH, HS), torch.bfloat16) for _ in range(NL)]
-    for t in kv:
-        t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
-    return kv
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return random.Random(seed).choices(range(32000), k=n)
-
-
 def _model(name: str) -> str:
     return f"{name}-{os.getpid()}-{random.randrange(1 << 30)}"
 
@@ -83,7 +69,7 @@ def _register(
 ) -> tuple[list[str], list[list[torch.Tensor]]]:
     iids, caches = [], []
     for rank, client in enumerate(clients):
-        kv = _kv(rank + 1)
+        kv = ops.shared_kv(rank + 1)
         iid = f"{model}-rank{rank}"
         client.register_kv_caches(iid, kv, model_name=model, world_size=WORLD, rank=rank)
         iids.append(iid)
@@ -111,7 +97,7 @@ def test_a_prefix_is_a_hit_once_every_rank_s_shard_holds_it(ranks: list[KVFlowCl
     shards = _shard_instances(ranks[0])
     assert iids[0] in shards[0] and iids[0] not in shards[1]
     assert iids[1] in shards[1] and iids[1] not in shards[0]
-    tokens = _tokens(2 * CHUNK + 10, seed=3)
+    tokens = ops.tokens(2 * CHUNK + 10, seed=3)
     before = ranks[0].status()["server"]["requests"]
     ranks[0].store(iids[0], tokens, list(range(32)), request_id="s0")
     after = ranks[0].status()["server"]["requests"]
@@ -124,8 +110,7 @@ def test_a_prefix_is_a_hit_once_every_rank_s_shard_holds_it(ranks: list[KVFlowCl
     for rank, client in enumerate(ranks):
         got = client.retrieve(iids[rank], tokens, list(range(32, 64)), request_id=f"r{rank}")
         assert got == 2 * CHUNK
-        for layer in caches[rank]:
-            assert torch.equal(layer[:, 32:64], layer[:, 0:32])
+        assert ops.blocks_equal(caches[rank], range(32), range(32, 64))
     ranks[0].end_session("s0")
     for rank, client in enumerate(ranks):
         client.unregister(iids[rank])
@@ -140,19 +125,19 @@ def test_an_instance_registered_again_as_another_rank_moves_shard(
     replaces the old registration) and serves it on shard 1."""
     client, model = ranks[0], _model("move")
     iid = f"{model}-moving"
-    client.register_kv_caches(iid, _kv(5), model_name=model, world_size=WORLD, rank=0)
+    client.register_kv_caches(iid, ops.shared_kv(5), model_name=model, world_size=WORLD, rank=0)
     assert [iid in s for s in _shard_instances(client)] == [True, False]
-    kv = _kv(6)
+    kv = ops.shared_kv(6)
     client.register_kv_caches(iid, kv, model_name=model, world_size=WORLD, rank=1)
     assert [iid in s for s in _shard_instances(client)] == [False, True]
-    tokens = _tokens(CHUNK, seed=6)
+    tokens = ops.tokens(CHUNK, seed=6)
     assert client.store(iid, tokens, list(range(16)), request_id="m") == CHUNK
     assert client.lookup(tokens, model_name=model, world_size=WORLD, ranks=[1]) == CHUNK
     client.unregister(iid)
 
 
 def test_bad_ranks_are_refused_with_the_reason(ranks: list[KVFlowClient]) -> None:
-    tokens = _tokens(CHUNK, seed=7)
+    tokens = ops.tokens(CHUNK, seed=7)
     with pytest.raises(InvalidRequestError, match="rank"):
         ranks[0].lookup(tokens, model_name="m", world_size=WORLD, ranks=[2])
     with pytest.raises(InvalidRequestError, match="rank"):
@@ -168,7 +153,7 @@ def test_a_prefetch_loads_every_shard_s_ranks_back(ranks: list[KVFlowClient]) ->
     their chunks up and is done once both are."""
     model = _model("prefetch")
     iids, _ = _register(ranks, model)
-    tokens = _tokens(2 * CHUNK, seed=8)
+    tokens = ops.tokens(2 * CHUNK, seed=8)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(32)), request_id=f"p{rank}")
     _l2_written(ranks[0])
@@ -193,7 +178,7 @@ def test_admin_operations_reach_every_shard(ranks: list[KVFlowClient]) -> None:
     """A clear empties both shards; a tenant quota is split between them like L1."""
     model = _model("admin")
     iids, _ = _register(ranks, model)
-    tokens = _tokens(CHUNK, seed=9)
+    tokens = ops.tokens(CHUNK, seed=9)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(16)), request_id=f"a{rank}")
     assert ranks[0].lookup(tokens, model_name=model, world_size=WORLD) == CHUNK
@@ -219,7 +204,7 @@ def test_kv_events_are_subscribed_per_rank(ranks: list[KVFlowClient]) -> None:
     sub = ranks[0].subscribe_kv_events(model_name=model, rank=1)
     assert sub.subscription.startswith("1:")
     iids, _ = _register(ranks, model)
-    tokens = _tokens(CHUNK, seed=10)
+    tokens = ops.tokens(CHUNK, seed=10)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(16)), request_id=f"e{rank}")
     poll = ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
@@ -243,7 +228,7 @@ def test_status_is_the_front_s_and_every_shard_s(ranks: list[KVFlowClient]) -> N
 def test_a_hung_shard_holds_up_only_what_needs_it(ranks: list[KVFlowClient]) -> None:
     """SIGSTOP of shard 1: a lookup of rank 0 is still answered, one that needs rank 1
     times out for its client; once the shard runs again, so does everything."""
-    model, tokens = _model("hang"), _tokens(CHUNK, seed=12)
+    model, tokens = _model("hang"), ops.tokens(CHUNK, seed=12)
     pids = ranks[0].status()["server"]["shard_pids"]
     os.kill(pids[1], signal.SIGSTOP)
     try:
@@ -315,7 +300,7 @@ def test_top_reads_a_sharded_server_as_the_sum_of_its_shards(ranks: list[KVFlowC
     empty own part."""
     model = _model("top")
     iids, _ = _register(ranks, model)
-    tokens = _tokens(CHUNK, seed=11)
+    tokens = ops.tokens(CHUNK, seed=11)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(16)), request_id=f"t{rank}")
     status = ranks[0].status()
