@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from kvflow.core.config import SECRET_FIELDS, ObservabilityConfig, ServerConfig
 from kvflow.core.server.addresses import bare_host, endpoint_host
+from kvflow.core.server.server_logging import configure_server_logging
 from kvflow.subscribers import LoggingSetup, configure_logging
 
 ENV_PREFIX = "KVFLOW_"
@@ -495,17 +496,6 @@ def resolve(argv: list[str], environ: dict[str, str] | None = None) -> ServerCon
         return ServerConfig(**fields[_S], observability=observability)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-
-
-def configure_server_logging(config: ObservabilityConfig) -> LoggingSetup | None:
-    """Render the server's own logs like the event logs.
-
-    With event logs on, the engine's pipeline installs that rendering; otherwise
-    the server installs it here, so its lines never come out in another format.
-    """
-    if config.enabled and config.logging_enabled:
-        return None
-    return configure_logging(config.log_level, config.log_format)
 
 
 def _serve(config: ServerConfig) -> int:

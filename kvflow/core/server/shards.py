@@ -69,8 +69,8 @@ def shard_config(config: ServerConfig, index: int, directory: str) -> ServerConf
 
 def _run_shard(config: ServerConfig, conn: Connection) -> None:
     """A shard process's body: serve `config`, telling the front the endpoint or why not."""
-    from kvflow.core.server.cli import configure_server_logging
     from kvflow.core.server.server import KVFlowServer
+    from kvflow.core.server.server_logging import configure_server_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when shards stop
     setup = configure_server_logging(config.observability)

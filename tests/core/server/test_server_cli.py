@@ -21,7 +21,8 @@ import pytest
 from kvflow.core import CacheEngine, KVFlowClient
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.errors import KVFlowError
-from kvflow.core.server.cli import OPTIONS, UsageError, configure_server_logging, main, resolve
+from kvflow.core.server.cli import OPTIONS, UsageError, main, resolve
+from kvflow.core.server.server_logging import configure_server_logging
 from kvflow.core.tiers.quota import salt_label
 from tests.support.ops import ServerProcess, wait_for
 
