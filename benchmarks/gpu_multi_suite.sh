@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The many-GPU run for a device machine with two or more GPUs, in one lease: every
 # gpu2-marked test (a second GPU with the first one's context current, ranks on both,
-# the minute-long two-GPU stress), bench_two_gpus for 2 ranks through one server and with
-# a server per rank (and 4 with four GPUs), each rank alone and all at once next to the
+# the minute-long two-GPU stress), bench_two_gpus for 2 ranks through one server (one
+# process, then a shard per GPU) and with a server per rank (and 4 ranks with four GPUs,
+# one process and sharded), each rank alone and all at once next to the
 # pinned-copy ceilings, and bench_cold_l1.
 # Usage (repo root, `.whl/` carried): bash benchmarks/gpu_multi_suite.sh [OUT_DIR]
 set -uo pipefail
@@ -25,11 +26,16 @@ step() {
 }
 step gpu2_tests 300 python3 -m pytest -q -p no:cacheprovider -p no:randomly -m gpu2 tests
 step two_gpus 150 python3 benchmarks/bench_two_gpus.py --ranks 2 --json "$out/two_gpus.json"
+# one server with a shard process per GPU (kvflow server --shards 2), same lease
+step two_gpus_shards 150 python3 benchmarks/bench_two_gpus.py --ranks 2 --shards 2 \
+  --json "$out/two_gpus_shards.json"
 # the same ranks with a server each: what one server's shared interpreter costs, same lease
 step two_gpus_per_rank 150 python3 benchmarks/bench_two_gpus.py --ranks 2 --server-per-rank \
   --json "$out/two_gpus_per_rank.json"
 if [ "$gpus" -ge 4 ]; then
   step four_gpus 150 python3 benchmarks/bench_two_gpus.py --ranks 4 --json "$out/four_gpus.json"
+  step four_gpus_shards 150 python3 benchmarks/bench_two_gpus.py --ranks 4 --shards 4 \
+    --json "$out/four_gpus_shards.json"
 fi
 step cold_l1 120 python3 benchmarks/bench_cold_l1.py --json "$out/cold_l1.json"
 exit $status
