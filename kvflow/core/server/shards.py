@@ -13,6 +13,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -67,11 +68,23 @@ def shard_config(config: ServerConfig, index: int, directory: str) -> ServerConf
     )
 
 
-def _run_shard(config: ServerConfig, conn: Connection) -> None:
+def shard_resource(environ: dict[str, str], index: int, front_pid: int) -> str:
+    """OTEL_RESOURCE_ATTRIBUTES for shard `index`: the operator's, plus `kvflow.shard` and
+    (unless given) a `service.instance.id` of its own, so the shards' OTLP streams (same
+    metric names, one per process) stay apart at the collector."""
+    given = environ.get("OTEL_RESOURCE_ATTRIBUTES", "").strip().strip(",")
+    extra = [f"kvflow.shard={index}"]
+    if "service.instance.id=" not in given:
+        extra.append(f"service.instance.id={socket.gethostname()}:{front_pid}/shard-{index}")
+    return ",".join([given, *extra] if given else extra)
+
+
+def _run_shard(config: ServerConfig, index: int, conn: Connection) -> None:
     """A shard process's body: serve `config`, telling the front the endpoint or why not."""
     from kvflow.core.server.server import KVFlowServer
     from kvflow.core.server.server_logging import configure_server_logging
 
+    os.environ["OTEL_RESOURCE_ATTRIBUTES"] = shard_resource(dict(os.environ), index, os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when shards stop
     setup = configure_server_logging(config.observability)
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
@@ -100,8 +113,8 @@ class Shard:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
-            target=_run_shard, args=(self.config, child), name=f"kvflow-shard-{index}",
-            daemon=False,
+            target=_run_shard, args=(self.config, index, child),
+            name=f"kvflow-shard-{index}", daemon=False,
         )  # fmt: skip
         self._terminated = False
         self._process.start()

@@ -27,8 +27,9 @@ from kvflow.core.errors import (
 from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server.client import reachable_ipc
 from kvflow.core.server.protocol import AdminClear, AdminQuota
+from kvflow.core.server.shards import shard_resource
 from tests.support import ops
-from tests.support.collectors import free_port
+from tests.support.collectors import OTLPReceiver, free_port
 
 WORLD = 2
 CHUNK = ops.CHUNK
@@ -323,3 +324,28 @@ def test_only_an_ipc_socket_this_process_may_write_is_reached_directly(tmp_path:
     sock.chmod(0o400)
     assert os.access(sock, os.W_OK) or not reachable_ipc(f"ipc://{sock}")
     assert not reachable_ipc("tcp://127.0.0.1:5555")
+
+
+def test_each_shard_exports_its_metrics_as_a_resource_of_its_own() -> None:
+    """Over OTLP the shards' streams (same names, one per process) carry `kvflow.shard`
+    and a `service.instance.id` each, so a collector keeps them apart."""
+    receiver = OTLPReceiver()
+    try:
+        with _server("--otlp-endpoint", receiver.endpoint, "--export-interval-s", "0.5"):
+            deadline = time.monotonic() + 30
+            while len({r.get("kvflow.shard") for r in receiver.resources()} - {None}) < 2:
+                assert time.monotonic() < deadline, receiver.resources()
+                time.sleep(0.2)
+        shards = {r["kvflow.shard"]: r for r in receiver.resources() if "kvflow.shard" in r}
+        assert set(shards) == {"0", "1"}
+        ids = {r["service.instance.id"] for r in shards.values()}
+        assert len(ids) == 2 and all(i.endswith(("/shard-0", "/shard-1")) for i in ids)
+        assert all(r["service.name"] == "kvflow" for r in shards.values())
+    finally:
+        receiver.close()
+
+
+def test_an_operator_s_resource_attributes_are_kept() -> None:
+    given = shard_resource({"OTEL_RESOURCE_ATTRIBUTES": "team=kv,service.instance.id=a"}, 1, 7)
+    assert given == "team=kv,service.instance.id=a,kvflow.shard=1"
+    assert shard_resource({}, 0, 7).startswith("kvflow.shard=0,service.instance.id=")
