@@ -155,6 +155,15 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
         "tests/core/server/test_curve_keys.py",
     ],
     "kvflow/core/server/cli.py": ["tests/core/server/test_server_cli.py"],
+    # a sharded server: how its front splits queries and joins replies, and the front itself
+    "kvflow/core/server/fanout.py": [
+        "tests/core/server/test_fanout.py",
+        "tests/core/server/test_sharded.py",
+    ],
+    "kvflow/core/server/shards.py": [
+        "tests/core/server/test_fanout.py",
+        "tests/core/server/test_sharded.py",
+    ],
     "kvflow/core/server/client.py": [
         "tests/core/server/test_client.py",
         "tests/core/server/test_server.py",

@@ -132,7 +132,8 @@ def _status(reply: Reply) -> dict[str, Any]:
 
 def join_blend(replies: Sequence[Reply]) -> Reply:
     """What every shard found: the least prefix, and the segments all of them report
-    (in the first shard's order)."""
+    (in the first shard's order; each reports segments past its own prefix only, so
+    these lie past the least)."""
     found = []
     for reply in replies:
         if not isinstance(reply, BlendFound):
@@ -140,7 +141,7 @@ def join_blend(replies: Sequence[Reply]) -> Reply:
         found.append(reply)
     prefix = min(f.prefix_tokens for f in found)
     common = set.intersection(*(set(f.segments) for f in found))
-    segments = [s for s in found[0].segments if s in common and s.offset >= prefix]
+    segments = [s for s in found[0].segments if s in common]
     return BlendFound(prefix_tokens=prefix, segments=segments)
 
 

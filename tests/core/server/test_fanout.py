@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvflow.core.config import ObservabilityConfig, ServerConfig
 from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server import fanout
@@ -52,15 +54,38 @@ def test_prefetch_ids_and_states_cross_the_shards() -> None:
     assert fanout.prefetch_parts("0/aa,1/bb", 2) == {0: "aa", 1: "bb"}
     for bad in ("aa", "2/aa", "0/", "x/aa", "0/aa,", ""):
         assert fanout.prefetch_parts(bad, 2) is None, bad
+    assert fanout.prefetch_parts("0/a/b", 2) == {0: "a/b"}
+    # a shard's state without a count (an older shard) counts 0 there
     state = {"state": "done", "chunks": 2, "tokens": 512, "landed_tokens": 512, "loaded_chunks": 2}
     joined = fanout.join_prefetch_state("0/aa,1/bb")(
         [StatusResult(status=state),
-         StatusResult(status={**state, "state": "running", "landed_tokens": 256})]
+         StatusResult(status={**state, "state": "running", "landed_tokens": 256,
+                              "skipped_chunks": 3})]
     )  # fmt: skip
     assert isinstance(joined, StatusResult)
     assert joined.status["prefetch_id"] == "0/aa,1/bb" and joined.status["state"] == "running"
     assert joined.status["chunks"] == 4 and joined.status["loaded_chunks"] == 4
     assert joined.status["tokens"] == 512 and joined.status["landed_tokens"] == 256
+    assert joined.status["skipped_chunks"] == 3 and joined.status["discarded_chunks"] == 0
+    without = {k: v for k, v in state.items() if k != "landed_tokens"}
+    least = fanout.join_prefetch_state("x")([StatusResult(status=without)] * 2)
+    assert isinstance(least, StatusResult) and least.status["landed_tokens"] == 0
+
+
+def test_a_shard_answering_out_of_turn_is_an_error_naming_the_query() -> None:
+    """A reply of the wrong kind (a shard that lies) fails the client's call with what
+    was asked (the front turns the TypeError into an error reply)."""
+    cases = [
+        (fanout.join_lookup, [Done(value=None)], "lookup"),
+        (fanout.join_lookup, [StatusResult(status={})], "lookup"),
+        (fanout.join_blend, [Done(value=1)], "blend lookup"),
+        (fanout.join_prefetch([0]), [Done(value=1)], "prefetch"),
+        (fanout.join_prefetch_state("0/a"), [Done(value=1)], "not a status"),
+        (fanout.join_admin, [Done(value=1)], "not a status"),
+    ]
+    for join, replies, what in cases:
+        with pytest.raises(TypeError, match=what):
+            join(replies)
 
 
 def test_each_shard_gets_its_share_and_its_own_places() -> None:
