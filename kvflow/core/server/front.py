@@ -88,6 +88,8 @@ _STATUS_EVERY_S = 1.0
 #: calls the front waits on at once: past it the oldest is forgotten (a shard that hangs
 #: must not grow the front without bound; its clients time out either way)
 _MAX_CALLS = 1 << 16
+#: how long a status waits for the shards before it answers with those that did
+STATUS_PATIENCE_S = 5.0
 #: instances whose shard the front remembers (an instance reaped by its shard stays
 #: routed there until this many newer ones push it out)
 _MAX_ROUTES = 1 << 16
@@ -104,10 +106,16 @@ class _Call:
     join: fanout.Join | None  # None: one shard's reply, passed on
     replies: list[Reply | None]
     after: Callable[[Reply], None] | None = None
+    #: when to stop waiting for shards that have not answered (None: wait as long as the
+    #: client does); the join then gets their places as Failed replies
+    deadline: float | None = None
     waiting: int = field(init=False)
+    #: the front ids its parts went out under, by slot
+    ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.waiting = len(self.replies)
+        self.ids = [0] * len(self.replies)
 
 
 class ShardedServer:
@@ -142,6 +150,7 @@ class ShardedServer:
             raise
         self._errors = ErrorReplies()
         self._calls: dict[int, tuple[_Call, int]] = {}
+        self._impatient: list[_Call] = []  # calls with a deadline, until answered
         self._next_id = 1
         self._routes: OrderedDict[str, int] = OrderedDict()
         self._stop = threading.Event()
@@ -217,6 +226,8 @@ class ShardedServer:
                     if shard.sentinel in ready:
                         self._shard_died(shard)
                         break
+                if self._impatient:
+                    self._expire()
                 if self._probes is not None and time.monotonic() >= self._next_status:
                     self._next_status = time.monotonic() + _STATUS_EVERY_S
                     self._ask_status()
@@ -302,7 +313,8 @@ class ShardedServer:
             case Heartbeat() | EndSession():
                 call(self._everywhere(request), arrays, join=fanout.join_done)
             case Status():
-                call(self._everywhere(request), arrays, join=self._join_status)
+                call(self._everywhere(request), arrays, join=self._join_status,
+                     patience_s=STATUS_PATIENCE_S)  # fmt: skip
             case SubscribeKVEvents():
                 self._subscribe(call, request)
             case PollKVEvents() | UnsubscribeKVEvents():
@@ -321,8 +333,12 @@ class ShardedServer:
             *,
             join: fanout.Join | None = None,
             after: Callable[[Reply], None] | None = None,
+            patience_s: float | None = None,
         ) -> None:
             call = _Call(identity, request.id, started, join, [None] * len(parts), after)
+            if patience_s is not None:
+                call.deadline = time.monotonic() + patience_s
+                self._impatient.append(call)
             for slot, (shard, part) in enumerate(parts):
                 self._forward(call, slot, shard, part, arrays)
 
@@ -340,6 +356,7 @@ class ShardedServer:
             log.warning("%d calls in flight: forgetting the oldest (a shard hangs?)", _MAX_CALLS)
             del self._calls[oldest]
         self._calls[front_id] = (call, slot)
+        call.ids[slot] = front_id
         self._sockets[shard].send_multipart([header, *(a.data for a in arrays)], copy=False)
 
     def _everywhere(self, request: Request) -> list[tuple[int, Request]]:
@@ -467,7 +484,7 @@ class ShardedServer:
         if call.waiting:
             return
         replies = [r for r in call.replies if r is not None]
-        failure = fanout.first_failure(replies)
+        failure = fanout.first_failure(replies) if call.deadline is None else None
         answer: Reply
         if failure is not None:
             answer = failure
@@ -481,6 +498,18 @@ class ShardedServer:
         if call.after is not None:
             call.after(answer)
         self._reply(call, answer)
+
+    def _expire(self) -> None:
+        """Answer the calls whose patience ran out with what came: each shard still
+        silent becomes a Failed reply naming it (a status shows the others)."""
+        now = time.monotonic()
+        due = [c for c in self._impatient if c.waiting and c.deadline and now >= c.deadline]
+        self._impatient = [c for c in self._impatient if c.waiting and all(c is not d for d in due)]
+        for call in due:
+            for slot, reply in enumerate(call.replies):
+                if reply is None and self._calls.pop(call.ids[slot], None) is not None:
+                    message = f"shard {slot} did not answer within {STATUS_PATIENCE_S:g} s"
+                    self._landed(call, slot, Failed(code="timeout", message=message))
 
     def _reply(self, call: _Call, reply: Reply) -> None:
         if call.identity is None:
@@ -518,9 +547,12 @@ class ShardedServer:
         """The front's own status, and every shard's in shard order."""
         shards = []
         for reply in replies:
-            if not isinstance(reply, StatusResult):
+            if isinstance(reply, Failed):  # a shard that failed or did not answer in time
+                shards.append({"error": reply.message})
+            elif isinstance(reply, StatusResult):
+                shards.append(reply.status)
+            else:
                 raise TypeError(f"a shard answered {type(reply).__name__} to a status")
-            shards.append(reply.status)
         return StatusResult(status={"server": self.front_status(), "shards": shards})
 
     def front_status(self) -> dict[str, Any]:

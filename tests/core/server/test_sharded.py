@@ -228,7 +228,8 @@ def test_status_is_the_front_s_and_every_shard_s(ranks: list[KVFlowClient]) -> N
 
 def test_a_hung_shard_holds_up_only_what_needs_it(ranks: list[KVFlowClient]) -> None:
     """SIGSTOP of shard 1: a lookup of rank 0 is still answered, one that needs rank 1
-    times out for its client; once the shard runs again, so does everything."""
+    times out for its client, a status comes after 5 s with shard 1's place saying so;
+    once the shard runs again, so does everything."""
     model, tokens = _model("hang"), ops.tokens(CHUNK, seed=12)
     pids = ranks[0].status()["server"]["shard_pids"]
     os.kill(pids[1], signal.SIGSTOP)
@@ -237,6 +238,13 @@ def test_a_hung_shard_holds_up_only_what_needs_it(ranks: list[KVFlowClient]) -> 
             assert quick.lookup(tokens, model_name=model, world_size=WORLD, ranks=[0]) == 0
             with pytest.raises(RequestTimeoutError):
                 quick.lookup(tokens, model_name=model, world_size=WORLD)
+        with KVFlowClient(ranks[0].endpoint, timeout_s=15.0) as patient:
+            began = time.monotonic()
+            status = patient.status()  # what an operator asks first: the others still show
+            assert time.monotonic() - began < 10
+            assert status["shards"][1] == {"error": "shard 1 did not answer within 5 s"}
+            assert status["shards"][0]["server"]["pid"] == pids[0]
+            assert Snapshot.of(status).tiers["l1"].capacity_bytes == 0.125 * (1 << 30)
     finally:
         os.kill(pids[1], signal.SIGCONT)
     assert ranks[1].lookup(tokens, model_name=model, world_size=WORLD) == 0
