@@ -51,7 +51,7 @@ def describe(request: AdminRequest) -> dict[str, Any]:
     args: dict[str, Any] = {
         f: getattr(request, f)
         for f in request.__struct_fields__
-        if f not in ("v", "id", "client") and getattr(request, f) not in (None, [], False)
+        if f not in ("v", "id", "client", "denied") and getattr(request, f) not in (None, [], False)
     }
     if isinstance(request, AdminClear) and request.cache_salt is not None:
         args["cache_salt"] = salt_label(request.cache_salt)

@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from kvflow.core.config import ServerConfig
-from kvflow.core.errors import InvalidRequestError, KVFlowError, PermissionDeniedError
+from kvflow.core.errors import InvalidRequestError, KVFlowError
 from kvflow.core.server import fanout
 from kvflow.core.server.admin import AdminAuth, AdminCaller
 from kvflow.core.server.intake import read_request
@@ -447,13 +447,14 @@ class ShardedServer:
     def _admin(
         self, identity: bytes, request: AdminRequest, frame: zmq.Frame, started: int
     ) -> None:
-        """Refuse a caller who is no admin; send an admin's request to every shard, named
-        for the caller (a quota is split between the shards, like L1)."""
+        """Send an admin request to every shard, named for the caller: an admin's to run
+        (a quota is split between the shards, like L1), another's marked refused, which
+        each shard records and answers with the refusal."""
         caller = AdminCaller.of(request, frame, self._curve is not None)
-        if not self._admin_auth.allowed(caller.key, caller.peer):
-            log.warning("admin %s refused for %s", type(request).__name__, caller.text)
-            raise PermissionDeniedError(f"admin operation refused: {self._admin_auth.why_not()}")
         request.client = caller.text
+        if not self._admin_auth.allowed(caller.key, caller.peer):
+            # the shards record the refusal (their ADMIN events and logs) and run nothing
+            request.denied = self._admin_auth.why_not()
         if isinstance(request, AdminQuota) and request.limit_gb is not None:
             request.limit_gb = request.limit_gb / self._n
         call = self._call_maker(identity, request, started)

@@ -399,6 +399,10 @@ class AdminRequest(Request, kw_only=True):
     (a listed CURVE key, or a loopback peer when CURVE is off); the reply is a
     StatusResult describing what was done."""
 
+    #: set by a sharded server's front for a caller it refused (why): its shards record
+    #: the refusal and run nothing (any other server ignores it)
+    denied: str | None = None
+
 
 class AdminClear(AdminRequest, tag="admin_clear"):
     """Drop the objects of a model and/or a salt (None: any) from the named tiers

@@ -479,6 +479,8 @@ class KVFlowServer:
         shard runs what its front let through, for the caller the front names."""
         if self.config.shard_endpoint is not None:
             text = request.client
+            if request.denied is not None:  # its front refused the caller: record it here
+                raise self._admin.refuse(request, text, request.denied)
         else:
             caller = AdminCaller.of(request, frame, self._curve is not None)
             if not self._admin_auth.allowed(caller.key, caller.peer):

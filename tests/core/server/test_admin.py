@@ -380,3 +380,46 @@ def test_clearing_the_disk_tier_deletes_its_object_files(tmp_path: Path) -> None
             client.unregister("disk-keep")
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_a_sharded_server_s_admin_calls_are_events_of_every_shard(
+    keys: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--shards 2`: the front decides who is an admin and every shard records the call in
+    its own event log (`shard-i` under --event-log), the refused one too, with the
+    caller the front saw; a quota reaches each shard as its half."""
+    log_dir = tmp_path / "events"
+    srv = ServerProcess(
+        "--shards", "2", "--disable-metrics", "--l1-size-gb", "0.1", "--event-log", str(log_dir),
+        "--curve-secret-key", str(keys["server"]),
+        "--curve-authorized-keys", str(keys["authorized"]),
+        "--admin-keys", str(keys["admins"]),
+    )  # fmt: skip
+    curve = {"curve_server_key": keys["server_public"], "timeout_s": 20}
+    try:
+        with (
+            KVFlowClient(
+                srv.endpoint, client_id="engine-7", curve_key=keys["engine"], **curve
+            ) as engine,
+            pytest.raises(PermissionDeniedError, match=r"admin clear refused: .*--admin-keys"),
+        ):
+            engine.admin(AdminClear(model_name="m"))
+        with KVFlowClient(
+            srv.endpoint, client_id="operator-1", curve_key=keys["operator"], **curve
+        ) as operator:
+            done = operator.admin(AdminQuota(kind="model", name="m", limit_gb=0.002))
+            assert [r["limit_bytes"] for r in done["shards"]] == [int(0.001 * (1 << 30))] * 2
+    finally:
+        assert srv.stop() == 0, srv.log()
+    engine_key = keys["engine_public"].read_text().split('"')[1]
+    operator_key = keys["operator_public"].read_text().split('"')[1]
+    for shard in ("shard-0", "shard-1"):
+        events = [e for e in LogReader.open(log_dir / shard) if e.type == EventType.ADMIN]
+        assert [(e.attrs["action"], e.attrs["outcome"]) for e in events] == [
+            ("clear", "denied"), ("quota", "ok"),
+        ], shard  # fmt: skip
+        denied, quota = (dict(e.attrs) for e in events)
+        assert denied["caller"] == f"engine-7 at 127.0.0.1 with CURVE key {engine_key}"
+        assert "--admin-keys" in denied["error"] and denied["args"] == {"model_name": "m"}
+        assert quota["caller"] == f"operator-1 at 127.0.0.1 with CURVE key {operator_key}"
+        assert quota["args"]["limit_gb"] == 0.001

@@ -208,9 +208,14 @@ def test_kv_events_are_subscribed_per_rank(ranks: list[KVFlowClient]) -> None:
     tokens = ops.tokens(CHUNK, seed=10)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(16)), request_id=f"e{rank}")
-    poll = ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
-    stored = [r for r in poll.records if r.kind == "stored" and r.tier == "l1"]
-    assert stored and {r.rank for r in poll.records} == {1}
+    records = []  # the event bus delivers to the KV-event log a moment after the store
+    deadline = time.monotonic() + 10
+    while not any(r.kind == "stored" and r.tier == "l1" for r in records):
+        assert time.monotonic() < deadline, records
+        poll = ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+        records = list(poll.records)
+        time.sleep(0.05)
+    assert {r.rank for r in records} == {1}
     ranks[0].unsubscribe_kv_events(sub.subscription)
     with pytest.raises(KVFlowError):
         ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
