@@ -56,6 +56,7 @@ class ServerProcess:
         self._reader.start()
         if not self._ready.wait(start_timeout_s) or not self.endpoint:
             self.proc.kill()
+            self.stop()  # reaped, its log read to the end and its pipe closed
             raise RuntimeError("server did not start:\n" + "".join(self.lines))
 
     def _drain(self) -> None:
@@ -79,6 +80,8 @@ class ServerProcess:
             self.proc.send_signal(sig)
         code = self.proc.wait(30)
         self._reader.join(10)  # the log's last lines, read from the pipe after the exit
+        if self.proc.stderr is not None and not self._reader.is_alive():
+            self.proc.stderr.close()
         return code
 
     def __enter__(self) -> ServerProcess:
