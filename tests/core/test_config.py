@@ -34,6 +34,10 @@ def test_observability_rejects_bad_values(kwargs: dict[str, Any], message: str) 
         ({"port": -1}, r"--port must be an integer in 0..65535"),
         ({"chunk_size": 0}, r"--chunk-size must be a positive integer"),
         ({"l1_size_gb": 0}, r"--l1-size-gb must be a finite number in \(0, 1048576\] GiB"),
+        ({"shards": 0}, r"--shards must be an integer in 1..64, got 0"),
+        ({"shards": 65}, r"--shards must be an integer in 1..64, got 65"),
+        ({"shards": True}, r"--shards must be an integer in 1..64, got True"),
+        ({"shard_endpoint": "tcp://127.0.0.1:1"}, r"a shard listens on an ipc:// endpoint"),
     ],
 )
 def test_server_rejects_bad_values(kwargs: dict[str, Any], message: str) -> None:

@@ -50,7 +50,7 @@ def test_every_flag_reaches_its_field() -> None:
         [
             *("--host", "0.0.0.0", "--port", "6001", "--chunk-size", "512"),
             *("--l1-size-gb", "1.5", "--heartbeat-timeout-s", "3", "--max-message-mb", "8"),
-            *("--switch-interval-ms", "0.5"),
+            *("--switch-interval-ms", "0.5", "--shards", "4"),
             *("--disable-metrics", "--disable-logging", "--enable-tracing"),
             *("--otlp-endpoint", "http://collector:4317", "--otlp-protocol", "http"),
             *("--prometheus-host", "0.0.0.0", "--prometheus-port", "0"),
@@ -68,6 +68,7 @@ def test_every_flag_reaches_its_field() -> None:
         1.5,
     )
     assert (config.heartbeat_timeout_s, config.max_message_mb) == (3.0, 8.0)
+    assert config.shards == 4
     assert config.switch_interval_ms == 0.5
     assert (obs.enabled, obs.metrics_enabled, obs.logging_enabled, obs.tracing_enabled) == (
         True,
