@@ -40,7 +40,7 @@ from kvflow.core.server import fanout
 from kvflow.core.server.admin import AdminAuth, AdminCaller
 from kvflow.core.server.intake import read_request
 from kvflow.core.server.jobs import ErrorReplies, since
-from kvflow.core.server.listen import close_listener, listen
+from kvflow.core.server.listen import close_listener, listen, received, send_reply
 from kvflow.core.server.probes import LoopClock, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
@@ -274,12 +274,8 @@ class ShardedServer:
     # -- requests ------------------------------------------------------------------------
 
     def _serve_batch(self) -> None:
-        for _ in range(_BATCH):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._serve(frames[0].bytes, frames[1:])
+        for identity, frames in received(self._router, _BATCH):
+            self._serve(identity, frames)
 
     def _serve(self, identity: bytes, frames: Sequence[zmq.Frame]) -> None:
         started = time.perf_counter_ns()
@@ -521,10 +517,7 @@ class ShardedServer:
         self._send(call.identity, reply)
 
     def _send(self, identity: bytes, reply: Reply) -> None:
-        try:
-            self._router.send_multipart([identity, encode_reply(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError:  # the peer is gone or its queue is full: the reply is dropped
-            log.debug("reply to a gone client dropped")
+        send_reply(self._router, [identity, encode_reply(reply)])
 
     # -- status --------------------------------------------------------------------------
 

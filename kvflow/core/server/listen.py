@@ -9,7 +9,9 @@ directory instead: only its front, a process of the same user, reaches it.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -17,6 +19,8 @@ import zmq
 from kvflow.core.config import ServerConfig
 from kvflow.core.server.addresses import bare_host
 from kvflow.core.server.curve import CurveServer
+
+log = logging.getLogger("kvflow.server")
 
 
 def _check_host(host: str) -> None:
@@ -108,3 +112,22 @@ def close_listener(router: zmq.Socket[Any], curve: CurveServer | None) -> None:
     router.close(0)
     if curve is not None:
         curve.stop()
+
+
+def received(router: zmq.Socket[Any], most: int) -> Iterator[tuple[bytes, list[zmq.Frame]]]:
+    """Up to `most` requests waiting on `router`: each peer's identity and its frames."""
+    for _ in range(most):
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        yield frames[0].bytes, frames[1:]
+
+
+def send_reply(router: zmq.Socket[Any], frames: Sequence[Any]) -> None:
+    """Send a reply's frames (the peer's identity first) without waiting: a peer that is
+    gone, or whose queue is full, loses it."""
+    try:
+        router.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.ZMQError:
+        log.debug("reply to a gone client dropped")

@@ -54,7 +54,7 @@ from kvflow.core.server.jobs import (
     since,
 )
 from kvflow.core.server.kv_streams import KVSubscriptions
-from kvflow.core.server.listen import close_listener, listen
+from kvflow.core.server.listen import close_listener, listen, received, send_reply
 from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
@@ -346,19 +346,11 @@ class KVFlowServer:
             self._send(frames)
 
     def _send(self, frames: Sequence[Any]) -> None:
-        try:
-            self._router.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError:  # the peer is gone or its queue is full: the reply is dropped
-            log.debug("reply to a gone client dropped")
+        send_reply(self._router, frames)
 
     def _serve_batch(self) -> None:
-        for _ in range(_BATCH):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            identity = frames[0].bytes
-            reply = self._serve(identity, frames[1:])
+        for identity, frames in received(self._router, _BATCH):
+            reply = self._serve(identity, frames)
             if reply is not None:
                 self._send([identity, encode_reply(reply)])
 
