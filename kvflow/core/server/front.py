@@ -10,7 +10,8 @@ routes every request (docs/SERVER.md, Shards):
 - a lookup, prefetch or blend lookup goes to every shard holding some of its ranks,
   each asked for its own, and the answer is what all hold (fanout.py);
 - heartbeats, session ends, admin operations and status go to every shard;
-- a KV-event subscription names its rank and lives on that rank's shard.
+- a KV-event subscription to one rank lives on that rank's shard; one to every rank
+  subscribes on every shard, and the front merges their polls (merged_events.py).
 
 The front only decodes headers and moves frames; the copies' host work runs in the
 shards, one interpreter per rank's GPU. A shard that dies stops the whole server: its
@@ -41,6 +42,7 @@ from kvflow.core.server.admin import AdminAuth, AdminCaller
 from kvflow.core.server.intake import read_request
 from kvflow.core.server.jobs import ErrorReplies, since
 from kvflow.core.server.listen import close_listener, listen, received, send_reply
+from kvflow.core.server.merged_events import PREFIX, MergedStreams
 from kvflow.core.server.probes import LoopClock, ProbeServer
 from kvflow.core.server.protocol import (
     PROTOCOL_VERSION,
@@ -52,6 +54,7 @@ from kvflow.core.server.protocol import (
     EndSession,
     Failed,
     Heartbeat,
+    KVEvents,
     KVSubscribed,
     Lookup,
     PollKVEvents,
@@ -153,6 +156,7 @@ class ShardedServer:
         self._impatient: list[_Call] = []  # calls with a deadline, until answered
         self._next_id = 1
         self._routes: OrderedDict[str, int] = OrderedDict()
+        self._streams = MergedStreams()  # KV-event subscriptions to every rank
         self._stop = threading.Event()
         self._force = threading.Event()
         self._started = time.monotonic()
@@ -314,9 +318,7 @@ class ShardedServer:
             case SubscribeKVEvents():
                 self._subscribe(call, request)
             case PollKVEvents() | UnsubscribeKVEvents():
-                shard, sub = _subscription_parts(request.subscription, self._n)
-                request.subscription = sub
-                call([(shard, request)], arrays)
+                self._kv_events(call, request)
             case _:
                 raise InvalidRequestError(f"unsupported request {type(request).__name__}")
 
@@ -425,20 +427,68 @@ class ShardedServer:
         call(queries, (), join=fanout.join_prefetch_state(request.prefetch_id))
 
     def _subscribe(self, call: Any, request: SubscribeKVEvents) -> None:
+        """A subscription to one rank lives on its shard; one to every rank subscribes on
+        every shard, merged here (merged_events.py)."""
         rank = request.rank
-        if rank is None or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise InvalidRequestError(
-                f"this server keeps ranks on {self._n} shards (--shards): subscribe to KV"
-                " events with rank=R, one subscription per rank you follow (a tensor-parallel"
-                " engine stores every prefix on all its ranks: rank 0 tells what it holds)"
-            )
-        shard = rank % self._n
+        if rank is None:
+            parts = self._everywhere(request)
+            call(parts, (), join=self._join_subscriptions([shard for shard, _ in parts]))
+            return
+        shard = 0 if isinstance(rank, bool) or not isinstance(rank, int) else rank % self._n
 
         def tagged(reply: Reply) -> None:
             if isinstance(reply, KVSubscribed):
                 reply.subscription = f"{shard}:{reply.subscription}"
 
         call([(shard, request)], (), after=tagged)
+
+    def _join_subscriptions(self, shards: list[int]) -> fanout.Join:
+        def join(replies: Sequence[Reply]) -> Reply:
+            subs = [r for r in replies if isinstance(r, KVSubscribed)]
+            if len(subs) != len(replies):
+                raise TypeError("a shard answered a KV-event subscription out of turn")
+            sub_id, position = self._streams.add(
+                {s: r.subscription for s, r in zip(shards, subs, strict=True)},
+                {s: r.log_seq for s, r in zip(shards, subs, strict=True)},
+            )
+            return KVSubscribed(subscription=sub_id, epoch=self._streams.epoch, log_seq=position)
+
+        return join
+
+    def _kv_events(self, call: Any, request: PollKVEvents | UnsubscribeKVEvents) -> None:
+        """A poll or an unsubscription: a rank's goes to its shard, a merged one to every
+        shard, each with its own subscription (and position)."""
+        if not request.subscription.startswith(PREFIX):
+            shard, sub = _subscription_parts(request.subscription, self._n)
+            request.subscription = sub
+            call([(shard, request)], ())
+            return
+        merged = self._streams.get(request.subscription)
+        if isinstance(request, UnsubscribeKVEvents):
+            self._streams.remove(request.subscription)
+            parts: list[tuple[int, Request]] = [
+                (shard, UnsubscribeKVEvents(subscription=sub, client=request.client))
+                for shard, sub in merged.parts.items()
+            ]
+            call(parts, (), join=fanout.join_done)
+            return
+        starts = self._streams.starts(merged, request.after_log_seq)
+        share = max(1, request.max_records // len(merged.parts))
+        parts = [
+            (shard, PollKVEvents(subscription=sub, after_seq=0, after_log_seq=starts[shard],
+                                 max_records=share, client=request.client))
+            for shard, sub in merged.parts.items()
+        ]  # fmt: skip
+        shards, after = list(merged.parts), request.after_seq
+
+        def join(replies: Sequence[Reply]) -> Reply:
+            polls = [r.poll for r in replies if isinstance(r, KVEvents)]
+            if len(polls) != len(replies):
+                raise TypeError("a shard answered a KV-event poll out of turn")
+            poll = self._streams.joined(merged, after, dict(zip(shards, polls, strict=True)))
+            return KVEvents(poll=poll)
+
+        call(parts, (), join=join)
 
     def _admin(
         self, identity: bytes, request: AdminRequest, frame: zmq.Frame, started: int

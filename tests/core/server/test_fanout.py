@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvflow.core.config import ObservabilityConfig, ServerConfig
+from kvflow.core.errors import InvalidRequestError, UnknownSubscriptionError
 from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server import fanout
+from kvflow.core.server.kv_streams import KVPoll
+from kvflow.core.server.merged_events import KEEP_POSITIONS, PREFIX, MergedStreams
 from kvflow.core.server.protocol import (
     BlendFound,
     Done,
@@ -118,3 +121,27 @@ def test_distributions_of_shards_join_to_an_upper_bound() -> None:
         "count": 3, "sum_s": 0.6, "max_s": 0.4, "p99_s": 0.3, "p50_s": None
     }  # fmt: skip
     assert joined.endpoint == "tcp://front:1"
+
+
+def test_a_merged_subscription_keeps_its_last_positions() -> None:
+    """Each poll's position stands for the shards' positions it came from; the last
+    KEEP_POSITIONS are kept, 0 is every log's start, and an older one is refused."""
+    streams = MergedStreams()
+    sub_id, first = streams.add({0: "a", 1: "b"}, {0: 7, 1: 9})
+    sub = streams.get(sub_id)
+    assert sub_id.startswith(PREFIX) and streams.starts(sub, first) == {0: 7, 1: 9}
+    assert streams.starts(sub, 0) == {0: 0, 1: 0}
+    positions = [first]
+    for n in range(KEEP_POSITIONS):
+        poll = KVPoll(epoch="e", records=[], lost=n, next_log_seq=10 + n, more=False)
+        joined = streams.joined(sub, 0, {0: poll, 1: poll})
+        assert joined.lost == 2 * n and joined.epoch == streams.epoch
+        positions.append(joined.next_log_seq)
+    assert streams.starts(sub, positions[-1]) == {0: 10 + KEEP_POSITIONS - 1} | {
+        1: 10 + KEEP_POSITIONS - 1
+    }
+    with pytest.raises(InvalidRequestError, match="keeps its last"):
+        streams.starts(sub, first)
+    streams.remove(sub_id)
+    with pytest.raises(UnknownSubscriptionError):
+        streams.get(sub_id)

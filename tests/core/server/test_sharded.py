@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ from kvflow.core import KVFlowClient
 from kvflow.core.errors import (
     InvalidRequestError,
     KVFlowError,
+    PermissionDeniedError,
     RequestTimeoutError,
     UnknownInstanceError,
+    UnknownSubscriptionError,
 )
 from kvflow.core.observe.snapshot import Snapshot
 from kvflow.core.server.client import reachable_ipc
@@ -196,11 +199,19 @@ def test_admin_operations_reach_every_shard(ranks: list[KVFlowClient]) -> None:
         client.unregister(iids[rank])
 
 
-def test_kv_events_are_subscribed_per_rank(ranks: list[KVFlowClient]) -> None:
-    """A subscription names its rank and reads that rank's shard; one without a rank is
-    refused with what to do instead."""
-    with pytest.raises(InvalidRequestError, match="rank="):
-        ranks[0].subscribe_kv_events()
+def _stored(client: KVFlowClient, sub: str, after_seq: int, position: int, ranks: set[int]) -> Any:
+    """Poll until stored records of every rank in `ranks` came (the event bus delivers to
+    the KV-event log a moment after a store); the last poll."""
+    deadline = time.monotonic() + 10
+    while True:
+        poll = client.poll_kv_events(sub, after_seq=after_seq, after_log_seq=position)
+        if {r.rank for r in poll.records if r.kind == "stored" and r.tier == "l1"} >= ranks:
+            return poll
+        assert time.monotonic() < deadline, poll
+        time.sleep(0.05)
+
+
+def test_kv_events_of_one_rank_come_from_its_shard(ranks: list[KVFlowClient]) -> None:
     model = _model("events")
     sub = ranks[0].subscribe_kv_events(model_name=model, rank=1)
     assert sub.subscription.startswith("1:")
@@ -208,16 +219,43 @@ def test_kv_events_are_subscribed_per_rank(ranks: list[KVFlowClient]) -> None:
     tokens = ops.tokens(CHUNK, seed=10)
     for rank, client in enumerate(ranks):
         client.store(iids[rank], tokens, list(range(16)), request_id=f"e{rank}")
-    records = []  # the event bus delivers to the KV-event log a moment after the store
-    deadline = time.monotonic() + 10
-    while not any(r.kind == "stored" and r.tier == "l1" for r in records):
-        assert time.monotonic() < deadline, records
-        poll = ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
-        records = list(poll.records)
-        time.sleep(0.05)
-    assert {r.rank for r in records} == {1}
+    poll = _stored(ranks[0], sub.subscription, 0, sub.log_seq, {1})
+    assert {r.rank for r in poll.records} == {1}
     ranks[0].unsubscribe_kv_events(sub.subscription)
     with pytest.raises(KVFlowError):
+        ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
+
+
+def test_kv_events_of_every_rank_merge_across_the_shards(ranks: list[KVFlowClient]) -> None:
+    """A subscription without a rank (a cache-aware router's) reads every shard: records
+    of both ranks in time order, numbered for it; its positions are the front's, and a
+    poll from an earlier one gets the same records again (a lost reply). It is its
+    client's alone, as on one process."""
+    model = _model("merged")
+    sub = ranks[0].subscribe_kv_events(model_name=model)
+    assert sub.subscription.startswith("all:")
+    iids, _ = _register(ranks, model)
+    tokens = ops.tokens(CHUNK, seed=13)
+    for rank, client in enumerate(ranks):
+        client.store(iids[rank], tokens, list(range(16)), request_id=f"m{rank}")
+    poll = _stored(ranks[0], sub.subscription, 5, sub.log_seq, {0, 1})
+    assert poll.epoch == sub.epoch and poll.lost == 0
+    assert [r.seq for r in poll.records] == list(range(6, 6 + len(poll.records)))
+    assert [r.ts_ns for r in poll.records] == sorted(r.ts_ns for r in poll.records)
+    again = ranks[0].poll_kv_events(sub.subscription, after_seq=5, after_log_seq=sub.log_seq)
+    assert again.records[: len(poll.records)] == poll.records
+    later = ranks[0].poll_kv_events(
+        sub.subscription, after_seq=poll.records[-1].seq, after_log_seq=poll.next_log_seq
+    )
+    assert all(r.ts_ns >= poll.records[-1].ts_ns for r in later.records)
+    with pytest.raises(PermissionDeniedError, match="belongs to another client"):
+        ranks[1].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
+    with pytest.raises(InvalidRequestError, match="not a position this subscription was given"):
+        ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=10**9)
+    ranks[0].unsubscribe_kv_events(sub.subscription)
+    with pytest.raises(UnknownSubscriptionError):
         ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
     for rank, client in enumerate(ranks):
         client.unregister(iids[rank])
