@@ -9,6 +9,8 @@ SIGTERM (a terminal's Ctrl-C reaches the front, which stops the shards in order)
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import multiprocessing
 import os
@@ -20,6 +22,8 @@ from typing import Any
 
 from kvflow.core.config import ServerConfig
 
+#: prctl's option that sets the signal a process gets when its parent dies
+_PR_SET_PDEATHSIG = 1
 #: how long a shard may take to start (L1 pins in the background, after this)
 START_TIMEOUT_S = 120.0
 #: how long a stopping shard may take to finish its in-flight work before it is killed
@@ -79,12 +83,23 @@ def shard_resource(environ: dict[str, str], index: int, front_pid: int) -> str:
     return ",".join([given, *extra] if given else extra)
 
 
-def _run_shard(config: ServerConfig, index: int, conn: Connection) -> None:
+def _stop_with(front_pid: int) -> None:
+    """Have the kernel send this process SIGTERM when the front dies (Linux's parent-death
+    signal): a front killed outright must not leave its shards holding the GPUs' memory.
+    Exits at once if the front is already gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != front_pid:
+        sys.exit(1)
+
+
+def _run_shard(config: ServerConfig, index: int, front_pid: int, conn: Connection) -> None:
     """A shard process's body: serve `config`, telling the front the endpoint or why not."""
     from kvflow.core.server.server import KVFlowServer
     from kvflow.core.server.server_logging import configure_server_logging
 
-    os.environ["OTEL_RESOURCE_ATTRIBUTES"] = shard_resource(dict(os.environ), index, os.getppid())
+    _stop_with(front_pid)
+    os.environ["OTEL_RESOURCE_ATTRIBUTES"] = shard_resource(dict(os.environ), index, front_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when shards stop
     setup = configure_server_logging(config.observability)
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
@@ -113,7 +128,7 @@ class Shard:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
-            target=_run_shard, args=(self.config, index, child),
+            target=_run_shard, args=(self.config, index, os.getpid(), child),
             name=f"kvflow-shard-{index}", daemon=False,
         )  # fmt: skip
         self._terminated = False

@@ -308,6 +308,20 @@ def test_a_killed_shard_stops_the_whole_server() -> None:
         time.sleep(0.1)
 
 
+def test_a_front_killed_outright_takes_its_shards_with_it() -> None:
+    """SIGKILL of the front (no chance to stop anything): the kernel's parent-death
+    signal stops each shard, and nothing keeps holding the GPUs' memory."""
+    srv = _server()
+    with KVFlowClient(srv.endpoint, timeout_s=10) as client:
+        pids = client.status()["server"]["shard_pids"]
+    srv.proc.kill()
+    srv.stop()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a shard outlived its front"
+        time.sleep(0.1)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
