@@ -219,10 +219,12 @@ def test_a_buffer_that_may_share_pages_with_the_heap_is_not_remapped() -> None:
     more whose glibc size word marks it mapped alone is moved. A small one, and a large
     one whose size word says heap (glibc carves even 32 MiB from a heap's free top), are
     refused whole and left as they were."""
-    mapped = torch.empty(MIN_REMAP_BYTES + (1 << 16), dtype=torch.uint8)  # glibc maps it alone
-    assert owns_its_pages(mapped.data_ptr(), mapped.numel())  # the size word read right
+    mapped = torch.empty(MIN_REMAP_BYTES + (1 << 16), dtype=torch.uint8)
+    # glibc maps it alone unless its heap had that much free already (earlier tests' leftovers)
+    assert owns_its_pages(mapped.data_ptr(), mapped.numel()) is not _in_the_brk_heap(mapped)
     words = mapped[4096 - 8 : 4096]
     words.copy_(torch.tensor([2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8))  # "mapped alone"
+    assert owns_its_pages(mapped.data_ptr() + 4096, MIN_REMAP_BYTES)  # the size word read right
     # ...before another allocator's small block: refused by its size alone
     assert not owns_its_pages(mapped.data_ptr() + 4096, 1 << 16)
     words.copy_(torch.tensor([0x11, 0, 0, 2, 0, 0, 0, 0], dtype=torch.uint8))  # 32 MiB, in a heap
@@ -233,6 +235,17 @@ def test_a_buffer_that_may_share_pages_with_the_heap_is_not_remapped() -> None:
         with pytest.raises(ValueError, match="may share its pages with other heap allocations"):
             SharedKV().share(buf)
         assert shared_memory_of(buf) is None and bool((buf == 1).all())  # left as it was
+
+
+def _in_the_brk_heap(buf: torch.Tensor) -> bool:
+    """Whether `buf` lies in the process's `[heap]` mapping (glibc carved it from its top)."""
+    address = buf.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, end = (int(edge, 16) for edge in span.split("-"))
+        if start <= address < end:
+            return rest[-1] == "[heap]"
+    raise AssertionError(f"{address:#x} is in no mapping")
 
 
 def test_a_worker_whose_buffer_cannot_be_shared_runs_without_kvflow(endpoint: str) -> None:
