@@ -81,6 +81,7 @@ from kvflow.core.server.protocol import (
     ropes_to_wire,
 )
 from kvflow.core.server.sharing import describe_kv_caches
+from kvflow.core.server.staging import StagedLoad
 from kvflow.kernels.rope import LayerRopes, RopeParams
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -217,6 +218,34 @@ class _Connection:
 
     def close(self) -> None:
         _close_pair(self.sock, self.monitor)
+
+
+class _Sent(NamedTuple):
+    """A request on its way: the connection its reply comes back on, until `deadline`
+    (time.monotonic) at the latest."""
+
+    conn: _Connection
+    request_id: int
+    op: str
+    timeout: float
+    deadline: float
+
+
+def _done_value(reply: Reply, request: Request) -> int | None:
+    """A Done reply's value; ProtocolError for any other reply to `request`."""
+    if not isinstance(reply, Done):
+        raise ProtocolError(
+            f"unexpected {type(reply).__name__} reply to a {type(request).__name__}"
+        )
+    return reply.value
+
+
+def _count_value(reply: Reply, request: Request) -> int:
+    """A Done reply's count; ProtocolError for any other reply, or one without a count."""
+    value = _done_value(reply, request)
+    if value is None:
+        raise ProtocolError(f"the server returned no count for a {type(request).__name__}")
+    return value
 
 
 class _CudaEvents(NamedTuple):
@@ -449,6 +478,12 @@ class KVFlowClient:
     ) -> Reply:
         """Send one request and wait for its reply (calling `idle()` every IDLE_POLL_S
         meanwhile); raise the server's error if it failed."""
+        return self._reply_to(self._send(request, payloads, timeout_s), idle)
+
+    def _send(
+        self, request: Request, payloads: Sequence[np.ndarray] = (), timeout_s: float | None = None
+    ) -> _Sent:
+        """Send one request on a connection of its own; `_reply_to` reads its reply."""
         if self._closed:
             raise KVFlowError("the client is closed")
         request.id = next(self._ids)
@@ -458,11 +493,28 @@ class KVFlowClient:
         op = type(request).__name__
         conn = self._checkout(self._endpoint_of(request))
         try:
-            reply = self._exchange(conn, frames, request.id, op, timeout, idle)
-        except BaseException:  # the connection may still get this call's reply: not reused
+            conn.sock.send_multipart(frames, copy=False)
+        except BaseException as exc:
             self._discard(conn)
+            if isinstance(exc, zmq.Again):
+                raise RequestTimeoutError(
+                    f"could not send {op} to the kvflow server at {self.endpoint} within"
+                    f" {timeout:g} s (is it running?)"
+                ) from None
             raise
-        self._checkin(conn)
+        return _Sent(conn, request.id, op, timeout, time.monotonic() + timeout)
+
+    def _reply_to(self, sent: _Sent, idle: Callable[[], None] | None = None) -> Reply:
+        """The reply to a request `_send` sent (its connection given back); raise the
+        server's error if it failed."""
+        try:
+            if self._closed:
+                raise KVFlowError("the client is closed")
+            reply = self._await_reply(sent, idle)
+        except BaseException:  # the connection may still get this call's reply: not reused
+            self._discard(sent.conn)
+            raise
+        self._checkin(sent.conn)
         self._local.server_ns = reply.server_ns
         if isinstance(reply, Failed):
             raise ERRORS_BY_CODE.get(reply.code, KVFlowError)(reply.message)
@@ -476,28 +528,12 @@ class KVFlowClient:
                 return self._direct.get(request.instance_id, self.endpoint)
         return self.endpoint
 
-    def _exchange(
-        self,
-        conn: _Connection,
-        frames: Sequence[Any],
-        request_id: int,
-        op: str,
-        timeout: float,
-        idle: Callable[[], None] | None = None,
-    ) -> Reply:
-        """Send a request's frames on `conn` and return its reply (skipping late replies
-        to earlier calls); RequestTimeoutError or AuthenticationError on failure."""
-        sock = conn.sock
-        try:
-            sock.send_multipart(frames, copy=False)
-        except zmq.Again:
-            raise RequestTimeoutError(
-                f"could not send {op} to the kvflow server at {self.endpoint} within"
-                f" {timeout:g} s (is it running?)"
-            ) from None
-        deadline = time.monotonic() + timeout
+    def _await_reply(self, sent: _Sent, idle: Callable[[], None] | None) -> Reply:
+        """Wait for the reply to `sent` (skipping late replies to earlier calls);
+        RequestTimeoutError or AuthenticationError on failure."""
+        conn, sock = sent.conn, sent.conn.sock
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = sent.deadline - time.monotonic()
             if remaining <= 0:
                 self._check_handshake(conn)
                 hint = (
@@ -506,8 +542,8 @@ class KVFlowClient:
                     else "is it running?"
                 )
                 raise RequestTimeoutError(
-                    f"no reply to {op} from the kvflow server at {self.endpoint} within"
-                    f" {timeout:g} s ({hint})"
+                    f"no reply to {sent.op} from the kvflow server at {self.endpoint} within"
+                    f" {sent.timeout:g} s ({hint})"
                 )
             if idle is not None:
                 idle()
@@ -516,7 +552,7 @@ class KVFlowClient:
                 self._check_handshake(conn)
                 continue
             reply = decode_reply(sock.recv())
-            if reply.id == request_id:
+            if reply.id == sent.request_id:
                 return reply
 
     @property
@@ -530,12 +566,7 @@ class KVFlowClient:
         payloads: Sequence[np.ndarray] = (),
         idle: Callable[[], None] | None = None,
     ) -> int | None:
-        reply = self._call(request, payloads, idle=idle)
-        if not isinstance(reply, Done):
-            raise ProtocolError(
-                f"unexpected {type(reply).__name__} reply to a {type(request).__name__}"
-            )
-        return reply.value
+        return _done_value(self._call(request, payloads, idle=idle), request)
 
     def _count(
         self,
@@ -543,10 +574,7 @@ class KVFlowClient:
         payloads: Sequence[np.ndarray],
         idle: Callable[[], None] | None = None,
     ) -> int:
-        value = self._done(request, payloads, idle)
-        if value is None:
-            raise ProtocolError(f"the server returned no count for a {type(request).__name__}")
-        return value
+        return _count_value(self._call(request, payloads, idle=idle), request)
 
     # -- the public methods (docs/ARCHITECTURE.md, Public API) ---------------------------------
 
@@ -795,28 +823,43 @@ class KVFlowClient:
     ) -> LayerwiseLoad:
         """A retrieve that lands layer by layer (instance registered with layerwise=True).
 
-        Returns before the copies, with the hit prefix in `hit_tokens`; call
+        Returns once the request is sent: the reply (the hit prefix, `hit_tokens`) is read
+        when first asked for, or by `wait_layer`, so the server's work and the trip overlap
+        what the engine does meanwhile (the first layers of its forward pass). Call
         `wait_layer(i)` right before layer i reads its KV (docs/ENGINE.md, "Layerwise
-        retrieves"): the server marks each layer as it goes.
+        retrieves"): the server marks each layer as it goes. The server's errors come
+        from `hit_tokens` and `wait_layer`.
         """
         layers = self._layers_of(instance_id)
         request, arrays = _retrieve_request(
             instance_id, token_ids, block_ids, request_id, skip_first_n_tokens, cache_salt,
             chunk_keys,
         )  # fmt: skip
-        staging, staged = layers.staging, None
-        with layers.lock:  # numbers reach the server in the order they are given
+        staging = layers.staging
+        with layers.lock:  # numbers reach the server in order: the last one's reply first
+            layers.settle_last()
             seq = request.layer_seq = layers.next_seq()
-            if staging is None:
-                hit = self._count(request, arrays)
-            else:  # earlier loads' staged layers free the ring the server may wait on
-                try:
-                    hit = self._count(request, arrays, idle=staging.pump)
-                except BaseException:
+            try:
+                sent = self._send(request, arrays)
+            except BaseException:
+                if staging is not None:
                     staging.drop(seq)
+                raise
+
+            def answer() -> tuple[int, StagedLoad | None]:
+                idle = staging.pump if staging is not None else None
+                try:  # earlier loads' staged layers free the ring the server may wait on
+                    hit = _count_value(self._reply_to(sent, idle), request)
+                except BaseException:
+                    if staging is not None:
+                        staging.drop(seq)
                     raise
-                staged = staging.add_load(seq, arrays[1], hit, skip_first_n_tokens)
-        return LayerwiseLoad(hit, layers, seq, self.timeout_s, staged)
+                if staging is None:
+                    return hit, None
+                return hit, staging.add_load(seq, arrays[1], hit, skip_first_n_tokens)
+
+            load = layers.last = LayerwiseLoad(layers, seq, self.timeout_s, answer)
+        return load
 
     def blend_lookup(
         self,

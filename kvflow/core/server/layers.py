@@ -28,6 +28,7 @@ events one list in the same order.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -114,8 +115,10 @@ class ClientLayers:
             control = self.raw.view(torch.int64)[2 * num_layers :]
             self.staging = ClientStaging(layout, staging_slots, staging_slot_bytes, control)
         self._seq = self._store_seq = 0
-        #: held from numbering a retrieve until its reply: numbers reach the server in order
+        #: held from numbering a retrieve until it is sent: numbers reach the server in order
         self.lock = threading.Lock()
+        #: the last retrieve sent, whose reply the next one reads first (under `lock`)
+        self.last: LayerwiseLoad | None = None
         #: held while numbering a store and handing it to the sender, and while marking
         self.store_lock = threading.Lock()
 
@@ -131,6 +134,14 @@ class ClientLayers:
         request.layer_event_handles, request.layer_flags = self.wire()
         if self.staging is not None:
             request.layer_staging, request.layer_staging_event_handles = self.staging.wire()
+
+    def settle_last(self) -> None:
+        """Read the last retrieve's reply before another is numbered (call with `lock`
+        held): a request on another connection might reach the server first. Its errors
+        are its caller's (`LayerwiseLoad.hit_tokens`), not the next one's."""
+        last, self.last = self.last, None
+        if last is not None:
+            last.settle(raising=False)
 
     def next_seq(self) -> int:
         """The next retrieve's number (call with `lock` held)."""
@@ -153,26 +164,31 @@ class ClientLayers:
 
 
 class LayerwiseLoad:
-    """A layerwise retrieve whose copies are queued: `hit_tokens` are valid in the
-    blocks once each layer's `wait_layer` returned (CUDA: once torch's current stream
-    reaches the work queued after it)."""
+    """A layerwise retrieve on its way: its request sent, its reply (`hit_tokens`) read
+    when first needed; those tokens are valid in the blocks once each layer's
+    `wait_layer` returned (CUDA: once torch's current stream reaches the work queued
+    after it)."""
 
     def __init__(
         self,
-        hit_tokens: int,
         layers: ClientLayers,
         seq: int,
         timeout_s: float,
-        staged: StagedLoad | None = None,
+        answer: Callable[[], tuple[int, StagedLoad | None]],
     ):
-        """`staged`: where the engine scatters the layers the server staged in its ring."""
-        self.hit_tokens = hit_tokens
+        """`answer()` reads the reply: (hit tokens, where the engine scatters the layers
+        the server staged in its ring, or None without one); it runs once."""
         self._layers = layers
         self._seq = seq
         self._timeout_s = timeout_s
-        self._staged = staged
-        #: seconds the host spent in each layer's wait for its flag (on CUDA the wait for
-        #: the copies themselves is timed on the GPU, see `layer_waits`)
+        self._answer: Callable[[], tuple[int, StagedLoad | None]] | None = answer
+        self._answer_lock = threading.Lock()
+        self._hit = 0
+        self._staged: StagedLoad | None = None
+        self._error: BaseException | None = None
+        #: seconds the host spent in each layer's wait for the reply (the first wait) and
+        #: the layer's flag (on CUDA the wait for the copies themselves is timed on the
+        #: GPU, see `layer_waits`)
         self.waited_s: dict[int, float] = {}
         #: CUDA: timing events around each layer's wait for its copies, by layer
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
@@ -181,20 +197,42 @@ class LayerwiseLoad:
         #: the last scatter event a stream was made to wait for, with that stream
         self._ordered: tuple[torch.cuda.Event, Any] | None = None
 
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens of the prompt the retrieve brings (its reply, waited for here); raises
+        the retrieve's error if it failed."""
+        self.settle()
+        return self._hit
+
+    def settle(self, raising: bool = True) -> None:
+        """Read the reply unless read already (once, whichever thread comes first);
+        re-raise its error unless `raising` is False."""
+        with self._answer_lock:
+            answer, self._answer = self._answer, None
+            if answer is not None:
+                try:
+                    self._hit, self._staged = answer()
+                except BaseException as exc:  # kept for every later ask
+                    self._error = exc
+        if self._error is not None and raising:
+            raise self._error
+
     def wait_layer(self, layer: int) -> None:
-        """Order layer `layer`'s reads after its copies: block until the layer landed
-        (on CUDA: its copies ran, or its scatter from the engine's staging ring is
-        queued, which torch's current stream then waits for). With a staging ring,
-        layers staged there meanwhile (this load's or others') are scattered into their
-        blocks. TransferError if the retrieve failed before that layer;
-        RequestTimeoutError after the client's timeout."""
+        """Order layer `layer`'s reads after its copies (the reply read first, if not yet):
+        block until the layer landed (on CUDA: its copies ran, or its scatter from the
+        engine's staging ring is queued, which torch's current stream then waits for).
+        With a staging ring, layers staged there meanwhile (this load's or others') are
+        scattered into their blocks. The retrieve's error if it failed (TransferError if
+        it failed before that layer); RequestTimeoutError after the client's timeout."""
         layers = self._layers
         if layer in self.waited_s:
             return
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
+        began = time.perf_counter()
+        self.settle()  # the reply, when this is the load's first wait: counted as waited
         staging = layers.staging
-        self.waited_s[layer] = _wait_flag(
+        self.waited_s[layer] = (time.perf_counter() - began) + _wait_flag(
             layers.flags, layer, self._seq, self._timeout_s, "retrieve",
             idle=staging.pump if staging is not None else None,
         )  # fmt: skip

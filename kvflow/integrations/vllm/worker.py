@@ -2,12 +2,12 @@
 
 Runs in every vLLM worker (one per tensor-parallel rank), each registering its own
 KV caches as instance `<prefix>-rank<r>`. Loads start in `start_load_kv`: whole
-(they have landed when it returns) or, layerwise, returning once the server has the
-request, each layer then waited for in `wait_layer` right before its attention reads
-it. Stores run in `wait_for_save` (after the forward pass wrote the cache), once the
-step's layerwise loads are all waited for; layerwise, they start at the step's first
-`layer_written` (vLLM's `save_kv_layer`), take each layer as the pass writes it, and
-`wait_for_save` only waits for their replies. A load that falls short or fails reports
+(they have landed when it returns) or, layerwise, returning once the request is sent,
+its reply read at the first `wait_layer` and each layer then waited for there right
+before its attention reads it. Stores run in `wait_for_save` (after the forward pass
+wrote the cache), once the step's layerwise loads are all waited for; layerwise, they
+start at the step's first `layer_written` (vLLM's `save_kv_layer`), take each layer as
+the pass writes it, and `wait_for_save` only waits for their replies. A load that falls short or fails reports
 the blocks it did not fill through `take_load_errors`, so vLLM recomputes them. A
 failed store is only a future miss: it is logged, never raised.
 """
@@ -73,6 +73,8 @@ class WorkerSide:
         self.ring_slots = 0
         #: vLLM layer name -> index of its (possibly shared) cache among the registered ones
         self._layer_index: dict[str, int] = {}
+        #: this step's layerwise loads sent, their replies not read yet, with their plans
+        self._unsettled: list[tuple[LayerwiseLoad, LoadSpec]] = []
         #: this step's layerwise loads still to be waited for, with their plans
         self._pending: list[tuple[LayerwiseLoad, LoadSpec]] = []
         #: this step's layerwise stores (started at its first written layer), by plan
@@ -144,32 +146,51 @@ class WorkerSide:
         )
 
     def load(self, plan: StepPlan) -> None:
-        """Retrieve every planned load into vLLM's blocks (layerwise: start it); shortfalls
-        become load errors."""
+        """Retrieve every planned load into vLLM's blocks (layerwise: send it; its reply
+        is read at the first layer's wait, so the trip overlaps the forward pass's
+        start); shortfalls become load errors."""
         for spec in plan.loads:
             got = 0
             if self.registered:
                 try:
-                    got = self._retrieve(spec)
+                    if self._layerwise:
+                        self._unsettled.append((self._send_load(spec), spec))
+                        continue
+                    got = self._client.retrieve(
+                        self.instance_id, spec.token_ids, spec.block_ids,
+                        request_id=spec.req_id, skip_first_n_tokens=spec.skip_tokens,
+                        cache_salt=spec.cache_salt,
+                    )  # fmt: skip
                 except Exception as exc:
                     log.warning("kvflow: retrieve for %s failed: %s", spec.req_id, exc)
-            got = max(got, spec.skip_tokens)
-            if got < len(spec.token_ids):
-                self._fail_from(spec, got)
-            self.loaded_tokens += max(min(got, len(spec.token_ids)) - spec.skip_tokens, 0)
+            self._account(spec, got)
 
-    def _retrieve(self, spec: LoadSpec) -> int:
-        """One planned load: whole, or (layerwise) started and kept for `wait_layer`."""
-        call = self._client.retrieve_layerwise if self._layerwise else self._client.retrieve
-        load = call(
+    def _send_load(self, spec: LoadSpec) -> LayerwiseLoad:
+        return self._client.retrieve_layerwise(
             self.instance_id, spec.token_ids, spec.block_ids, request_id=spec.req_id,
             skip_first_n_tokens=spec.skip_tokens, cache_salt=spec.cache_salt,
         )  # fmt: skip
-        if isinstance(load, int):
-            return load
-        if load.hit_tokens > spec.skip_tokens:
-            self._pending.append((load, spec))
-        return load.hit_tokens
+
+    def _account(self, spec: LoadSpec, got: int) -> None:
+        """A load brought `got` tokens of its prompt: the blocks past them are load errors."""
+        got = max(got, spec.skip_tokens)
+        if got < len(spec.token_ids):
+            self._fail_from(spec, got)
+        self.loaded_tokens += max(min(got, len(spec.token_ids)) - spec.skip_tokens, 0)
+
+    def _settle(self) -> None:
+        """Read the replies of the layerwise loads sent: those that bring tokens past
+        their skip are waited for layer by layer, the rest of each is a load error."""
+        unsettled, self._unsettled = self._unsettled, []
+        for load, spec in unsettled:
+            try:
+                got = load.hit_tokens
+            except Exception as exc:
+                log.warning("kvflow: retrieve for %s failed: %s", spec.req_id, exc)
+                got = 0
+            self._account(spec, got)
+            if got > spec.skip_tokens:
+                self._pending.append((load, spec))
 
     def _fail_from(self, spec: LoadSpec, tokens: int) -> None:
         """Report spec's blocks from token `tokens` on as not loaded (vLLM recomputes them)."""
@@ -184,6 +205,8 @@ class WorkerSide:
             self._wait_index(layer)
 
     def _wait_index(self, layer: int) -> None:
+        if self._unsettled:
+            self._settle()
         if not self._pending:
             return
         failed = []
@@ -200,6 +223,7 @@ class WorkerSide:
     def finish_loads(self) -> None:
         """Wait for every layer of the step's layerwise loads (those vLLM did not ask for
         too): once the forward pass is over, nothing may land in its blocks later."""
+        self._settle()
         layers = sorted(set(self._layer_index.values()))
         for load, spec in self._pending:
             log.info(

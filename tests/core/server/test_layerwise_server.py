@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,8 @@ from kvflow.core.server.layers import (
 )
 from kvflow.core.server.protocol import Failed, Retrieve, decode_reply, encode_request
 from tests.e2e.server_proc import running_server
-from tests.support.layer_caches import BS, CHUNK, NL, layer_blocks, shared_caches
+from tests.support.layer_caches import BS, CHUNK, NB, NL, layer_blocks, shared_caches
+from tests.support.ops import ServerProcess
 
 TOKENS = np.arange(1, 4 * CHUNK + 5, dtype=np.int32)  # 4 full chunks and a partial one
 SRC = list(range(0, 9))
@@ -84,6 +87,11 @@ def test_a_miss_and_a_plain_instance(endpoint: str) -> None:
     client.close()
 
 
+def _answered(hit: int) -> Callable[[], tuple[int, None]]:
+    """A retrieve's reply already in: `hit` tokens, no staging ring."""
+    return lambda: (hit, None)
+
+
 def test_flags_tell_landed_failed_and_late_apart() -> None:
     """A flag at the retrieve's number (or a later one) means landed, its negative means
     failed from that layer on, and an unset flag times out naming the layer."""
@@ -92,14 +100,14 @@ def test_flags_tell_landed_failed_and_late_apart() -> None:
     marks = ServerLayers(3, None, raw).signal(2)
     marks.ready(0, None)
     marks.failed(1)
-    load = LayerwiseLoad(64, client_side, 2, timeout_s=0.05)
+    load = LayerwiseLoad(client_side, 2, 0.05, _answered(64))
     load.wait_layer(0)
     with pytest.raises(TransferError, match=r"^the layerwise retrieve failed before layer 1$"):
         load.wait_layer(1)
-    earlier = LayerwiseLoad(64, client_side, 1, timeout_s=0.05)
+    earlier = LayerwiseLoad(client_side, 1, 0.05, _answered(64))
     earlier.wait()  # a later retrieve's marks (landed or failed) mean retrieve 1 finished
     ServerLayers(3, None, raw).signal(3).ready(0, None)
-    late = LayerwiseLoad(64, client_side, 4, timeout_s=0.05)
+    late = LayerwiseLoad(client_side, 4, 0.05, _answered(64))
     with pytest.raises(
         RequestTimeoutError, match=r"^layer 0 of the layerwise retrieve: nothing within 0\.05 s$"
     ):
@@ -287,3 +295,63 @@ def test_a_save_waits_no_longer_than_asked() -> None:
     save = LayerwiseSave(ClientLayers(2, None), 1, Future())
     with pytest.raises(FutureTimeout):
         save.wait(0.05)
+
+
+def _same(dst: list[torch.Tensor], src: list[torch.Tensor], layer: int) -> bool:
+    """Whether `layer`'s retrieved blocks hold what was stored from `src`."""
+    return torch.equal(layer_blocks(dst, layer, DST[:8]), layer_blocks(src, layer, SRC[:8]))
+
+
+def test_a_layerwise_retrieve_returns_once_sent_and_raises_its_errors_when_read() -> None:
+    """`retrieve_layerwise` returns once its request is sent, even to a server that does
+    not answer (stopped); its reply is read at `hit_tokens` or the first `wait_layer`,
+    which raise the server's error for a bad request."""
+    with ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25") as server:
+        client = KVFlowClient(server.endpoint, timeout_s=10)
+        src, dst = shared_caches(31), shared_caches(32)
+        client.register_kv_caches("sent-src", src, model_name="sent", block_size=BS)
+        client.register_kv_caches("sent", dst, model_name="sent", block_size=BS, layerwise=True)
+        assert client.store("sent-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            load = client.retrieve_layerwise("sent", TOKENS, DST, request_id="r")
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        load.wait_layer(0)  # reads the reply
+        assert load.hit_tokens == 4 * CHUNK
+        load.wait()
+        assert all(_same(dst, src, layer) for layer in range(NL))
+        bad = client.retrieve_layerwise("sent", TOKENS, [NB + 5] * len(DST), request_id="bad")
+        for ask in (lambda: bad.hit_tokens, lambda: bad.wait_layer(0)):
+            with pytest.raises(InvalidRequestError, match=f"block id {NB + 5} out of range"):
+                ask()
+        again = client.retrieve_layerwise("sent", TOKENS, DST, request_id="again")
+        again.wait()
+        assert again.hit_tokens == 4 * CHUNK
+        client.close()
+
+
+def test_a_retrieve_waits_for_the_last_ones_reply_whose_failure_stays_its_own() -> None:
+    """Numbers must reach the server in order, and two requests on two connections need
+    not: a retrieve reads the last one's reply before it is sent. When that reply does
+    not come in time (a stopped server), the last retrieve fails with RequestTimeoutError
+    and the next one goes on."""
+    with ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25") as server:
+        client = KVFlowClient(server.endpoint, timeout_s=3)
+        src, dst = shared_caches(33), shared_caches(34)
+        client.register_kv_caches("order-src", src, model_name="ord", block_size=BS)
+        client.register_kv_caches("order", dst, model_name="ord", block_size=BS, layerwise=True)
+        assert client.store("order-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
+        other = list(range(40, 49))
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            first = client.retrieve_layerwise("order", TOKENS, other, request_id="a")
+            second = client.retrieve_layerwise("order", TOKENS, DST, request_id="b")
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(RequestTimeoutError, match="no reply to Retrieve"):
+            first.wait_layer(0)
+        assert second.hit_tokens == 4 * CHUNK
+        second.wait()
+        assert all(_same(dst, src, layer) for layer in range(NL))
+        client.close()
