@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -302,33 +303,52 @@ def _same(dst: list[torch.Tensor], src: list[torch.Tensor], layer: int) -> bool:
     return torch.equal(layer_blocks(dst, layer, DST[:8]), layer_blocks(src, layer, SRC[:8]))
 
 
+Stored = tuple[KVFlowClient, list[torch.Tensor], list[torch.Tensor]]
+
+
+@contextlib.contextmanager
+def _stored_prefix(timeout_s: float) -> Iterator[tuple[ServerProcess, Stored]]:
+    """A server of its own holding TOKENS' first four chunks from `src`, and a client
+    (`timeout_s`) with `dst` registered layerwise as "lw": (server, (client, src, dst))."""
+    with (
+        ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25") as server,
+        KVFlowClient(server.endpoint, timeout_s=timeout_s) as client,
+    ):
+        src, dst = shared_caches(31), shared_caches(32)
+        client.register_kv_caches("lw-src", src, model_name="own", block_size=BS)
+        client.register_kv_caches("lw", dst, model_name="own", block_size=BS, layerwise=True)
+        assert client.store("lw-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
+        yield server, (client, src, dst)
+
+
+@contextlib.contextmanager
+def _stopped(server: ServerProcess) -> Iterator[None]:
+    """The server stopped (SIGSTOP: its sockets open, nothing answered) for the block."""
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
 def test_a_layerwise_retrieve_returns_once_sent_and_raises_its_errors_when_read() -> None:
     """`retrieve_layerwise` returns once its request is sent, even to a server that does
     not answer (stopped); its reply is read at `hit_tokens` or the first `wait_layer`,
     which raise the server's error for a bad request."""
-    with ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25") as server:
-        client = KVFlowClient(server.endpoint, timeout_s=10)
-        src, dst = shared_caches(31), shared_caches(32)
-        client.register_kv_caches("sent-src", src, model_name="sent", block_size=BS)
-        client.register_kv_caches("sent", dst, model_name="sent", block_size=BS, layerwise=True)
-        assert client.store("sent-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            load = client.retrieve_layerwise("sent", TOKENS, DST, request_id="r")
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
+    with _stored_prefix(timeout_s=10) as (server, (client, src, dst)):
+        with _stopped(server):
+            load = client.retrieve_layerwise("lw", TOKENS, DST, request_id="r")
         load.wait_layer(0)  # reads the reply
         assert load.hit_tokens == 4 * CHUNK
         load.wait()
         assert all(_same(dst, src, layer) for layer in range(NL))
-        bad = client.retrieve_layerwise("sent", TOKENS, [NB + 5] * len(DST), request_id="bad")
+        bad = client.retrieve_layerwise("lw", TOKENS, [NB + 5] * len(DST), request_id="bad")
         for ask in (lambda: bad.hit_tokens, lambda: bad.wait_layer(0)):
             with pytest.raises(InvalidRequestError, match=f"block id {NB + 5} out of range"):
                 ask()
-        again = client.retrieve_layerwise("sent", TOKENS, DST, request_id="again")
+        again = client.retrieve_layerwise("lw", TOKENS, DST, request_id="again")
         again.wait()
         assert again.hit_tokens == 4 * CHUNK
-        client.close()
 
 
 def test_a_retrieve_waits_for_the_last_ones_reply_whose_failure_stays_its_own() -> None:
@@ -336,22 +356,12 @@ def test_a_retrieve_waits_for_the_last_ones_reply_whose_failure_stays_its_own() 
     not: a retrieve reads the last one's reply before it is sent. When that reply does
     not come in time (a stopped server), the last retrieve fails with RequestTimeoutError
     and the next one goes on."""
-    with ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25") as server:
-        client = KVFlowClient(server.endpoint, timeout_s=3)
-        src, dst = shared_caches(33), shared_caches(34)
-        client.register_kv_caches("order-src", src, model_name="ord", block_size=BS)
-        client.register_kv_caches("order", dst, model_name="ord", block_size=BS, layerwise=True)
-        assert client.store("order-src", TOKENS, SRC, request_id="w") == 4 * CHUNK
-        other = list(range(40, 49))
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            first = client.retrieve_layerwise("order", TOKENS, other, request_id="a")
-            second = client.retrieve_layerwise("order", TOKENS, DST, request_id="b")
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
+    with _stored_prefix(timeout_s=3) as (server, (client, src, dst)):
+        with _stopped(server):
+            first = client.retrieve_layerwise("lw", TOKENS, list(range(40, 49)), request_id="a")
+            second = client.retrieve_layerwise("lw", TOKENS, DST, request_id="b")
         with pytest.raises(RequestTimeoutError, match="no reply to Retrieve"):
             first.wait_layer(0)
         assert second.hit_tokens == 4 * CHUNK
         second.wait()
         assert all(_same(dst, src, layer) for layer in range(NL))
-        client.close()
