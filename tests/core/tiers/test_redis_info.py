@@ -135,7 +135,8 @@ def test_close_waits_for_a_reconnect_attempt_in_progress() -> None:
             assert not reconnectors()
         finally:
             made.resume()
-    assert took < timeout_s + 1.0
+    # one attempt's timeout, not a second one's (a busy 2-core CI box took 4.7 s once)
+    assert took < 2 * timeout_s
 
 
 # -- Redis Cluster -----------------------------------------------------------------------
