@@ -7,6 +7,7 @@ Prometheus server needs the `prometheus` binary (its tests skip without one).
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -21,13 +22,33 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+#: the lowest port `free_port` hands out (above the well-known services tests run)
+FIRST_FREE_PORT = 15000
+_ports = random.SystemRandom()  # not the `random` module's state, which tests seed
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections' ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that was free a moment ago, from below the kernel's
+    ephemeral range: a port from that range may be taken meanwhile by any outgoing
+    connection's own end (in CI a vLLM started seconds later lost such a race)."""
+    low = max(_ephemeral_low(), FIRST_FREE_PORT + 1000)
+    for _ in range(200):
+        port = _ports.randrange(FIRST_FREE_PORT, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FIRST_FREE_PORT}..{low - 1} after 200 tries")
 
 
 class OTLPReceiver:
