@@ -214,6 +214,8 @@ class LayerwiseLoad:
                     self._hit, self._staged = answer()
                 except BaseException as exc:  # kept for every later ask
                     self._error = exc
+                    if not isinstance(exc, Exception):  # an interrupt is never swallowed
+                        raise
         if self._error is not None and raising:
             raise self._error
 

@@ -93,6 +93,33 @@ def _answered(hit: int) -> Callable[[], tuple[int, None]]:
     return lambda: (hit, None)
 
 
+def test_a_reply_is_read_once_and_its_failure_kept_for_every_ask() -> None:
+    """The reply is read once, whoever asks first; its error is raised at every ask after
+    (not by the next retrieve's read of it), and an interrupt while reading is never
+    swallowed."""
+    calls = []
+
+    def refused() -> tuple[int, None]:
+        calls.append(1)
+        raise InvalidRequestError("refused")
+
+    load = LayerwiseLoad(ClientLayers(3, None), 1, 0.05, refused)
+    load.settle(raising=False)  # what the next retrieve does
+    for ask in (lambda: load.hit_tokens, lambda: load.wait_layer(0), load.settle):
+        with pytest.raises(InvalidRequestError, match=r"^refused$"):
+            ask()
+    assert calls == [1]
+
+    def interrupted() -> tuple[int, None]:
+        raise KeyboardInterrupt
+
+    stopped = LayerwiseLoad(ClientLayers(3, None), 1, 0.05, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.settle(raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        _ = stopped.hit_tokens
+
+
 def test_flags_tell_landed_failed_and_late_apart() -> None:
     """A flag at the retrieve's number (or a later one) means landed, its negative means
     failed from that layer on, and an unset flag times out naming the layer."""
