@@ -41,6 +41,7 @@ from kvflow.core.server import fanout
 from kvflow.core.server.admin import AdminAuth, AdminCaller
 from kvflow.core.server.intake import read_request
 from kvflow.core.server.jobs import ErrorReplies, since
+from kvflow.core.server.kv_streams import check_poll
 from kvflow.core.server.listen import close_listener, listen, received, send_reply
 from kvflow.core.server.merged_events import PREFIX, MergedStreams
 from kvflow.core.server.probes import LoopClock, ProbeServer
@@ -464,6 +465,8 @@ class ShardedServer:
             call([(shard, request)], ())
             return
         merged = self._streams.get(request.subscription)
+        if isinstance(request, PollKVEvents):  # checked here: the shards see other numbers
+            check_poll(request.after_seq, request.after_log_seq, request.max_records)
         if isinstance(request, UnsubscribeKVEvents):
             self._streams.remove(request.subscription)
             parts: list[tuple[int, Request]] = [

@@ -33,6 +33,24 @@ MAX_SUBSCRIPTIONS = 256
 MAX_POLL_RECORDS = 4096
 
 
+def check_poll(after_seq: int, after_log_seq: int, max_records: int) -> None:
+    """InvalidRequestError naming the first of a poll's numbers out of range."""
+    for name, value in (("after_seq", after_seq), ("after_log_seq", after_log_seq)):
+        if value < 0:
+            raise InvalidRequestError(f"{name} must be >= 0, got {value}")
+    if max_records < 1:
+        raise InvalidRequestError(f"max_records must be >= 1, got {max_records}")
+
+
+def unknown_subscription(sub_id: str, epoch: str) -> UnknownSubscriptionError:
+    """The error for a poll of a subscription this server (of `epoch`) does not hold."""
+    return UnknownSubscriptionError(
+        f"KV-event subscription {sub_id!r} is not held by this server (epoch {epoch}): it"
+        " expired with its client, or the server restarted; subscribe again and treat"
+        " what you knew of this server as stale"
+    )
+
+
 @dataclass(frozen=True)
 class _Subscription:
     client: str
@@ -84,11 +102,7 @@ class KVSubscriptions:
         self, client: str, sub_id: str, after_seq: int, after_log_seq: int, limit: int
     ) -> KVPoll:
         """Records after `after_log_seq` for the subscription, numbered from after_seq + 1."""
-        for name, value in (("after_seq", after_seq), ("after_log_seq", after_log_seq)):
-            if value < 0:
-                raise InvalidRequestError(f"{name} must be >= 0, got {value}")
-        if limit < 1:
-            raise InvalidRequestError(f"max_records must be >= 1, got {limit}")
+        check_poll(after_seq, after_log_seq, limit)
         with self._lock:
             sub = self._owned(client, sub_id)
         found = self.log.read(after_log_seq, sub.wanted, min(limit, MAX_POLL_RECORDS))
@@ -101,11 +115,7 @@ class KVSubscriptions:
     def _owned(self, client: str, sub_id: str) -> _Subscription:
         sub = self._subs.get(sub_id)
         if sub is None:
-            raise UnknownSubscriptionError(
-                f"KV-event subscription {sub_id!r} is not held by this server (epoch "
-                f"{self.epoch}): it expired with its client, or the server restarted; "
-                "subscribe again and treat what you knew of this server as stale"
-            )
+            raise unknown_subscription(sub_id, self.epoch)
         if sub.client != client:
             raise PermissionDeniedError(
                 f"KV-event subscription {sub_id!r} belongs to another client"

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvflow.core.errors import InvalidRequestError, UnknownSubscriptionError
-from kvflow.core.server.kv_streams import MAX_SUBSCRIPTIONS, KVPoll
+from kvflow.core.errors import InvalidRequestError
+from kvflow.core.server.kv_streams import MAX_SUBSCRIPTIONS, KVPoll, unknown_subscription
 
 #: what a merged subscription's id starts with (a rank's starts with "SHARD:")
 PREFIX = "all:"
@@ -56,11 +56,7 @@ class MergedStreams:
         """The merged subscription `sub_id`; UnknownSubscriptionError when there is none."""
         sub = self._subs.get(sub_id)
         if sub is None:
-            raise UnknownSubscriptionError(
-                f"KV-event subscription {sub_id!r} is not held by this server (epoch "
-                f"{self.epoch}): it expired with its client, or the server restarted; "
-                "subscribe again and treat what you knew of this server as stale"
-            )
+            raise unknown_subscription(sub_id, self.epoch)
         return sub
 
     def remove(self, sub_id: str) -> None:

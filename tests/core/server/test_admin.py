@@ -76,6 +76,17 @@ def _curve_client(srv: ServerProcess, keys: dict[str, Path], name: str) -> KVFlo
     )
 
 
+def _logged_admin_server(keys: dict[str, Path], log_dir: Path, *flags: str) -> ServerProcess:
+    """A CURVE server whose admins are `keys`' operator's, with its event log in `log_dir`
+    and no metrics, plus `flags`."""
+    return ServerProcess(
+        *flags, "--disable-metrics", "--event-log", str(log_dir),
+        "--curve-secret-key", str(keys["server"]),
+        "--curve-authorized-keys", str(keys["authorized"]),
+        "--admin-keys", str(keys["admins"]),
+    )  # fmt: skip
+
+
 def test_only_a_listed_curve_key_is_an_admin(
     curve_server: ServerProcess, keys: dict[str, Path]
 ) -> None:
@@ -118,12 +129,7 @@ def test_every_admin_call_is_an_admin_event_naming_its_caller(
     `outcome` (denied, ok, error), `caller` (client id, peer address and CURVE key),
     `args`, and `result` or `error`. The cache salt shows only by its label."""
     log_dir = tmp_path / "events"
-    srv = ServerProcess(
-        "--disable-metrics", "--l1-size-gb", "0.05", "--event-log", str(log_dir),
-        "--curve-secret-key", str(keys["server"]),
-        "--curve-authorized-keys", str(keys["authorized"]),
-        "--admin-keys", str(keys["admins"]),
-    )  # fmt: skip
+    srv = _logged_admin_server(keys, log_dir, "--l1-size-gb", "0.05")
     curve = {"curve_server_key": keys["server_public"], "timeout_s": 20}
     try:
         with (
@@ -389,12 +395,7 @@ def test_a_sharded_server_s_admin_calls_are_events_of_every_shard(
     its own event log (`shard-i` under --event-log), the refused one too, with the
     caller the front saw; a quota reaches each shard as its half."""
     log_dir = tmp_path / "events"
-    srv = ServerProcess(
-        "--shards", "2", "--disable-metrics", "--l1-size-gb", "0.1", "--event-log", str(log_dir),
-        "--curve-secret-key", str(keys["server"]),
-        "--curve-authorized-keys", str(keys["authorized"]),
-        "--admin-keys", str(keys["admins"]),
-    )  # fmt: skip
+    srv = _logged_admin_server(keys, log_dir, "--shards", "2", "--l1-size-gb", "0.1")
     curve = {"curve_server_key": keys["server_public"], "timeout_s": 20}
     try:
         with (

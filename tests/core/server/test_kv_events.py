@@ -114,8 +114,10 @@ def test_a_lost_reply_is_replayed_and_an_old_position_is_told_what_it_lost() -> 
         old = client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
         assert old.lost == 2  # log records 1 and 2 were dropped (3 chunks kept)
         assert [(r.seq, r.log_seq) for r in old.records] == [(1, 3), (2, 4), (3, 5)]
-        with pytest.raises(InvalidRequestError, match="after_log_seq"):
-            client.poll_kv_events(sub.subscription, after_seq=0, after_log_seq=-1)
+        for bad, value in (("after_seq", -1), ("after_log_seq", -1), ("max_records", 0)):
+            numbers = {"after_seq": 0, "after_log_seq": 0, "max_records": 8, bad: value}
+            with pytest.raises(InvalidRequestError, match=f"^{bad} must be >= [01], got {value}$"):
+                client.poll_kv_events(sub.subscription, **numbers)
 
 
 def test_a_subscription_expires_with_its_client_and_belongs_to_it() -> None:

@@ -211,21 +211,33 @@ def _stored(client: KVFlowClient, sub: str, after_seq: int, position: int, ranks
         time.sleep(0.05)
 
 
+def _stored_by_every_rank(ranks: list[KVFlowClient], model: str, seed: int) -> list[str]:
+    """Register every rank of `model` and store one chunk of tokens (`seed`) from each;
+    the instance ids."""
+    iids, _ = _register(ranks, model)
+    tokens = ops.tokens(CHUNK, seed=seed)
+    for rank, client in enumerate(ranks):
+        client.store(iids[rank], tokens, list(range(16)), request_id=f"{model}-{rank}")
+    return iids
+
+
+def _unsubscribed_and_unregistered(ranks: list[KVFlowClient], sub: str, iids: list[str]) -> None:
+    """Unsubscribe `sub` (a poll after that is refused as unknown) and unregister `iids`."""
+    ranks[0].unsubscribe_kv_events(sub)
+    with pytest.raises(UnknownSubscriptionError):
+        ranks[0].poll_kv_events(sub, after_seq=0, after_log_seq=0)
+    for rank, client in enumerate(ranks):
+        client.unregister(iids[rank])
+
+
 def test_kv_events_of_one_rank_come_from_its_shard(ranks: list[KVFlowClient]) -> None:
     model = _model("events")
     sub = ranks[0].subscribe_kv_events(model_name=model, rank=1)
     assert sub.subscription.startswith("1:")
-    iids, _ = _register(ranks, model)
-    tokens = ops.tokens(CHUNK, seed=10)
-    for rank, client in enumerate(ranks):
-        client.store(iids[rank], tokens, list(range(16)), request_id=f"e{rank}")
+    iids = _stored_by_every_rank(ranks, model, seed=10)
     poll = _stored(ranks[0], sub.subscription, 0, sub.log_seq, {1})
     assert {r.rank for r in poll.records} == {1}
-    ranks[0].unsubscribe_kv_events(sub.subscription)
-    with pytest.raises(KVFlowError):
-        ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
-    for rank, client in enumerate(ranks):
-        client.unregister(iids[rank])
+    _unsubscribed_and_unregistered(ranks, sub.subscription, iids)
 
 
 def test_kv_events_of_every_rank_merge_across_the_shards(ranks: list[KVFlowClient]) -> None:
@@ -236,10 +248,7 @@ def test_kv_events_of_every_rank_merge_across_the_shards(ranks: list[KVFlowClien
     model = _model("merged")
     sub = ranks[0].subscribe_kv_events(model_name=model)
     assert sub.subscription.startswith("all:")
-    iids, _ = _register(ranks, model)
-    tokens = ops.tokens(CHUNK, seed=13)
-    for rank, client in enumerate(ranks):
-        client.store(iids[rank], tokens, list(range(16)), request_id=f"m{rank}")
+    iids = _stored_by_every_rank(ranks, model, seed=13)
     poll = _stored(ranks[0], sub.subscription, 5, sub.log_seq, {0, 1})
     assert poll.epoch == sub.epoch and poll.lost == 0
     assert [r.seq for r in poll.records] == list(range(6, 6 + len(poll.records)))
@@ -254,11 +263,11 @@ def test_kv_events_of_every_rank_merge_across_the_shards(ranks: list[KVFlowClien
         ranks[1].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=sub.log_seq)
     with pytest.raises(InvalidRequestError, match="not a position this subscription was given"):
         ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=10**9)
-    ranks[0].unsubscribe_kv_events(sub.subscription)
-    with pytest.raises(UnknownSubscriptionError):
-        ranks[0].poll_kv_events(sub.subscription, after_seq=0, after_log_seq=0)
-    for rank, client in enumerate(ranks):
-        client.unregister(iids[rank])
+    for bad, value in (("after_seq", -1), ("after_log_seq", -1), ("max_records", 0)):
+        numbers = {"after_seq": 0, "after_log_seq": 0, "max_records": 8, bad: value}
+        with pytest.raises(InvalidRequestError, match=f"^{bad} must be >= [01], got {value}$"):
+            ranks[0].poll_kv_events(sub.subscription, **numbers)
+    _unsubscribed_and_unregistered(ranks, sub.subscription, iids)
 
 
 def test_status_is_the_front_s_and_every_shard_s(ranks: list[KVFlowClient]) -> None:
