@@ -80,6 +80,8 @@ def prefetch_parts(composite: str, shards: int) -> dict[int, str] | None:
         shard, sep, pid = part.partition("/")
         if not sep or not shard.isdigit() or int(shard) >= shards or not pid:
             return None
+        if int(shard) in parts:  # a shard named twice: not an id this server gave
+            return None
         parts[int(shard)] = pid
     return parts
 

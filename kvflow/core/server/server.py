@@ -53,7 +53,7 @@ from kvflow.core.server.jobs import (
     Worker,
     since,
 )
-from kvflow.core.server.kv_streams import KVSubscriptions
+from kvflow.core.server.kv_streams import KVSubscriptions, check_owner
 from kvflow.core.server.listen import close_listener, listen, received, send_reply
 from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
@@ -446,6 +446,7 @@ class KVFlowServer:
             raise InvalidRequestError("KV events are off on this server (--kv-events-chunks 0)")
         rid, client = request.id, request.client
         if isinstance(request, SubscribeKVEvents):
+            check_owner(request.world_size, request.rank)
             wanted = RecordFilter(
                 request.model_name, request.world_size, request.cache_salt, request.match_salt,
                 request.rank,

@@ -55,7 +55,7 @@ def test_prefetch_ids_and_states_cross_the_shards() -> None:
     )
     assert isinstance(started, PrefetchStarted) and started.prefetch_id == "0/aa,1/bb"
     assert fanout.prefetch_parts("0/aa,1/bb", 2) == {0: "aa", 1: "bb"}
-    for bad in ("aa", "2/aa", "0/", "x/aa", "0/aa,", ""):
+    for bad in ("aa", "2/aa", "0/", "x/aa", "0/aa,", "", "0/aa,0/bb"):
         assert fanout.prefetch_parts(bad, 2) is None, bad
     assert fanout.prefetch_parts("0/a/b", 2) == {0: "a/b"}
     # a shard's state without a count (an older shard) counts 0 there

@@ -90,6 +90,15 @@ def test_a_filter_skips_other_models_and_numbering_stays_dense() -> None:
         assert [(r.seq, r.model_name) for r in b_records] == [(1, "b"), (2, "b")]
         assert [r.log_seq for r in b_records] == [2, 4]
         assert [r.model_name for r in every.poll().records] == ["a", "b", "a", "b"]
+        # an owner no engine could have is refused naming what is out of range
+        for world_size, rank, named in (
+            (None, -3, "rank"),
+            (2, 2, "rank"),
+            (0, None, "world_size"),
+        ):
+            with pytest.raises(InvalidRequestError, match=f"^{named} must be an integer in"):
+                client.subscribe_kv_events(model_name="b", world_size=world_size, rank=rank)
+        assert client.subscribe_kv_events(world_size=2, rank=1).epoch  # in range: taken
 
 
 def test_a_lost_reply_is_replayed_and_an_old_position_is_told_what_it_lost() -> None:

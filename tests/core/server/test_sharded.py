@@ -234,6 +234,8 @@ def test_kv_events_of_one_rank_come_from_its_shard(ranks: list[KVFlowClient]) ->
     model = _model("events")
     sub = ranks[0].subscribe_kv_events(model_name=model, rank=1)
     assert sub.subscription.startswith("1:")
+    with pytest.raises(InvalidRequestError, match=r"^rank must be an integer in \[0, 1024\)"):
+        ranks[0].subscribe_kv_events(model_name=model, rank=-3)  # refused by shard 1
     iids = _stored_by_every_rank(ranks, model, seed=10)
     poll = _stored(ranks[0], sub.subscription, 0, sub.log_seq, {1})
     assert {r.rank for r in poll.records} == {1}
