@@ -60,6 +60,15 @@ def check_world(world_size: Any, rank: Any = 0) -> None:
         raise InvalidRequestError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
 
 
+def check_owner(world_size: int | None, rank: int | None) -> None:
+    """A KV-event subscription's owner filter (None: any): world_size in [1,
+    MAX_WORLD_SIZE] and rank in [0, world_size) when given, as an engine's could be."""
+    if world_size is not None or rank is not None:
+        check_world(
+            MAX_WORLD_SIZE if world_size is None else world_size, 0 if rank is None else rank
+        )
+
+
 def check_ranks(ranks: Any, world_size: int) -> Sequence[int]:
     """The ranks a lookup counts: all of the world's (None), or a non-empty list of
     distinct ranks in [0, world_size), in ascending order (a longer list is refused

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvflow.core.engine.validation import MAX_WORLD_SIZE, check_world
 from kvflow.core.errors import (
     CapacityError,
     InvalidRequestError,
@@ -32,15 +31,6 @@ from kvflow.subscribers.kv_events import KVEventLog, KVRecord, RecordFilter
 MAX_SUBSCRIPTIONS = 256
 #: records one poll returns at most (a poll asking for more gets this many)
 MAX_POLL_RECORDS = 4096
-
-
-def check_owner(world_size: int | None, rank: int | None) -> None:
-    """InvalidRequestError unless a subscription's world size and rank (None: any) could
-    name an engine's: world_size in [1, MAX_WORLD_SIZE], rank in [0, world_size)."""
-    if world_size is not None or rank is not None:
-        check_world(
-            MAX_WORLD_SIZE if world_size is None else world_size, 0 if rank is None else rank
-        )
 
 
 def check_poll(after_seq: int, after_log_seq: int, max_records: int) -> None:

@@ -29,6 +29,7 @@ import zmq
 
 from kvflow.core.config import ServerConfig
 from kvflow.core.engine.cache_engine import CacheEngine
+from kvflow.core.engine.validation import check_owner
 from kvflow.core.errors import (
     AlreadyRegisteredError,
     CapacityError,
@@ -53,7 +54,7 @@ from kvflow.core.server.jobs import (
     Worker,
     since,
 )
-from kvflow.core.server.kv_streams import KVSubscriptions, check_owner
+from kvflow.core.server.kv_streams import KVSubscriptions
 from kvflow.core.server.listen import close_listener, listen, received, send_reply
 from kvflow.core.server.probes import LoopClock, Probes, ProbeServer
 from kvflow.core.server.protocol import (
