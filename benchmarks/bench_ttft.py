@@ -115,6 +115,11 @@ class Row:
     #: timed right before that (e): steadier than the ratio of medians, since the suffix
     #: prefill drifts by 10 ms and more between runs (0 when (e) was not run)
     paired_over_floor: float = 0.0
+    #: (e)'s host time inside its layer waits (LayerwiseLoad.host_s: the reply, the
+    #: flags, the ring's scatters), which a host-bound forward pays in full, and the
+    #: scatters of the ring (one a slot use): medians over repetitions
+    wait_host_ms: float = 0.0
+    ring_scatters: int = 0
 
     @property
     def layerwise_ratio(self) -> float:
@@ -479,6 +484,10 @@ def measure(
         staged_layers=int(statistics.median(len(load.staged_layers) for _, load in timed_loads))
         if layerwise
         else 0,
+        wait_host_ms=_ms_median(load.host_s for _, load in timed_loads),
+        ring_scatters=int(statistics.median(load.ring_scatters for _, load in timed_loads))
+        if layerwise
+        else 0,
         paired_over_floor=statistics.median(
             e / (max(copy_ms / 1e3, d) + copy_ms / 1e3 / shape.layers)
             for e, d in zip(layerwise_s, suffix_s, strict=True)
@@ -554,12 +563,13 @@ def _format(rows: list[Row], header: bool = True) -> str:
     if waits and header:
         lines.append(
             f"\n{'model':<5} {'prompt':>6} {'(e) call':>9} {'layer 0 wait':>12} {'later waits':>11}"
-            f" {'e/floor paired':>14} {'staged':>6}"
+            f" {'e/floor paired':>14} {'staged':>6} {'scatters':>8} {'host in waits':>13}"
         )
     for r in waits:
         lines.append(
             f"{r.model:<5} {r.prompt:>6} {r.layerwise_call_ms:>6.2f} ms {r.first_wait_ms:>9.2f} ms "
             f"{r.later_waits_ms:>8.2f} ms {r.paired_over_floor:>14.2f} {r.staged_layers:>6}"
+            f" {r.ring_scatters:>8} {r.wait_host_ms:>10.2f} ms"
         )
     return "\n".join(lines)
 

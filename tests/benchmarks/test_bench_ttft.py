@@ -77,6 +77,8 @@ def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
     assert row["blocks"] == blocks
     layers = 2  # the toy shape's
     assert row["staged_layers"] == (layers if slots else 0)
+    assert row["ring_scatters"] == (layers if slots else 0)  # the first layers go alone
+    assert row["wait_host_ms"] > 0 and "host in waits" in done.stdout
     assert row["paired_over_floor"] > 0 and "e/floor paired" in done.stdout
     assert "(e) layerwise" in done.stdout
 

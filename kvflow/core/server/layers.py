@@ -190,6 +190,10 @@ class LayerwiseLoad:
         #: the layer's flag (on CUDA the wait for the copies themselves is timed on the
         #: GPU, see `layer_waits`)
         self.waited_s: dict[int, float] = {}
+        #: seconds the host spent inside `wait_layer` in all (the reply, the flags and,
+        #: with a ring, the scatters it launched): what the load costs a host-bound
+        #: forward pass, whose GPU waits for every microsecond of it
+        self.host_s = 0.0
         #: CUDA: timing events around each layer's wait for its copies, by layer
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         #: the ring's scatter of the layer `_landed` last found landed (None: not staged)
@@ -226,6 +230,13 @@ class LayerwiseLoad:
         With a staging ring, layers staged there meanwhile (this load's or others') are
         scattered into their blocks. The retrieve's error if it failed (TransferError if
         it failed before that layer); RequestTimeoutError after the client's timeout."""
+        began = time.perf_counter()
+        try:
+            self._wait_layer(layer)
+        finally:
+            self.host_s += time.perf_counter() - began
+
+    def _wait_layer(self, layer: int) -> None:
         layers = self._layers
         if layer in self.waited_s:
             return
@@ -288,6 +299,12 @@ class LayerwiseLoad:
         """The layers the server staged in the engine's ring and this process scattered
         (or queued the scatter of, on CUDA) so far; the others came without a ring."""
         return sorted(self._staged.landed) if self._staged is not None else []
+
+    @property
+    def ring_scatters(self) -> int:
+        """Scatters this process launched for the layers staged in its ring (one per
+        slot use, each a span of layers); 0 without a ring."""
+        return self._staged.scatters if self._staged is not None else 0
 
     def layer_waits(self) -> list[float]:
         """Seconds the engine waited for each layer it waited for, in layer order: the

@@ -155,6 +155,8 @@ class StagedLoad:
         self.landed: dict[int, torch.cuda.Event | None] = {}
         #: staged layers whose slots the server is still copying into (CUDA)
         self.pending: set[int] = set()
+        #: scatters launched for it so far (one a slot use: a span of layers each)
+        self.scatters = 0
         self.caller: torch.cuda.Event | None = None  # the engine's stream when it retrieved
         #: the scatter of its first staged layer, whose ids (uploaded with it, kept with
         #: the load) every later layer's scatter reuses
@@ -297,6 +299,7 @@ class ClientStaging:
         done here), its end one event on the staging stream for every layer of it."""
         layout = self.layout
         load.pending.difference_update(span)
+        load.scatters += 1
         moves = self._ids_up(load, span.start, len(span), chunk_tokens)
         moves = moves.for_layout(layout.span_layout(span.start, len(span)))
         count = moves.num_chunks  # a row a chunk, the span's runs of it (`span_parts`)

@@ -98,7 +98,7 @@ def test_a_slot_of_several_layers_takes_spans_of_them(client: KVFlowClient) -> N
     for layer in range(NL):
         load.wait_layer(layer)
         assert torch.equal(layer_blocks(dst, layer, SHUFFLED), layer_blocks(src, layer, SRC))
-    assert load.staged_layers == list(range(NL))
+    assert load.staged_layers == list(range(NL)) and load.ring_scatters == 4
     ring = client.status()["server"]["instances"]["stg-span"]["staging"]
     assert (ring["staged_layers"], ring["slot_uses"]) == (NL, 4)
 
