@@ -60,27 +60,24 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def curve_server(keys: dict[str, Path]) -> Iterator[ServerProcess]:
-    srv = ServerProcess(
-        "--disable-metrics", "--l1-size-gb", "0.05",
-        "--curve-secret-key", str(keys["server"]),
-        "--curve-authorized-keys", str(keys["authorized"]),
-        "--admin-keys", str(keys["admins"]),
-    )  # fmt: skip
+    srv = _admin_server(keys, "--l1-size-gb", "0.05")
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
-def _curve_client(srv: ServerProcess, keys: dict[str, Path], name: str) -> KVFlowClient:
+def _curve_client(
+    srv: ServerProcess, keys: dict[str, Path], name: str, client_id: str | None = None
+) -> KVFlowClient:
     return KVFlowClient(
-        srv.endpoint, timeout_s=20, curve_server_key=keys["server_public"], curve_key=keys[name]
-    )
+        srv.endpoint, timeout_s=20, client_id=client_id,
+        curve_server_key=keys["server_public"], curve_key=keys[name],
+    )  # fmt: skip
 
 
-def _logged_admin_server(keys: dict[str, Path], log_dir: Path, *flags: str) -> ServerProcess:
-    """A CURVE server whose admins are `keys`' operator's, with its event log in `log_dir`
-    and no metrics, plus `flags`."""
+def _admin_server(keys: dict[str, Path], *flags: str) -> ServerProcess:
+    """A CURVE server whose admins are `keys`' operator's, without metrics, plus `flags`."""
     return ServerProcess(
-        *flags, "--disable-metrics", "--event-log", str(log_dir),
+        *flags, "--disable-metrics",
         "--curve-secret-key", str(keys["server"]),
         "--curve-authorized-keys", str(keys["authorized"]),
         "--admin-keys", str(keys["admins"]),
@@ -129,19 +126,14 @@ def test_every_admin_call_is_an_admin_event_naming_its_caller(
     `outcome` (denied, ok, error), `caller` (client id, peer address and CURVE key),
     `args`, and `result` or `error`. The cache salt shows only by its label."""
     log_dir = tmp_path / "events"
-    srv = _logged_admin_server(keys, log_dir, "--l1-size-gb", "0.05")
-    curve = {"curve_server_key": keys["server_public"], "timeout_s": 20}
+    srv = _admin_server(keys, "--event-log", str(log_dir), "--l1-size-gb", "0.05")
     try:
         with (
-            KVFlowClient(
-                srv.endpoint, client_id="engine-7", curve_key=keys["engine"], **curve
-            ) as engine,
+            _curve_client(srv, keys, "engine", client_id="engine-7") as engine,
             pytest.raises(PermissionDeniedError),
         ):
             engine.admin(AdminClear(model_name="m", cache_salt="tenant-secret"))
-        with KVFlowClient(
-            srv.endpoint, client_id="operator-1", curve_key=keys["operator"], **curve
-        ) as operator:
+        with _curve_client(srv, keys, "operator", client_id="operator-1") as operator:
             operator.admin(AdminQuota(kind="salt", name="tenant-secret", limit_gb=0.001))
             operator.admin(AdminDrain())
             with pytest.raises(InvalidRequestError, match="unknown tier"):
@@ -395,19 +387,14 @@ def test_a_sharded_server_s_admin_calls_are_events_of_every_shard(
     its own event log (`shard-i` under --event-log), the refused one too, with the
     caller the front saw; a quota reaches each shard as its half."""
     log_dir = tmp_path / "events"
-    srv = _logged_admin_server(keys, log_dir, "--shards", "2", "--l1-size-gb", "0.1")
-    curve = {"curve_server_key": keys["server_public"], "timeout_s": 20}
+    srv = _admin_server(keys, "--event-log", str(log_dir), "--shards", "2", "--l1-size-gb", "0.1")
     try:
         with (
-            KVFlowClient(
-                srv.endpoint, client_id="engine-7", curve_key=keys["engine"], **curve
-            ) as engine,
+            _curve_client(srv, keys, "engine", client_id="engine-7") as engine,
             pytest.raises(PermissionDeniedError, match=r"admin clear refused: .*--admin-keys"),
         ):
             engine.admin(AdminClear(model_name="m"))
-        with KVFlowClient(
-            srv.endpoint, client_id="operator-1", curve_key=keys["operator"], **curve
-        ) as operator:
+        with _curve_client(srv, keys, "operator", client_id="operator-1") as operator:
             done = operator.admin(AdminQuota(kind="model", name="m", limit_gb=0.002))
             assert [r["limit_bytes"] for r in done["shards"]] == [int(0.001 * (1 << 30))] * 2
     finally:
