@@ -494,13 +494,14 @@ class KVFlowClient:
         conn = self._checkout(self._endpoint_of(request))
         try:
             conn.sock.send_multipart(frames, copy=False)
-        except BaseException as exc:
+        except zmq.Again:
             self._discard(conn)
-            if isinstance(exc, zmq.Again):
-                raise RequestTimeoutError(
-                    f"could not send {op} to the kvflow server at {self.endpoint} within"
-                    f" {timeout:g} s (is it running?)"
-                ) from None
+            raise RequestTimeoutError(
+                f"could not send {op} to the kvflow server at {self.endpoint} within"
+                f" {timeout:g} s (is it running?)"
+            ) from None
+        except BaseException:
+            self._discard(conn)
             raise
         return _Sent(conn, request.id, op, timeout, time.monotonic() + timeout)
 

@@ -553,8 +553,9 @@ class ShardedServer:
         """Answer the calls whose patience ran out with what came: each shard still
         silent becomes a Failed reply naming it (a status shows the others)."""
         now = time.monotonic()
-        due = [c for c in self._impatient if c.waiting and c.deadline and now >= c.deadline]
-        self._impatient = [c for c in self._impatient if c.waiting and all(c is not d for d in due)]
+        waiting = [c for c in self._impatient if c.waiting]
+        due = [c for c in waiting if c.deadline is not None and now >= c.deadline]
+        self._impatient = [c for c in waiting if c.deadline is not None and now < c.deadline]
         for call in due:
             for slot, reply in enumerate(call.replies):
                 if reply is None and self._calls.pop(call.ids[slot], None) is not None:

@@ -7,9 +7,9 @@ its reply read at the first `wait_layer` and each layer then waited for there ri
 before its attention reads it. Stores run in `wait_for_save` (after the forward pass
 wrote the cache), once the step's layerwise loads are all waited for; layerwise, they
 start at the step's first `layer_written` (vLLM's `save_kv_layer`), take each layer as
-the pass writes it, and `wait_for_save` only waits for their replies. A load that falls short or fails reports
-the blocks it did not fill through `take_load_errors`, so vLLM recomputes them. A
-failed store is only a future miss: it is logged, never raised.
+the pass writes it, and `wait_for_save` only waits for their replies. A load that falls
+short or fails reports the blocks it did not fill through `take_load_errors`, so vLLM
+recomputes them. A failed store is only a future miss: it is logged, never raised.
 """
 
 from __future__ import annotations
