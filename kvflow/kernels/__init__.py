@@ -23,7 +23,7 @@ from kvflow.kernels.streams import (
     default_transfer_stream,
     new_transfer_stream,
 )
-from kvflow.kernels.transfer import PreparedTransfer, transfer_blocks
+from kvflow.kernels.transfer import LayoutKernels, PreparedTransfer, transfer_blocks
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -32,6 +32,7 @@ __all__ = [
     "KVLayout",
     "LayerGroup",
     "LayerRopes",
+    "LayoutKernels",
     "LinearScaling",
     "Llama3Scaling",
     "Pairing",

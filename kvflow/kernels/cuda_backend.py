@@ -118,6 +118,34 @@ def device_plan(
     return found
 
 
+@dataclass(frozen=True)
+class ResolvedKernel:
+    """A plan's prepared kernel and its table's device address: what a launch needs
+    besides the ids and the staging address."""
+
+    plan: TransferPlan
+    function: Any
+    table: int
+
+
+def resolve_kernel(
+    layout: KVLayout,
+    chunk_tokens: int,
+    *,
+    gather: bool,
+    staging_alignment: int,
+    max_vector_bytes: int = 16,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> ResolvedKernel:
+    """The kernel moving chunks of `chunk_tokens` through `layout` to/from staging of
+    this alignment (its plan built and uploaded on first use, `device_plan`)."""
+    dplan = device_plan(
+        layout, chunk_tokens, gather=gather, staging_alignment=staging_alignment,
+        max_vector_bytes=max_vector_bytes, tuning=tuning,
+    )  # fmt: skip
+    return ResolvedKernel(dplan.plan, dplan.function, dplan.table.data_ptr())
+
+
 def check_device(layout: KVLayout, stream: TransferStream | None) -> int:
     """The cache's CUDA device index, after checking a kernel can run there (a CUDA
     cache, pycuda importable, `stream` on the cache's device); the rotary kernel's too."""
@@ -179,7 +207,7 @@ class UploadedTransfer:
             with torch.cuda.stream(self._stream.torch):
                 self._ids = pinned.to(layout.device, non_blocking=True)  # kept while we live
             self._ids_ptr = self._ids.data_ptr()
-        self._kernels: dict[int, tuple[TransferPlan, Any, int]] = {}
+        self._kernels: dict[int, ResolvedKernel] = {}
 
     def for_layout(self, layout: KVLayout) -> UploadedTransfer:
         """These ids (shared, not uploaded again) for another layout on the same device
@@ -189,19 +217,15 @@ class UploadedTransfer:
         other._kernels = {}
         return other
 
-    def _kernel(self, alignment: int) -> tuple[TransferPlan, Any, int]:
-        """(plan, prepared kernel, plan table address) for staging of this alignment."""
+    def _kernel(self, alignment: int) -> ResolvedKernel:
+        """This layout's kernel for staging of this alignment."""
         found = self._kernels.get(alignment)
         if found is None:
-            dplan = device_plan(
-                self.layout,
-                self.per_chunk * self.layout.block_size,
-                gather=self.gather,
-                staging_alignment=alignment,
-                max_vector_bytes=self.max_vector_bytes,
+            found = self._kernels[alignment] = resolve_kernel(
+                self.layout, self.per_chunk * self.layout.block_size, gather=self.gather,
+                staging_alignment=alignment, max_vector_bytes=self.max_vector_bytes,
                 tuning=self.tuning,
-            )
-            found = self._kernels[alignment] = (dplan.plan, dplan.function, dplan.table.data_ptr())
+            )  # fmt: skip
         return found
 
     def launch(self, staging: torch.Tensor, first: int, count: int) -> TransferPlan | None:
@@ -216,7 +240,19 @@ class UploadedTransfer:
             )
         if count == 0:
             return None
-        plan, function, table = self._kernel(pow2_alignment(staging.data_ptr()))
+        address = staging.data_ptr()
+        kernel = self._kernel(pow2_alignment(address))
+        self.launch_kernel(kernel, address, first, count)
+        return kernel.plan
+
+    def launch_kernel(
+        self, kernel: ResolvedKernel, staging_ptr: int, first: int, count: int
+    ) -> None:
+        """Enqueue chunks [first, first + count) of these ids to/from the device memory at
+        `staging_ptr` with `kernel`, resolved by the caller for the layout the staging
+        rows follow (same block size and blocks per chunk as these ids) and the address's
+        alignment (`resolve_kernel`): no lookup, no check."""
+        plan = kernel.plan
         num_tiles = count * plan.tiles_per_chunk
         if num_tiles >= MAX_NUMERATOR:
             raise ValueError(f"{count} chunks exceed one launch ({num_tiles} warp tiles)")
@@ -226,10 +262,11 @@ class UploadedTransfer:
             stream.torch.wait_stream(current)
         ids = self._ids_ptr
         per_chunk = self.per_chunk
+        table = kernel.table
         # plain ints: the prepared launch packs them by its argument format; the
         # primary context is pushed only when the thread has another (or none) current
         with CurrentContext(self._context):
-            function.prepared_async_call(
+            kernel.function.prepared_async_call(
                 ((num_tiles + WARPS_PER_CTA - 1) // WARPS_PER_CTA, 1),
                 (THREADS_PER_CTA, 1, 1),
                 stream.pycuda,
@@ -238,14 +275,13 @@ class UploadedTransfer:
                 table + plan.entries_offset,
                 ids + 4 * first * per_chunk,
                 ids + 4 * (self.num_chunks * per_chunk + first),
-                staging.data_ptr(),
+                staging_ptr,
                 num_tiles,
                 1 if self.gather else 0,
                 shared_size=plan.shared_bytes,
             )
         if self._ordered:
             current.wait_stream(stream.torch)
-        return plan
 
 
 def launch_transfer(

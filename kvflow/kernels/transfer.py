@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from kvflow.kernels.layout import KVLayout
+from kvflow.kernels.plan import pow2_alignment
 from kvflow.kernels.reference import transfer_reference
 
 if TYPE_CHECKING:
-    from kvflow.kernels.cuda_backend import UploadedTransfer
+    from kvflow.kernels.cuda_backend import ResolvedKernel, UploadedTransfer
     from kvflow.kernels.idbuffer import IdBuffer
     from kvflow.kernels.streams import TransferStream
 
@@ -211,6 +212,43 @@ class PreparedTransfer:
                 transfer_reference(self.layout, staging, ids, skip, gather=self.gather)
             return
         transfer_reference(self.layout, staging, ids, skip, gather=self.gather)
+
+
+class LayoutKernels:
+    """Launches of any prepared transfer's ids through one layout (same block size and
+    device as the transfers'): `moves.for_layout(layout).launch_trusted(rows, ...)` for a
+    caller that moves many transfers through the same few layouts and buffers, without
+    a copy of the transfer or a view of the rows per launch. On CUDA its kernels are
+    resolved once per staging alignment and kept, so a launch is one driver call."""
+
+    def __init__(self, layout: KVLayout, chunk_tokens: int, *, gather: bool) -> None:
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.gather = gather
+        self.chunk_nbytes = layout.chunk_nbytes(chunk_tokens)
+        self._kernels: dict[int, ResolvedKernel] = {}  # CUDA: by staging alignment
+
+    def launch(
+        self, moves: PreparedTransfer, staging: torch.Tensor, first: int, count: int
+    ) -> None:
+        """Move chunks [first, first + count) of `moves` (prepared for chunks of
+        `chunk_tokens` in this direction) to/from the flat uint8 `staging`, whose first
+        count x `chunk_nbytes` bytes are their rows in this layout (the caller checked)."""
+        device = moves._device
+        if device is None:
+            rows = staging[: count * self.chunk_nbytes].view(count, self.chunk_nbytes)
+            moves.for_layout(self.layout).launch_trusted(rows, first, count)
+            return
+        address = staging.data_ptr()
+        alignment = pow2_alignment(address)
+        kernel = self._kernels.get(alignment)
+        if kernel is None:
+            from kvflow.kernels.cuda_backend import resolve_kernel
+
+            kernel = self._kernels[alignment] = resolve_kernel(
+                self.layout, self.chunk_tokens, gather=self.gather, staging_alignment=alignment
+            )
+        device.launch_kernel(kernel, address, first, count)
 
 
 def transfer_blocks(

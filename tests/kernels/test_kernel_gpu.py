@@ -17,6 +17,7 @@ from kvflow.kernels import (
     SUPPORTED_DTYPES,
     KVFormat,
     KVLayout,
+    LayoutKernels,
     PreparedTransfer,
     cuda_available,
     new_transfer_stream,
@@ -316,6 +317,39 @@ def test_prepared_transfer_launches_groups_on_a_stream_exactly(
     stream.synchronize()
     for a, b in zip(flat_tensors(target), flat_tensors(expected), strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_layout_kernels_scatter_from_buffers_of_any_alignment(cuda_device: torch.device) -> None:
+    """`LayoutKernels.launch` scatters the uploaded ids of two transfers through a span of
+    layers from rows at a 16-byte and at an 8-byte aligned address (a kernel resolved
+    per alignment) exactly as the reference does."""
+    seed = next(_seeds)
+    caches, layout = _caches(KVFormat.VLLM_FLASH_ATTN, seed, cuda_device, num_blocks=64)
+    want, want_layout = _caches(KVFormat.VLLM_FLASH_ATTN, seed, cuda_device, num_blocks=64)
+    stream = new_transfer_stream(layout.device)
+    chunks, per_chunk = 5, 3
+    tokens = per_chunk * layout.block_size
+    count = min(2, layout.num_layers)
+    kernels = LayoutKernels(layout.span_layout(0, count), tokens, gather=False)
+    nbytes = kernels.chunk_nbytes
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.full((chunks * nbytes + 64,), POISON, dtype=torch.uint8, device=cuda_device)
+    for offset, first in ((0, 0), (8, 2)):
+        ids = torch.randperm(layout.num_blocks, generator=g)[: chunks * per_chunk]
+        ids = ids.view(chunks, per_chunk)
+        rows = torch.randint(0, 256, (chunks - first, nbytes), dtype=torch.uint8, generator=g)
+        staging = flat[offset : offset + rows.numel()]
+        staging.copy_(rows.view(-1).to(cuda_device))
+        torch.cuda.synchronize(cuda_device)
+        moves = PreparedTransfer(layout.layer_layout(0), ids, direction="scatter", stream=stream)
+        kernels.launch(moves, staging, first, chunks - first)
+        stream.synchronize()
+        transfer_reference(
+            want_layout.span_layout(0, count), rows.to(cuda_device), ids[first:],
+            torch.zeros(chunks - first, dtype=torch.long), gather=False,
+        )  # fmt: skip
+        for a, b in zip(flat_tensors(caches), flat_tensors(want), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), offset
 
 
 def test_a_transfer_for_another_layer_reuses_its_uploaded_ids(cuda_device: torch.device) -> None:

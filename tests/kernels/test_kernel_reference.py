@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvflow.kernels import SUPPORTED_DTYPES, KVFormat, KVLayout, PreparedTransfer, transfer_blocks
+from kvflow.kernels import (
+    SUPPORTED_DTYPES,
+    KVFormat,
+    KVLayout,
+    LayoutKernels,
+    PreparedTransfer,
+    transfer_blocks,
+)
 from kvflow.kernels.synthetic import make_kv_caches
 from tests.support.kernel_reference import (
     apply_scatter,
@@ -329,6 +336,43 @@ def test_a_span_of_layers_gathers_the_runs_span_parts_names(fmt: KVFormat) -> No
         prepared.for_layout(span).launch(got)
         want = torch.cat([whole[:, offset : offset + n] for offset, n in parts], dim=1)
         assert torch.equal(got, want), (first, count)
+
+
+def test_layout_kernels_move_any_transfers_ids_through_their_layout() -> None:
+    """`LayoutKernels.launch` scatters the chunks of any prepared transfer (two here, one
+    kernels object) from a flat buffer's first rows through a span of layers exactly as
+    `for_layout(span).launch` does, and leaves the other layers alone."""
+    gen = torch.Generator().manual_seed(13)
+    caches, kw = make_kv_caches(
+        KVFormat.VLLM_FLASH_ATTN, generator=gen, num_blocks=32, num_layers=5
+    )
+    layout = KVLayout.from_kv_caches(caches, **kw)
+    want = clone_structure(caches)
+    want_layout = KVLayout.from_kv_caches(want, **kw)
+    per_chunk = 2
+    tokens = per_chunk * layout.block_size
+    kernels = LayoutKernels(layout.span_layout(1, 3), tokens, gather=False)
+    nbytes = want_layout.span_layout(1, 3).chunk_nbytes(tokens)
+    assert kernels.chunk_nbytes == nbytes
+    for seed, first, count in [(21, 0, 3), (22, 1, 2)]:
+        ids, skip = _ids_and_skip(layout.num_blocks, 3, per_chunk, seed=seed)
+        rows = torch.randint(0, 256, (count, nbytes), dtype=torch.uint8, generator=gen)
+        flat = torch.full((4 * nbytes,), POISON, dtype=torch.uint8)
+        flat[: count * nbytes] = rows.view(-1)
+        moves = PreparedTransfer(
+            layout.layer_layout(0), ids.numpy(), direction="scatter", skip_blocks=skip
+        )
+        kernels.launch(moves, flat, first, count)
+        reference = PreparedTransfer(
+            want_layout.layer_layout(0), ids.numpy(), direction="scatter", skip_blocks=skip
+        )
+        reference.for_layout(want_layout.span_layout(1, 3)).launch(rows, first, count)
+        assert same_bytes(caches, want), (first, count)
+    untouched, _ = make_kv_caches(
+        KVFormat.VLLM_FLASH_ATTN, generator=torch.Generator().manual_seed(13), num_blocks=32,
+        num_layers=5,
+    )  # fmt: skip
+    assert not same_bytes(caches, untouched)  # the launches wrote something
 
 
 def test_only_layers_next_to_each_other_in_one_group_make_a_span() -> None:

@@ -40,6 +40,7 @@ from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, Register, TensorDesc
 from kvflow.core.server.staging import (
     ClientStaging,
+    Landing,
     ServerStaging,
     StagedLoad,
     control_words,
@@ -197,9 +198,9 @@ class LayerwiseLoad:
         #: CUDA: timing events around each layer's wait for its copies, by layer
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         #: the ring's scatter of the layer `_landed` last found landed (None: not staged)
-        self._scattered: torch.cuda.Event | None = None
-        #: the last scatter event a stream was made to wait for, with that stream
-        self._ordered: tuple[torch.cuda.Event, Any] | None = None
+        self._scattered: Landing | None = None
+        #: the last scatter a stream was made to wait for, with that stream
+        self._ordered: tuple[Landing, Any] | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -283,16 +284,16 @@ class LayerwiseLoad:
 
     def _after_scatter(self, stream: Any) -> None:
         """Order torch's current stream (or `stream`) after the scatter `_landed` found for
-        the layer, if it came through the ring: an event of this process's own staging
+        the layer, if it came through the ring: its `Landing` on this process's staging
         stream, one for all layers of a span, which a stream already ordered after it for
         the span's first layer need not wait for again."""
-        scattered = self._scattered
-        if scattered is None:
+        landing = self._scattered
+        if landing is None:
             return
         stream = stream or torch.cuda.current_stream(self._layers.device)
-        if self._ordered != (scattered, stream):
-            stream.wait_event(scattered)
-            self._ordered = (scattered, stream)
+        if self._ordered != (landing, stream):
+            stream.wait_event(landing[1])
+            self._ordered = (landing, stream)
 
     @property
     def staged_layers(self) -> list[int]:

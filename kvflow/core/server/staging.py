@@ -37,12 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.core.engine.layerwise import staged_rows
 from kvflow.core.engine.transfers import written_chunks
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, TensorDesc
-from kvflow.kernels import KVLayout, PreparedTransfer
+from kvflow.kernels import KVLayout, LayoutKernels, PreparedTransfer
 
 #: most slots a ring may have (each costs three shared int64s and, on CUDA, two events)
 MAX_SLOTS = 64
@@ -143,16 +142,21 @@ class SlotClaims:
         st.control[HEAD] = use + 1  # after the entry: the engine reads it once it sees this
 
 
+#: a staged layer's scatter on CUDA: (the slot use that held it, the slot's "scattered"
+#: event, recorded after that use's scatter and again at the slot's next one: a stream
+#: made to wait on it later waits for a later scatter too, never for less)
+Landing = tuple[int, torch.cuda.Event]
+
+
 class StagedLoad:
     """What the engine needs to scatter a load's staged layers: its block rows, and each
-    staged layer's landing (a CUDA event on the staging stream; None on CPU, where the
-    pump scattered it already)."""
+    staged layer's `Landing` (None on CPU, where the pump scattered it already)."""
 
     def __init__(self, block_ids: np.ndarray, hit_tokens: int, skip_tokens: int) -> None:
         self.block_ids = block_ids
         self.hit_tokens = hit_tokens
         self.skip_tokens = skip_tokens
-        self.landed: dict[int, torch.cuda.Event | None] = {}
+        self.landed: dict[int, Landing | None] = {}
         #: staged layers whose slots the server is still copying into (CUDA)
         self.pending: set[int] = set()
         #: scatters launched for it so far (one a slot use: a span of layers each)
@@ -206,6 +210,9 @@ class ClientStaging:
             from kvflow.core.server.shm import empty_shared
 
             self.ring = empty_shared((slots, slot_bytes), torch.uint8)
+        self._slot_views = list(self.ring)  # a slot's bytes, its rows' staging
+        #: the scatter kernels of a span of layers (first, layers, chunk tokens)
+        self._kernels: dict[tuple[int, int, int], LayoutKernels] = {}
         self._loads: dict[int, StagedLoad] = {}
         self._dropped: set[int] = set()
         self._lock = threading.Lock()  # one pump at a time, and the loads with it
@@ -239,9 +246,9 @@ class ClientStaging:
         with self._lock:
             return layer in load.pending
 
-    def landed(self, load: StagedLoad, layer: int) -> tuple[bool, torch.cuda.Event | None]:
+    def landed(self, load: StagedLoad, layer: int) -> tuple[bool, Landing | None]:
         """(whether `layer` of `load` was staged and is scattered, or queued to be on the
-        staging stream: its CUDA event then)."""
+        staging stream: its `Landing` then)."""
         with self._lock:
             if layer not in load.landed:
                 return False, None
@@ -264,7 +271,7 @@ class ClientStaging:
                     self._ids_up(load, first, layers, chunk_tokens)
                     return
                 if load is not None:
-                    self._scatter(load, slot, range(first, first + layers), chunk_tokens)
+                    self._scatter(load, use, range(first, first + layers), chunk_tokens)
                 self._forget_before(seq)
                 control[TAIL] = use + 1
             if self._loads:  # every use written is scattered: forget loads that had none
@@ -294,29 +301,32 @@ class ClientStaging:
             del self._loads[old]
         self._dropped = {s for s in self._dropped if s >= seq}
 
-    def _scatter(self, load: StagedLoad, slot: int, span: range, chunk_tokens: int) -> None:
-        """Scatter a slot's span of layers into `load`'s blocks: one launch (CPU: the copy
-        done here), its end one event on the staging stream for every layer of it."""
-        layout = self.layout
+    def _scatter(self, load: StagedLoad, use: int, span: range, chunk_tokens: int) -> None:
+        """Scatter slot use `use`'s span of layers into `load`'s blocks: one launch (CPU:
+        the copy done here), its end the slot's "scattered" event, with which every layer
+        of the span lands (as a `Landing`: the event is recorded again at the slot's
+        next use)."""
+        slot = use % self.slots
         load.pending.difference_update(span)
         load.scatters += 1
         moves = self._ids_up(load, span.start, len(span), chunk_tokens)
-        moves = moves.for_layout(layout.span_layout(span.start, len(span)))
-        count = moves.num_chunks  # a row a chunk, the span's runs of it (`span_parts`)
-        rows = staged_rows(self.ring[slot], count, moves.chunk_nbytes)
+        key = (span.start, len(span), chunk_tokens)
+        kernels = self._kernels.get(key)
+        if kernels is None:
+            layout = self.layout.span_layout(span.start, len(span))
+            kernels = self._kernels[key] = LayoutKernels(layout, chunk_tokens, gather=False)
         if self.stream is None:
-            moves.launch_trusted(rows, 0, count)
+            kernels.launch(moves, self._slot_views[slot], 0, moves.num_chunks)
             load.landed.update(dict.fromkeys(span))
             return
         torch_stream = self.stream.torch
         if load.caller is not None:
             torch_stream.wait_event(load.caller)
             load.caller = None
-        moves.launch_trusted(rows, 0, count)  # the slot's copies are done (pump)
-        self.events[self.slots + slot].record(torch_stream)  # the slot is free again
-        done = torch.cuda.Event()
-        done.record(torch_stream)
-        load.landed.update(dict.fromkeys(span, done))
+        kernels.launch(moves, self._slot_views[slot], 0, moves.num_chunks)  # copies done (pump)
+        scattered = self.events[self.slots + slot]
+        scattered.record(torch_stream)  # the slot is free again, and the span landed
+        load.landed.update(dict.fromkeys(span, (use, scattered)))
 
     def _ids_up(
         self, load: StagedLoad, first: int, layers: int, chunk_tokens: int
