@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,24 @@ class DevicePlan:
     function: Any
 
 
+_upload_lock = threading.Lock()
+_upload_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`host` copied to `device` on a stream of its own, waiting for that copy alone. On
+    torch's current stream the copy would first wait for every kernel queued there: an
+    engine's first scatter through a new span stalled its forward pass for ~100 ms."""
+    index = device.index
+    assert index is not None
+    with _upload_lock:
+        stream = _upload_streams.get(index)
+        if stream is None:
+            stream = _upload_streams[index] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        return torch.from_numpy(host).to(device)  # synchronous: waits for `stream` only
+
+
 def device_plan(
     layout: KVLayout,
     chunk_tokens: int,
@@ -104,7 +123,7 @@ def device_plan(
             wide_iters=tuning.wide_iters,
             tiled=tuning.tiled,
         )
-        table = torch.from_numpy(plan.table).to(layout.device)  # synchronous upload
+        table = _upload(plan.table, layout.device)
         index = layout.device.index
         assert index is not None
         name = (

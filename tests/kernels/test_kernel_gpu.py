@@ -352,6 +352,33 @@ def test_layout_kernels_scatter_from_buffers_of_any_alignment(cuda_device: torch
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), offset
 
 
+def test_a_new_plan_does_not_wait_for_the_work_queued_on_the_current_stream(
+    cuda_device: torch.device,
+) -> None:
+    """The first launch through a layout uploads its plan without waiting for the kernels
+    queued on torch's current stream (an engine's forward pass, while its ring scatters
+    a span of layers for the first time)."""
+    seed = next(_seeds)
+    _, layout = _caches(KVFormat.VLLM_FLASH_ATTN, seed, cuda_device, num_blocks=64)
+    stream = new_transfer_stream(layout.device)
+    chunks, per_chunk = 2, 3
+    ids = torch.randperm(layout.num_blocks)[: chunks * per_chunk].view(chunks, per_chunk)
+    moves = PreparedTransfer(layout.layer_layout(0), ids, direction="scatter", stream=stream)
+    warm = LayoutKernels(layout.layer_layout(0), per_chunk * layout.block_size, gather=False)
+    staging = torch.zeros(chunks * warm.chunk_nbytes, dtype=torch.uint8, device=cuda_device)
+    warm.launch(moves, staging, 0, chunks)  # the kernel module loaded, its plan cached
+    torch.cuda.synchronize(cuda_device)
+    fresh = LayoutKernels(layout.layer_layout(1), per_chunk * layout.block_size, gather=False)
+    with torch.cuda.device(cuda_device):
+        torch.cuda._sleep(2_000_000_000)  # about a second of the GPU on the current stream
+        busy = torch.cuda.Event()
+        busy.record()
+    fresh.launch(moves, staging, 0, chunks)
+    assert not busy.query(), "the plan's upload waited for the current stream's kernels"
+    stream.synchronize()
+    torch.cuda.synchronize(cuda_device)
+
+
 def test_a_transfer_for_another_layer_reuses_its_uploaded_ids(cuda_device: torch.device) -> None:
     """Ids uploaded with layer 0's transfer gather the last layer through `for_layout`
     exactly as the reference does (the layerwise paths upload once per request)."""
