@@ -42,7 +42,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvflow.core.engine.blend_index import BlendSegment
-from kvflow.kernels.rope import LinearScaling, Llama3Scaling, RopeParams
+from kvflow.kernels.rope_params import LinearScaling, Llama3Scaling, RopeParams
 
 
 @dataclass(frozen=True)

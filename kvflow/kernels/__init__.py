@@ -8,14 +8,14 @@ from kvflow.kernels.formats import KVFormat, detect_format
 from kvflow.kernels.idbuffer import IdBuffer
 from kvflow.kernels.layout import SUPPORTED_DTYPES, KVLayout, LayerGroup, StrideDesc
 from kvflow.kernels.loader import cuda_available
-from kvflow.kernels.rope import (
+from kvflow.kernels.rope import rerotate
+from kvflow.kernels.rope_params import (
     LayerRopes,
     LinearScaling,
     Llama3Scaling,
     Pairing,
     RerotateSegment,
     RopeParams,
-    rerotate,
 )
 from kvflow.kernels.streams import (
     TransferStream,

@@ -12,7 +12,7 @@ from kvflow.cuda.context import CurrentContext, primary_context
 from kvflow.kernels.cuda_backend import check_device
 from kvflow.kernels.layout import KVLayout
 from kvflow.kernels.loader import get_function
-from kvflow.kernels.rope import RerotationPlan, RopeParams, rotation_table
+from kvflow.kernels.rope_params import RerotationPlan, RopeParams, rotation_table
 from kvflow.kernels.streams import TransferStream, default_transfer_stream
 
 KERNEL_SOURCE = "rope_rerotate.cu"

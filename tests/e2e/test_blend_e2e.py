@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from kvflow.core import KVFlowClient
 from kvflow.core.engine.blend_index import BlendSegment
-from kvflow.kernels.rope import Llama3Scaling, RopeParams
+from kvflow.kernels.rope_params import Llama3Scaling, RopeParams
 from tests.e2e.blend_e2e import (
     CAVEAT,
     check_layer0,

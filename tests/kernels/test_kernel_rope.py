@@ -27,7 +27,8 @@ from kvflow.kernels import (
     RopeParams,
     rerotate,
 )
-from kvflow.kernels.rope import inverse_frequencies, rerotate_reference, rotation_table
+from kvflow.kernels.rope import rerotate_reference
+from kvflow.kernels.rope_params import inverse_frequencies, rotation_table
 from kvflow.kernels.synthetic import make_kv_caches
 from tests.support.kernel_reference import block_of, clone_structure, same_bytes
 

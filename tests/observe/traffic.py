@@ -22,7 +22,7 @@ import torch
 from kvflow.core import KVFlowClient, empty_shared
 from kvflow.core.errors import KVFlowError
 from kvflow.events import BlockAllocation
-from kvflow.kernels.rope import RopeParams
+from kvflow.kernels.rope_params import RopeParams
 from tests.e2e.server_proc import running_server
 from tests.support.collectors import free_port
 

@@ -16,7 +16,7 @@ import torch
 
 from kvflow.core.engine.blend_index import BlendSegment
 from kvflow.core.engine.cache_engine import CacheEngine
-from kvflow.kernels.rope import RopeParams
+from kvflow.kernels.rope_params import RopeParams
 from tests.support.engine import BLOCK, CHUNK
 
 LAYERS, HEADS, HEAD = 2, 2, 8

@@ -37,13 +37,8 @@ from kvflow.core.engine.validation import check_ranks, check_salt
 from kvflow.core.errors import InvalidRequestError
 from kvflow.core.tiers.base import HostTier, ObjectKey
 from kvflow.events import EventBus, EventType
-from kvflow.kernels.rope import (
-    LayerRopes,
-    RerotateSegment,
-    RopeParams,
-    apply_rerotation,
-    plan_rerotation,
-)
+from kvflow.kernels.rope import apply_rerotation, plan_rerotation
+from kvflow.kernels.rope_params import LayerRopes, RerotateSegment, RopeParams
 from kvflow.kernels.token_copy import scatter_tokens, token_slots
 
 log = logging.getLogger("kvflow.engine")

@@ -10,7 +10,7 @@ import torch
 
 from kvflow.core.engine.movers import Mover
 from kvflow.kernels import KVLayout
-from kvflow.kernels.rope import LayerRopes
+from kvflow.kernels.rope_params import LayerRopes
 
 #: (model_name, world_size, rank): the owner of a layout desc and of L1 objects.
 ModelRank = tuple[str, int, int]

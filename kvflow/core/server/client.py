@@ -82,7 +82,7 @@ from kvflow.core.server.protocol import (
 )
 from kvflow.core.server.sharing import describe_kv_caches
 from kvflow.core.server.staging import StagedLoad
-from kvflow.kernels.rope import LayerRopes, RopeParams
+from kvflow.kernels.rope_params import LayerRopes, RopeParams
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 #: how often a waiting call looks for a failed handshake (so a refusal is reported at once)
@@ -615,7 +615,7 @@ class KVFlowClient:
         `staging_slot_bytes` on the caches' device, where the server stages a layer
         whose blocks need a scatter and this process scatters it
         (kvflow.core.server.staging; docs/ENGINE.md, "Staging in the engine").
-        `ropes` (kvflow.kernels.rope.RopeParams for every layer, or LayerRopes): the
+        `ropes` (kvflow.kernels.rope_params.RopeParams for every layer, or LayerRopes): the
         model's rotary embedding, which `blend_retrieve` needs (docs/BLEND.md).
         """
         if staging_slots and not layerwise:

@@ -40,7 +40,6 @@ from kvflow.core.errors import InvalidRequestError, KVFlowError
 from kvflow.core.server import fanout
 from kvflow.core.server.admin import AdminAuth, AdminCaller
 from kvflow.core.server.intake import read_request
-from kvflow.core.server.jobs import ErrorReplies, since
 from kvflow.core.server.kv_streams import check_poll
 from kvflow.core.server.listen import close_listener, listen, received, send_reply
 from kvflow.core.server.merged_events import PREFIX, MergedStreams
@@ -81,6 +80,7 @@ from kvflow.core.server.protocol import (
 )
 from kvflow.core.server.shard_probes import ShardProbes
 from kvflow.core.server.shards import STOP_TIMEOUT_S, Shard
+from kvflow.core.server.worker import ErrorReplies, since
 
 log = logging.getLogger("kvflow.server.front")
 

@@ -18,7 +18,7 @@ import numpy as np
 from kvflow.core.arrays import INT32_LE
 from kvflow.core.errors import InvalidRequestError, ProtocolError
 from kvflow.core.server.kv_streams import KVPoll
-from kvflow.kernels.rope import LayerRopes, LinearScaling, Llama3Scaling, RopeParams
+from kvflow.kernels.rope_params import LayerRopes, LinearScaling, Llama3Scaling, RopeParams
 
 PROTOCOL_VERSION = 1
 
@@ -79,13 +79,13 @@ class KVCachesDesc(msgspec.Struct, frozen=True):
 
 
 class LinearScalingDesc(msgspec.Struct, tag="linear", tag_field="kind", frozen=True):
-    """`kvflow.kernels.rope.LinearScaling` on the wire."""
+    """`kvflow.kernels.rope_params.LinearScaling` on the wire."""
 
     factor: float
 
 
 class Llama3ScalingDesc(msgspec.Struct, tag="llama3", tag_field="kind", frozen=True):
-    """`kvflow.kernels.rope.Llama3Scaling` on the wire."""
+    """`kvflow.kernels.rope_params.Llama3Scaling` on the wire."""
 
     factor: float
     low_freq_factor: float
@@ -94,7 +94,7 @@ class Llama3ScalingDesc(msgspec.Struct, tag="llama3", tag_field="kind", frozen=T
 
 
 class RopeParamsDesc(msgspec.Struct, frozen=True, kw_only=True):
-    """`kvflow.kernels.rope.RopeParams` on the wire (pairing "neox" or "gptj")."""
+    """`kvflow.kernels.rope_params.RopeParams` on the wire (pairing "neox" or "gptj")."""
 
     rotary_dim: int
     theta: float = 10000.0

@@ -11,7 +11,7 @@ from kvflow.core.server.layers import ServerLayers
 from kvflow.core.server.sharing import OpenedKVCaches
 
 if TYPE_CHECKING:
-    from kvflow.core.server.jobs import Worker
+    from kvflow.core.server.worker import Worker
 
 
 @dataclass

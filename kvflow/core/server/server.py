@@ -44,15 +44,11 @@ from kvflow.core.server.jobs import (
     AdminJob,
     BlendLookupJob,
     BlendRetrieveJob,
-    ErrorReplies,
-    Job,
     QueryJob,
     RegisterJob,
     RetireJob,
     RetrieveJob,
     StoreJob,
-    Worker,
-    since,
 )
 from kvflow.core.server.kv_streams import KVSubscriptions
 from kvflow.core.server.listen import close_listener, listen, received, send_reply
@@ -88,6 +84,7 @@ from kvflow.core.server.protocol import (
     ropes_from_wire,
 )
 from kvflow.core.server.registry import Registration, Registry
+from kvflow.core.server.worker import ErrorReplies, Job, Worker, since
 from kvflow.events import BlockAllocation
 from kvflow.subscribers.kv_events import KVEventLog, RecordFilter
 

@@ -36,7 +36,7 @@ from kvflow.core.server.protocol import (
     ropes_to_wire,
 )
 from kvflow.core.server.sharing import describe_kv_caches
-from kvflow.kernels.rope import LayerRopes, LinearScaling, Llama3Scaling, Pairing, RopeParams
+from kvflow.kernels.rope_params import LayerRopes, LinearScaling, Llama3Scaling, Pairing, RopeParams
 from tests.support.blend import HEAD, ROPE, VOCAB, Model, untouched
 from tests.support.engine import BLOCK, CHUNK
 from tests.support.ops import ServerProcess

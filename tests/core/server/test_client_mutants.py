@@ -32,7 +32,7 @@ from kvflow.core.server.protocol import (
     Request,
 )
 from kvflow.events import EventType
-from kvflow.kernels.rope import RopeParams
+from kvflow.kernels.rope_params import RopeParams
 from kvflow.subscribers.eventlog_read import LogReader
 from tests.support.engine import BLOCK, CHUNK
 from tests.support.ops import ServerProcess, wait_for

@@ -1,4 +1,4 @@
-"""A worker answers what its jobs raise, in one place (kvflow/core/server/jobs.py).
+"""A worker answers what its jobs raise, in one place (kvflow/core/server/worker.py).
 
 No server: a `Worker` sends to an inproc PULL socket the test reads, as the main
 loop would. A kvflow error becomes its own code, anything else an internal error,
@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from kvflow.core.errors import UnknownInstanceError
-from kvflow.core.server.jobs import ErrorReplies, Job, Worker
 from kvflow.core.server.protocol import Done, Failed, Reply, decode_reply
+from kvflow.core.server.worker import ErrorReplies, Job, Worker
 
 
 class _Raises(Job):
