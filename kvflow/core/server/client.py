@@ -90,10 +90,6 @@ _HANDSHAKE_CHECK_S = 0.1
 #: seconds between a call's `idle()` runs while it waits for its reply (a layerwise
 #: retrieve's: the engine frees staging slots the server may be waiting for)
 IDLE_POLL_S = 0.001
-#: seconds such a call polls its reply without sleeping first: the engine's forward pass
-#: waits for it (a layerwise retrieve's reply, read at the first layer's wait), and a
-#: thread asleep in poll wakes late on an idle CPU (docs/perf-journal.md, 2026-12-01)
-REPLY_SPIN_S = 0.005
 #: the handshake events a client watches: refusals, drops (the peer closed the connection
 #: mid-handshake, as a server requiring CURVE often does to a plain client) and successes
 _HANDSHAKE_EVENTS = (
@@ -537,10 +533,8 @@ class KVFlowClient:
         """Wait for the reply to `sent` (skipping late replies to earlier calls);
         RequestTimeoutError or AuthenticationError on failure."""
         conn, sock = sent.conn, sent.conn.sock
-        spin_until = time.monotonic() + (REPLY_SPIN_S if idle is not None else 0.0)
         while True:
-            now = time.monotonic()
-            remaining = sent.deadline - now
+            remaining = sent.deadline - time.monotonic()
             if remaining <= 0:
                 self._check_handshake(conn)
                 hint = (
@@ -554,14 +548,10 @@ class KVFlowClient:
                 )
             if idle is not None:
                 idle()
-            if now < spin_until:
-                if not sock.poll(0):
-                    continue
-            else:
-                slice_s = min(remaining, _HANDSHAKE_CHECK_S, IDLE_POLL_S if idle else remaining)
-                if not sock.poll(max(1, int(slice_s * 1000))):
-                    self._check_handshake(conn)
-                    continue
+            slice_s = min(remaining, _HANDSHAKE_CHECK_S, IDLE_POLL_S if idle else remaining)
+            if not sock.poll(max(1, int(slice_s * 1000))):
+                self._check_handshake(conn)
+                continue
             reply = decode_reply(sock.recv())
             if reply.id == sent.request_id:
                 return reply
