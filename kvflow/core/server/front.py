@@ -110,16 +110,21 @@ class _Call:
     join: fanout.Join | None  # None: one shard's reply, passed on
     replies: list[Reply | None]
     after: Callable[[Reply], None] | None = None
-    #: when to stop waiting for shards that have not answered (None: wait as long as the
-    #: client does); the join then gets their places as Failed replies
-    deadline: float | None = None
+    #: how long to wait for shards that have not answered (None: as long as the client
+    #: does); the join then gets their places as Failed replies
+    patience_s: float | None = None
+    deadline: float | None = field(init=False)
     waiting: int = field(init=False)
-    #: the front ids its parts went out under, by slot
+    #: the front ids its parts went out under, and the shards they went to, by slot
     ids: list[int] = field(init=False)
+    shards: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
+        patience = self.patience_s
+        self.deadline = None if patience is None else time.monotonic() + patience
         self.waiting = len(self.replies)
         self.ids = [0] * len(self.replies)
+        self.shards = [0] * len(self.replies)
 
 
 class ShardedServer:
@@ -334,9 +339,10 @@ class ShardedServer:
             after: Callable[[Reply], None] | None = None,
             patience_s: float | None = None,
         ) -> None:
-            call = _Call(identity, request.id, started, join, [None] * len(parts), after)
+            call = _Call(
+                identity, request.id, started, join, [None] * len(parts), after, patience_s
+            )
             if patience_s is not None:
-                call.deadline = time.monotonic() + patience_s
                 self._impatient.append(call)
             for slot, (shard, part) in enumerate(parts):
                 self._forward(call, slot, shard, part, arrays)
@@ -356,6 +362,7 @@ class ShardedServer:
             del self._calls[oldest]
         self._calls[front_id] = (call, slot)
         call.ids[slot] = front_id
+        call.shards[slot] = shard
         self._sockets[shard].send_multipart([header, *(a.data for a in arrays)], copy=False)
 
     def _everywhere(self, request: Request) -> list[tuple[int, Request]]:
@@ -559,7 +566,9 @@ class ShardedServer:
         for call in due:
             for slot, reply in enumerate(call.replies):
                 if reply is None and self._calls.pop(call.ids[slot], None) is not None:
-                    message = f"shard {slot} did not answer within {STATUS_PATIENCE_S:g} s"
+                    message = (
+                        f"shard {call.shards[slot]} did not answer within {call.patience_s:g} s"
+                    )
                     self._landed(call, slot, Failed(code="timeout", message=message))
 
     def _reply(self, call: _Call, reply: Reply) -> None:
