@@ -997,8 +997,10 @@ class CacheEngine:
         "Layerwise retrieves"). The whole hit must be held at once (layer 0 of the last
         chunk is copied before layer 1 of the first), so the hit is pinned in L1 (L2 hits
         loaded first) and `enqueued` (the server's reply) is called once the block ids are
-        checked, before the first layer is queued: each layer's signal tells when it may
-        be read; a failure signals the layers not signalled yet as failed. A hit that
+        checked: on CUDA right after layer 0's copies are queued (the engine needs the
+        reply no sooner than layer 0), on CPU before the first layer is copied. Each
+        layer's signal tells when it may be read; a failure signals the layers not
+        signalled yet as failed. A hit that
         would take more than a streaming window of L1 from L2 goes the ordinary way (None:
         the caller does it, signalling every layer at its end)."""
         inst, ids, tiering, mover = tx.inst, tx.ids, self._tiering, tx.inst.mover
@@ -1010,7 +1012,14 @@ class CacheEngine:
         if tiering is not None and too_big:
             self._release_hits(tx)
             return None
-        progress = LayerProgress(signal)
+        on_cuda = isinstance(mover, CudaMover)
+        hit_tokens = 0
+
+        def reply() -> None:  # the server's reply, once layer 0 is queued on CUDA
+            if enqueued is not None:
+                enqueued(mover.retrieve_stream, hit_tokens)
+
+        progress = LayerProgress(signal, after_first=reply if on_cuda else None)
         tx.on_failure.append(progress.failed)
         copied = Copied()
         if tiering is not None and first < ids.n_chunks:
@@ -1024,13 +1033,16 @@ class CacheEngine:
         copied.hashes = [k[0] for k in keys[: len(hits)]]
         copied.add(len(rows), written_tokens(skips, inst.blocks_per_chunk, inst.block_size))
         result = {**copied.attrs(self.chunk_size, inst.chunk_nbytes), "layerwise": True}
-        if enqueued is not None:  # the ids are checked: reply, the copies follow
-            enqueued(mover.retrieve_stream, len(hits) * self.chunk_size)
-        if isinstance(mover, CudaMover):
+        hit_tokens = len(hits) * self.chunk_size
+        if on_cuda:  # the ids are checked: layer 0's copies queued first, then the reply,
+            # which the engine needs no sooner than layer 0 itself
+            assert isinstance(mover, CudaMover)
             mover.retrieve_layers(srcs, table, skips, self.chunk_size, progress.ready, staging)
+            progress.finish()
             tx.op.end(mover.retrieve_stream, **result)
             mover.wait()
-        else:
+        else:  # the copies run here, on this thread: reply before them
+            reply()
             cpu_scatter_layers(
                 inst.layout, self.chunk_size, srcs, table, skips, progress.ready, staging
             )

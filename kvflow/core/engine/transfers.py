@@ -102,13 +102,23 @@ class LayerProgress:
     also calls `failed`.
     """
 
-    def __init__(self, signal: LayerSignal) -> None:
+    def __init__(self, signal: LayerSignal, after_first: Callable[[], None] | None = None):
+        """`after_first()` runs once, right after the first layer is signalled (or at
+        `finish` if none was)."""
         self.signal = signal
         self.next = 0
+        self._after_first = after_first
 
     def ready(self, layer: int, stream: Any) -> None:
         self.signal.ready(layer, stream)
         self.next = layer + 1
+        self.finish()
+
+    def finish(self) -> None:
+        """Run `after_first` unless it ran."""
+        then, self._after_first = self._after_first, None
+        if then is not None:
+            then()
 
     def failed(self) -> None:
         self.signal.failed(self.next)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -260,15 +261,19 @@ class StoreJob(_Transfer[Store]):
 
 
 class RetrieveJob(_Transfer[Retrieve]):
-    """Copy cached chunks into blocks. With CUDA caches or layerwise, it replies as soon
-    as the copies are queued (`_answer_early`), so a later error can only be logged."""
+    """Copy cached chunks into blocks. With CUDA caches it replies as soon as the copies
+    are queued (`_answer_early`), layerwise once the first layer is (`_answer_layerwise`),
+    so a later error can only be logged (layerwise: flagged in the layers not marked)."""
 
     kind = "retrieve"
 
     def run(self) -> Reply | None:
         reg, request = self._reg, self._request
         layers = _layers_of(reg, request)
-        early = reg.retrieved is not None or layers is not None
+        if layers is not None:  # the engine waits on each layer's own event and flag
+            enqueued: Callable[[Any, int], None] | None = self._answer_layerwise
+        else:
+            enqueued = self._answer_early if reg.retrieved is not None else None
         value = self._engine.retrieve(
             reg.instance_id,
             self._tokens,
@@ -276,7 +281,7 @@ class RetrieveJob(_Transfer[Retrieve]):
             request_id=request.request_id,
             skip_first_n_tokens=request.skip_first_n_tokens,
             cache_salt=request.cache_salt,
-            enqueued=self._answer_early if early else None,
+            enqueued=enqueued,
             chunk_keys=self._keys,
             layers=layers.signal(request.layer_seq) if layers else None,
             staging=(
@@ -291,14 +296,23 @@ class RetrieveJob(_Transfer[Retrieve]):
 
     def _answer_early(self, stream: Any, hit_tokens: int) -> None:
         """The copies are queued: mark their end with the client's event on the copy
-        stream and reply now; the client polls the event on the host (a layerwise one,
-        each layer's), and the reply's trip overlaps the copy. A layerwise retrieve of CPU
-        caches (stream None) replies
-        before its copies; the client polls its layer flags."""
+        stream and reply now; the client polls the event on the host, and the reply's
+        trip overlaps the copy."""
         self._reply_now(self._reg.retrieved, stream, hit_tokens)
-        # this thread goes on queueing copies holding the GIL: hand it over so the
-        # loop sends the reply now, not a switch interval later
-        time.sleep(0)
+        _let_the_loop_send()
+
+    def _answer_layerwise(self, stream: Any, hit_tokens: int) -> None:
+        """A layerwise retrieve's first layer is queued (CUDA) or about to be copied (CPU
+        caches): reply now. The client polls each layer's flag and event, so no event
+        of the whole retrieve is recorded."""
+        self._reply_now(None, stream, hit_tokens)
+        _let_the_loop_send()
+
+
+def _let_the_loop_send() -> None:
+    """A reply was handed to the loop and this thread goes on queueing copies holding
+    the GIL: hand it over, so the loop sends the reply now, not a switch interval later."""
+    time.sleep(0)
 
 
 class RegisterJob(Job):

@@ -4,8 +4,9 @@ Every instance registered with `layerwise=True` has one int64 flag per layer in 
 memory: the server writes a retrieve's sequence number there once that layer's copies
 are queued (CUDA) or done (CPU), and its negative when the retrieve failed before that
 layer. CUDA caches also have one interprocess CUDA event per layer, which the server
-records on its copy stream before writing the flag. The server replies before it queues
-the first layer, so its host work overlaps the engine's forward pass; `wait_layer(i)`
+records on its copy stream before writing the flag. The server replies once the first
+layer's copies are queued (CPU caches: before they run), so its host work for the later
+layers overlaps the engine's forward pass; `wait_layer(i)`
 polls layer i's flag on the host (the server is queueing ahead of the GPU, so this
 rarely waits) and then, on CUDA, layer i's event, also on the host: the engine's host
 runs ahead of its GPU, so by the time the GPU reaches layer i the copies have usually
@@ -48,6 +49,7 @@ from kvflow.core.server.staging import (
     ring_slots,
 )
 from kvflow.kernels import KVLayout
+from kvflow.kernels.streams import current_stream_handle
 
 #: bytes of one layer's flag (an int64)
 FLAG_BYTES = 8
@@ -69,13 +71,19 @@ def _wait_flag(
     one's marks); returns the seconds waited. TransferError at `-seq` or once
     `cancelled()`, RequestTimeoutError after `timeout_s`; `idle()` runs between polls."""
 
-    def marked() -> bool:
-        value = int(flags[layer])
-        if value == -seq:
-            raise TransferError(f"the layerwise {what} failed before layer {layer}")
-        return value >= seq or -value > seq
+    return poll_until(
+        lambda: _flag_marked(flags, layer, seq, what),
+        timeout_s, f"layer {layer} of the layerwise {what}", cancelled, idle,
+    )  # fmt: skip
 
-    return poll_until(marked, timeout_s, f"layer {layer} of the layerwise {what}", cancelled, idle)
+
+def _flag_marked(flags: Any, layer: int, seq: int, what: str) -> bool:
+    """Whether `flags[layer]` says number `seq` marked the layer (or a later number did,
+    or failed); TransferError when number `seq` failed before it."""
+    value = int(flags[layer])
+    if value == -seq:
+        raise TransferError(f"the layerwise {what} failed before layer {layer}")
+    return value >= seq or -value > seq
 
 
 class ClientLayers:
@@ -187,6 +195,7 @@ class LayerwiseLoad:
         self._hit = 0
         self._staged: StagedLoad | None = None
         self._error: BaseException | None = None
+        self._settled = False  # the reply read (or its error kept): no lock needed then
         #: seconds the host spent in each layer's wait for the reply (the first wait) and
         #: the layer's flag (on CUDA the wait for the copies themselves is timed on the
         #: GPU, see `layer_waits`)
@@ -199,8 +208,8 @@ class LayerwiseLoad:
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         #: the ring's scatter of the layer `_landed` last found landed (None: not staged)
         self._scattered: Landing | None = None
-        #: the last scatter a stream was made to wait for, with that stream
-        self._ordered: tuple[Landing, Any] | None = None
+        #: the last scatter a stream was made to wait for, with that stream's raw handle
+        self._ordered: tuple[Landing, int] | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -221,6 +230,8 @@ class LayerwiseLoad:
                     self._error = exc
                     if not isinstance(exc, Exception):  # an interrupt is never swallowed
                         raise
+                finally:
+                    self._settled = True
         if self._error is not None and raising:
             raise self._error
 
@@ -244,12 +255,18 @@ class LayerwiseLoad:
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
         began = time.perf_counter()
-        self.settle()  # the reply, when this is the load's first wait: counted as waited
+        if not self._settled:
+            self.settle()  # the reply, when this is the load's first wait: counted as waited
+        elif self._error is not None:
+            raise self._error
         staging = layers.staging
-        self.waited_s[layer] = (time.perf_counter() - began) + _wait_flag(
-            layers.flags, layer, self._seq, self._timeout_s, "retrieve",
-            idle=staging.pump if staging is not None else None,
-        )  # fmt: skip
+        waited = time.perf_counter() - began
+        if not _flag_marked(layers.flags, layer, self._seq, "retrieve"):
+            waited += _wait_flag(
+                layers.flags, layer, self._seq, self._timeout_s, "retrieve",
+                idle=staging.pump if staging is not None else None,
+            )  # fmt: skip
+        self.waited_s[layer] = waited
         if not layers.events:  # CPU: the layer landed; a staged one is scattered here
             if staging is not None:
                 staging.pump()
@@ -290,10 +307,14 @@ class LayerwiseLoad:
         landing = self._scattered
         if landing is None:
             return
-        stream = stream or torch.cuda.current_stream(self._layers.device)
-        if self._ordered != (landing, stream):
-            stream.wait_event(landing[1])
-            self._ordered = (landing, stream)
+        device = self._layers.device
+        assert device is not None
+        # the raw handle: building torch's Stream costs more than the rest of a later wait
+        handle = stream.cuda_stream if stream is not None else current_stream_handle(device)
+        ordered = self._ordered
+        if ordered is None or ordered[0] is not landing or ordered[1] != handle:
+            (stream or torch.cuda.current_stream(device)).wait_event(landing[1])
+            self._ordered = (landing, handle)
 
     @property
     def staged_layers(self) -> list[int]:

@@ -274,10 +274,11 @@ class ClientStaging:
                     self._scatter(load, use, range(first, first + layers), chunk_tokens)
                 self._forget_before(seq)
                 control[TAIL] = use + 1
-            if self._loads:  # every use written is scattered: forget loads that had none
-                # (all their layers went straight into blocks): the server replied to the
-                # latest load after it finished every earlier retrieve, uses included
-                self._forget_before(max(self._loads))
+            if len(self._loads) > 1 or self._dropped:  # every use written is scattered:
+                # forget loads that had none (all their layers went straight into blocks):
+                # the server replied to the latest load after it finished every earlier
+                # retrieve, uses included
+                self._forget_before(max(self._loads, default=0))
 
     @property
     def loads_held(self) -> int:

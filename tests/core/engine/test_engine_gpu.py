@@ -192,3 +192,50 @@ def test_cuda_caches_round_trip_through_the_disk_tier(
         ends = [e for e in events_of(recorder, engine) if e.type == EventType.RETRIEVE_END]
         assert ends[0].attrs["l2_chunks"] == CHUNKS
         engine.close()
+
+
+class _Told:
+    """A LayerSignal that logs its marks, with the server's reply (`enqueued`) among them."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def ready(self, layer: int, stream: object) -> None:
+        self.log.append(f"layer {layer}")
+
+    def failed(self, first_layer: int) -> None:
+        self.log.append(f"failed from {first_layer}")
+
+    def enqueued(self, stream: object, hit_tokens: int) -> None:
+        self.log.append(f"reply {hit_tokens}")
+
+
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
+def test_a_cuda_layerwise_retrieve_replies_once_layer_0_is_queued(
+    order: str, cuda_device: torch.device
+) -> None:
+    """On CUDA the copies are queued, not run, by the thread serving the retrieve: layer
+    0's go first and the reply (with the hit) right after them, so the server's work
+    before layer 0's copy is no longer than it must be; the other layers follow."""
+    engine, _ = small_engine(l1_bytes=64 << 20, chunk_size=CHUNK)
+    n = CHUNKS * CHUNK // BLOCK
+    gen = torch.Generator().manual_seed(5)
+    src, kw = make_kv_caches("vllm_flash_attn", num_blocks=2 * n, block_size=BLOCK,
+                             num_layers=3, device=cuda_device, generator=gen)  # fmt: skip
+    dst, _ = make_kv_caches("vllm_flash_attn", num_blocks=2 * n, block_size=BLOCK,
+                            num_layers=3, device=cuda_device, generator=gen)  # fmt: skip
+    engine.register_kv_caches("src", src, model_name="m", **kw)
+    engine.register_kv_caches("dst", dst, model_name="m", **kw)
+    tokens = np.arange(CHUNKS * CHUNK, dtype=np.int32)
+    assert engine.store("src", tokens, list(range(n)), request_id="w") == CHUNKS * CHUNK
+    blocks = list(range(n, 2 * n)) if order == "in-order" else torch.randperm(
+        2 * n, generator=gen
+    )[:n].tolist()  # fmt: skip
+    told = _Told()
+    got = engine.retrieve(
+        "dst", tokens, blocks, request_id="r", layers=told, enqueued=told.enqueued
+    )
+    assert got == CHUNKS * CHUNK
+    assert told.log == ["layer 0", f"reply {CHUNKS * CHUNK}", "layer 1", "layer 2"]
+    assert torch.equal(block_bytes(dst, kw, blocks), block_bytes(src, kw, list(range(n))))
+    engine.close()

@@ -195,3 +195,33 @@ def test_a_slot_takes_a_growing_span_of_layers_that_lie_together() -> None:
     tokens = layout.block_size
     assert stage_span(layout, 2, 1, tokens, 1 << 20, every) == 1  # the group ends at 2
     assert stage_span(layout, 3, 1, tokens, 1 << 20, every) == 3
+
+
+class Told:
+    """A LayerSignal that logs its marks, with the server's reply (`enqueued`) among them."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def ready(self, layer: int, stream: Any) -> None:
+        self.log.append(f"layer {layer}")
+
+    def failed(self, first_layer: int) -> None:
+        self.log.append(f"failed from {first_layer}")
+
+    def enqueued(self, stream: Any, hit_tokens: int) -> None:
+        self.log.append(f"reply {hit_tokens}")
+
+
+def test_on_cpu_the_reply_goes_before_the_copies() -> None:
+    """CPU caches are copied on the thread that serves the retrieve: the reply goes first
+    (with the hit), so the engine reads it while the layers are copied."""
+    engine, _, _, _, _, _ = _pair()
+    engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
+    told = Told()
+    got = engine.retrieve(
+        "dst", TOKENS, DST_BLOCKS, request_id="r", layers=told, enqueued=told.enqueued
+    )
+    assert got == 3 * CHUNK
+    assert told.log == [f"reply {3 * CHUNK}", "layer 0", "layer 1"]
+    engine.close()
