@@ -107,11 +107,22 @@ class DirectLayers:
         apart = (np.diff(src) != block_bytes) | (np.diff(dst) != block_bytes)
         cut = np.flatnonzero(apart | (np.diff(region) != 0)) + 1
         starts = np.concatenate(([0], cut))
+        if _fewest_copies(dst[starts]) > self.max_copies:  # shuffled blocks: said cheaply
+            return None
         widths = np.diff(np.concatenate((starts, [src.size]))) * block_bytes
         return _rows(
             src[starts].tolist(), dst[starts].tolist(), widths.tolist(),
             region[starts].tolist(), self.max_copies,
         )  # fmt: skip
+
+
+def _fewest_copies(dsts: np.ndarray) -> int:
+    """A lower bound on the 2-D copies `_rows` makes of pieces at destinations `dsts`:
+    a copy's pieces step by one pitch, so the steps between pieces change value only
+    at the two sides of a step from one copy to the next (c copies: at most 2(c - 1)
+    changes)."""
+    changes = int(np.count_nonzero(np.diff(np.diff(dsts)))) if dsts.size > 2 else 0
+    return changes // 2 + 1 if changes else min(dsts.size, 1)
 
 
 def _rows(

@@ -142,9 +142,11 @@ class SlotClaims:
         st.control[HEAD] = use + 1  # after the entry: the engine reads it once it sees this
 
 
-#: a staged layer's scatter on CUDA: (the slot use that held it, the slot's "scattered"
+#: a staged layer's scatter on CUDA: (the slot use that held it, the slot's "landed"
 #: event, recorded after that use's scatter and again at the slot's next one: a stream
-#: made to wait on it later waits for a later scatter too, never for less)
+#: made to wait on it later waits for a later scatter too, never for less). A plain
+#: event of this process, not the interprocess "scattered" one the server polls: the
+#: engine's compute stream waits on it once per span
 Landing = tuple[int, torch.cuda.Event]
 
 
@@ -192,6 +194,8 @@ class ClientStaging:
         self.slots, self.slot_bytes = slots, slot_bytes
         self.control = control.numpy()  # polled on every spin of a wait: numpy's reads
         self.events: list[torch.cuda.Event] = []  # copied, then scattered (CUDA)
+        #: per slot, its use's span landed (CUDA; see `Landing`)
+        self._landed_marks: list[torch.cuda.Event] = []
         self.stream: Any = None  # the TransferStream staged layers are scattered on
         if layout.device.type == "cuda":
             from kvflow.core.server.ipc import make_interprocess_event
@@ -204,6 +208,7 @@ class ClientStaging:
                 self.events = [make_interprocess_event() for _ in range(2 * slots)]
                 for event in self.events:  # an event must be recorded once to be shared
                     event.record(torch.cuda.current_stream(layout.device))
+                self._landed_marks = [torch.cuda.Event() for _ in range(slots)]
             # high priority: a scatter the next layer waits on starts as SMs free up
             self.stream = new_transfer_stream(layout.device, high_priority=True)
         else:
@@ -304,9 +309,9 @@ class ClientStaging:
 
     def _scatter(self, load: StagedLoad, use: int, span: range, chunk_tokens: int) -> None:
         """Scatter slot use `use`'s span of layers into `load`'s blocks: one launch (CPU:
-        the copy done here), its end the slot's "scattered" event, with which every layer
-        of the span lands (as a `Landing`: the event is recorded again at the slot's
-        next use)."""
+        the copy done here), its end the slot's "scattered" event (for the server) and
+        its "landed" one, with which every layer of the span lands (as a `Landing`: the
+        event is recorded again at the slot's next use)."""
         slot = use % self.slots
         load.pending.difference_update(span)
         load.scatters += 1
@@ -325,9 +330,10 @@ class ClientStaging:
             torch_stream.wait_event(load.caller)
             load.caller = None
         kernels.launch(moves, self._slot_views[slot], 0, moves.num_chunks)  # copies done (pump)
-        scattered = self.events[self.slots + slot]
-        scattered.record(torch_stream)  # the slot is free again, and the span landed
-        load.landed.update(dict.fromkeys(span, (use, scattered)))
+        self.events[self.slots + slot].record(torch_stream)  # the slot is free again
+        landed = self._landed_marks[slot]
+        landed.record(torch_stream)  # and the span landed
+        load.landed.update(dict.fromkeys(span, (use, landed)))
 
     def _ids_up(
         self, load: StagedLoad, first: int, layers: int, chunk_tokens: int
