@@ -238,3 +238,39 @@ def test_one_token_blocks_ignore_the_token_stride() -> None:
     assert direct.copies(0) == [
         Copy2D(dst=(1 << 40) + 48, dst_pitch=64, src=0, src_pitch=64, width=64, height=1)
     ]
+
+
+def test_the_early_refusal_of_fragmented_tables_never_refuses_a_plan_that_fits() -> None:
+    """Shuffled tables are refused from a cheap bound before their pieces are grouped;
+    for tables of every kind (runs, strides, shuffles, a mix) a budget of copies gets
+    exactly the copies an unbounded plan makes when they fit it, None when they do not."""
+    src, kw = make_kv_caches(  # MLA: one part a layer, so one part's copies are the budget's
+        "vllm_mla", num_layers=1, num_blocks=200, block_size=BLOCK, head_size=8,
+    )  # fmt: skip
+    layout = KVLayout.from_kv_caches(src, **kw)
+    chunks, per_chunk = 8, 4
+    hosts = [4096 + c * 100_000 for c in range(chunks)]
+    rng = np.random.default_rng(7)
+    tables = [
+        np.arange(32).reshape(chunks, per_chunk),  # in order
+        (np.arange(32) * 3).reshape(chunks, per_chunk),  # evenly strided
+        rng.permutation(200)[:32].reshape(chunks, per_chunk),  # shuffled
+        np.concatenate([np.arange(16), rng.permutation(np.arange(100, 200))[:16]]).reshape(
+            chunks, per_chunk
+        ),  # in order, then shuffled
+        np.concatenate([np.arange(0, 32, 2), np.arange(60, 76)]).reshape(chunks, per_chunk),
+        # steps of 2 and 5 by turns: pairs of blocks per copy, the bound's tightest case
+        np.cumsum([0] + [2, 5] * 15 + [2]).reshape(chunks, per_chunk),
+        np.cumsum([0] + [2, 2, 2, 5] * 7 + [2, 2, 2]).reshape(chunks, per_chunk),
+    ]
+    for table in tables:
+        for skips in ([0] * chunks, [1, 0, 3, 0, 0, 2, 0, 4]):
+            full = DirectLayers(
+                layout, table, skips, hosts, per_chunk * BLOCK, max_copies=10**6
+            ).copies(0)
+            assert full is not None
+            for budget in range(0, len(full) + 3):
+                got = DirectLayers(
+                    layout, table, skips, hosts, per_chunk * BLOCK, max_copies=budget
+                ).copies(0)
+                assert got == (full if len(full) <= budget else None), (table, skips, budget)
