@@ -152,3 +152,20 @@ def pairs(events: list[Event]) -> Iterator[tuple[Event, Event]]:
 def of_type(events: list[Event], etype: EventType) -> list[Event]:
     """The events of one type, in order."""
     return [e for e in events if e.type == etype]
+
+
+class ToldSignal:
+    """A LayerSignal that logs its marks in order, with the server's reply (`enqueued`,
+    passed to `CacheEngine.retrieve`) among them."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def ready(self, layer: int, stream: Any) -> None:
+        self.log.append(f"layer {layer}")
+
+    def failed(self, first_layer: int) -> None:
+        self.log.append(f"failed from {first_layer}")
+
+    def enqueued(self, stream: Any, hit_tokens: int) -> None:
+        self.log.append(f"reply {hit_tokens}")

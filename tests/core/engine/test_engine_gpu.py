@@ -14,7 +14,14 @@ from kvflow.events import EventType
 from kvflow.events.stream import NativeStreamStamper
 from kvflow.kernels import KVFormat, KVLayout, PreparedTransfer, cuda_available
 from kvflow.kernels.synthetic import make_kv_caches
-from tests.support.engine import TensorChunks, block_bytes, events_of, pairs, small_engine
+from tests.support.engine import (
+    TensorChunks,
+    ToldSignal,
+    block_bytes,
+    events_of,
+    pairs,
+    small_engine,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -194,22 +201,6 @@ def test_cuda_caches_round_trip_through_the_disk_tier(
         engine.close()
 
 
-class _Told:
-    """A LayerSignal that logs its marks, with the server's reply (`enqueued`) among them."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-
-    def ready(self, layer: int, stream: object) -> None:
-        self.log.append(f"layer {layer}")
-
-    def failed(self, first_layer: int) -> None:
-        self.log.append(f"failed from {first_layer}")
-
-    def enqueued(self, stream: object, hit_tokens: int) -> None:
-        self.log.append(f"reply {hit_tokens}")
-
-
 @pytest.mark.parametrize("order", ["in-order", "shuffled"])
 def test_a_cuda_layerwise_retrieve_replies_once_layer_0_is_queued(
     order: str, cuda_device: torch.device
@@ -231,7 +222,7 @@ def test_a_cuda_layerwise_retrieve_replies_once_layer_0_is_queued(
     blocks = list(range(n, 2 * n)) if order == "in-order" else torch.randperm(
         2 * n, generator=gen
     )[:n].tolist()  # fmt: skip
-    told = _Told()
+    told = ToldSignal()
     got = engine.retrieve(
         "dst", tokens, blocks, request_id="r", layers=told, enqueued=told.enqueued
     )

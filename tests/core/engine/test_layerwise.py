@@ -10,7 +10,15 @@ import torch
 
 from kvflow.core.errors import InvalidRequestError
 from kvflow.events import EventType
-from tests.support.engine import BLOCK, CHUNK, block_bytes, caches, events_of, small_engine
+from tests.support.engine import (
+    BLOCK,
+    CHUNK,
+    ToldSignal,
+    block_bytes,
+    caches,
+    events_of,
+    small_engine,
+)
 
 TOKENS = np.arange(100, 100 + 3 * CHUNK + 3, dtype=np.int32)  # 3 full chunks + a partial one
 SRC_BLOCKS = [5, 2, 9, 0, 14, 7, 3]
@@ -197,28 +205,12 @@ def test_a_slot_takes_a_growing_span_of_layers_that_lie_together() -> None:
     assert stage_span(layout, 3, 1, tokens, 1 << 20, every) == 3
 
 
-class Told:
-    """A LayerSignal that logs its marks, with the server's reply (`enqueued`) among them."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-
-    def ready(self, layer: int, stream: Any) -> None:
-        self.log.append(f"layer {layer}")
-
-    def failed(self, first_layer: int) -> None:
-        self.log.append(f"failed from {first_layer}")
-
-    def enqueued(self, stream: Any, hit_tokens: int) -> None:
-        self.log.append(f"reply {hit_tokens}")
-
-
 def test_on_cpu_the_reply_goes_before_the_copies() -> None:
     """CPU caches are copied on the thread that serves the retrieve: the reply goes first
     (with the hit), so the engine reads it while the layers are copied."""
     engine, _, _, _, _, _ = _pair()
     engine.store("src", TOKENS, SRC_BLOCKS, request_id="w")
-    told = Told()
+    told = ToldSignal()
     got = engine.retrieve(
         "dst", TOKENS, DST_BLOCKS, request_id="r", layers=told, enqueued=told.enqueued
     )
