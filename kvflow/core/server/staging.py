@@ -279,11 +279,11 @@ class ClientStaging:
                     self._scatter(load, use, range(first, first + layers), chunk_tokens)
                 self._forget_before(seq)
                 control[TAIL] = use + 1
-            if len(self._loads) > 1 or self._dropped:  # every use written is scattered:
-                # forget loads that had none (all their layers went straight into blocks):
-                # the server replied to the latest load after it finished every earlier
-                # retrieve, uses included
-                self._forget_before(max(self._loads, default=0))
+            if self._loads and (len(self._loads) > 1 or self._dropped):  # every use
+                # written is scattered: forget loads that had none (all their layers went
+                # straight into blocks) and numbers dropped before the latest load: the
+                # server replied to it after it finished every earlier retrieve
+                self._forget_before(max(self._loads))
 
     @property
     def loads_held(self) -> int:
