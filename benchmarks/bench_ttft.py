@@ -95,12 +95,12 @@ class Row:
     landed_ms: float  # call start to the copies landed on the GPU (CUDA; else the call)
     logits_rel_err: float
     #: (e) a layerwise retrieve (returns once sent) + the suffix prefill, each layer
-    #: waiting for its own copies, the first for the reply too (0 when not run)
+    #: waiting for its own copies (0 when not run)
     layerwise_ms: float = 0.0
     #: one layer's share of (c): what the copy of the last layer adds to the floor of (e)
     layer_copy_ms: float = 0.0
     #: (e)'s parts (medians over repetitions): the layerwise call until it returned (the
-    #: request sent), the engine's wait on layer 0 (the reply, then the layer), and its
+    #: request sent), the engine's wait on layer 0 (its mark, then its copies), and its
     #: waits on every later layer together (host wait for the layer's mark plus the
     #: stream's stall at its event: LayerwiseLoad.layer_waits)
     layerwise_call_ms: float = 0.0
@@ -431,7 +431,7 @@ def measure(
         load = client.retrieve_layerwise(instance, tokens[:prefix], retrieved_at, request_id=rid)
         layer_loads.append((time.perf_counter() - began, load))
         sessions.append(rid)
-        logits = suffix_logits(load)  # its first layer's wait reads the reply, as vLLM's does
+        logits = suffix_logits(load)  # its waits need no reply (its last reads it)
         assert load.hit_tokens == prefix, f"layerwise retrieved {load.hit_tokens} of {prefix}"
         return logits
 

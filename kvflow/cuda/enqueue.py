@@ -112,7 +112,13 @@ class DriverEvent:
             return libcuda().query(self.handle)
 
     def wait_on(self, stream: int) -> None:
-        """Make `stream` wait (on the GPU) until the recorded point has passed."""
-        _call(
-            "cuStreamWaitEvent", self.context, libcuda().cuStreamWaitEvent, stream, self.handle, 0
-        )
+        """Make `stream` wait (on the GPU) until the recorded point has passed; stream 0
+        is the event's context's default stream, whichever context the thread has current."""
+        if stream:
+            _call(
+                "cuStreamWaitEvent", self.context, libcuda().cuStreamWaitEvent, stream,
+                self.handle, 0,
+            )  # fmt: skip
+            return
+        with CurrentContext(self.context):
+            _call("cuStreamWaitEvent", 0, libcuda().cuStreamWaitEvent, 0, self.handle, 0)

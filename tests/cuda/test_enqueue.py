@@ -136,6 +136,37 @@ def test_current_context_runs_a_block_under_the_stream_context_over_another_one(
     assert torch.equal(a, b)
 
 
+def test_the_default_stream_waits_in_the_events_context_under_another_one(
+    cuda_device: torch.device,
+) -> None:
+    """`wait_on(0)` with another context current (an engine thread last used another GPU)
+    makes torch's default stream of the event's device wait, not the current context's:
+    its copy reads what the transfer stream wrote after ~0.1 s of sleep."""
+    import pycuda.driver as drv
+
+    stream = new_transfer_stream(cuda_device)
+    event = DriverEvent(stream.handle)
+    a = torch.zeros(1 << 16, dtype=torch.int32, device=cuda_device)
+    b = torch.empty_like(a)
+    torch.cuda.synchronize(cuda_device)
+    with torch.cuda.stream(stream.torch):
+        torch.cuda._sleep(200_000_000)
+        a.fill_(7)
+    event.record(stream.handle)
+    other = drv.Device(0).make_context()
+    try:
+        event.wait_on(0)
+        assert drv.Context.get_current().handle == other.handle
+    finally:
+        other.pop()
+        other.detach()
+    with torch.cuda.device(cuda_device):
+        assert current_stream_handle(cuda_device.index or 0) == 0  # the default stream
+        b.copy_(a)
+    torch.cuda.synchronize(cuda_device)
+    assert bool((b == 7).all())
+
+
 def test_current_stream_handle_is_torchs_current_stream() -> None:
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):

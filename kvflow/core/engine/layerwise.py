@@ -49,10 +49,13 @@ class Staging(Protocol):
         scatter. Raises when the engine never frees it."""
         ...
 
-    def staged(self, first_layer: int, layers: int, chunk_tokens: int, stream: Any) -> None:
-        """The claimed slot holds layers [first_layer, first_layer + layers) of the hit's
-        chunks (row c: chunk c's runs of them, `KVLayout.span_parts` of `chunk_tokens`),
-        its copies queued on `stream` (done, when None)."""
+    def staged(
+        self, first_layer: int, layers: int, rows: int, chunk_tokens: int, stream: Any
+    ) -> None:
+        """The claimed slot holds layers [first_layer, first_layer + layers) of the
+        `rows` chunks the retrieve writes (row c: chunk c's runs of them,
+        `KVLayout.span_parts` of `chunk_tokens`), its copies queued on `stream` (done,
+        when None)."""
         ...
 
 
@@ -161,7 +164,7 @@ def cpu_scatter_layers(
             parts = layout.span_parts(layer, span, chunk_tokens)
             slot = staged_rows(staging.claim(), len(srcs), sum(n for _, n in parts))
             _copy_runs(slot, srcs, parts, to_rows=True)
-            staging.staged(layer, span, chunk_tokens, None)
+            staging.staged(layer, span, len(srcs), chunk_tokens, None)
             for each in range(layer, layer + span):
                 ready(each, None)
             layer += span

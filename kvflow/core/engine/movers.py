@@ -485,7 +485,7 @@ class CudaMover:
             parts = self.layout.span_parts(layer, span, chunk_tokens)
             slot = staging.claim()
             self._copy_runs(slot.data_ptr(), hosts, regions, parts, to_stage=True)
-            staging.staged(layer, span, chunk_tokens, self.copy_stream)
+            staging.staged(layer, span, len(hosts), chunk_tokens, self.copy_stream)
         return span
 
     def _objects(self, chunks: HostChunks) -> tuple[list[int], list[int]]:

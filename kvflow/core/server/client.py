@@ -81,7 +81,6 @@ from kvflow.core.server.protocol import (
     ropes_to_wire,
 )
 from kvflow.core.server.sharing import describe_kv_caches
-from kvflow.core.server.staging import StagedLoad
 from kvflow.kernels.rope_params import LayerRopes, RopeParams
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -825,8 +824,8 @@ class KVFlowClient:
         """A retrieve that lands layer by layer (instance registered with layerwise=True).
 
         Returns once the request is sent: the reply (the hit prefix, `hit_tokens`) is read
-        when first asked for, or by `wait_layer`, so the server's work and the trip overlap
-        what the engine does meanwhile (the first layers of its forward pass). Call
+        when first asked for, or by `wait_layer` (which needs no reply), so the server's
+        work and the trip overlap what the engine does meanwhile (its forward pass). Call
         `wait_layer(i)` right before layer i reads its KV (docs/ENGINE.md, "Layerwise
         retrieves"): the server marks each layer as it goes. The server's errors come
         from `hit_tokens` and `wait_layer`.
@@ -840,6 +839,8 @@ class KVFlowClient:
         with layers.lock:  # numbers reach the server in order: the last one's reply first
             layers.settle_last()
             seq = request.layer_seq = layers.next_seq()
+            # known before the server stages any of it: no wait needs the reply
+            staged = staging.add_load(seq, arrays[1], skip_first_n_tokens) if staging else None
             try:
                 sent = self._send(request, arrays)
             except BaseException:
@@ -847,7 +848,7 @@ class KVFlowClient:
                     staging.drop(seq)
                 raise
 
-            def answer() -> tuple[int, StagedLoad | None]:
+            def answer() -> int:
                 idle = staging.pump if staging is not None else None
                 try:  # earlier loads' staged layers free the ring the server may wait on
                     hit = _count_value(self._reply_to(sent, idle), request)
@@ -855,11 +856,14 @@ class KVFlowClient:
                     if staging is not None:
                         staging.drop(seq)
                     raise
-                if staging is None:
-                    return hit, None
-                return hit, staging.add_load(seq, arrays[1], hit, skip_first_n_tokens)
+                if staging is not None:
+                    staging.answered(seq)
+                return hit
 
-            load = layers.last = LayerwiseLoad(layers, seq, self.timeout_s, answer)
+            def replied() -> bool:  # a closed client's answer() raises at once
+                return self._closed or bool(sent.conn.sock.poll(0))
+
+            load = layers.last = LayerwiseLoad(layers, seq, self.timeout_s, answer, replied, staged)
         return load
 
     def blend_lookup(

@@ -6,9 +6,10 @@ are queued (CUDA) or done (CPU), and its negative when the retrieve failed befor
 layer. CUDA caches also have one interprocess CUDA event per layer, which the server
 records on its copy stream before writing the flag. The server replies once the first
 layer's copies are queued (CPU caches: before they run), so its host work for the later
-layers overlaps the engine's forward pass; `wait_layer(i)`
-polls layer i's flag on the host (the server is queueing ahead of the GPU, so this
-rarely waits) and then, on CUDA, layer i's event, also on the host: the engine's host
+layers overlaps the engine's forward pass; `wait_layer(i)` needs no reply (a staging
+ring's uses say what they hold): it polls layer i's flag on the host (the server is
+queueing ahead of the GPU, so only layer 0's wait usually waits, and not for the reply's
+trip back) and then, on CUDA, layer i's event, also on the host: the engine's host
 runs ahead of its GPU, so by the time the GPU reaches layer i the copies have usually
 landed and it does not stall. No stream of the engine's waits on the server's event: a
 stream blocked on another process's event holds the GPU's time slice while it spins,
@@ -174,31 +175,34 @@ class ClientLayers:
 
 class LayerwiseLoad:
     """A layerwise retrieve on its way: its request sent, its reply (`hit_tokens`) read
-    when first needed; those tokens are valid in the blocks once each layer's
-    `wait_layer` returned (CUDA: once torch's current stream reaches the work queued
-    after it)."""
+    when asked for, by the last layer's wait, or as soon as it came while a wait polls;
+    those tokens are valid in the blocks once each layer's `wait_layer` returned (CUDA:
+    once torch's current stream reaches the work queued after it)."""
 
     def __init__(
         self,
         layers: ClientLayers,
         seq: int,
         timeout_s: float,
-        answer: Callable[[], tuple[int, StagedLoad | None]],
+        answer: Callable[[], int],
+        replied: Callable[[], bool],
+        staged: StagedLoad | None = None,
     ):
-        """`answer()` reads the reply: (hit tokens, where the engine scatters the layers
-        the server staged in its ring, or None without one); it runs once."""
+        """`answer()` reads the reply (the hit tokens; it runs once), `replied()` says
+        whether it came (answer() would not wait); `staged`: where the engine scatters
+        the layers the server stages in its ring, or None without one."""
         self._layers = layers
         self._seq = seq
         self._timeout_s = timeout_s
-        self._answer: Callable[[], tuple[int, StagedLoad | None]] | None = answer
+        self._answer: Callable[[], int] | None = answer
+        self._replied = replied
         self._answer_lock = threading.Lock()
         self._hit = 0
-        self._staged: StagedLoad | None = None
+        self._staged = staged
         self._error: BaseException | None = None
         self._settled = False  # the reply read (or its error kept): no lock needed then
-        #: seconds the host spent in each layer's wait for the reply (the first wait) and
-        #: the layer's flag (on CUDA the wait for the copies themselves is timed on the
-        #: GPU, see `layer_waits`)
+        #: seconds the host spent in each layer's wait for the layer's flag (on CUDA the
+        #: wait for the copies themselves is timed on the GPU, see `layer_waits`)
         self.waited_s: dict[int, float] = {}
         #: seconds the host spent inside `wait_layer` in all (the reply, the flags and,
         #: with a ring, the scatters it launched): what the load costs a host-bound
@@ -225,7 +229,7 @@ class LayerwiseLoad:
             answer, self._answer = self._answer, None
             if answer is not None:
                 try:
-                    self._hit, self._staged = answer()
+                    self._hit = answer()
                 except BaseException as exc:  # kept for every later ask
                     self._error = exc
                     if not isinstance(exc, Exception):  # an interrupt is never swallowed
@@ -236,8 +240,7 @@ class LayerwiseLoad:
             raise self._error
 
     def wait_layer(self, layer: int) -> None:
-        """Order layer `layer`'s reads after its copies (the reply read first, if not yet):
-        block until the layer landed (on CUDA: its copies ran, or its scatter from the
+        """Order layer `layer`'s reads after its copies: block until the layer landed (on CUDA: its copies ran, or its scatter from the
         engine's staging ring is queued, which torch's current stream then waits for).
         With a staging ring, layers staged there meanwhile (this load's or others') are
         scattered into their blocks. The retrieve's error if it failed (TransferError if
@@ -254,19 +257,18 @@ class LayerwiseLoad:
             return
         if not 0 <= layer < layers.num_layers:
             raise InvalidRequestError(f"layer {layer} is not within the {layers.num_layers}")
-        began = time.perf_counter()
-        if not self._settled:
-            self.settle()  # the reply, when this is the load's first wait: counted as waited
-        elif self._error is not None:
+        if self._error is not None:
             raise self._error
         staging = layers.staging
-        waited = time.perf_counter() - began
-        if not _flag_marked(layers.flags, layer, self._seq, "retrieve"):
-            waited += _wait_flag(
-                layers.flags, layer, self._seq, self._timeout_s, "retrieve",
-                idle=staging.pump if staging is not None else None,
+        waited = 0.0
+        if not self._marked(layer):
+            waited = poll_until(
+                lambda: self._marked(layer), self._timeout_s,
+                f"layer {layer} of the layerwise retrieve", idle=self._meanwhile,
             )  # fmt: skip
         self.waited_s[layer] = waited
+        if layer == layers.num_layers - 1 and not self._settled:
+            self.settle()  # it came long ago: its errors raised here, its connection freed
         if not layers.events:  # CPU: the layer landed; a staged one is scattered here
             if staging is not None:
                 staging.pump()
@@ -282,6 +284,31 @@ class LayerwiseLoad:
         self._after_scatter(stream)
         after.record(stream)
         self._stalls[layer] = (before, after)
+
+    def _marked(self, layer: int) -> bool:
+        """Whether the server marked `layer` for this retrieve. Marked failed: the reply's
+        error when it has one (a refused block table, say: it names what was wrong),
+        else TransferError."""
+        try:
+            return _flag_marked(self._layers.flags, layer, self._seq, "retrieve")
+        except TransferError:
+            self.settle()
+            raise
+
+    def _meanwhile(self) -> None:
+        """Between polls of a flag: pump the ring, and read the reply if it came (an error
+        that came before any layer was marked ends the wait)."""
+        staging = self._layers.staging
+        if staging is not None:
+            staging.pump()
+        if self._settled or not self._answer_lock.acquire(blocking=False):
+            return  # read, or being read by another thread
+        try:
+            came = self._answer is not None and self._replied()
+        finally:
+            self._answer_lock.release()
+        if came:
+            self.settle()
 
     def _landed(self, layer: int) -> bool:
         """Whether layer `layer` (its flag raised) can be read once `_after_scatter` ordered
@@ -313,7 +340,7 @@ class LayerwiseLoad:
         handle = stream.cuda_stream if stream is not None else current_stream_handle(device)
         ordered = self._ordered
         if ordered is None or ordered[0] is not landing or ordered[1] != handle:
-            (stream or torch.cuda.current_stream(device)).wait_event(landing[1])
+            landing[1].wait_on(handle)  # 0, the default stream: in the event's context
             self._ordered = (landing, handle)
 
     @property

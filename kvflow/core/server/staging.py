@@ -9,7 +9,8 @@ them into its blocks in its own process, on a stream of its own, before the laye
 
 Bookkeeping lives after the layer flags in the same shared int64s: `head` (slot uses the
 server has written), `tail` (uses the engine has scattered), then one entry per slot:
-(retrieve number, first layer, layers, chunk tokens) of the use it holds. A use holds a
+(retrieve number, first layer, layers, rows, chunk tokens) of the use it holds (rows: the
+hit's chunks the retrieve writes, one row each). A use holds a
 span of layers next to each other (`stage_span`: the first layers alone, then as many as
 a slot takes), scattered by one launch: at 8k tokens of an 8B shape a 128 MiB slot takes
 four layers, and the engine's host, which runs the forward pass, launches a quarter of
@@ -38,17 +39,18 @@ import numpy as np
 import torch
 
 from kvflow.core.engine.transfers import written_chunks
-from kvflow.core.errors import InvalidRequestError
+from kvflow.core.errors import InvalidRequestError, TransferError
 from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, TensorDesc
+from kvflow.cuda import DriverEvent
 from kvflow.kernels import KVLayout, LayoutKernels, PreparedTransfer
 
-#: most slots a ring may have (each costs three shared int64s and, on CUDA, two events)
+#: most slots a ring may have (each costs five shared int64s and, on CUDA, three events)
 MAX_SLOTS = 64
 #: the longest the server waits for the engine to free a slot (an engine that stopped
 #: waiting for its layers must not hold the instance's worker for ever)
 SLOT_TIMEOUT_S = 60.0
-HEAD, TAIL, ENTRY = 0, 1, 4
+HEAD, TAIL, ENTRY = 0, 1, 5
 
 
 def control_words(slots: int) -> int:
@@ -132,12 +134,14 @@ class SlotClaims:
         self._use = use
         return st.ring[slot]
 
-    def staged(self, first_layer: int, layers: int, chunk_tokens: int, stream: Any) -> None:
+    def staged(
+        self, first_layer: int, layers: int, rows: int, chunk_tokens: int, stream: Any
+    ) -> None:
         st, use = self._staging, self._use
         slot = use % st.slots
         if st.copied is not None and stream is not None:
             st.copied[slot].record(stream.torch)
-        st.control[_entry(slot)] = (self._seq, first_layer, layers, chunk_tokens)
+        st.control[_entry(slot)] = (self._seq, first_layer, layers, rows, chunk_tokens)
         st.staged_layers += layers
         st.control[HEAD] = use + 1  # after the entry: the engine reads it once it sees this
 
@@ -145,18 +149,19 @@ class SlotClaims:
 #: a staged layer's scatter on CUDA: (the slot use that held it, the slot's "landed"
 #: event, recorded after that use's scatter and again at the slot's next one: a stream
 #: made to wait on it later waits for a later scatter too, never for less). A plain
-#: event of this process, not the interprocess "scattered" one the server polls: the
-#: engine's compute stream waits on it once per span
-Landing = tuple[int, torch.cuda.Event]
+#: driver event of this process, not the interprocess "scattered" one the server polls:
+#: the engine's compute stream waits on it once per span, by its raw handle
+Landing = tuple[int, DriverEvent]
 
 
 class StagedLoad:
-    """What the engine needs to scatter a load's staged layers: its block rows, and each
-    staged layer's `Landing` (None on CPU, where the pump scattered it already)."""
+    """What the engine needs to scatter a load's staged layers: its block ids and skipped
+    tokens, known when the retrieve is asked for (each use's entry says how many chunks
+    it holds, so no reply is needed), and each staged layer's `Landing` (None on CPU,
+    where the pump scattered it already)."""
 
-    def __init__(self, block_ids: np.ndarray, hit_tokens: int, skip_tokens: int) -> None:
+    def __init__(self, block_ids: np.ndarray, skip_tokens: int) -> None:
         self.block_ids = block_ids
-        self.hit_tokens = hit_tokens
         self.skip_tokens = skip_tokens
         self.landed: dict[int, Landing | None] = {}
         #: staged layers whose slots the server is still copying into (CUDA)
@@ -169,13 +174,21 @@ class StagedLoad:
         self.moves: PreparedTransfer | None = None
         self._rows: tuple[np.ndarray, list[int]] | None = None  # every layer's: made once
 
-    def rows(self, chunk_tokens: int, block_size: int) -> tuple[np.ndarray, list[int]]:
-        """(block table of the chunks written, blocks of each left alone), as the server
-        chose them (`written_chunks`); the same for every layer, so made at the first."""
+    def rows(self, chunk_tokens: int, block_size: int, count: int) -> tuple[np.ndarray, list[int]]:
+        """(block table of the `count` chunks a use holds, blocks of each left alone), as
+        the server chose them (`written_chunks`: the hit's chunks from the first not
+        wholly skipped); the same for every layer, so made at the first. TransferError
+        when the prompt's blocks cannot hold that many."""
         if self._rows is None:
             per_chunk = chunk_tokens // block_size
-            hit_chunks = self.hit_tokens // chunk_tokens
             skip_blocks = self.skip_tokens // block_size
+            hit_chunks = skip_blocks // per_chunk + count
+            if hit_chunks * per_chunk > len(self.block_ids):
+                raise TransferError(
+                    f"the server staged {count} chunks of {chunk_tokens} tokens after"
+                    f" {self.skip_tokens} skipped ones: more than the load's"
+                    f" {len(self.block_ids)} blocks of {block_size} hold"
+                )
             rows, skips = written_chunks(0, hit_chunks, skip_blocks, per_chunk)
             table = self.block_ids[: hit_chunks * per_chunk].astype(np.int64)
             self._rows = table.reshape(hit_chunks, per_chunk)[rows], skips
@@ -195,7 +208,7 @@ class ClientStaging:
         self.control = control.numpy()  # polled on every spin of a wait: numpy's reads
         self.events: list[torch.cuda.Event] = []  # copied, then scattered (CUDA)
         #: per slot, its use's span landed (CUDA; see `Landing`)
-        self._landed_marks: list[torch.cuda.Event] = []
+        self._landed_marks: list[DriverEvent] = []
         self.stream: Any = None  # the TransferStream staged layers are scattered on
         if layout.device.type == "cuda":
             from kvflow.core.server.ipc import make_interprocess_event
@@ -208,9 +221,10 @@ class ClientStaging:
                 self.events = [make_interprocess_event() for _ in range(2 * slots)]
                 for event in self.events:  # an event must be recorded once to be shared
                     event.record(torch.cuda.current_stream(layout.device))
-                self._landed_marks = [torch.cuda.Event() for _ in range(slots)]
             # high priority: a scatter the next layer waits on starts as SMs free up
             self.stream = new_transfer_stream(layout.device, high_priority=True)
+            # raw events: a wait on one takes a stream handle, not torch's Stream
+            self._landed_marks = [DriverEvent(self.stream.handle) for _ in range(slots)]
         else:
             from kvflow.core.server.shm import empty_shared
 
@@ -220,6 +234,8 @@ class ClientStaging:
         self._kernels: dict[tuple[int, int, int], LayoutKernels] = {}
         self._loads: dict[int, StagedLoad] = {}
         self._dropped: set[int] = set()
+        #: the latest retrieve whose reply came: the server finished every earlier one
+        self._answered = 0
         self._lock = threading.Lock()  # one pump at a time, and the loads with it
 
     def wire(self) -> tuple[TensorDesc, list[bytes] | None]:
@@ -229,10 +245,10 @@ class ClientStaging:
         handles = [bytes(e.ipc_handle()) for e in self.events] if self.events else None
         return describe_tensor(self.ring, "staging ring"), handles
 
-    def add_load(self, seq: int, block_ids: np.ndarray, hit_tokens: int, skip: int) -> StagedLoad:
-        """Retrieve number `seq` was answered: its staged layers go into `block_ids`, after
-        the work queued so far on torch's current stream."""
-        load = StagedLoad(block_ids, hit_tokens, skip)
+    def add_load(self, seq: int, block_ids: np.ndarray, skip_tokens: int) -> StagedLoad:
+        """Retrieve number `seq` is asked for (call before it is sent): its staged layers
+        go into `block_ids`, after the work queued so far on torch's current stream."""
+        load = StagedLoad(block_ids, skip_tokens)
         if self.stream is not None:
             load.caller = torch.cuda.Event()
             load.caller.record(torch.cuda.current_stream(self.layout.device))
@@ -240,9 +256,15 @@ class ClientStaging:
             self._loads[seq] = load
         return load
 
-    def drop(self, seq: int) -> None:
-        """Retrieve number `seq` never came back (its call failed): free its slots unread."""
+    def answered(self, seq: int) -> None:
+        """Retrieve number `seq`'s reply came: the server finished every earlier one."""
         with self._lock:
+            self._answered = max(self._answered, seq)
+
+    def drop(self, seq: int) -> None:
+        """Retrieve number `seq` failed (its call or its reply): free its slots unread."""
+        with self._lock:
+            self._loads.pop(seq, None)
             self._dropped.add(seq)
 
     def pending(self, load: StagedLoad, layer: int) -> bool:
@@ -265,25 +287,25 @@ class ClientStaging:
             control = self.control
             while (use := int(control[TAIL])) < int(control[HEAD]):
                 slot = use % self.slots
-                seq, first, layers, chunk_tokens = (int(w) for w in control[_entry(slot)])
+                seq, first, layers, rows, chunk_tokens = (int(w) for w in control[_entry(slot)])
                 load = self._loads.get(seq)
                 if load is None and seq not in self._dropped:
-                    return  # its reply is still on its way to the caller
+                    return  # a number this side never asked for: left for its owner
                 if load is not None and self.events and not self.events[slot].query():
                     self._note_pending(use, int(control[HEAD]))
                     # the server's copies into the slot are still running, and the
                     # engine's host waits for them: send the load's block ids up now
-                    self._ids_up(load, first, layers, chunk_tokens)
+                    self._ids_up(load, first, layers, rows, chunk_tokens)
                     return
                 if load is not None:
-                    self._scatter(load, use, range(first, first + layers), chunk_tokens)
+                    self._scatter(load, use, range(first, first + layers), rows, chunk_tokens)
                 self._forget_before(seq)
                 control[TAIL] = use + 1
-            if self._loads and (len(self._loads) > 1 or self._dropped):  # every use
+            if self._answered and (len(self._loads) > 1 or self._dropped):  # every use
                 # written is scattered: forget loads that had none (all their layers went
-                # straight into blocks) and numbers dropped before the latest load: the
-                # server replied to it after it finished every earlier retrieve
-                self._forget_before(max(self._loads))
+                # straight into blocks) and numbers dropped before the latest answered
+                # load: the server replied to it after it finished every earlier retrieve
+                self._forget_before(self._answered)
 
     @property
     def loads_held(self) -> int:
@@ -307,7 +329,9 @@ class ClientStaging:
             del self._loads[old]
         self._dropped = {s for s in self._dropped if s >= seq}
 
-    def _scatter(self, load: StagedLoad, use: int, span: range, chunk_tokens: int) -> None:
+    def _scatter(
+        self, load: StagedLoad, use: int, span: range, rows: int, chunk_tokens: int
+    ) -> None:
         """Scatter slot use `use`'s span of layers into `load`'s blocks: one launch (CPU:
         the copy done here), its end the slot's "scattered" event (for the server) and
         its "landed" one, with which every layer of the span lands (as a `Landing`: the
@@ -315,7 +339,7 @@ class ClientStaging:
         slot = use % self.slots
         load.pending.difference_update(span)
         load.scatters += 1
-        moves = self._ids_up(load, span.start, len(span), chunk_tokens)
+        moves = self._ids_up(load, span.start, len(span), rows, chunk_tokens)
         key = (span.start, len(span), chunk_tokens)
         kernels = self._kernels.get(key)
         if kernels is None:
@@ -332,17 +356,17 @@ class ClientStaging:
         kernels.launch(moves, self._slot_views[slot], 0, moves.num_chunks)  # copies done (pump)
         self.events[self.slots + slot].record(torch_stream)  # the slot is free again
         landed = self._landed_marks[slot]
-        landed.record(torch_stream)  # and the span landed
+        landed.record(self.stream.handle)  # and the span landed
         load.landed.update(dict.fromkeys(span, (use, landed)))
 
     def _ids_up(
-        self, load: StagedLoad, first: int, layers: int, chunk_tokens: int
+        self, load: StagedLoad, first: int, layers: int, rows: int, chunk_tokens: int
     ) -> PreparedTransfer:
         """`load`'s scatter, its block ids uploaded once for all its layers: at its first
         staged span, while that span's copies still run if the engine waits for them
         (`pump`), else when the span is scattered."""
         if load.moves is None:
-            table, skips = load.rows(chunk_tokens, self.layout.block_size)
+            table, skips = load.rows(chunk_tokens, self.layout.block_size, rows)
             load.moves = PreparedTransfer.trusted(
                 self.layout.span_layout(first, layers), table, skips, gather=False,
                 backend="cpu" if self.stream is None else "cuda", stream=self.stream,

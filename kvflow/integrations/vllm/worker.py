@@ -3,8 +3,8 @@
 Runs in every vLLM worker (one per tensor-parallel rank), each registering its own
 KV caches as instance `<prefix>-rank<r>`. Loads start in `start_load_kv`: whole
 (they have landed when it returns) or, layerwise, returning once the request is sent,
-its reply read at the first `wait_layer` and each layer then waited for there right
-before its attention reads it. Stores run in `wait_for_save` (after the forward pass
+each layer waited for at its `wait_layer` right before its attention reads it (no
+wait needs the reply), the reply read once the forward pass is over. Stores run in `wait_for_save` (after the forward pass
 wrote the cache), once the step's layerwise loads are all waited for; layerwise, they
 start at the step's first `layer_written` (vLLM's `save_kv_layer`), take each layer as
 the pass writes it, and `wait_for_save` only waits for their replies. A load that falls
@@ -73,8 +73,6 @@ class WorkerSide:
         self.ring_slots = 0
         #: vLLM layer name -> index of its (possibly shared) cache among the registered ones
         self._layer_index: dict[str, int] = {}
-        #: this step's layerwise loads sent, their replies not read yet, with their plans
-        self._unsettled: list[tuple[LayerwiseLoad, LoadSpec]] = []
         #: this step's layerwise loads still to be waited for, with their plans
         self._pending: list[tuple[LayerwiseLoad, LoadSpec]] = []
         #: this step's layerwise stores (started at its first written layer), by plan
@@ -146,15 +144,15 @@ class WorkerSide:
         )
 
     def load(self, plan: StepPlan) -> None:
-        """Retrieve every planned load into vLLM's blocks (layerwise: send it; its reply
-        is read at the first layer's wait, so the trip overlaps the forward pass's
-        start); shortfalls become load errors."""
+        """Retrieve every planned load into vLLM's blocks (layerwise: send it; its layers'
+        waits need no reply, which `finish_loads` reads, so the server's work and the trip
+        overlap the forward pass); shortfalls become load errors."""
         for spec in plan.loads:
             got = 0
             if self.registered:
                 try:
                     if self._layerwise:
-                        self._unsettled.append((self._send_load(spec), spec))
+                        self._pending.append((self._send_load(spec), spec))
                         continue
                     got = self._client.retrieve(
                         self.instance_id, spec.token_ids, spec.block_ids,
@@ -178,20 +176,6 @@ class WorkerSide:
             self._fail_from(spec, got)
         self.loaded_tokens += max(min(got, len(spec.token_ids)) - spec.skip_tokens, 0)
 
-    def _settle(self) -> None:
-        """Read the replies of the layerwise loads sent: those that bring tokens past
-        their skip are waited for layer by layer, the rest of each is a load error."""
-        unsettled, self._unsettled = self._unsettled, []
-        for load, spec in unsettled:
-            try:
-                got = load.hit_tokens
-            except Exception as exc:
-                log.warning("kvflow: retrieve for %s failed: %s", spec.req_id, exc)
-                got = 0
-            self._account(spec, got)
-            if got > spec.skip_tokens:
-                self._pending.append((load, spec))
-
     def _fail_from(self, spec: LoadSpec, tokens: int) -> None:
         """Report spec's blocks from token `tokens` on as not loaded (vLLM recomputes them)."""
         bs = self._block_size
@@ -205,8 +189,6 @@ class WorkerSide:
             self._wait_index(layer)
 
     def _wait_index(self, layer: int) -> None:
-        if self._unsettled:
-            self._settle()
         if not self._pending:
             return
         failed = []
@@ -222,8 +204,8 @@ class WorkerSide:
 
     def finish_loads(self) -> None:
         """Wait for every layer of the step's layerwise loads (those vLLM did not ask for
-        too): once the forward pass is over, nothing may land in its blocks later."""
-        self._settle()
+        too): once the forward pass is over, nothing may land in its blocks later. Then
+        read their replies: the blocks past a load's hit are load errors."""
         layers = sorted(set(self._layer_index.values()))
         for load, spec in self._pending:
             log.info(
@@ -237,6 +219,12 @@ class WorkerSide:
         for layer in layers:
             self._wait_index(layer)
         for load, spec in self._pending:
+            try:
+                got = load.hit_tokens
+            except Exception as exc:
+                log.warning("kvflow: retrieve for %s failed: %s", spec.req_id, exc)
+                got = 0
+            self._account(spec, got)
             if self.ring_slots:
                 log.info(
                     "kvflow: layerwise load of %s: %d of %d layers came through the staging ring",

@@ -182,7 +182,7 @@ def test_layers_staged_in_an_engine_ring_land_every_byte(
     assert staging is not None
     words = ServerLayers(layout.num_layers, None, client.raw, 2).staging_words
     ring = ServerStaging(staging.ring, words, staging.events)  # one process: the same events
-    load = staging.add_load(1, ids.astype(np.int32), chunks * chunk_tokens, BLOCK)
+    load = staging.add_load(1, ids.astype(np.int32), BLOCK)
     done = threading.Event()
 
     def pump() -> None:

@@ -31,6 +31,7 @@ def test_each_layer_is_read_only_after_its_copy(
     import random
 
     from kvflow.core import KVFlowClient
+    from kvflow.cuda import DriverEvent
     from tests.core.server.test_server import ServerProcess
 
     srv = ServerProcess("--disable-observability", "--l1-size-gb", "1.5")
@@ -55,11 +56,15 @@ def test_each_layer_is_read_only_after_its_copy(
             assert client.store("lw", tokens, src, request_id="s") == len(tokens)
             want = [c[:, src].clone() for c in caches]
             stream_waits: list[int] = []  # the streams made to wait for an event
-            real_wait = torch.cuda.Stream.wait_event
+            real_wait, real_driver_wait = torch.cuda.Stream.wait_event, DriverEvent.wait_on
 
             def counted(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
                 stream_waits.append(stream.cuda_stream)
                 real_wait(stream, event)
+
+            def counted_raw(event: DriverEvent, stream: int) -> None:
+                stream_waits.append(stream)
+                real_driver_wait(event, stream)
 
             for waits in (True, False):
                 for c in caches:
@@ -67,6 +72,7 @@ def test_each_layer_is_read_only_after_its_copy(
                 torch.cuda.synchronize(cuda_device)
                 stream_waits.clear()
                 monkeypatch.setattr(torch.cuda.Stream, "wait_event", counted)
+                monkeypatch.setattr(DriverEvent, "wait_on", counted_raw)
                 load = client.retrieve_layerwise("lw", tokens, dst, request_id=f"r{waits}")
                 assert load.hit_tokens == len(tokens)
                 seen = []

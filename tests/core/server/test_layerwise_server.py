@@ -90,9 +90,14 @@ def test_a_miss_and_a_plain_instance(endpoint: str) -> None:
     client.close()
 
 
-def _answered(hit: int) -> Callable[[], tuple[int, None]]:
-    """A retrieve's reply already in: `hit` tokens, no staging ring."""
-    return lambda: (hit, None)
+def _answered(hit: int) -> Callable[[], int]:
+    """A retrieve's reply already in: `hit` tokens."""
+    return lambda: hit
+
+
+def _came() -> bool:
+    """A reply that came already."""
+    return True
 
 
 def test_a_reply_is_read_once_and_its_failure_kept_for_every_ask() -> None:
@@ -101,25 +106,60 @@ def test_a_reply_is_read_once_and_its_failure_kept_for_every_ask() -> None:
     swallowed."""
     calls = []
 
-    def refused() -> tuple[int, None]:
+    def refused() -> int:
         calls.append(1)
         raise InvalidRequestError("refused")
 
-    load = LayerwiseLoad(ClientLayers(3, None), 1, 0.05, refused)
+    load = LayerwiseLoad(ClientLayers(3, None), 1, 0.05, refused, _came)
     load.settle(raising=False)  # what the next retrieve does
     for ask in (lambda: load.hit_tokens, lambda: load.wait_layer(0), load.settle):
         with pytest.raises(InvalidRequestError, match=r"^refused$"):
             ask()
     assert calls == [1]
 
-    def interrupted() -> tuple[int, None]:
+    def interrupted() -> int:
         raise KeyboardInterrupt
 
-    stopped = LayerwiseLoad(ClientLayers(3, None), 1, 0.05, interrupted)
+    stopped = LayerwiseLoad(ClientLayers(3, None), 1, 0.05, interrupted, _came)
     with pytest.raises(KeyboardInterrupt):
         stopped.settle(raising=False)
     with pytest.raises(KeyboardInterrupt):
         _ = stopped.hit_tokens
+
+
+def test_waits_need_no_reply_until_the_last_layer() -> None:
+    """Marked layers are waited for without the reply, which the last layer's wait reads
+    (it came long before); a flag marked failed raises the reply's own error when it has
+    one, and a reply that came with an error ends a wait for a flag never marked."""
+    client_side = ClientLayers(3, None)
+    marks = ServerLayers(3, None, client_side.raw).signal(1)
+    read: list[int] = []
+
+    def answer() -> int:
+        read.append(1)
+        return 64
+
+    load = LayerwiseLoad(client_side, 1, 5.0, answer, lambda: False)
+    for layer in range(3):
+        marks.ready(layer, None)
+    load.wait_layer(0)
+    load.wait_layer(1)
+    assert read == []
+    load.wait_layer(2)
+    assert read == [1] and load.hit_tokens == 64
+
+    def refused() -> int:
+        raise InvalidRequestError("block id 99 is out of range")
+
+    ServerLayers(3, None, client_side.raw).signal(2).failed(0)
+    bad_table = LayerwiseLoad(client_side, 2, 5.0, refused, lambda: False)
+    with pytest.raises(InvalidRequestError, match="block id 99"):
+        bad_table.wait_layer(0)
+    unmarked = LayerwiseLoad(client_side, 3, 5.0, refused, _came)
+    began = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="block id 99"):
+        unmarked.wait_layer(0)
+    assert time.monotonic() - began < 2.5  # the reply ended it, not the timeout
 
 
 def test_flags_tell_landed_failed_and_late_apart() -> None:
@@ -130,14 +170,14 @@ def test_flags_tell_landed_failed_and_late_apart() -> None:
     marks = ServerLayers(3, None, raw).signal(2)
     marks.ready(0, None)
     marks.failed(1)
-    load = LayerwiseLoad(client_side, 2, 0.05, _answered(64))
+    load = LayerwiseLoad(client_side, 2, 0.05, _answered(64), _came)
     load.wait_layer(0)
     with pytest.raises(TransferError, match=r"^the layerwise retrieve failed before layer 1$"):
         load.wait_layer(1)
-    earlier = LayerwiseLoad(client_side, 1, 0.05, _answered(64))
+    earlier = LayerwiseLoad(client_side, 1, 0.05, _answered(64), _came)
     earlier.wait()  # a later retrieve's marks (landed or failed) mean retrieve 1 finished
     ServerLayers(3, None, raw).signal(3).ready(0, None)
-    late = LayerwiseLoad(client_side, 4, 0.05, _answered(64))
+    late = LayerwiseLoad(client_side, 4, 0.05, _answered(64), _came)
     with pytest.raises(
         RequestTimeoutError, match=r"^layer 0 of the layerwise retrieve: nothing within 0\.05 s$"
     ):

@@ -1,6 +1,6 @@
 """The staging ring's bookkeeping between its two sides, in one process on CPU caches
-(kvflow.core.server.staging): uses in order, loads that never came back, loads not yet
-back."""
+(kvflow.core.server.staging): uses in order, loads whose calls failed, loads not
+answered yet."""
 
 from __future__ import annotations
 
@@ -36,25 +36,26 @@ def _stage(ring: ServerStaging, seq: int, layer: int, value: float) -> None:
     claims = ring.claims(seq, lambda: False)
     slot = claims.claim()
     slot[:LAYER_BYTES].view(torch.float16).fill_(value)
-    claims.staged(layer, 1, CHUNK, None)
+    claims.staged(layer, 1, 1, CHUNK, None)
 
 
 def test_a_load_that_never_came_back_frees_its_slots_unread() -> None:
     """Every use of a retrieve whose call failed (dropped) is skipped, the next load's use
-    is scattered into its blocks; a use whose load is not back yet waits in the ring."""
+    is scattered into its blocks; a use of a number this side never asked for waits."""
     caches, client, ring = _sides(2)
     staging = client.staging
     assert staging is not None
-    _stage(ring, 1, 0, 5.0)  # retrieve 1: its reply never reached the caller
+    _stage(ring, 1, 0, 5.0)  # retrieve 1: not this side's, until dropped below
     _stage(ring, 1, 1, 5.0)
     staging.pump()
-    assert int(staging.control[TAIL]) == 0  # not back, not dropped: the uses wait
-    staging.drop(1)
+    assert int(staging.control[TAIL]) == 0  # not asked for, not dropped: the uses wait
+    staging.add_load(1, np.array([0, 1], dtype=np.int32), 0)
+    staging.drop(1)  # asked for, then its call failed: forgotten with its uses
     staging.pump()
     assert int(staging.control[TAIL]) == 2 and not any(c.any() for c in caches)
     staging.drop(2)  # another call that failed
     _stage(ring, 2, 0, 6.0)
-    load = staging.add_load(3, np.array([6, 3], dtype=np.int32), CHUNK, 0)
+    load = staging.add_load(3, np.array([6, 3], dtype=np.int32), 0)
     _stage(ring, 3, 1, 7.0)
     staging.pump()
     assert int(staging.control[HEAD]) == int(staging.control[TAIL]) == 4
@@ -68,7 +69,7 @@ def test_slot_waits_add_up_across_claims() -> None:
     _, client, ring = _sides(1)
     staging = client.staging
     assert staging is not None
-    staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
+    staging.add_load(1, np.array([0, 1], dtype=np.int32), 0)
     _stage(ring, 1, 0, 1.0)  # a free slot: no wait
     assert ring.stats() == {
         "slots": 1, "slot_bytes": LAYER_BYTES, "staged_layers": 1, "slot_uses": 1,
@@ -97,7 +98,7 @@ def test_the_server_waits_for_a_slot_until_the_engine_scatters_or_it_is_cancelle
     with pytest.raises(RequestTimeoutError, match="staging slot 0"):
         ring.claims(1, lambda: False).claim()
     assert client.staging is not None
-    client.staging.add_load(1, np.array([0, 1], dtype=np.int32), CHUNK, 0)
+    client.staging.add_load(1, np.array([0, 1], dtype=np.int32), 0)
     client.staging.pump()
     assert ring.claims(1, lambda: False).claim().numel() == LAYER_BYTES
 
@@ -110,12 +111,53 @@ def test_loads_without_staged_layers_are_not_held() -> None:
     staging = client.staging
     assert staging is not None
     for seq in range(1, 6):
-        staging.add_load(seq, np.array([0, 1], dtype=np.int32), CHUNK, 0)
+        staging.add_load(seq, np.array([0, 1], dtype=np.int32), 0)
+        staging.answered(seq)
         staging.pump()
         assert staging.loads_held == 1
     staging.drop(6)  # a call that failed: its uses, if any, may still come
     _stage(ring, 6, 0, 3.0)
-    staging.add_load(7, np.array([2, 3], dtype=np.int32), CHUNK, 0)
+    staging.add_load(7, np.array([2, 3], dtype=np.int32), 0)
+    staging.answered(7)
     staging.pump()  # the dropped use freed unread, load 5 forgotten
     assert staging.loads_held == 1 and int(staging.control[TAIL]) == 1
+    assert not any(c.any() for c in caches)
+
+
+def test_an_answered_load_is_held_while_the_next_one_is_not_answered() -> None:
+    """Loads are known from their calls on: one answered (its layer 0 queued) may still
+    stage later layers after the next load was asked for, so it is held, and its uses
+    scattered into its own blocks, until a use of the next one or the next one's reply
+    says the server finished it."""
+    caches, client, ring = _sides(2)
+    staging = client.staging
+    assert staging is not None
+    first = staging.add_load(1, np.array([4, 5], dtype=np.int32), 0)
+    _stage(ring, 1, 0, 2.0)
+    staging.answered(1)
+    second = staging.add_load(2, np.array([8, 9], dtype=np.int32), 0)
+    staging.pump()
+    assert staging.loads_held == 2
+    _stage(ring, 1, 1, 3.0)  # retrieve 1's last layer, staged after retrieve 2 was sent
+    staging.pump()
+    assert staging.landed(first, 1) == (True, None)
+    assert bool((caches[1][:, [4, 5]] == 3.0).all())
+    _stage(ring, 2, 0, 4.0)
+    staging.pump()
+    assert staging.loads_held == 1 and staging.landed(second, 0) == (True, None)
+    assert bool((caches[0][:, [8, 9]] == 4.0).all()) and bool((caches[0][:, [4, 5]] == 2.0).all())
+
+
+def test_a_use_holding_more_chunks_than_the_load_has_blocks_is_refused() -> None:
+    """A use whose entry says it holds more chunks than the load's blocks take fails the
+    wait that scatters it, naming both counts, and writes nothing."""
+    caches, client, ring = _sides(1)
+    staging = client.staging
+    assert staging is not None
+    staging.add_load(1, np.array([4, 5], dtype=np.int32), 0)
+    claims = ring.claims(1, lambda: False)
+    claims.claim()
+    claims.staged(0, 1, 3, CHUNK, None)
+    with pytest.raises(TransferError, match=r"staged 3 chunks of 8 tokens .* 2 blocks of 4"):
+        staging.pump()
     assert not any(c.any() for c in caches)

@@ -283,7 +283,7 @@ def test_staging_events_with_cpu_caches_are_refused(client: KVFlowClient) -> Non
         (  # flags without the ring's words
             torch.uint8,
             3,
-            r"\(one int64 per layer for retrieves, one for stores, then 10 for a staging ring"
+            r"\(one int64 per layer for retrieves, one for stores, then 12 for a staging ring"
             r" of 2 slots\)$",
         ),
     ],
