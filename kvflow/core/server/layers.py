@@ -318,11 +318,10 @@ class LayerwiseLoad:
         staging, load = self._layers.staging, self._staged
         self._scattered = None
         if staging is not None and load is not None:
-            staging.pump()
-            landed, self._scattered = staging.landed(load, layer)
+            landed, self._scattered, copying = staging.landed(load, layer)
             if landed:
                 return True
-            if staging.pending(load, layer):  # staged: the server's copies still run
+            if copying:  # staged: the server's copies still run
                 return False
         return bool(self._layers.events[layer].query())
 

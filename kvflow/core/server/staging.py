@@ -267,45 +267,44 @@ class ClientStaging:
             self._loads.pop(seq, None)
             self._dropped.add(seq)
 
-    def pending(self, load: StagedLoad, layer: int) -> bool:
-        """Whether the server staged `layer` of `load` in a slot it is still copying into
-        (as the last `pump()` saw it)."""
+    def landed(self, load: StagedLoad, layer: int) -> tuple[bool, Landing | None, bool]:
+        """`pump()`, then (whether `layer` of `load` was staged and is scattered, or queued
+        to be on the staging stream, its `Landing` then, whether it is staged in a slot
+        the server is still copying into): one lock for a layer's wait."""
         with self._lock:
-            return layer in load.pending
-
-    def landed(self, load: StagedLoad, layer: int) -> tuple[bool, Landing | None]:
-        """(whether `layer` of `load` was staged and is scattered, or queued to be on the
-        staging stream: its `Landing` then)."""
-        with self._lock:
-            if layer not in load.landed:
-                return False, None
-            return True, load.landed[layer]
+            self._pump()
+            if layer in load.landed:
+                return True, load.landed[layer], False
+            return False, None, layer in load.pending
 
     def pump(self) -> None:
-        """Scatter every staged use from `tail` on whose load has come back, in order."""
+        """Scatter every staged use from `tail` on whose load is known, in order."""
         with self._lock:
-            control = self.control
-            while (use := int(control[TAIL])) < int(control[HEAD]):
-                slot = use % self.slots
-                seq, first, layers, rows, chunk_tokens = (int(w) for w in control[_entry(slot)])
-                load = self._loads.get(seq)
-                if load is None and seq not in self._dropped:
-                    return  # a number this side never asked for: left for its owner
-                if load is not None and self.events and not self.events[slot].query():
-                    self._note_pending(use, int(control[HEAD]))
-                    # the server's copies into the slot are still running, and the
-                    # engine's host waits for them: send the load's block ids up now
-                    self._ids_up(load, first, layers, rows, chunk_tokens)
-                    return
-                if load is not None:
-                    self._scatter(load, use, range(first, first + layers), rows, chunk_tokens)
-                self._forget_before(seq)
-                control[TAIL] = use + 1
-            if self._answered and (len(self._loads) > 1 or self._dropped):  # every use
-                # written is scattered: forget loads that had none (all their layers went
-                # straight into blocks) and numbers dropped before the latest answered
-                # load: the server replied to it after it finished every earlier retrieve
-                self._forget_before(self._answered)
+            self._pump()
+
+    def _pump(self) -> None:
+        control = self.control
+        while (use := int(control[TAIL])) < int(control[HEAD]):
+            slot = use % self.slots
+            seq, first, layers, rows, chunk_tokens = (int(w) for w in control[_entry(slot)])
+            load = self._loads.get(seq)
+            if load is None and seq not in self._dropped:
+                return  # a number this side never asked for: left for its owner
+            if load is not None and self.events and not self.events[slot].query():
+                self._note_pending(use, int(control[HEAD]))
+                # the server's copies into the slot are still running, and the
+                # engine's host waits for them: send the load's block ids up now
+                self._ids_up(load, first, layers, rows, chunk_tokens)
+                return
+            if load is not None:
+                self._scatter(load, use, range(first, first + layers), rows, chunk_tokens)
+            self._forget_before(seq)
+            control[TAIL] = use + 1
+        if self._answered and (len(self._loads) > 1 or self._dropped):  # every use
+            # written is scattered: forget loads that had none (all their layers went
+            # straight into blocks) and numbers dropped before the latest answered
+            # load: the server replied to it after it finished every earlier retrieve
+            self._forget_before(self._answered)
 
     @property
     def loads_held(self) -> int:

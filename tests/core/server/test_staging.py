@@ -59,7 +59,8 @@ def test_a_load_that_never_came_back_frees_its_slots_unread() -> None:
     _stage(ring, 3, 1, 7.0)
     staging.pump()
     assert int(staging.control[HEAD]) == int(staging.control[TAIL]) == 4
-    assert staging.landed(load, 1) == (True, None) and staging.landed(load, 0) == (False, None)
+    assert staging.landed(load, 1) == (True, None, False)
+    assert staging.landed(load, 0) == (False, None, False)
     assert bool((caches[1][:, [6, 3]] == 7.0).all()) and not caches[0].any()
 
 
@@ -140,11 +141,11 @@ def test_an_answered_load_is_held_while_the_next_one_is_not_answered() -> None:
     assert staging.loads_held == 2
     _stage(ring, 1, 1, 3.0)  # retrieve 1's last layer, staged after retrieve 2 was sent
     staging.pump()
-    assert staging.landed(first, 1) == (True, None)
+    assert staging.landed(first, 1) == (True, None, False)
     assert bool((caches[1][:, [4, 5]] == 3.0).all())
     _stage(ring, 2, 0, 4.0)
     staging.pump()
-    assert staging.loads_held == 1 and staging.landed(second, 0) == (True, None)
+    assert staging.loads_held == 1 and staging.landed(second, 0) == (True, None, False)
     assert bool((caches[0][:, [8, 9]] == 4.0).all()) and bool((caches[0][:, [4, 5]] == 2.0).all())
 
 
