@@ -839,14 +839,15 @@ class KVFlowClient:
         with layers.lock:  # numbers reach the server in order: the last one's reply first
             layers.settle_last()
             seq = request.layer_seq = layers.next_seq()
-            # known before the server stages any of it: no wait needs the reply
-            staged = staging.add_load(seq, arrays[1], skip_first_n_tokens) if staging else None
             try:
                 sent = self._send(request, arrays)
             except BaseException:
                 if staging is not None:
                     staging.drop(seq)
                 raise
+            # while the request travels; no wait needs the reply (a use of a number not
+            # known yet waits in the ring)
+            staged = staging.add_load(seq, arrays[1], skip_first_n_tokens) if staging else None
 
             def answer() -> int:
                 idle = staging.pump if staging is not None else None

@@ -246,8 +246,9 @@ class ClientStaging:
         return describe_tensor(self.ring, "staging ring"), handles
 
     def add_load(self, seq: int, block_ids: np.ndarray, skip_tokens: int) -> StagedLoad:
-        """Retrieve number `seq` is asked for (call before it is sent): its staged layers
-        go into `block_ids`, after the work queued so far on torch's current stream."""
+        """Retrieve number `seq` is asked for (call once it is sent, before anything is
+        queued on torch's current stream): its staged layers go into `block_ids`, after
+        the work queued so far on that stream."""
         load = StagedLoad(block_ids, skip_tokens)
         if self.stream is not None:
             load.caller = torch.cuda.Event()
