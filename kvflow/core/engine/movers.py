@@ -11,6 +11,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -52,6 +53,10 @@ MAX_STAGES = 4
 #: 0.5 GiB store, each a point where a second rank stalled the first's copies; more
 #: would delay the first copy (docs/perf-journal.md, 2026-11-29, the GIL's hand-overs).
 HEAD_BYTES = 64 << 20
+#: how often a CUDA mover's `wait` looks at its streams, sleeping in between: a thread
+#: spinning on the GPU (what a stream synchronize does) takes a core beside the engine's
+#: forward pass for as long as the copies run, and slows that pass's host
+QUIET_POLL_S = 50e-6
 
 #: a retrieve's block ids, as a function the mover calls once its first copies are queued
 BlockRows = Callable[[], np.ndarray]
@@ -252,6 +257,8 @@ class CudaMover:
         self._drained = [DriverEvent(ks) for _ in range(self.stages)]
         self._caller_ready = DriverEvent(ks)
         self._direct_done = DriverEvent(ks)  # a layerwise retrieve's copies, kernel-free
+        #: each stream's last work when `wait` was called
+        self._finished = [(DriverEvent(ks), ks), (DriverEvent(ks), self.copy_stream.handle)]
         self._groups = 0  # groups enqueued since the last wait(): the next one's ring slot
         # retrieve groups whose scatter is held back: (group, call, stage, start, stop)
         self._held: deque[tuple[int, _RetrieveCall, int, int, int]] = deque()
@@ -593,10 +600,15 @@ class CudaMover:
             self._scatter_through(self._groups - 1, by_chunk=True)
 
     def wait(self) -> None:
+        """Polls both streams' last work every QUIET_POLL_S, sleeping in between (never
+        spinning); raises the GPU's error if that work failed."""
         self._held.clear()  # not flushed: the op failed, its blocks stay untouched
         self._groups = 0
-        self.kernel_stream.synchronize()
-        self.copy_stream.synchronize()
+        for event, stream in self._finished:
+            event.record(stream)
+        for event, _ in self._finished:
+            while not event.query():
+                time.sleep(QUIET_POLL_S)
         self._ids.reset()  # every launch that read the ids has run
 
     def close(self) -> None:

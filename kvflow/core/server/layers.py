@@ -280,7 +280,10 @@ class LayerwiseLoad:
         before = torch.cuda.Event(enable_timing=True)
         after = torch.cuda.Event(enable_timing=True)
         before.record(stream)  # the GPU idles from here to `after` only while we wait
-        poll_until(lambda: self._landed(layer), self._timeout_s, f"the copies of layer {layer}")
+        poll_until(
+            lambda: self._landed(layer), self._timeout_s, f"the copies of layer {layer}",
+            idle=self._read_if_replied,
+        )  # fmt: skip
         self._after_scatter(stream)
         after.record(stream)
         self._stalls[layer] = (before, after)
@@ -301,6 +304,11 @@ class LayerwiseLoad:
         staging = self._layers.staging
         if staging is not None:
             staging.pump()
+        self._read_if_replied()
+
+    def _read_if_replied(self) -> None:
+        """Read the reply if it came: while the host waits anyway, not in a later wait
+        that would not."""
         if self._settled or not self._answer_lock.acquire(blocking=False):
             return  # read, or being read by another thread
         try:

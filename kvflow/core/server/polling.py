@@ -17,13 +17,17 @@ def poll_until(
     waiting_for: str,
     cancelled: Callable[[], bool] | None = None,
     idle: Callable[[], None] | None = None,
+    *,
+    spins: int = 100,
+    interval_s: float = POLL_S,
 ) -> float:
-    """Poll `done()` (spinning a little, then every POLL_S, calling `idle()` between
-    polls) until it is true; returns the seconds waited. TransferError once
-    `cancelled()`, RequestTimeoutError after `timeout_s`; `waiting_for` names what."""
+    """Poll `done()` (`spins` times back to back, then every `interval_s`, calling
+    `idle()` between polls) until it is true; returns the seconds waited.
+    TransferError once `cancelled()`, RequestTimeoutError after `timeout_s`;
+    `waiting_for` names what."""
     started = time.perf_counter()
     deadline = time.monotonic() + timeout_s
-    spins = 0
+    polls = 0
     while not done():
         if cancelled is not None and cancelled():
             raise TransferError(f"cancelled waiting for {waiting_for}")
@@ -31,7 +35,7 @@ def poll_until(
             raise RequestTimeoutError(f"{waiting_for}: nothing within {timeout_s:g} s")
         if idle is not None:
             idle()
-        spins += 1
-        if spins > 100:
-            time.sleep(POLL_S)
+        polls += 1
+        if polls > spins:
+            time.sleep(interval_s)
     return time.perf_counter() - started

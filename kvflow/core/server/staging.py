@@ -50,6 +50,10 @@ MAX_SLOTS = 64
 #: the longest the server waits for the engine to free a slot (an engine that stopped
 #: waiting for its layers must not hold the instance's worker for ever)
 SLOT_TIMEOUT_S = 60.0
+#: how often the server looks for a freed slot once the ring is full, without spinning:
+#: it is slots ahead of the engine, and a process spinning beside the engine's forward
+#: pass slows that pass's host
+CLAIM_POLL_S = 200e-6
 HEAD, TAIL, ENTRY = 0, 1, 5
 
 
@@ -130,6 +134,8 @@ class SlotClaims:
             SLOT_TIMEOUT_S,
             f"staging slot {slot} (the engine scatters only while it waits for layers)",
             self._cancelled,
+            spins=0,
+            interval_s=CLAIM_POLL_S,
         )
         self._use = use
         return st.ring[slot]
