@@ -242,6 +242,8 @@ class ClientStaging:
         self._dropped: set[int] = set()
         #: the latest retrieve whose reply came: the server finished every earlier one
         self._answered = 0
+        #: slot uses before this one have had their layers marked pending
+        self._noted = 0
         self._lock = threading.Lock()  # one pump at a time, and the loads with it
 
     def wire(self) -> tuple[TensorDesc, list[bytes] | None]:
@@ -322,12 +324,18 @@ class ClientStaging:
 
     def _note_pending(self, tail: int, head: int) -> None:
         """Mark the layers of the uses written but not scattered yet as pending (the pump
-        stopped at `tail`, whose copies still run)."""
-        for use in range(tail, head):
+        stopped at `tail`, whose copies still run), each use once: every wait pumps
+        while the server's copies run behind its staging."""
+        use = max(tail, self._noted)
+        while use < head:
             seq, first, layers = (int(w) for w in self.control[_entry(use % self.slots)][:3])
             load = self._loads.get(seq)
             if load is not None:
                 load.pending.update(range(first, first + layers))
+            elif seq not in self._dropped:
+                break  # its load is not known yet: noted once it is
+            use += 1
+        self._noted = use
 
     def _forget_before(self, seq: int) -> None:
         """Uses come in retrieve order: loads before `seq` have no more of them."""
