@@ -675,12 +675,13 @@ def test_layerwise_loads_are_waited_for_layer_by_layer(endpoint: str, slots: int
         reader.finish_loads()
         assert reader.take_load_errors() == {5, 6}
 
-        # a load the server refuses (its blocks past the cache) fails alone: its reply,
-        # read at the step's first wait, makes its blocks load errors; the next one lands
+        # a load the server refuses (its blocks past the cache) fails alone: its first
+        # layer's wait raises the server's error, which makes its blocks load errors; the
+        # next one lands
         refused = LoadSpec("bad", prompt, [BLOCKS + 1, BLOCKS + 2, BLOCKS + 3, BLOCKS + 4], 0)
         c_blocks = [15, 16, 17, 18]
         reader.load(StepPlan(loads=[refused, LoadSpec("c", prompt, c_blocks, skip_tokens=0)]))
-        assert reader.take_load_errors() == set()  # not known before the replies are read
+        assert reader.take_load_errors() == set()  # not known before its first wait
         reader.wait_layer(names[0])
         assert reader.take_load_errors() == set(refused.block_ids)
         reader.finish_loads()
