@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvflow.core.errors import InvalidRequestError, TransferError
+from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
 from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, Register, TensorDesc
 from kvflow.core.server.staging import (
@@ -262,10 +262,15 @@ class LayerwiseLoad:
         staging = layers.staging
         waited = 0.0
         if not self._marked(layer):
-            waited = poll_until(
-                lambda: self._marked(layer), self._timeout_s,
-                f"layer {layer} of the layerwise retrieve", idle=self._meanwhile,
-            )  # fmt: skip
+            try:
+                waited = poll_until(
+                    lambda: self._marked(layer), self._timeout_s,
+                    f"layer {layer} of the layerwise retrieve", idle=self._meanwhile,
+                )  # fmt: skip
+            except RequestTimeoutError:
+                if not self._settled:  # no reply either: its own timeout says more (it
+                    self.settle()  # asks whether the server runs), past its deadline now
+                raise
         self.waited_s[layer] = waited
         if layer == layers.num_layers - 1 and not self._settled:
             self.settle()  # it came long ago: its errors raised here, its connection freed

@@ -402,12 +402,12 @@ def _stopped(server: ServerProcess) -> Iterator[None]:
 
 def test_a_layerwise_retrieve_returns_once_sent_and_raises_its_errors_when_read() -> None:
     """`retrieve_layerwise` returns once its request is sent, even to a server that does
-    not answer (stopped); its reply is read at `hit_tokens` or the first `wait_layer`,
-    which raise the server's error for a bad request."""
+    not answer (stopped); its waits need no reply, and `hit_tokens` and the first
+    `wait_layer` raise the server's error for a bad request."""
     with _stored_prefix(timeout_s=10) as (server, (client, src, dst)):
         with _stopped(server):
             load = client.retrieve_layerwise("lw", TOKENS, DST, request_id="r")
-        load.wait_layer(0)  # reads the reply
+        load.wait_layer(0)
         assert load.hit_tokens == 4 * CHUNK
         load.wait()
         assert all(_same(dst, src, layer) for layer in range(NL))
@@ -418,6 +418,21 @@ def test_a_layerwise_retrieve_returns_once_sent_and_raises_its_errors_when_read(
         again = client.retrieve_layerwise("lw", TOKENS, DST, request_id="again")
         again.wait()
         assert again.hit_tokens == 4 * CHUNK
+
+
+def test_a_wait_on_a_server_that_never_answers_says_no_reply_came() -> None:
+    """A wait for layer 0 of a retrieve the server never answered (stopped: nothing
+    marked, no reply) times out with the reply's own error, which asks whether the server
+    runs, not only that the layer never came; the server serves on once it runs again."""
+    with _stored_prefix(timeout_s=1) as (server, (client, src, dst)):
+        with _stopped(server):
+            load = client.retrieve_layerwise("lw", TOKENS, DST, request_id="lost")
+            with pytest.raises(RequestTimeoutError, match=r"no reply to Retrieve .*is it running"):
+                load.wait_layer(0)
+        again = client.retrieve_layerwise("lw", TOKENS, DST, request_id="again")
+        again.wait()
+        assert again.hit_tokens == 4 * CHUNK
+        assert all(_same(dst, src, layer) for layer in range(NL))
 
 
 def test_a_retrieve_waits_for_the_last_ones_reply_whose_failure_stays_its_own() -> None:
