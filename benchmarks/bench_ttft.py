@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,9 @@ class Row:
     #: scatters of the ring (one a slot use): medians over repetitions
     wait_host_ms: float = 0.0
     ring_scatters: int = 0
+    #: the host time of each layer's wait (LayerwiseLoad.host_by_layer), by layer: medians
+    #: over repetitions
+    wait_host_by_layer_ms: list[float] = field(default_factory=list)
 
     @property
     def layerwise_ratio(self) -> float:
@@ -485,6 +488,12 @@ def measure(
         if layerwise
         else 0,
         wait_host_ms=_ms_median(load.host_s for _, load in timed_loads),
+        wait_host_by_layer_ms=[
+            _ms_median(load.host_by_layer.get(layer, 0.0) for _, load in timed_loads)
+            for layer in range(shape.layers)
+        ]
+        if layerwise
+        else [],
         ring_scatters=int(statistics.median(load.ring_scatters for _, load in timed_loads))
         if layerwise
         else 0,
@@ -564,12 +573,14 @@ def _format(rows: list[Row], header: bool = True) -> str:
         lines.append(
             f"\n{'model':<5} {'prompt':>6} {'(e) call':>9} {'layer 0 wait':>12} {'later waits':>11}"
             f" {'e/floor paired':>14} {'staged':>6} {'scatters':>8} {'host in waits':>13}"
+            f" {'of it layer 0':>13} {'layers 1-12':>11}"
         )
     for r in waits:
         lines.append(
             f"{r.model:<5} {r.prompt:>6} {r.layerwise_call_ms:>6.2f} ms {r.first_wait_ms:>9.2f} ms "
             f"{r.later_waits_ms:>8.2f} ms {r.paired_over_floor:>14.2f} {r.staged_layers:>6}"
             f" {r.ring_scatters:>8} {r.wait_host_ms:>10.2f} ms"
+            f" {r.wait_host_by_layer_ms[0]:>10.2f} ms {sum(r.wait_host_by_layer_ms[1:13]):>8.2f} ms"
         )
     return "\n".join(lines)
 

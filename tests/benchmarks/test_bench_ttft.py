@@ -79,6 +79,9 @@ def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
     assert row["staged_layers"] == (layers if slots else 0)
     assert row["ring_scatters"] == (layers if slots else 0)  # the first layers go alone
     assert row["wait_host_ms"] > 0 and "host in waits" in done.stdout
+    by_layer = row["wait_host_by_layer_ms"]  # the host time of every layer's wait
+    assert len(by_layer) == layers and all(ms > 0 for ms in by_layer)
+    assert sum(by_layer) <= row["wait_host_ms"] * 1.5 and "of it layer 0" in done.stdout
     assert row["paired_over_floor"] > 0 and "e/floor paired" in done.stdout
     assert "(e) layerwise" in done.stdout
 

@@ -208,6 +208,9 @@ class LayerwiseLoad:
         #: with a ring, the scatters it launched): what the load costs a host-bound
         #: forward pass, whose GPU waits for every microsecond of it
         self.host_s = 0.0
+        #: the same, by layer: where in the forward pass it goes (the reply's read, the
+        #: ring's scatter launches land in the waits that make them)
+        self.host_by_layer: dict[int, float] = {}
         #: CUDA: timing events around each layer's wait for its copies, by layer
         self._stalls: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
         #: the ring's scatter of the layer `_landed` last found landed (None: not staged)
@@ -249,7 +252,9 @@ class LayerwiseLoad:
         try:
             self._wait_layer(layer)
         finally:
-            self.host_s += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            self.host_s += spent
+            self.host_by_layer[layer] = self.host_by_layer.get(layer, 0.0) + spent
 
     def _wait_layer(self, layer: int) -> None:
         layers = self._layers

@@ -57,6 +57,8 @@ def test_every_layer_is_whole_once_its_wait_returns(endpoint: str) -> None:
             assert torch.equal(layer_blocks(dst, layer, DST[:8]), layer_blocks(src, layer, SRC[:8]))
         assert set(load.waited_s) == set(range(NL))
         assert load.host_s > 0 and load.host_s >= sum(load.waited_s.values())  # host time
+        assert set(load.host_by_layer) == set(range(NL))
+        assert sum(load.host_by_layer.values()) == pytest.approx(load.host_s)
         assert load.ring_scatters == 0  # no ring
         waits = load.layer_waits()
         assert len(waits) == NL and all(w >= 0 for w in waits)
