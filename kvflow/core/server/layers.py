@@ -243,8 +243,9 @@ class LayerwiseLoad:
             raise self._error
 
     def wait_layer(self, layer: int) -> None:
-        """Order layer `layer`'s reads after its copies: block until the layer landed (on CUDA: its copies ran, or its scatter from the
-        engine's staging ring is queued, which torch's current stream then waits for).
+        """Order layer `layer`'s reads after its copies: block until the layer landed (on
+        CUDA: its copies ran, or its scatter from the engine's staging ring is queued,
+        which torch's current stream then waits for).
         With a staging ring, layers staged there meanwhile (this load's or others') are
         scattered into their blocks. The retrieve's error if it failed (TransferError if
         it failed before that layer); RequestTimeoutError after the client's timeout."""

@@ -292,13 +292,14 @@ class ClientStaging:
             self._pump()
 
     def _pump(self) -> None:
+        """`pump()`'s work (call with the lock held)."""
         control = self.control
         while (use := int(control[TAIL])) < int(control[HEAD]):
             slot = use % self.slots
             seq, first, layers, rows, chunk_tokens = (int(w) for w in control[_entry(slot)])
             load = self._loads.get(seq)
             if load is None and seq not in self._dropped:
-                return  # a number this side never asked for: left for its owner
+                return  # a number this side does not know (yet): left until it does
             if load is not None and self.events and not self.events[slot].query():
                 self._note_pending(use, int(control[HEAD]))
                 # the server's copies into the slot are still running, and the

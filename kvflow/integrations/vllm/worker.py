@@ -4,8 +4,9 @@ Runs in every vLLM worker (one per tensor-parallel rank), each registering its o
 KV caches as instance `<prefix>-rank<r>`. Loads start in `start_load_kv`: whole
 (they have landed when it returns) or, layerwise, returning once the request is sent,
 each layer waited for at its `wait_layer` right before its attention reads it (no
-wait needs the reply), the reply read once the forward pass is over. Stores run in `wait_for_save` (after the forward pass
-wrote the cache), once the step's layerwise loads are all waited for; layerwise, they
+wait needs the reply), the reply read once the forward pass is over. Stores run in
+`wait_for_save` (after the forward pass wrote the cache), once the step's layerwise
+loads are all waited for; layerwise, they
 start at the step's first `layer_written` (vLLM's `save_kv_layer`), take each layer as
 the pass writes it, and `wait_for_save` only waits for their replies. A load that falls
 short or fails reports the blocks it did not fill through `take_load_errors`, so vLLM
