@@ -142,22 +142,28 @@ def test_a_layer_larger_than_a_slot_is_scattered_by_the_server(client: KVFlowCli
     assert torch.equal(layer_blocks(dst, 0, SHUFFLED[:1]), before)
 
 
-def test_a_skipped_prefix_is_left_alone_by_the_engines_scatter(client: KVFlowClient) -> None:
-    """With the first block skipped, the engine's scatter writes every other block of the
-    hit and leaves that one as it was."""
-    src = _stored(client, "stg-skip-src", 8, 5000)
-    dst = _with_ring(client, "stg-skip", 9, 2)
-    before = [layer_blocks(dst, layer, SHUFFLED[:1]) for layer in range(NL)]
+@pytest.mark.parametrize("skipped", [1, 3], ids=["a-block", "a-chunk-and-a-block"])
+def test_a_skipped_prefix_is_left_alone_by_the_engines_scatter(
+    client: KVFlowClient, skipped: int
+) -> None:
+    """With the first blocks skipped (part of a chunk, or a whole chunk and more, which
+    the server then does not stage at all), the engine's scatter, which finds the staged
+    chunks' blocks from the skip and the slot's rows alone, writes every other block of
+    the hit and leaves those as they were."""
+    src = _stored(client, f"stg-skip{skipped}-src", 8, 5000 + 100 * skipped)
+    dst = _with_ring(client, f"stg-skip{skipped}", 9, 2)
+    before = [layer_blocks(dst, layer, SHUFFLED[:skipped]) for layer in range(NL)]
     load = client.retrieve_layerwise(
-        "stg-skip", _tokens(5000), SHUFFLED, request_id="skip", skip_first_n_tokens=BS
-    )
+        f"stg-skip{skipped}", _tokens(5000 + 100 * skipped), SHUFFLED,
+        request_id=f"skip{skipped}", skip_first_n_tokens=skipped * BS,
+    )  # fmt: skip
     load.wait()
     assert load.staged_layers == list(range(NL))
     for layer in range(NL):
         assert torch.equal(
-            layer_blocks(dst, layer, SHUFFLED[1:]), layer_blocks(src, layer, SRC[1:])
+            layer_blocks(dst, layer, SHUFFLED[skipped:]), layer_blocks(src, layer, SRC[skipped:])
         )
-        assert torch.equal(layer_blocks(dst, layer, SHUFFLED[:1]), before[layer])
+        assert torch.equal(layer_blocks(dst, layer, SHUFFLED[:skipped]), before[layer])
 
 
 def test_a_load_nobody_waits_for_ends_with_its_instance(client: KVFlowClient) -> None:
