@@ -281,7 +281,9 @@ class LayerwiseLoad:
         if layer == layers.num_layers - 1 and not self._settled:
             self.settle()  # it came long ago: its errors raised here, its connection freed
         if not layers.events:  # CPU: the layer landed; a staged one is scattered here
-            if staging is not None:
+            if staging is not None and self._staged is not None:
+                staging.landed(self._staged, layer)  # raises the load's scatter error
+            elif staging is not None:
                 staging.pump()
             return
         if self._landed(layer):  # the host need not wait: the GPU cannot stall on it

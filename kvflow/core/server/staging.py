@@ -179,6 +179,9 @@ class StagedLoad:
         #: the load) every later layer's scatter reuses
         self.moves: PreparedTransfer | None = None
         self._rows: tuple[np.ndarray, list[int]] | None = None  # every layer's: made once
+        #: why its uses cannot be scattered (an entry holding more chunks than its blocks
+        #: take): they are freed unread, and its waits raise this
+        self.error: TransferError | None = None
 
     def rows(self, chunk_tokens: int, block_size: int, count: int) -> tuple[np.ndarray, list[int]]:
         """(block table of the `count` chunks a use holds, blocks of each left alone), as
@@ -282,6 +285,8 @@ class ClientStaging:
         the server is still copying into): one lock for a layer's wait."""
         with self._lock:
             self._pump()
+            if load.error is not None:
+                raise load.error
             if layer in load.landed:
                 return True, load.landed[layer], False
             return False, None, layer in load.pending
@@ -300,14 +305,21 @@ class ClientStaging:
             load = self._loads.get(seq)
             if load is None and seq not in self._dropped:
                 return  # a number this side does not know (yet): left until it does
-            if load is not None and self.events and not self.events[slot].query():
-                self._note_pending(use, int(control[HEAD]))
-                # the server's copies into the slot are still running, and the
-                # engine's host waits for them: send the load's block ids up now
-                self._ids_up(load, first, layers, rows, chunk_tokens)
-                return
-            if load is not None:
-                self._scatter(load, use, range(first, first + layers), rows, chunk_tokens)
+            try:
+                if load is not None and self.events and not self.events[slot].query():
+                    self._note_pending(use, int(control[HEAD]))
+                    # the server's copies into the slot are still running, and the
+                    # engine's host waits for them: send the load's block ids up now
+                    self._ids_up(load, first, layers, rows, chunk_tokens)
+                    return
+                if load is not None:
+                    self._scatter(load, use, range(first, first + layers), rows, chunk_tokens)
+            except TransferError as exc:  # that load alone fails: its uses go unread
+                assert load is not None
+                load.error = exc
+                self._loads.pop(seq, None)
+                self._dropped.add(seq)
+                continue
             self._forget_before(seq)
             control[TAIL] = use + 1
         if self._answered and (len(self._loads) > 1 or self._dropped):  # every use

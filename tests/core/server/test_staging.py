@@ -149,16 +149,22 @@ def test_an_answered_load_is_held_while_the_next_one_is_not_answered() -> None:
     assert bool((caches[0][:, [8, 9]] == 4.0).all()) and bool((caches[0][:, [4, 5]] == 2.0).all())
 
 
-def test_a_use_holding_more_chunks_than_the_load_has_blocks_is_refused() -> None:
-    """A use whose entry says it holds more chunks than the load's blocks take fails the
-    wait that scatters it, naming both counts, and writes nothing."""
-    caches, client, ring = _sides(1)
+def test_a_use_holding_more_chunks_than_the_load_has_blocks_fails_that_load_alone() -> None:
+    """A use whose entry says it holds more chunks than its load's blocks take is freed
+    unread: that load's waits raise TransferError naming both counts, nothing is written
+    for it, and the next load's use lands as usual."""
+    caches, client, ring = _sides(2)
     staging = client.staging
     assert staging is not None
-    staging.add_load(1, np.array([4, 5], dtype=np.int32), 0)
+    lied = staging.add_load(1, np.array([4, 5], dtype=np.int32), 0)
     claims = ring.claims(1, lambda: False)
-    claims.claim()
+    claims.claim()[: 3 * LAYER_BYTES].view(torch.float16).fill_(9.0)
     claims.staged(0, 1, 3, CHUNK, None)
+    fine = staging.add_load(2, np.array([8, 9], dtype=np.int32), 0)
+    _stage(ring, 2, 0, 4.0)
+    staging.pump()  # no error here: the pump may run in another load's wait
+    assert int(staging.control[TAIL]) == 2
     with pytest.raises(TransferError, match=r"staged 3 chunks of 8 tokens .* 2 blocks of 4"):
-        staging.pump()
-    assert not any(c.any() for c in caches)
+        staging.landed(lied, 0)
+    assert staging.landed(fine, 0) == (True, None, False)
+    assert bool((caches[0][:, [8, 9]] == 4.0).all()) and not (caches[0] == 9.0).any()
