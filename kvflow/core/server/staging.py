@@ -276,8 +276,12 @@ class ClientStaging:
     def drop(self, seq: int) -> None:
         """Retrieve number `seq` failed (its call or its reply): free its slots unread."""
         with self._lock:
-            self._loads.pop(seq, None)
-            self._dropped.add(seq)
+            self._drop(seq)
+
+    def _drop(self, seq: int) -> None:
+        """`drop()`'s work (call with the lock held)."""
+        self._loads.pop(seq, None)
+        self._dropped.add(seq)
 
     def landed(self, load: StagedLoad, layer: int) -> tuple[bool, Landing | None, bool]:
         """`pump()`, then (whether `layer` of `load` was staged and is scattered, or queued
@@ -317,8 +321,7 @@ class ClientStaging:
             except TransferError as exc:  # that load alone fails: its uses go unread
                 assert load is not None
                 load.error = exc
-                self._loads.pop(seq, None)
-                self._dropped.add(seq)
+                self._drop(seq)
                 continue
             self._forget_before(seq)
             control[TAIL] = use + 1
