@@ -8,8 +8,8 @@ For each model shape and prompt length, in one run on one device:
   (c) copy        the same prefix bytes moved by one pinned host-to-device copy
   (d) suffix      the prefill of (b) with the prefix's KV already in the paged cache
 so (c) + (d) is the floor for (b). Every prefill reads a layer's KV from the paged
-cache as the forward reaches that layer (a pre-hook per decoder layer), as an engine's
-attention does, so (b), (d) and (e) run one and the same forward. Medians of --repeat runs, (b) and (d) alternating;
+cache as the forward's attention reaches that layer (after its projections, where vLLM's
+attention waits for a layerwise load), so (b), (d) and (e) run one and the same forward. Medians of --repeat runs, (b) and (d) alternating;
 kvflow's part, (b) - (d), is the median of each back-to-back pair's difference. The logits of (b)
 must equal those of (d) exactly (the retrieved KV is bit-exact) and those of (a)
 within bf16 tolerance; a failed check exits 1. Prints a table; `--json` keeps
@@ -244,34 +244,56 @@ class _InPlace:
 IN_PLACE = _InPlace()
 
 
-@contextlib.contextmanager
-def layerwise_past(
-    cache: PagedCache, model: Any, num_tokens: int, table: torch.Tensor, load: Any
-) -> Iterator[Any]:
-    """A transformers cache filled layer by layer as the forward reaches each decoder
-    layer, after `load.wait_layer(layer)`: the wait the vLLM connector makes before a
-    layer's attention. Layer 0 is filled at once (the model reads its length for the
-    positions before any layer runs); the hooks go when the block exits."""
+@functools.cache
+def _layerwise_past_class() -> type:
+    """transformers' DynamicCache whose layer i takes its prefix's KV from the paged cache
+    when the layer's attention first writes to it: after the layer's projections and
+    rotary, right before attention reads the KV, where vLLM's attention op calls the
+    connector's `wait_for_layer_load` (`maybe_transfer_kv_layer`). Built once, on first
+    use: transformers is imported only by the runs that need it."""
     from transformers import DynamicCache
 
-    past = DynamicCache(config=model.config)
+    class LayerwisePast(DynamicCache):  # type: ignore[misc,valid-type]
+        """Layer 0 holds a placeholder of the prefix's length from the start (the model
+        reads that length for the positions and the mask before any layer runs); each
+        layer's first update puts the prefix's KV in first, after `load.wait_layer`."""
+
+        def __init__(
+            self, model: Any, cache: PagedCache, num_tokens: int, index: torch.Tensor, load: Any
+        ) -> None:
+            super().__init__(config=model.config)
+            self._cache, self._num_tokens, self._index, self._load = cache, num_tokens, index, load
+            self._pending = set(range(len(cache.layers)))
+            _, _, _, heads, head_dim = cache.layers[0].shape
+            placeholder = cache.layers[0].new_empty((1, heads, num_tokens, head_dim))
+            super().update(placeholder, placeholder, 0)
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+            *args: Any, **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            if layer_idx in self._pending:
+                self._pending.discard(layer_idx)
+                self._load.wait_layer(layer_idx)
+                keys, values = self._cache.layer_kv(layer_idx, self._num_tokens, self._index)
+                if layer_idx == 0:  # the placeholder goes
+                    self.layers[0].keys, self.layers[0].values = keys, values
+                else:
+                    super().update(keys, values, layer_idx)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return LayerwisePast
+
+
+def layerwise_past(
+    cache: PagedCache, model: Any, num_tokens: int, table: torch.Tensor, load: Any
+) -> Any:
+    """A transformers cache that reads layer i's KV (the first `num_tokens` of `table`'s
+    blocks) from the paged cache as the forward's attention reaches layer i, after
+    `load.wait_layer(i)`: the wait the vLLM connector makes in `wait_for_layer_load`,
+    at the same point of the layer (`_layerwise_past_class`)."""
     index = table.to(cache.layers[0].device)
-
-    def fill(layer: int) -> None:
-        load.wait_layer(layer)
-        past.update(*cache.layer_kv(layer, num_tokens, index), layer)
-
-    fill(0)
-    hooks = [
-        block.register_forward_pre_hook(lambda _m, _a, i=i: fill(i))
-        for i, block in enumerate(model.model.layers)
-        if i
-    ]
-    try:
-        yield past
-    finally:
-        for hook in hooks:
-            hook.remove()
+    return _layerwise_past_class()(model, cache, num_tokens, index, load)
 
 
 @contextlib.contextmanager
@@ -388,8 +410,7 @@ def measure(
     def suffix_logits(load: Any) -> torch.Tensor:
         """The suffix's prefill, each layer's KV read from the blocks after
         `load.wait_layer(layer)`."""
-        with layerwise_past(cache, model, prefix, table, load) as past:
-            return _last_logits(model, ids[prefix:], past)
+        return _last_logits(model, ids[prefix:], layerwise_past(cache, model, prefix, table, load))
 
     def with_kvflow() -> torch.Tensor:
         rid = f"{name}-{length}-r{next(requests)}"

@@ -111,6 +111,46 @@ def test_paged_cache_round_trips_a_transformers_cache() -> None:
     assert torch.equal(cache.layers[0][0, 2, 3], past.layers[0].keys[0, :, 19])
 
 
+def test_layerwise_past_waits_for_a_layer_after_its_projections_and_before_its_reads() -> None:
+    """Each layer's wait comes after that layer's q/k/v projections (where vLLM's attention
+    waits for a layerwise load), layers in order; a load that writes a layer's blocks only
+    in its wait still gives the logits of a forward over blocks written beforehand."""
+    import torch
+
+    bench = _load()
+    shape = bench.SHAPES["toy"]  # type: ignore[attr-defined]
+    model = bench.build_model(shape, torch.float32, torch.device("cpu"))  # type: ignore[attr-defined]
+    cache = bench.PagedCache(shape, 8, torch.float32, torch.device("cpu"))  # type: ignore[attr-defined]
+    ids = torch.randint(0, shape.vocab, (48,), generator=torch.Generator().manual_seed(2))
+    table = torch.tensor([6, 1])
+    with torch.no_grad():
+        full = model(ids[:32].unsqueeze(0), use_cache=True)
+    cache.write(full["cache"] if "cache" in full else full["past_key_values"], 32, table)
+    written = [view[:, table].clone() for view in cache.layers]
+    in_place = bench.layerwise_past(cache, model, 32, table, bench.IN_PLACE)  # type: ignore[attr-defined]
+    expected = bench._last_logits(model, ids[32:], in_place)  # type: ignore[attr-defined]
+    cache.fill(table, float("nan"))
+    seen: list[str] = []
+
+    class LateLoad:
+        def wait_layer(self, layer: int) -> None:
+            seen.append(f"wait {layer}")
+            cache.layers[layer][:, table] = written[layer]
+
+    hooks = [
+        block.self_attn.v_proj.register_forward_hook(lambda *_, i=i: seen.append(f"v {i}"))
+        for i, block in enumerate(model.model.layers)
+    ]
+    try:
+        past = bench.layerwise_past(cache, model, 32, table, LateLoad())  # type: ignore[attr-defined]
+        got = bench._last_logits(model, ids[32:], past)  # type: ignore[attr-defined]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen == [f"{what} {i}" for i in range(shape.layers) for what in ("v", "wait")]
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--lengths", "100"], ["--repeat", "0"]])
 def test_bad_arguments_are_usage_errors(argv: list[str]) -> None:
     done = subprocess.run(
