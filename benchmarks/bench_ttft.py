@@ -123,6 +123,11 @@ class Row:
     #: the host time of each layer's wait (LayerwiseLoad.host_by_layer), by layer: medians
     #: over repetitions
     wait_host_by_layer_ms: list[float] = field(default_factory=list)
+    #: every repetition's (d), (e) and (e)'s host time in waits, in the order timed (each
+    #: (e) right after its (d)): what a pair's overhead is made of, run by run
+    suffix_runs_ms: list[float] = field(default_factory=list)
+    layerwise_runs_ms: list[float] = field(default_factory=list)
+    wait_host_runs_ms: list[float] = field(default_factory=list)
 
     @property
     def layerwise_ratio(self) -> float:
@@ -524,6 +529,9 @@ def measure(
         )
         if layerwise
         else 0.0,
+        suffix_runs_ms=[1e3 * d for d in suffix_s],
+        layerwise_runs_ms=[1e3 * e for e in layerwise_s],
+        wait_host_runs_ms=[1e3 * load.host_s for _, load in timed_loads],
     )
 
 

@@ -84,6 +84,10 @@ def test_layerwise_rows_on_cpu_for_blocks_in_order_and_shuffled(
     assert sum(by_layer) <= row["wait_host_ms"] * 1.5 and "of it layer 0" in done.stdout
     assert row["paired_over_floor"] > 0 and "e/floor paired" in done.stdout
     assert "(e) layerwise" in done.stdout
+    # every repetition's (d), (e) and host in waits, for a pair's decomposition
+    runs = [row[f"{k}_runs_ms"] for k in ("suffix", "layerwise", "wait_host")]
+    assert [len(r) for r in runs] == [1, 1, 1] and all(r[0] > 0 for r in runs)
+    assert runs[1][0] == row["layerwise_ms"] and runs[2][0] == row["wait_host_ms"]
 
 
 def test_paged_cache_round_trips_a_transformers_cache() -> None:
