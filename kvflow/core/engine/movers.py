@@ -8,10 +8,10 @@ kernel runs on `kernel_stream` while earlier groups' host copies run on `copy_st
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -23,6 +23,7 @@ import torch
 from kvflow.core.engine.direct import Copy2D, DirectLayers
 from kvflow.core.engine.layerwise import Staging, stage_span
 from kvflow.core.engine.strided_copy import strided_copyto
+from kvflow.core.polling import poll_until
 from kvflow.core.tiers.base import HostChunks
 from kvflow.cuda import (
     MAX_PITCH,
@@ -607,8 +608,9 @@ class CudaMover:
         for event, stream in self._finished:
             event.record(stream)
         for event, _ in self._finished:
-            while not event.query():
-                time.sleep(QUIET_POLL_S)
+            poll_until(
+                event.query, math.inf, "the mover's copies", spins=0, interval_s=QUIET_POLL_S
+            )
         self._ids.reset()  # every launch that read the ids has run
 
     def close(self) -> None:

@@ -37,11 +37,11 @@ from kvflow.core.errors import (
     ProtocolError,
     RequestTimeoutError,
 )
+from kvflow.core.polling import poll_until
 from kvflow.core.server.addresses import endpoint_host
 from kvflow.core.server.curve import KeyPair, load_key_pair, load_public_key, secure_client
 from kvflow.core.server.kv_streams import KVPoll
 from kvflow.core.server.layers import ClientLayers, LayerwiseLoad, LayerwiseSave
-from kvflow.core.server.polling import poll_until
 from kvflow.core.server.protocol import (
     AdminRequest,
     AllocationRecord,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvflow.core.errors import InvalidRequestError, RequestTimeoutError, TransferError
-from kvflow.core.server.polling import poll_until
+from kvflow.core.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, KVCachesDesc, Register, TensorDesc
 from kvflow.core.server.staging import (
     ClientStaging,

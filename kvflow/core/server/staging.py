@@ -40,7 +40,7 @@ import torch
 
 from kvflow.core.engine.transfers import written_chunks
 from kvflow.core.errors import InvalidRequestError, TransferError
-from kvflow.core.server.polling import poll_until
+from kvflow.core.polling import poll_until
 from kvflow.core.server.protocol import CudaIpcMemory, TensorDesc
 from kvflow.cuda import DriverEvent
 from kvflow.kernels import KVLayout, LayoutKernels, PreparedTransfer

@@ -1,4 +1,6 @@
-"""Waiting on another process's progress through shared memory: spin a little, then poll."""
+"""Waiting on progress that another process or the GPU makes (a flag in shared memory, an
+event): spin a little, then poll, sleeping between polls. The client's layer waits, the
+engine's staging ring and the server's movers use it."""
 
 from __future__ import annotations
 
