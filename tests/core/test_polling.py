@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -37,7 +38,7 @@ def test_sleeps_between_polls_once_the_spins_are_spent() -> None:
         return len(polls) == 6
 
     poll_until(done, 5.0, "six polls", spins=0, interval_s=0.01)
-    gaps = [b - a for a, b in zip(polls, polls[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(polls)]
     assert len(gaps) == 5 and min(gaps) >= 0.009
 
 
