@@ -149,7 +149,7 @@ TESTS_BY_MODULE: dict[str, list[str]] = {
     # the engine's staging ring and the layer completion points it rides on (issue 35)
     "kvflow/core/server/staging.py": LAYERWISE_TESTS,
     "kvflow/core/server/layers.py": LAYERWISE_TESTS,
-    "kvflow/core/polling.py": LAYERWISE_TESTS,
+    "kvflow/core/polling.py": [*LAYERWISE_TESTS, "tests/core/test_polling.py"],
     "kvflow/core/server/curve.py": [
         "tests/core/server/test_curve.py",
         "tests/core/server/test_curve_keys.py",
