@@ -76,11 +76,14 @@ def test_slot_waits_add_up_across_claims() -> None:
         "slots": 1, "slot_bytes": LAYER_BYTES, "staged_layers": 1, "slot_uses": 1,
         "slot_wait_s": pytest.approx(0.0, abs=0.05),
     }  # fmt: skip
-    for layer in (1, 0):  # each claim waits ~0.2 s for the engine's pump
+    for seq, layer in ((2, 1), (3, 0)):  # each claim waits ~0.2 s for the engine's pump
         timer = threading.Timer(0.2, staging.pump)
         timer.start()
-        _stage(ring, 1, layer, 2.0)
+        _stage(ring, seq, layer, 2.0)
         timer.join()
+        # its load known only now, so a pump still running when the use was written
+        # cannot scatter it early and spare the next claim its wait
+        staging.add_load(seq, np.array([0, 1], dtype=np.int32), 0)
     stats = ring.stats()
     assert stats["staged_layers"] == stats["slot_uses"] == 3
     assert 0.38 <= stats["slot_wait_s"] < 30
